@@ -1,0 +1,225 @@
+"""Typed configuration for every xmoe component.
+
+One dataclass per component, validated on construction: a value a user can get wrong raises
+``ValueError`` naming the value and the fix. Presets are plain functions returning configs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+KernelBackend = Literal["auto", "torch", "triton"]
+DispatcherName = Literal["pft", "padded", "rbd"]
+AuxLossType = Literal["batch", "seq"]
+
+
+def _positive(name: str, value: int | float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} ({value}) must be > 0")
+
+
+@dataclass
+class MoEConfig:
+    """One MoE block: router, routed experts (SwiGLU), optional shared experts.
+
+    Routing (see docs/routing.md for the formulas):
+      scores = softmax(logits) or sigmoid(logits), logits = x @ router.weight.T in fp32.
+      Selection uses scores + expert_bias (the bias is the auxiliary-loss-free balancing state and only
+      changes *which* experts are picked, never the weights). With num_expert_groups > 1 only experts in the
+      best ``topk_groups`` groups are eligible.
+      weights = selected scores, divided by their sum when norm_topk_prob, times routed_scaling_factor.
+
+    Capacity: ``capacity_factor=None`` is dropless. Otherwise each expert keeps at most
+    C = ceil(capacity_factor * T * top_k / num_experts) slots; when more are routed to it, it keeps the C with
+    the highest routing score (ties: lower token index first) and drops the rest; a dropped slot contributes
+    nothing to the output.
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    top_k: int
+    num_shared_experts: int = 0
+    score_func: ScoreFunc = "softmax"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    aux_loss_coef: float = 0.0
+    aux_loss_type: AuxLossType = "batch"
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: Optional[float] = None
+    kernel_backend: KernelBackend = "auto"
+    dispatcher: DispatcherName = "pft"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
+            _positive(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts}); lower top_k or add experts"
+            )
+        if self.num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts ({self.num_shared_experts}) must be >= 0")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func ({self.score_func!r}) must be 'softmax' or 'sigmoid'")
+        if self.aux_loss_type not in ("batch", "seq"):
+            raise ValueError(f"aux_loss_type ({self.aux_loss_type!r}) must be 'batch' or 'seq'")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend ({self.kernel_backend!r}) must be 'auto', 'torch' or 'triton'")
+        if self.dispatcher not in ("pft", "padded", "rbd"):
+            raise ValueError(f"dispatcher ({self.dispatcher!r}) must be 'pft', 'padded' or 'rbd'")
+        _positive("num_expert_groups", self.num_expert_groups)
+        if self.num_experts % self.num_expert_groups:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) must be divisible by num_expert_groups "
+                f"({self.num_expert_groups})"
+            )
+        if not 1 <= self.topk_groups <= self.num_expert_groups:
+            raise ValueError(
+                f"topk_groups ({self.topk_groups}) must be in [1, num_expert_groups={self.num_expert_groups}]"
+            )
+        eligible = self.topk_groups * (self.num_experts // self.num_expert_groups)
+        if self.top_k > eligible:
+            raise ValueError(
+                f"top_k ({self.top_k}) exceeds the {eligible} experts eligible under group-limited routing "
+                f"(topk_groups={self.topk_groups} groups of {self.num_experts // self.num_expert_groups}); "
+                "raise topk_groups or lower top_k"
+            )
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} ({value}) must be a finite number >= 0")
+        if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
+            raise ValueError(f"routed_scaling_factor ({self.routed_scaling_factor}) must be finite and > 0")
+        if self.capacity_factor is not None and not (
+            self.capacity_factor > 0 and math.isfinite(self.capacity_factor)
+        ):
+            raise ValueError(
+                f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless routing"
+            )
+        _positive("init_std", self.init_std)
+
+    def capacity(self, num_tokens: int) -> int:
+        """Slots each expert keeps for ``num_tokens`` tokens (all of them when dropless)."""
+        if self.capacity_factor is None:
+            return num_tokens
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. world = dp * ep * tp; see xmoe/parallel/dims.py for how the mesh is laid out.
+
+    ``placement``: "ep_first" packs an EP group into consecutive ranks (inside a node when it fits);
+    "dp_first" strides it across nodes. ``gpus_per_node`` = None reads LOCAL_WORLD_SIZE from the launcher.
+    """
+
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+    gpus_per_node: Optional[int] = None
+    placement: Literal["ep_first", "dp_first"] = "ep_first"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "ep", "tp"):
+            _positive(name, getattr(self, name))
+        if self.gpus_per_node is not None:
+            _positive("gpus_per_node", self.gpus_per_node)
+        if self.placement not in ("ep_first", "dp_first"):
+            raise ValueError(f"placement ({self.placement!r}) must be 'ep_first' or 'dp_first'")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.ep * self.tp
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer whose FFNs after the first ``first_k_dense`` layers are MoE blocks."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    moe: MoEConfig
+    ffn_hidden_size: int = 0  # dense FFN width for the first_k_dense layers (0: 4 * hidden, rounded)
+    first_k_dense: int = 0
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            _positive(name, getattr(self, name))
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"head_dim ({self.hidden_size // self.num_heads}) must be even for rotary embeddings"
+            )
+        if not 0 <= self.first_k_dense <= self.num_layers:
+            raise ValueError(f"first_k_dense ({self.first_k_dense}) must be in [0, num_layers={self.num_layers}]")
+        if self.moe.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"moe.hidden_size ({self.moe.hidden_size}) must equal hidden_size ({self.hidden_size})"
+            )
+        if self.ffn_hidden_size == 0:
+            self.ffn_hidden_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
+        _positive("ffn_hidden_size", self.ffn_hidden_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and run settings for ``xmoe train``."""
+
+    steps: int = 300
+    global_batch_size: int = 16  # sequences per optimizer step, summed over data-parallel ranks
+    micro_batch_size: int = 0  # sequences per forward pass per rank (0: global / dp, no accumulation)
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    ckpt_every: int = 100
+    keep_last: int = 2
+    tensorboard: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "ckpt_every", "keep_last"):
+            _positive(name, getattr(self, name))
+        if self.micro_batch_size < 0:
+            raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must be >= 0 (0: no accumulation)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip ({self.grad_clip}) must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``xmoe train`` run needs."""
+
+    model: ModelConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,0 +1,26 @@
+"""Single-rank padding-free dispatch: gather the kept rows into one expert-major buffer, and combine them back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xmoe.kernels import get_ops
+from xmoe.moe.routing import RoutingPlan
+
+
+class LocalDispatcher:
+    """All experts live on this rank. dispatch is a row gather, combine a weighted per-token sum."""
+
+    def __init__(self, kernel_backend: str = "auto"):
+        self.kernel_backend = kernel_backend
+
+    def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        ops = get_ops(self.kernel_backend, x_TH.device)
+        x_NH = ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
+        return x_NH, plan.tokens_per_expert_E, None
+
+    def combine(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor:
+        ops = get_ops(self.kernel_backend, y_NH.device)
+        return ops.combine_rows(y_NH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)

@@ -1,0 +1,46 @@
+"""Kernel backends. Every backend exposes the same three ops (see reference.py for their contracts):
+
+  gather_rows(x_TH, token_ids_N, row_of_slot_TK) -> x_NH
+  combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK) -> out_TH
+  grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E) -> y_NH
+
+``torch`` (reference.py) runs anywhere. ``triton`` (triton_ops.py) runs on any Triton backend (NVIDIA, AMD) and
+on CPU tensors under TRITON_INTERPRET=1 (fp32 only). ``auto`` picks triton for GPU tensors when Triton imports,
+torch otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def get_ops(backend: str, device: torch.device) -> ModuleType:
+    """The module implementing the ops for ``backend`` on ``device``."""
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "torch":
+        from xmoe.kernels import reference
+
+        return reference
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("kernel_backend='triton' needs the triton package: pip install triton")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"kernel_backend='triton' on a {device.type} tensor needs a GPU, or TRITON_INTERPRET=1 to run the "
+                "kernels in Triton's CPU interpreter (fp32 only); use kernel_backend='torch' or 'auto' on CPU"
+            )
+        return importlib.import_module("xmoe.kernels.triton_ops")
+    raise ValueError(f"kernel_backend ({backend!r}) must be 'auto', 'torch' or 'triton'")

@@ -1,0 +1,97 @@
+"""The torch backend of xmoe's MoE ops: the reference every other backend is tested against, and the fallback.
+
+# T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows (expert-major)
+
+Three ops, one signature per backend (see xmoe/kernels/__init__.py):
+  gather_rows(x_TH, token_ids_N, row_of_slot_TK) -> x_NH             rows of the expert buffer
+  combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK) -> out_TH
+                                                                     out[t] = sum_k w[t,k] * y[row[t,k]]
+  grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E) -> y_NH
+                                                                     per expert: (silu(x w1) * (x w3)) w2
+
+Determinism: gather's backward and combine's forward both sum a token's K rows by looping over k in a fixed
+order, so no floating-point atomics (index_add_ / scatter_add_) are involved anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def _sum_rows_per_token(rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor, weights_TK=None) -> torch.Tensor:
+    """out[t] = sum_k weights[t,k] * rows[row[t,k]] over kept slots, accumulated in fp32, k in order."""
+    num_tokens, top_k = row_of_slot_TK.shape
+    acc_TH = torch.zeros(num_tokens, rows_NH.shape[1], dtype=torch.float32, device=rows_NH.device)
+    if rows_NH.shape[0] == 0:
+        return acc_TH.to(rows_NH.dtype)
+    for k in range(top_k):
+        row_T = row_of_slot_TK[:, k]
+        kept_T = row_T >= 0
+        w_T = kept_T.to(torch.float32) if weights_TK is None else weights_TK[:, k].float() * kept_T
+        acc_TH += rows_NH[row_T.clamp(min=0)].float() * w_T[:, None]
+    return acc_TH.to(rows_NH.dtype)
+
+
+class GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, token_ids_N, row_of_slot_TK):
+        ctx.save_for_backward(row_of_slot_TK)
+        return x_TH[token_ids_N]
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        (row_of_slot_TK,) = ctx.saved_tensors
+        return _sum_rows_per_token(grad_NH.contiguous(), row_of_slot_TK), None, None
+
+
+class CombineRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK):
+        ctx.save_for_backward(y_NH, weights_TK, token_ids_N, slot_ids_N)
+        return _sum_rows_per_token(y_NH, row_of_slot_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        y_NH, weights_TK, token_ids_N, slot_ids_N = ctx.saved_tensors
+        grad_NH = grad_TH[token_ids_N]  # each kept row sees its token's output gradient
+        w_N = weights_TK.reshape(-1)[slot_ids_N]
+        grad_y = (grad_NH.float() * w_N[:, None].float()).to(y_NH.dtype)
+        grad_w = torch.zeros(weights_TK.numel(), dtype=weights_TK.dtype, device=weights_TK.device)
+        grad_w[slot_ids_N] = (grad_NH.float() * y_NH.float()).sum(-1).to(grad_w.dtype)  # dropped slots: 0
+        return grad_y, grad_w.view_as(weights_TK), None, None, None
+
+
+def gather_rows(x_TH, token_ids_N, row_of_slot_TK):
+    return GatherRows.apply(x_TH, token_ids_N, row_of_slot_TK)
+
+
+def combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK):
+    return CombineRows.apply(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
+    """torch._grouped_mm is used on CUDA/ROCm in bf16 only (its fast path); elsewhere a slice loop."""
+    return device_type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
+    """SwiGLU experts over uneven, contiguous row groups (expert e owns tokens_per_expert_E[e] rows)."""
+    hidden, ffn = w1_EHF.shape[1], w1_EHF.shape[2]
+    aligned = hidden % 8 == 0 and ffn % 8 == 0  # _grouped_mm needs 16-byte aligned strides
+    if _grouped_mm_ok(x_NH.device.type, x_NH.dtype) and aligned and x_NH.shape[0] > 0:
+        offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+        h1_NF = torch._grouped_mm(x_NH, w1_EHF, offs=offs_E)
+        h3_NF = torch._grouped_mm(x_NH, w3_EHF, offs=offs_E)
+        return torch._grouped_mm(F.silu(h1_NF) * h3_NF, w2_EFH, offs=offs_E)
+    # Loop over contiguous slices: needs the group sizes on the host (one sync; the CPU path does not mind).
+    outs = []
+    for e, rows_MH in enumerate(torch.split(x_NH, tokens_per_expert_E.tolist())):
+        if rows_MH.shape[0]:
+            outs.append((F.silu(rows_MH @ w1_EHF[e]) * (rows_MH @ w3_EHF[e])) @ w2_EFH[e])
+    if not outs:  # no rows at all: keep the result attached to the weights' graph
+        return x_NH.new_zeros(0, hidden) + 0 * (w1_EHF.sum() + w3_EHF.sum() + w2_EFH.sum())
+    return torch.cat(outs)

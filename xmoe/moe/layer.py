@@ -1,0 +1,115 @@
+"""The MoE layer: router -> padding-free plan -> dispatch -> grouped experts -> combine (+ shared experts).
+
+# T tokens, H hidden, K top-k, E experts, N routed rows this rank computes
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from xmoe.config import MoEConfig
+from xmoe.dispatch.local import LocalDispatcher
+from xmoe.dispatch.padded import PaddedDispatcher
+from xmoe.moe.experts import RoutedExperts, SwiGLU
+from xmoe.moe.router import Router
+from xmoe.moe.routing import build_plan
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out`` whose backward also sends gradient 1 into ``aux_loss``.
+
+    This puts the auxiliary losses into the router's gradient as if the caller had added them to its loss,
+    without the caller doing anything (and without a global list of losses).
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return grad_out, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_out.device)
+
+
+def make_dispatcher(cfg: MoEConfig):
+    """The single-rank dispatcher named by the config (parallel ones are installed by xmoe.parallel)."""
+    if cfg.dispatcher == "padded":
+        return PaddedDispatcher()
+    return LocalDispatcher(cfg.kernel_backend)
+
+
+class MoELayer(nn.Module):
+    """A DeepSeek-style MoE block. ``layer(x)`` maps (..., H) to (..., H).
+
+    A 3-D input (B, S, H) is B sequences for the sequence-level balance loss. After each call
+    ``last_stats`` holds detached tensors for logging (no host sync): aux_loss, z_loss, tokens_per_expert (routed
+    slots per global expert before dropping) and num_dropped.
+    """
+
+    def __init__(self, cfg: MoEConfig, dispatcher: Optional[Any] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(cfg)
+        self.experts = RoutedExperts(
+            cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.kernel_backend
+        )
+        self.shared_experts = (
+            SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.ffn_hidden_size, cfg.init_std)
+            if cfg.num_shared_experts > 0
+            else None
+        )
+        self.dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
+        self.last_stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if x.shape[-1] != cfg.hidden_size:
+            raise ValueError(
+                f"MoELayer expects inputs of shape (..., hidden_size={cfg.hidden_size}), got {tuple(x.shape)}"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"MoELayer expects a floating-point input, got dtype {x.dtype}")
+        num_sequences = x.shape[0] if x.dim() == 3 else 1
+        x_TH = x.reshape(-1, cfg.hidden_size)
+
+        # 1. route: fp32 scores, top-k ids and weights, balance losses
+        route = self.router(x_TH, num_sequences)
+        # 2. padding-free plan: kept slots sorted by expert (capacity rule applied here)
+        capacity = cfg.capacity(x_TH.shape[0]) if cfg.capacity_factor is not None else None
+        plan = build_plan(route.expert_ids_TK, route.scores_TK, cfg.num_experts, capacity)
+        # 3. rows to their experts, grouped SwiGLU, weighted sum back per token
+        x_NH, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TH, plan)
+        y_NH = self.experts(x_NH, tokens_per_expert)
+        out_TH = self.dispatcher.combine(y_NH, route.weights_TK, plan, ctx)
+        # 4. shared experts see every token
+        if self.shared_experts is not None:
+            out_TH = out_TH + self.shared_experts(x_TH)
+
+        aux_total = route.aux_loss + route.z_loss
+        if torch.is_grad_enabled() and aux_total.requires_grad:
+            out_TH = _AttachAuxLoss.apply(out_TH, aux_total)
+        self.last_stats = {
+            "aux_loss": route.aux_loss.detach(),
+            "z_loss": route.z_loss.detach(),
+            "tokens_per_expert": route.counts_E,
+            "num_dropped": plan.num_dropped,
+        }
+        return out_TH.view(x.shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self, load_E: Optional[torch.Tensor] = None) -> None:
+        """Auxiliary-loss-free balancing step (no-op unless cfg.bias_update_rate > 0)."""
+        self.router.update_bias(load_E)
+
+    def extra_repr(self) -> str:
+        cfg = self.cfg
+        return (
+            f"experts={cfg.num_experts}, top_k={cfg.top_k}, hidden={cfg.hidden_size}, ffn={cfg.ffn_hidden_size}, "
+            f"shared={cfg.num_shared_experts}, capacity_factor={cfg.capacity_factor}, dispatcher={cfg.dispatcher}"
+        )
+

@@ -1,0 +1,117 @@
+"""The router: fp32 scores, (group-limited) top-k selection, combine weights and the auxiliary losses.
+
+# T tokens, H hidden, E experts, K top-k, G expert groups, B sequences, S tokens per sequence
+
+Formulas (all in fp32 whatever the activation dtype):
+  logits = x @ weight.T                            (T, E)
+  scores = softmax(logits) | sigmoid(logits)        (T, E)
+  choice = scores + expert_bias                     only for selection (auxiliary-loss-free balancing)
+  group-limited: group score = max of the group's choice (softmax, as DeepSeek-V2) or the sum of its top-2
+      (sigmoid, as DeepSeek-V3); experts outside the best ``topk_groups`` groups are not eligible
+  ids = top-k of choice; weights = scores[ids] (/ their sum if norm_topk_prob) * routed_scaling_factor
+Losses:
+  load balance   coef * E/(K*S) * sum_e count_e * mean_t p_e   per sequence ("seq", DeepSeek-V3's complementary
+                 sequence-wise loss) or over the whole batch ("batch", S = T); p = scores, normalised per token
+                 when score_func is sigmoid. Equals coef when routing is perfectly uniform.
+  z-loss         coef * mean_t logsumexp(logits_t)^2
+Aux-loss-free balancing: ``load_E`` accumulates the routed counts of every training forward;
+``update_bias()`` (the trainer calls it once per optimizer step) moves each bias by rate * sign(mean - load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xmoe.config import MoEConfig
+
+
+@dataclass
+class RouterOutput:
+    weights_TK: torch.Tensor  # fp32 combine weights of the selected experts
+    expert_ids_TK: torch.Tensor  # int64
+    scores_TK: torch.Tensor  # fp32 raw scores of the selected experts (the capacity rule ranks by these)
+    aux_loss: torch.Tensor  # fp32 scalar, already multiplied by its coefficient
+    z_loss: torch.Tensor  # fp32 scalar, already multiplied by its coefficient
+    counts_E: torch.Tensor  # int64 routed slots per expert (before capacity dropping)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        self.register_buffer("load_E", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.cfg.init_std)
+
+    def _select(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.num_expert_groups > 1:
+            num_tokens = choice_TE.shape[0]
+            grouped_TGe = choice_TE.view(num_tokens, cfg.num_expert_groups, -1)
+            if cfg.score_func == "sigmoid" and grouped_TGe.shape[-1] >= 2:
+                group_score_TG = grouped_TGe.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_score_TG = grouped_TGe.max(dim=-1).values
+            best_TG = group_score_TG.topk(cfg.topk_groups, dim=-1).indices
+            allowed_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+            choice_TE = grouped_TGe.masked_fill(~allowed_TG[..., None], float("-inf")).view(num_tokens, -1)
+        return choice_TE.topk(cfg.top_k, dim=-1).indices
+
+    def forward(self, x_TH: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
+        cfg = self.cfg
+        with torch.autocast(device_type=x_TH.device.type, enabled=False):
+            logits_TE = F.linear(x_TH.float(), self.weight.float())
+        scores_TE = torch.softmax(logits_TE, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
+
+        ids_TK = self._select(scores_TE.detach() + self.expert_bias)
+        scores_TK = scores_TE.gather(1, ids_TK)
+        weights_TK = scores_TK
+        if cfg.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        weights_TK = weights_TK * cfg.routed_scaling_factor
+
+        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=cfg.num_experts)
+        if self.training and cfg.bias_update_rate > 0:
+            self.load_E += counts_E.float()
+        zero = logits_TE.new_zeros(())
+        aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences) if cfg.aux_loss_coef > 0 else zero
+        z_loss = cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean() if cfg.z_loss_coef > 0 else zero
+        return RouterOutput(weights_TK, ids_TK, scores_TK.detach(), aux_loss, z_loss, counts_E)
+
+    def _balance_loss(self, scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int) -> torch.Tensor:
+        cfg = self.cfg
+        num_tokens, num_experts = scores_TE.shape
+        if cfg.aux_loss_type == "batch" or num_sequences <= 1:
+            num_sequences = 1
+        elif num_tokens % num_sequences:
+            raise ValueError(f"{num_tokens} tokens do not split into {num_sequences} equal sequences")
+        seq_len = num_tokens // num_sequences
+        probs_TE = scores_TE
+        if cfg.score_func == "sigmoid":
+            probs_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
+        mean_prob_BE = probs_TE.view(num_sequences, seq_len, num_experts).mean(1)
+        seq_of_slot = torch.arange(num_tokens, device=ids_TK.device).div(seq_len, rounding_mode="floor")
+        flat = (seq_of_slot[:, None] * num_experts + ids_TK).reshape(-1)
+        counts_BE = torch.bincount(flat, minlength=num_sequences * num_experts).view(num_sequences, num_experts)
+        frac_BE = counts_BE.float() * (num_experts / (cfg.top_k * seq_len))
+        return cfg.aux_loss_coef * (frac_BE * mean_prob_BE).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
+        """One auxiliary-loss-free balancing step from the load accumulated since the last call.
+
+        Pass ``load_E`` summed over data-parallel ranks to keep the bias identical everywhere.
+        """
+        if self.cfg.bias_update_rate <= 0:
+            return
+        load_E = self.load_E if load_E is None else load_E
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        self.load_E.zero_()
