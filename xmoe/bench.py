@@ -1,0 +1,144 @@
+"""`xmoe bench`: forward + backward time, TFLOP/s and memory of one MoE layer, PFT vs the padded baseline.
+
+TFLOP/s counts the routed experts' work only, as 3 x 2·T·K·H·3F (forward + twice that for backward; the
+router, shared experts and data movement are overhead the layer must hide). On CUDA, times are CUDA-event
+medians after warm-up and memory is the allocator's peak above the inputs; on CPU, host-timer medians and the
+bytes of tensors saved for backward (the layer's activation memory, counted through saved-tensor hooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from xmoe.config import MoEConfig
+
+# name -> (hidden, expert ffn, experts, top-k): the X-MoE paper's presets' layer shapes, plus a CPU-sized one
+LAYER_SHAPES = {
+    "tiny": (256, 128, 16, 4),
+    "small": (2048, 1408, 64, 6),
+    "medium": (5120, 1536, 128, 6),
+    "large": (7168, 2048, 256, 8),
+}
+
+
+def saved_activation_bytes(fn) -> int:
+    """Bytes of distinct storages autograd saves for backward while running ``fn()`` (parameters excluded)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.device, dtype: torch.dtype,
+                backend: str = "auto", warmup: int = 2, repeats: int = 5, seed: int = 0) -> dict:
+    from xmoe.moe.layer import MoELayer
+
+    hidden, ffn, experts, top_k = LAYER_SHAPES[shape]
+    cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
+                    dispatcher=dispatcher, kernel_backend=backend)
+    torch.manual_seed(seed)
+    layer = MoELayer(cfg).to(device=device, dtype=dtype)
+    x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(grad)
+
+    result = {"shape": shape, "tokens": num_tokens, "dispatcher": dispatcher, "dtype": str(dtype).split(".")[-1],
+              "device": device.type, "backend": backend}
+    try:
+        result["saved_bytes"] = saved_activation_bytes(lambda: layer(x))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        ms = _time_ms(step, device, warmup, repeats)
+        if device.type == "cuda":
+            result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    except torch.OutOfMemoryError:
+        result["error"] = "out of memory"
+        return result
+    flops = 3 * 2 * num_tokens * top_k * hidden * 3 * ffn
+    result.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+    return result
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| shape | T | dispatcher | dtype | ms fwd+bwd | TFLOP/s | saved act. MiB | peak extra MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['tokens']} | {r['dispatcher']} | {r['dtype']} | {r['error']} | | | |")
+            continue
+        peak = f"{r['peak_extra_bytes'] / 2**20:.0f}" if "peak_extra_bytes" in r else "-"
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['dispatcher']} | {r['dtype']} | {r['ms']:.2f} | "
+                     f"{r['tflops']:.3f} | {r['saved_bytes'] / 2**20:.1f} | {peak} |")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="tiny", choices=sorted(LAYER_SHAPES), help="layer shape (default tiny)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per call (default 2048)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--repeats", type=int, default=5)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.tokens <= 0:
+        raise ValueError(f"--tokens ({args.tokens}) must be > 0")
+    rows = [bench_layer(args.shape, args.tokens, d, device, dtype, args.backend, repeats=args.repeats)
+            for d in ("pft", "padded")]
+    print(format_table(rows))
+    if all("ms" in r for r in rows):
+        pft, padded = rows
+        print(f"PFT vs padded: {padded['ms'] / pft['ms']:.2f}x faster, "
+              f"{padded['saved_bytes'] / max(pft['saved_bytes'], 1):.2f}x less saved activation memory")
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="xmoe bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

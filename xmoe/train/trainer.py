@@ -1,0 +1,295 @@
+"""The training loop of `xmoe train`: one process or many under torchrun, CPU (gloo) or GPU (NCCL / RCCL).
+
+Order of set-up (fixed, so every rank does the same thing):
+  1. process group + device from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK)
+  2. parallel dims -> one DeviceMesh (xmoe.parallel.dims); nothing else creates groups
+  3. model built for one device, initialised from the seed (identical on every rank)
+  4. parallelism applied from outside: expert parallelism (EP > 1), then data parallelism (DDP)
+  5. optimizer, data loader (sharded over data-parallel ranks), resume from the latest checkpoint
+Each step: gradient accumulation over micro-batches, clip, AdamW step, auxiliary-loss-free bias update (loads
+summed over data-parallel ranks so the bias stays identical everywhere), metrics every ``log_every`` steps,
+an atomic checkpoint every ``ckpt_every`` steps and at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from xmoe.config import RunConfig
+from xmoe.model.transformer import Transformer
+from xmoe.moe.layer import MoELayer
+from xmoe.train import checkpoint as ckpt
+from xmoe.train import metrics
+from xmoe.train.data import build_dataset, TokenLoader
+
+
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the process group the launcher describes (if any); return (rank, world_size, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        raise ValueError(f"--device ({device!r}) must be auto, cpu or cuda")
+    if use_cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no GPU; use --device cpu")
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return rank, world, dev
+
+
+def lr_at(step: int, run: RunConfig) -> float:
+    """Linear warm-up to lr over warmup_steps, then cosine decay to lr * min_lr_ratio at the last step."""
+    t = run.train
+    if step <= t.warmup_steps:
+        return t.lr * step / max(1, t.warmup_steps)
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices (and expert weight stacks); never norms or other 1-D parameters."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _moe_layers(model: torch.nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, out_dir: str | os.PathLike, data: str = "markov",
+                 device: str = "auto", resume: bool = False):
+        self.run, self.out_dir, self.data_spec = run, Path(out_dir), data
+        self.rank, self.world, self.device = init_distributed(device)
+        par = run.parallel
+        if par.world_size != self.world:
+            raise ValueError(
+                f"dp x ep x tp = {par.dp} x {par.ep} x {par.tp} = {par.world_size} does not match the "
+                f"{self.world} processes launched; launch {par.world_size} processes (torchrun --nproc-per-node) "
+                "or change --dp/--ep/--tp"
+            )
+        if par.tp > 1:
+            raise ValueError("--tp > 1 (tensor parallelism with SSMB) is not implemented yet; use --tp 1")
+        self.dp_rank, self.dp_size = self._data_parallel_coords()
+        t = run.train
+        if t.global_batch_size % self.dp_size:
+            raise ValueError(
+                f"global batch ({t.global_batch_size}) must be divisible by the {self.dp_size} data-parallel "
+                "ranks; change --batch-size"
+            )
+        self.local_batch = t.global_batch_size // self.dp_size
+        self.micro_batch = t.micro_batch_size or self.local_batch
+        if self.local_batch % self.micro_batch:
+            raise ValueError(
+                f"per-rank batch ({self.local_batch}) must be divisible by micro_batch_size ({self.micro_batch})"
+            )
+        if t.seq_len > run.model.max_seq_len:
+            raise ValueError(f"seq_len ({t.seq_len}) exceeds the model's max_seq_len ({run.model.max_seq_len})")
+        self.autocast = self.device.type == "cuda"
+
+        # 1. the data: the dataset decides the vocabulary the model must cover
+        dataset = build_dataset(data, seq_len=t.seq_len, seed=t.seed)
+        if dataset.vocab_size > run.model.vocab_size:
+            raise ValueError(
+                f"the data uses {dataset.vocab_size} token ids but the model's vocab_size is "
+                f"{run.model.vocab_size}; raise model.vocab_size (e.g. --set model.vocab_size={dataset.vocab_size})"
+            )
+        self.dataset = dataset
+        self.loader = TokenLoader(dataset, batch_size=self.micro_batch, rank=self.dp_rank,
+                                  world_size=self.dp_size, seed=t.seed)
+
+        # 2. the model, identical on every rank, then parallelism from outside
+        torch.manual_seed(t.seed)
+        model = Transformer(run.model).to(self.device)
+        model.init_weights(seed=t.seed)
+        self.model = model
+        self.wrapped = self._parallelize(model)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.wrapped, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+            fused=self.device.type == "cuda",
+        )
+        self.step = 0
+        if resume:
+            self._resume()
+        self.logger = metrics.MetricsLogger(self.out_dir, self.rank, t.steps, tensorboard=t.tensorboard,
+                                            resume_step=self.step if resume else None)
+        self.flop_dims = metrics.FlopDims.from_model_config(run.model, t.seq_len)
+
+    def _data_parallel_coords(self) -> tuple[int, int]:
+        """This rank's index among the ranks that see different data, and how many there are."""
+        par = self.run.parallel
+        if self.world == 1:
+            return 0, 1
+        from xmoe.parallel.dims import ParallelDims
+
+        self.dims = ParallelDims.from_config(par, self.world, rank=self.rank).build_mesh(self.device.type)
+        # expert-parallel ranks see different tokens too: data is sharded over dp x ep
+        return self.dims.coord("dp") * par.ep + self.dims.coord("ep"), par.dp * par.ep
+
+    def _parallelize(self, model: Transformer) -> torch.nn.Module:
+        if self.world == 1:
+            return model
+        if self.run.parallel.ep > 1:
+            from xmoe.parallel.expert_parallel import apply_expert_parallel
+
+            return apply_expert_parallel(model, self.dims)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # broadcast_buffers=False: the router's load counters are per rank by design (summed explicitly)
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                   broadcast_buffers=False)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def _resume(self) -> None:
+        found = ckpt.find_latest(self.out_dir)
+        if found is None:
+            if self.rank == 0:
+                print(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
+            return
+        extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer)
+        self.step = int(extra["step"])
+        self.loader.load_state_dict(extra["loader"])
+        for layer, bias in zip(_moe_layers(self.model), extra.get("expert_bias", [])):
+            layer.router.expert_bias.copy_(bias)
+        if self.rank == 0:
+            print(f"resumed from {found} at step {self.step}")
+
+    def save(self) -> Path:
+        extra = {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "expert_bias": [layer.router.expert_bias.detach().cpu() for layer in _moe_layers(self.model)],
+        }
+        return ckpt.save_checkpoint(self.out_dir, self.step, self.wrapped, self.optimizer, extra,
+                                    keep_last=self.run.train.keep_last, config=asdict(self.run))
+
+    # ------------------------------------------------------------------------------------------- loop
+
+    def _forward_backward(self, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sum = torch.zeros((), device=self.device)
+        rows = torch.zeros((), dtype=torch.long, device=self.device)
+        load = None
+        for micro in range(accum):
+            inputs, targets = self.loader.next_batch()
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+            last = micro == accum - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
+            with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                loss = self.wrapped(inputs, targets)
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+            stats = self.model.moe_stats()
+            if stats:
+                aux_sum += stats["aux_loss"] + stats["z_loss"]
+                tpe = stats["tokens_per_expert"]
+                rows += tpe.sum() - stats["num_dropped"]
+                load = tpe if load is None else load + tpe
+        return loss_sum / accum, {"aux": aux_sum / accum, "rows": rows, "load": load}
+
+    def _update_expert_bias(self, load_LE: Optional[torch.Tensor]) -> None:
+        layers = _moe_layers(self.model)
+        if load_LE is None or not layers or layers[0].cfg.bias_update_rate <= 0:
+            return
+        load_LE = load_LE.float()
+        if dist.is_initialized():
+            dist.all_reduce(load_LE)  # every rank must move its bias identically
+        for layer, load_E in zip(layers, load_LE):
+            layer.update_expert_bias(load_E)
+
+    def train(self) -> dict:
+        t = self.run.train
+        accum = self.local_batch // self.micro_batch
+        if self.rank == 0:
+            self._announce(accum)
+        params = [p for p in self.wrapped.parameters() if p.requires_grad]
+        window_start, window_steps = time.perf_counter(), 0
+        window_rows = torch.zeros((), dtype=torch.long, device=self.device)
+        window_load = None
+        while self.step < t.steps:
+            self.step += 1
+            lr = lr_at(self.step, self.run)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss, stats = self._forward_backward(accum)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._update_expert_bias(stats["load"])
+            window_steps += 1
+            window_rows += stats["rows"]
+            if stats["load"] is not None:
+                window_load = stats["load"] if window_load is None else window_load + stats["load"]
+
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load,
+                          time.perf_counter() - window_start)
+                window_start, window_steps = time.perf_counter(), 0
+                window_rows = torch.zeros_like(window_rows)
+                window_load = None
+            if self.step % t.ckpt_every == 0 or self.step == t.steps:
+                self.save()
+        summary = self.logger.finish(floor=getattr(self.dataset, "entropy_rate", None),
+                                     baseline=getattr(self.dataset, "unigram_entropy", None))
+        if dist.is_initialized():
+            dist.barrier()
+        return summary
+
+    def _log(self, loss, aux, grad_norm, lr, steps, rows, load, seconds) -> None:
+        values = torch.stack([loss.float(), aux.float(), grad_norm.float(), rows.float()])
+        if dist.is_initialized():
+            dist.all_reduce(values)
+            values[:3] /= self.world
+        loss_v, aux_v, gnorm_v, rows_v = values.tolist()  # the one host sync of a logging step
+        t = self.run.train
+        sequences = steps * t.global_batch_size
+        tokens = sequences * t.seq_len
+        # rows were counted on each rank for its own tokens; their sum is the global routed rows
+        flops = metrics.train_flops(self.flop_dims, sequences, routed_rows=int(rows_v) if load is not None else None)
+        per_device = flops / seconds / self.world
+        record = dict(loss=loss_v, aux_loss=aux_v, lr=lr, grad_norm=gnorm_v,
+                      tokens_per_s=tokens / seconds, tflops=per_device / 1e12,
+                      paper_tflops=metrics.paper_train_flops(self.flop_dims, sequences) / seconds / self.world / 1e12,
+                      mfu=metrics.mfu(per_device, self.device) if self.device.type == "cuda" else None,
+                      mem_bytes=metrics.peak_memory_bytes(self.device))
+        if load is not None:
+            if dist.is_initialized():
+                load = load.clone()
+                dist.all_reduce(load)
+            record["imbalance"] = metrics.load_imbalance(load.sum(0))
+        self.logger.log(self.step, **record)
+
+    def _announce(self, accum: int) -> None:
+        t, m = self.run.train, self.run.model
+        n_params = sum(p.numel() for p in self.model.parameters())
+        lines = [
+            f"xmoe train: {n_params / 1e6:.2f}M parameters, {m.num_layers} layers "
+            f"({m.num_layers - m.first_k_dense} MoE: {m.moe.num_experts} experts, top-{m.moe.top_k}, "
+            f"{m.moe.num_shared_experts} shared), device {self.device}, {self.world} process(es)",
+            f"data {self.data_spec}: vocab {self.dataset.vocab_size}, seq {t.seq_len}, global batch "
+            f"{t.global_batch_size} ({self.micro_batch} x {accum} micro-batches x {self.dp_size} ranks)",
+        ]
+        floor = getattr(self.dataset, "entropy_rate", None)
+        if floor is not None:
+            lines.append(f"loss floor (source entropy rate) {floor:.3f} nats/token, unigram baseline "
+                         f"{self.dataset.unigram_entropy:.3f}")
+        if self.step:
+            lines.append(f"continuing from step {self.step} to {t.steps}")
+        print("\n".join(lines), flush=True)
