@@ -75,7 +75,7 @@ def _load_file(path: str) -> dict[str, dict[str, Any]]:
 
 
 def _apply(obj: Any, section: str, values: dict[str, Any]) -> Any:
-    fields = {f.name for f in dataclasses.fields(obj)} - {"moe"}
+    fields = {f.name for f in dataclasses.fields(obj)}
     for key in values:
         if key not in fields:
             raise ValueError(f"unknown field {section}.{key}; valid fields: {', '.join(sorted(fields))}")
@@ -107,8 +107,10 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         if value is not None:
             sections["moe"][field] = value
 
+    if "hidden_size" in sections["model"]:  # the MoE block's width follows the model's unless set explicitly
+        sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
     moe = _apply(model.moe, "moe", sections["moe"])
-    model = _apply(dataclasses.replace(model, moe=moe), "model", sections["model"])
+    model = _apply(model, "model", {**sections["model"], "moe": moe})
     train = _apply(_default_train(args.preset, model), "train", sections["train"])
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

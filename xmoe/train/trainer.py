@@ -29,7 +29,7 @@ from xmoe.model.transformer import Transformer
 from xmoe.moe.layer import MoELayer
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics
-from xmoe.train.data import build_dataset, TokenLoader
+from xmoe.train.data import TokenLoader, build_dataset
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -103,16 +103,11 @@ class Trainer:
             raise ValueError(f"seq_len ({t.seq_len}) exceeds the model's max_seq_len ({run.model.max_seq_len})")
         self.autocast = self.device.type == "cuda"
 
-        # 1. the data: the dataset decides the vocabulary the model must cover
-        dataset = build_dataset(data, seq_len=t.seq_len, seed=t.seed)
-        if dataset.vocab_size > run.model.vocab_size:
-            raise ValueError(
-                f"the data uses {dataset.vocab_size} token ids but the model's vocab_size is "
-                f"{run.model.vocab_size}; raise model.vocab_size (e.g. --set model.vocab_size={dataset.vocab_size})"
-            )
-        self.dataset = dataset
-        self.loader = TokenLoader(dataset, batch_size=self.micro_batch, rank=self.dp_rank,
-                                  world_size=self.dp_size, seed=t.seed)
+        # 1. the data (checked against the model's vocabulary)
+        self.dataset = dataset = build_dataset(data, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed)
+        # one loader step = one micro-batch on every data-parallel rank
+        self.loader = TokenLoader(dataset, self.micro_batch * self.dp_size, rank=self.dp_rank,
+                                  world_size=self.dp_size)
 
         # 2. the model, identical on every rank, then parallelism from outside
         torch.manual_seed(t.seed)
@@ -188,7 +183,7 @@ class Trainer:
         rows = torch.zeros((), dtype=torch.long, device=self.device)
         load = None
         for micro in range(accum):
-            inputs, targets = self.loader.next_batch()
+            inputs, targets = next(self.loader)
             inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             last = micro == accum - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
@@ -246,7 +241,7 @@ class Trainer:
                 window_load = None
             if self.step % t.ckpt_every == 0 or self.step == t.steps:
                 self.save()
-        summary = self.logger.finish(floor=getattr(self.dataset, "entropy_rate", None),
+        summary = self.logger.finish(floor=getattr(self.dataset, "loss_floor", None),
                                      baseline=getattr(self.dataset, "unigram_entropy", None))
         if dist.is_initialized():
             dist.barrier()
@@ -286,9 +281,9 @@ class Trainer:
             f"data {self.data_spec}: vocab {self.dataset.vocab_size}, seq {t.seq_len}, global batch "
             f"{t.global_batch_size} ({self.micro_batch} x {accum} micro-batches x {self.dp_size} ranks)",
         ]
-        floor = getattr(self.dataset, "entropy_rate", None)
+        floor = getattr(self.dataset, "loss_floor", None)
         if floor is not None:
-            lines.append(f"loss floor (source entropy rate) {floor:.3f} nats/token, unigram baseline "
+            lines.append(f"loss floor (source entropy at this seq_len) {floor:.3f} nats/token, unigram baseline "
                          f"{self.dataset.unigram_entropy:.3f}")
         if self.step:
             lines.append(f"continuing from step {self.step} to {t.steps}")

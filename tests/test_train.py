@@ -1,0 +1,115 @@
+"""`xmoe train` end to end on CPU: learning, exact resume, data parallel vs one process, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xmoe.cli import main
+
+# A smaller-than-tiny model keeps these runs to seconds; the default preset itself runs in the README command.
+SMALL = ["--set", "model.hidden_size=64", "--set", "moe.hidden_size=64", "--set", "model.num_layers=2",
+         "--set", "moe.ffn_hidden_size=32", "--set", "moe.num_experts=8", "--batch-size", "8", "--seq-len", "64"]
+
+
+def losses(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def train(out: Path, *extra: str) -> None:
+    main(["train", "--out", str(out), "--device", "cpu", *SMALL, *extra])
+
+
+def test_tiny_training_learns_toward_entropy_floor(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["train", "--out", str(out), "--device", "cpu", "--steps", "120", "--log-every", "20",
+          "--ckpt-every", "1000"])
+    text = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    floor_line = next(line for line in text.splitlines() if "loss floor" in line)
+    floor = float(floor_line.split("seq_len)")[1].split()[0])
+    unigram = float(floor_line.split("unigram baseline")[1].split()[0])
+    final = losses(out)[120]
+    # well below what token frequencies alone give, and most of the way to the floor
+    assert final < unigram - 0.5 * (unigram - floor), (final, unigram, floor)
+    assert final > floor - 0.05  # nothing can beat the entropy rate (small slack: a finite batch)
+    assert (out / "loss.png").stat().st_size > 0
+    assert summary["final_loss"] == pytest.approx(final)
+    assert (out / "checkpoints" / "step_000120" / "COMPLETE").is_file()
+
+
+def test_resume_is_bit_identical(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(full, "--steps", "8", "--log-every", "1", "--ckpt-every", "4")
+    train(part, "--steps", "4", "--log-every", "1", "--ckpt-every", "4")
+    train(part, "--steps", "8", "--log-every", "1", "--ckpt-every", "4", "--resume")
+    a, b = losses(full), losses(part)
+    assert sorted(b) == list(range(1, 9))
+    assert all(a[s] == b[s] for s in range(1, 9)), (a, b)  # exactly equal, not approximately
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_data_parallel_matches_single_process(tmp_path):
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    args = ["--steps", "6", "--log-every", "1", "--ckpt-every", "100"]
+    train(single, *args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), "-m", "xmoe", "train", "--out", str(dp), "--device", "cpu", "--dp", "2",
+           *SMALL, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = losses(single), losses(dp)
+    for step in range(1, 7):
+        # same global batch: only reduction order and the per-rank balance loss differ
+        assert abs(a[step] - b[step]) < 2e-3 * abs(a[step]), (step, a[step], b[step])
+
+
+@pytest.mark.parametrize("preset, total, active", [("small", 10.1, 1.3), ("medium", 55.2, 5.2),
+                                                   ("large", 201.4, 11.5), ("super", 545.4, 28.7)])
+def test_dry_run_paper_presets(capsys, preset, total, active):
+    main(["train", "--preset", preset, "--dry-run"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("paper convention"))
+    got_total, got_active = (float(v.strip().split("B")[0]) for v in line.split(":")[1].split(","))
+    assert abs(got_total - total) < 0.1 * total and abs(got_active - active) < 0.1 * active, line
+
+
+def test_bad_data_path_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train(tmp_path / "r", "--data", str(tmp_path / "missing.npy"), "--steps", "1")
+    assert exc.value.code == 2
+    assert "missing.npy" in capsys.readouterr().err
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "2", "--ckpt-every", "2")
+    ckpt = out / "checkpoints" / "step_000002"
+    shard = next(p for p in ckpt.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    before = sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(Exception) as exc:
+        train(out, "--steps", "4", "--resume")
+    assert "step_000002" in str(exc.value)
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_bad_flags_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train(tmp_path / "r", "--set", "moe.top_k=99")
+    assert "top_k (99)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train(tmp_path / "r", "--set", "moe.nonsense=1")
+    assert "unknown field moe.nonsense" in capsys.readouterr().err

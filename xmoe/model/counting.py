@@ -1,0 +1,186 @@
+"""Parameter and FLOP counts from a ModelConfig alone: pure arithmetic, nothing is allocated.
+
+Parameter parts (per-layer quantities times the number of layers they occur in; n_moe = L - first_k_dense):
+  embedding       V*H
+  attention       L * 4*H*H                 (wq, wk, wv, wo; no biases)
+  dense_ffn       first_k_dense * m*H*F_dense
+  routed_experts  n_moe * E * m*H*F         (active: top_k of the E experts)
+  shared_experts  n_moe * n_shared * m*H*F
+  router          n_moe * E*H
+  norms           (2*L + 1) * H
+  head            V*H, or 0 when tied to the embedding
+``expert_matrices`` m applies to every FFN: 3 = SwiGLU (w1, w3, w2), what xmoe builds, and then the total
+equals ``Transformer(cfg).num_params()`` exactly; 2 = GELU (up, down), the X-MoE paper's convention.
+
+The paper's table ("params / active") is reproduced by ``paper_params``: two-matrix FFNs, attention and
+FFN matrices only (no embedding, head, router or norms), in billions of 2**30, not 1e9. That rounds to the
+printed value for 7 of the 8 numbers (Small 10.06/1.34, Medium 55.23/5.20, Large 201.36/11.48,
+Super 545.43/28.36 against 10.1/1.3, 55.2/5.2, 201.4/11.5, 545.4/28.7); in decimal billions the same count is
+7.5% higher, and no vocabulary size makes a decimal count fit (Small's experts alone are 10.3e9 > 10.1e9).
+
+FLOPs are 2 x multiply-accumulates of the matrix products only (norms, softmax, activations and rotary are
+ignored; the embedding lookup is free). Causal attention is counted at half: the QK^T and AV products cost
+2 * 2*H*S/2 FLOPs per token per layer, S the sequence length. Training = 3 x forward (backward is two
+forward-sized products); recomputation is not counted, so this is model FLOPs, not hardware FLOPs.
+``paper_flops_per_token`` is the paper's TFLOP/s formula verbatim, for comparison with its tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xmoe.config import ModelConfig
+
+PARTS = ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "head")
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Total and activated (per token) parameters, by part (keys of PARTS)."""
+
+    total_by_part: dict[str, int]
+    active_by_part: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.total_by_part.values())
+
+    @property
+    def active(self) -> int:
+        return sum(self.active_by_part.values())
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward FLOPs per token by part (keys of PARTS minus norms, embedding = 0)."""
+
+    forward_by_part: dict[str, float]
+
+    @property
+    def forward(self) -> float:
+        return sum(self.forward_by_part.values())
+
+    @property
+    def training(self) -> float:
+        return 3.0 * self.forward
+
+
+def _check_matrices(expert_matrices: int) -> None:
+    if expert_matrices not in (2, 3):
+        raise ValueError(
+            f"expert_matrices ({expert_matrices}) must be 2 (GELU, the paper's) or 3 (SwiGLU, xmoe's)"
+        )
+
+
+def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
+    if not 0 < seq_len <= cfg.max_seq_len:
+        raise ValueError(f"seq_len ({seq_len}) must be in [1, max_seq_len={cfg.max_seq_len}]")
+
+
+def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
+    """Exact parameter count of ``cfg`` with ``expert_matrices`` matrices per FFN (see module docstring)."""
+    _check_matrices(expert_matrices)
+    H, V, L, m, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, expert_matrices, cfg.moe
+    n_moe = L - cfg.first_k_dense
+    expert = m * H * moe.ffn_hidden_size
+    total = {
+        "embedding": V * H,
+        "attention": L * 4 * H * H,
+        "dense_ffn": cfg.first_k_dense * m * H * cfg.ffn_hidden_size,
+        "routed_experts": n_moe * moe.num_experts * expert,
+        "shared_experts": n_moe * moe.num_shared_experts * expert,
+        "router": n_moe * moe.num_experts * H,
+        "norms": (2 * L + 1) * H,
+        "head": 0 if cfg.tie_embeddings else V * H,
+    }
+    active = dict(total, routed_experts=n_moe * moe.top_k * expert)
+    return ParamCount(total, active)
+
+
+def paper_params(cfg: ModelConfig) -> tuple[float, float]:
+    """(total, active) in the X-MoE paper's convention: GELU FFNs, attention + FFN matrices, in 2**30."""
+    count = count_params(cfg, expert_matrices=2)
+    kept = ("attention", "dense_ffn", "routed_experts", "shared_experts")
+    return (
+        sum(count.total_by_part[k] for k in kept) / 2**30,
+        sum(count.active_by_part[k] for k in kept) / 2**30,
+    )
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, expert_matrices: int = 3) -> FlopCount:
+    """Forward FLOPs per token at ``seq_len`` (causal attention halved); ``.training`` is 3x that."""
+    _check_matrices(expert_matrices)
+    _check_seq_len(cfg, seq_len)
+    H, V, L, m, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, expert_matrices, cfg.moe
+    n_moe = L - cfg.first_k_dense
+    expert = 2 * m * H * moe.ffn_hidden_size
+    return FlopCount({
+        "embedding": 0.0,
+        # 4 projections, plus QK^T and AV over on average S/2 earlier positions (N*D = H).
+        "attention": float(L * (2 * 4 * H * H + 2 * 2 * H * seq_len / 2)),
+        "dense_ffn": float(cfg.first_k_dense * 2 * m * H * cfg.ffn_hidden_size),
+        "routed_experts": float(n_moe * moe.top_k * expert),
+        "shared_experts": float(n_moe * moe.num_shared_experts * expert),
+        "router": float(n_moe * 2 * H * moe.num_experts),
+        "head": float(2 * H * V),
+    })
+
+
+def paper_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token by the paper's formula: 2*3*(L*(4H^2 + 2*D*N*S + 2*F*H*k) + V*H).
+
+    Taken verbatim: full (not causal-halved) attention, two-matrix experts, no router, every layer counted
+    as an MoE layer and shared experts ignored; use it only to compare TFLOP/s with the paper's tables.
+    """
+    _check_seq_len(cfg, seq_len)
+    H, moe = cfg.hidden_size, cfg.moe
+    D, N, F, k = cfg.head_dim, cfg.num_heads, moe.ffn_hidden_size, moe.top_k
+    per_layer = 4 * H * H + 2 * D * N * seq_len + 2 * F * H * k
+    return 6.0 * (cfg.num_layers * per_layer + cfg.vocab_size * H)
+
+
+def _human(n: float, giga: str = "B") -> str:
+    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), (giga, 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def describe(cfg: ModelConfig, seq_len: int, global_batch: int) -> str:
+    """Human-readable summary for ``xmoe train --dry-run``: parameters (both conventions) and step FLOPs."""
+    if global_batch <= 0:
+        raise ValueError(f"global_batch ({global_batch}) must be > 0")
+    moe = cfg.moe
+    swiglu, gelu = count_params(cfg, 3), count_params(cfg, 2)
+    flops = flops_per_token(cfg, seq_len, 3)
+    tokens = seq_len * global_batch
+    lines = [
+        f"model: vocab {cfg.vocab_size}, hidden {cfg.hidden_size}, layers {cfg.num_layers} "
+        f"({cfg.first_k_dense} dense), heads {cfg.num_heads} x {cfg.head_dim}, "
+        f"experts {moe.num_experts} x ffn {moe.ffn_hidden_size}, top-{moe.top_k}, "
+        f"shared {moe.num_shared_experts}, tied embeddings {cfg.tie_embeddings}",
+        "",
+        f"{'part':<16}{'params':>10}{'active':>10}{'params':>10}{'active':>10}{'fwd FLOP/tok':>14}",
+        f"{'':<16}{'(SwiGLU)':>10}{'(SwiGLU)':>10}{'(GELU)':>10}{'(GELU)':>10}{'(SwiGLU)':>14}",
+    ]
+    for part in PARTS:
+        lines.append(
+            f"{part:<16}{_human(swiglu.total_by_part[part]):>10}{_human(swiglu.active_by_part[part]):>10}"
+            f"{_human(gelu.total_by_part[part]):>10}{_human(gelu.active_by_part[part]):>10}"
+            f"{_human(flops.forward_by_part.get(part, 0.0), 'G'):>14}"
+        )
+    lines.append(
+        f"{'total':<16}{_human(swiglu.total):>10}{_human(swiglu.active):>10}"
+        f"{_human(gelu.total):>10}{_human(gelu.active):>10}{_human(flops.forward, 'G'):>14}"
+    )
+    paper_total, paper_active = paper_params(cfg)
+    lines += [
+        "",
+        f"paper convention (GELU, no embedding/head/router/norms, units of 2^30): "
+        f"{paper_total:.4g}B total, {paper_active:.4g}B active",
+        f"tokens per step: {global_batch} x {seq_len} = {tokens}",
+        f"training FLOPs per step: {_human(flops.training * tokens, 'G')}FLOP "
+        f"(3 x forward, SwiGLU, causal attention halved); "
+        f"paper formula: {_human(paper_flops_per_token(cfg, seq_len) * tokens, 'G')}FLOP",
+    ]
+    return "\n".join(lines)

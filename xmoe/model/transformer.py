@@ -1,0 +1,285 @@
+"""Decoder-only MoE transformer, written for one device; parallelism is applied from outside.
+
+Layout (parameter names are part of the contract the parallel/ and checkpoint code rely on):
+  embed.weight                                 (V, H)
+  layers.{i}.attn_norm.weight                  (H,)
+  layers.{i}.attn.{wq,wk,wv,wo}.weight         (H, H)      separate projections: TP shards q/k/v colwise
+  layers.{i}.ffn_norm.weight                   (H,)
+  layers.{i}.ffn.{w1,w3}.weight, .w2.weight    (F, H), (H, F)   dense SwiGLU, i < first_k_dense
+  layers.{i}.ffn.*                             xmoe.moe.layer.MoELayer, i >= first_k_dense: router.weight
+                                               (E, H), experts.{w1,w3} (E, H, F), experts.w2 (E, F, H),
+                                               shared_experts.{w1,w3,w2}.weight (n_shared * F wide)
+  norm.weight                                  (H,)
+  head.weight                                  (V, H)      the same Parameter as embed.weight when tied
+
+Initialisation (``Transformer.init_weights``; the constructor calls it, so it also overrides the MoELayer's
+own init so that every weight follows one rule, depth scaling included):
+  * every matrix: normal(0, std), std = cfg.init_std, or cfg.moe.init_std inside MoE blocks (router, experts,
+    shared experts);
+  * output projections of a residual branch (leaf name ``wo`` or ``w2``: attention out, dense and expert
+    down-projections) use std / sqrt(2 * num_layers), two residual branches per layer (GPT-2 / Megatron);
+  * embedding normal(0, cfg.init_std); RMSNorm weights ones; any other 1-D parameter zeros;
+  * MoE buffers (load-balancing state: expert_bias, load_E) zeros; rotary tables recomputed.
+
+Legend: B batch, S sequence, H hidden, N heads, D head_dim, F ffn width, V vocab, T = B*S tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from xmoe.config import ModelConfig
+
+IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim // 2), fp32.
+
+    Angles are formed in float64 and rounded once to fp32: at position 4096 an fp32 product already errs by
+    ~2e-4 rad, float64 costs nothing for a one-off table.
+    """
+    inv_freq_D2 = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles_SD2 = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq_D2)
+    return angles_SD2.cos().to(device, torch.float32), angles_SD2.sin().to(device, torch.float32)
+
+
+def apply_rotary(x_BNSD: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
+    """Rotate feature pairs (j, j + D/2) of every position s by angle s * theta^(-2j/D).
+
+    Math runs in fp32 (or wider when the input is wider) whatever the activation dtype.
+    """
+    compute_dtype = torch.promote_types(x_BNSD.dtype, torch.float32)
+    x1, x2 = x_BNSD.to(compute_dtype).chunk(2, dim=-1)
+    cos, sin = cos_SD2.to(compute_dtype), sin_SD2.to(compute_dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_BNSD.dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, normalised in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_f = x.float()
+        x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_f * self.weight.float()).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions; SDPA picks the fused kernel."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        h = cfg.hidden_size
+        self.wq = nn.Linear(h, h, bias=False)
+        self.wk = nn.Linear(h, h, bias=False)
+        self.wv = nn.Linear(h, h, bias=False)
+        self.wo = nn.Linear(h, h, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        # -1 heads, not cfg.num_heads: under tensor parallelism each rank holds only its share of the heads.
+        q_BNSD = self.wq(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k_BNSD = self.wk(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v_BNSD = self.wv(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q_BNSD = apply_rotary(q_BNSD, cos_SD2, sin_SD2)
+        k_BNSD = apply_rotary(k_BNSD, cos_SD2, sin_SD2)
+        out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
+        return self.wo(out_BNSD.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """Dense SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.is_moe = layer_id >= cfg.first_k_dense
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        if self.is_moe:
+            # Imported here so that dense-only models need nothing from the MoE stack (which may pull Triton).
+            from xmoe.moe.layer import MoELayer
+
+            self.ffn: nn.Module = MoELayer(cfg.moe)
+        else:
+            self.ffn = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)
+
+    def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
+        return x_BSH + self.ffn(self.ffn_norm(x_BSH))
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> final RMSNorm -> LM head.
+
+    ``forward(tokens)`` returns logits (B, S, V) in the activation dtype; ``forward(tokens, targets)`` returns
+    the mean fp32 cross-entropy over targets != -100 (auxiliary MoE losses are already attached to the graph
+    by each MoELayer, so ``loss.backward()`` trains the routers too).
+
+    ``loss_chunk_tokens``: when B*S exceeds it, the head and cross-entropy run over token chunks of this size
+    under activation checkpointing, so only one chunk's (chunk, V) fp32 logits ever exist (S=4096, B=4,
+    V=50304 would otherwise hold 3.3 GB of fp32 logits plus their gradient); the price is one extra head
+    forward per chunk in backward. 0 disables chunking (e.g. for a vocab-parallel loss applied from outside).
+
+    Low precision: keep parameters fp32 and use autocast or FSDP's MixedPrecisionPolicy. ``model.to(bf16)``
+    also casts the rotary tables to bf16 (positions past ~256 then lose angle precision).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, loss_chunk_tokens: int = 4096) -> None:
+        super().__init__()
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens ({loss_chunk_tokens}) must be >= 0 (0 disables chunking)")
+        self.cfg = cfg
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        # Non-persistent: derived from the config, so checkpoints stay free of them and a meta-device build
+        # recomputes them in init_weights().
+        cos_SD2, sin_SD2 = rope_tables(
+            cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, self.embed.weight.device
+        )
+        self.register_buffer("rope_cos", cos_SD2, persistent=False)
+        self.register_buffer("rope_sin", sin_SD2, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """(Re)initialise every parameter and buffer by the rule in the module docstring.
+
+        Meta-device recipe: ``with torch.device("meta"): m = Transformer(cfg)``, then
+        ``m.to_empty(device=d); m.init_weights(seed)``. With ``seed`` the result is deterministic for a
+        device type (a private generator per device); without it the global RNG is used (use that for
+        sharded DTensor parameters, whose RNG is coordinated by torch.distributed).
+        """
+        cfg = self.cfg
+        if cfg.tie_embeddings:
+            # to_empty() replaces each Parameter object separately, which unties them; tie again.
+            self.head.weight = self.embed.weight
+        cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+        self.rope_cos.copy_(cos_SD2)
+        self.rope_sin.copy_(sin_SD2)
+        generators: dict[torch.device, torch.Generator] = {}
+        out_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
+        # By identity, not by name: wrappers applied from outside (activation checkpointing) rename modules.
+        moe_param_ids = {id(p) for layer in self.moe_layers() for p in layer.parameters()}
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            gen = None
+            if seed is not None:
+                if p.device not in generators:
+                    generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+                gen = generators[p.device]
+            if p.ndim == 1:
+                p.fill_(1.0 if "norm" in name else 0.0)
+                continue
+            std = cfg.moe.init_std if id(p) in moe_param_ids else cfg.init_std
+            leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
+            if leaf in ("wo", "w2"):
+                std *= out_scale
+            nn.init.normal_(p, 0.0, std, generator=gen)
+        for layer in self.moe_layers():
+            for buf in layer.buffers():
+                if not buf.is_meta:
+                    buf.zero_()
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied head is counted once); equals counting.count_params."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens_BS: torch.Tensor, targets_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if tokens_BS.ndim != 2 or tokens_BS.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"tokens must be an integer tensor of shape (batch, seq); got {tuple(tokens_BS.shape)} "
+                f"{tokens_BS.dtype}"
+            )
+        S = tokens_BS.shape[1]
+        if S > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length ({S}) exceeds max_seq_len ({self.cfg.max_seq_len}); raise max_seq_len"
+            )
+        if targets_BS is not None and targets_BS.shape != tokens_BS.shape:
+            raise ValueError(
+                f"targets shape {tuple(targets_BS.shape)} must equal tokens shape {tuple(tokens_BS.shape)}"
+            )
+        cos_SD2, sin_SD2 = self.rope_cos[:S], self.rope_sin[:S]
+        h_BSH = self.embed(tokens_BS)
+        for block in self.layers:
+            h_BSH = block(h_BSH, cos_SD2, sin_SD2)
+        h_BSH = self.norm(h_BSH)
+        if targets_BS is None:
+            return self.head(h_BSH)
+        return self._loss(h_BSH.flatten(0, 1), targets_BS.flatten())
+
+    def _loss(self, h_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        num_valid = (targets_T != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host synchronisation
+        T, chunk = h_TH.shape[0], self.loss_chunk_tokens
+        if chunk == 0 or T <= chunk:
+            return self._loss_sum(h_TH, targets_T) / num_valid
+        total = sum(
+            checkpoint(self._loss_sum, h_TH[i : i + chunk], targets_T[i : i + chunk], use_reentrant=False)
+            for i in range(0, T, chunk)
+        )
+        return total / num_valid
+
+    def _loss_sum(self, h_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        logits_TV = self.head(h_TH).float()
+        return F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoELayer of every MoE block, in layer order (e.g. for the trainer's expert-bias updates)."""
+        # modules(), not self.layers: it also finds blocks that a parallelism wrapper has wrapped.
+        return [m.ffn for m in self.modules() if isinstance(m, Block) and m.is_moe]
+
+    @torch.no_grad()
+    def moe_stats(self) -> dict[str, torch.Tensor]:
+        """Routing statistics of the last forward, for logging (detached); {} for a model without MoE blocks.
+
+        aux_loss, z_loss: sums over MoE layers; num_dropped: total dropped (token, slot) pairs;
+        tokens_per_expert: (num_moe_layers, E) int64, rows in layer order. Only the last micro-batch is
+        seen: accumulate over micro-batches in the caller if needed.
+        """
+        stats = [getattr(layer, "last_stats", None) for layer in self.moe_layers()]
+        if not stats:
+            return {}
+        if not all(stats):
+            raise RuntimeError("moe_stats() needs a forward pass first: some MoE layer has no last_stats")
+
+        def total(key: str) -> torch.Tensor:
+            return torch.stack([torch.as_tensor(s[key]).detach().float().reshape(()) for s in stats]).sum()
+
+        return {
+            "aux_loss": total("aux_loss"),
+            "z_loss": total("z_loss"),
+            "num_dropped": total("num_dropped").long(),
+            "tokens_per_expert": torch.stack([s["tokens_per_expert"].detach().long() for s in stats]),
+        }

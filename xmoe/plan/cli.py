@@ -1,0 +1,216 @@
+"""`xmoe plan memory` and `xmoe plan comm`: the analytical models of xmoe/plan, printed as tables.
+
+Nothing is allocated and no GPU is needed; docs/planning.md explains both models and their numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from xmoe.model.counting import count_params, paper_params
+from xmoe.model.presets import PRESETS, get_preset
+from xmoe.plan import comm, memory
+
+GIB = memory.GIB
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="plan_command", required=True)
+    mem = sub.add_parser("memory", help="per-GPU memory of training a preset; searches layouts that fit")
+    mem.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
+    mem.add_argument("--gpus", type=int, default=8, help="world size (default 8)")
+    mem.add_argument("--gpu-mem", type=float, default=64.0, help="GiB per GPU (default 64, an MI250X GCD)")
+    mem.add_argument("--gpus-per-node", type=int, default=8)
+    mem.add_argument("--tp", type=int, help="tensor-parallel degree (default: searched in 1, 2, 4, 8)")
+    mem.add_argument("--ep", type=int, help="expert-parallel degree (default: searched among divisors of E)")
+    mem.add_argument("--dp", type=int, help="data-parallel degree (default: gpus / (tp * ep))")
+    mem.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-batch (default: searched)")
+    mem.add_argument("--max-micro-batch", type=int, default=8, help="largest micro-batch the search tries")
+    mem.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    mem.add_argument("--recompute", choices=memory.RECOMPUTE, help="activation recompute (default: searched)")
+    mem.add_argument("--padded", action="store_true", help="GShard/DeepSpeed-MoE capacity buffers instead of PFT")
+    mem.add_argument("--capacity-factor", type=float,
+                     help="capacity factor (default: 1.25 with --padded, dropless otherwise)")
+    mem.add_argument("--no-ssmb", action="store_true", help="run the MoE block on all tokens of every TP rank")
+    mem.add_argument("--placement", choices=("ep_first", "dp_first"), default="ep_first",
+                     help="placement when an EP group cannot fit in a node (inside a node: always ep_first)")
+    mem.add_argument("--imbalance", type=float, default=1.0, help="max/mean routed rows per rank (default 1)")
+    mem.add_argument("--kernel", choices=("triton", "torch"), default="triton",
+                     help="expert kernels: triton saves 2 F-wide tensors per row, torch 4")
+    mem.add_argument("--reserve", type=float, default=2.0, help="GiB for CUDA context, NCCL, fragmentation")
+
+    com = sub.add_parser("comm", help="flat all-to-all vs RBD traffic and time of one MoE dispatch")
+    com.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
+    com.add_argument("--gpus", type=int, default=64)
+    com.add_argument("--gpus-per-node", type=int, default=8)
+    com.add_argument("--ep", type=int, help="expert-parallel degree (default min(E, gpus / tp))")
+    com.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (spaces EP ranks apart)")
+    com.add_argument("--placement", choices=("ep_first", "dp_first"), default="ep_first")
+    com.add_argument("--intra-bw", type=float, default=300.0, help="GB/s per GPU inside a node")
+    com.add_argument("--inter-bw", type=float, default=25.0, help="GB/s per GPU across nodes (its NIC share)")
+    com.add_argument("--intra-lat", type=float, default=5.0, help="us per intra-node stage")
+    com.add_argument("--inter-lat", type=float, default=10.0, help="us per inter-node stage")
+    com.add_argument("--routing", default="uniform", help="uniform | skewed | FILE.json (tokens per expert)")
+    com.add_argument("--tokens-per-gpu", type=int, help="tokens each GPU routes (default: the preset's seq)")
+    com.add_argument("--mc-tokens", type=int, default=4096, help="Monte Carlo tokens per source GPU")
+    com.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> None:
+    cfg = get_preset(args.preset)
+    if args.gpus < 1 or args.gpus_per_node < 1:
+        raise ValueError(f"--gpus ({args.gpus}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
+    if args.plan_command == "memory":
+        print(run_memory(cfg, args))
+    else:
+        print(run_comm(cfg, args))
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def run_memory(cfg, args) -> str:
+    cf = args.capacity_factor if args.capacity_factor is not None else (1.25 if args.padded else None)
+    if args.tp is not None and args.tp > args.gpus_per_node:
+        raise ValueError(f"--tp ({args.tp}) must be <= --gpus-per-node ({args.gpus_per_node})")
+    options = dict(padded=args.padded, capacity_factor=cf, ssmb=not args.no_ssmb, seq_len=args.seq,
+                   imbalance=args.imbalance, kernel=args.kernel, reserve_gib=args.reserve, name=args.preset)
+    ranked = memory.search_layouts(
+        cfg, args.gpus, args.gpu_mem, gpus_per_node=args.gpus_per_node, tp=args.tp, ep=args.ep, dp=args.dp,
+        micro_batch=args.micro_batch, recompute=args.recompute, max_micro_batch=args.max_micro_batch,
+        placement=args.placement, **options)
+    best = ranked[0]
+    searched = [n for n, v in (("tp", args.tp), ("ep", args.ep), ("dp", args.dp), ("micro-batch", args.micro_batch),
+                               ("recompute", args.recompute)) if v is None]
+    lines = [f"xmoe plan memory: {args.preset} on {args.gpus} GPUs ({args.gpus_per_node} per node), "
+             f"{args.gpu_mem:g} GiB each", _model_line(cfg)]
+    if not best.fits(args.gpu_mem):
+        lines.append(f"NO layout fits in {args.gpu_mem:g} GiB; the smallest of {len(ranked)} tried is shown")
+    elif searched:
+        lines.append(f"searched {', '.join(searched)}: {sum(m.fits(args.gpu_mem) for m in ranked)} of "
+                     f"{len(ranked)} settings fit; proposed:")
+    lines += _breakdown(cfg, best, args.gpu_mem)
+    if searched and best.fits(args.gpu_mem):
+        lines += ["", "rule: fewest memory-saving tricks (recompute none < moe < full, then the smallest tp), then "
+                  f"the largest micro-batch (<= {args.max_micro_batch}), then the least traffic per GPU per "
+                  "micro-batch (ZeRO-3 + all-to-all), then an EP group inside one node",
+                  "other feasible settings, by that rule:",
+                  f"  {'tp':>3}{'ep':>5}{'dp':>6}{'mb':>4}  {'recompute':<10}{'total GiB':>10}{'traffic GB':>11}"]
+        seen = set()
+        for m in ranked[1:]:
+            key = (m.parallel.tp, m.recompute)
+            if m.fits(args.gpu_mem) and key not in seen and len(seen) < 6:
+                seen.add(key)
+                p = m.parallel
+                lines.append(f"  {p.tp:>3}{p.ep:>5}{p.dp:>6}{m.micro_batch:>4}  {m.recompute:<10}{m.total / GIB:>10.2f}"
+                             f"{sum(m.traffic.values()) / 1e9:>11.1f}")
+    return "\n".join(lines)
+
+
+def _model_line(cfg) -> str:
+    moe = cfg.moe
+    total, paper = count_params(cfg).total, paper_params(cfg)[0]
+    return (f"model: {cfg.num_layers} layers ({cfg.num_layers - cfg.first_k_dense} MoE), H {cfg.hidden_size}, "
+            f"{moe.num_experts} experts x F {moe.ffn_hidden_size}, top-{moe.top_k}, {moe.num_shared_experts} shared; "
+            f"{_count(total)} parameters (SwiGLU); {paper:.4g}B in the paper's convention (GELU, units of 2^30)")
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def _unit(largest: float) -> tuple[str, float]:
+    """The binary unit that prints ``largest`` with digits before the point."""
+    for name, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if largest >= scale:
+            return name, scale
+    return "KiB", 2**10
+
+
+def _breakdown(cfg, m: memory.MemoryBreakdown, gpu_mem: float) -> list[str]:
+    p = m.parallel
+    nodes = memory.ep_group_nodes(p)
+    dispatch = "padded (GShard)" if m.padded else "PFT"
+    cf = f"capacity factor {m.capacity_factor:g}" if m.capacity_factor else "dropless"
+    ssmb = f"SSMB on: MoE block on {m.moe_tokens} of {m.tokens} tokens" if m.ssmb else (
+        "SSMB off" + (" (tp 1)" if p.tp == 1 else ""))
+    unit, scale = _unit(m.total)
+    layer_unit, layer_scale = _unit(min(max(m.moe_layer_bytes, sum(m.attention_layer.values())), 2**20))
+    gib = lambda x: f"{x / scale:>8.2f}"  # noqa: E731
+    free = gpu_mem * GIB - m.total
+    lines = [
+        f"layout: tp {p.tp} x ep {p.ep} x dp {p.dp}, placement {p.placement} (EP group on {nodes} node"
+        f"{'s' if nodes > 1 else ''}); micro-batch {m.micro_batch} x seq {m.seq_len} = {m.tokens} tokens per GPU",
+        f"        recompute {m.recompute}; dispatch {dispatch}, {cf}; {ssmb}",
+        f"per-GPU memory ({unit})",
+        f"  parameters   bf16, ZeRO-3 sharded{'':<29}{gib(m.params)}   ({m.dense_params / 1e6:.1f}M dense "
+        f"over dp*ep={p.dp * p.ep}, {m.expert_params / 1e6:.1f}M expert over dp={p.dp})",
+        f"  gradients    bf16, ZeRO-3 sharded{'':<29}{gib(m.grads)}",
+        f"  optimizer    fp32 master + exp_avg + exp_avg_sq, sharded{'':<8}{gib(m.optimizer)}",
+        f"  gathered     unsharded: 2 layers' weights + 1 layer's grads{'':<4}{gib(m.gathered)}",
+        f"  activations  saved: {cfg.num_layers} layers + final norm, head input{'':<8}{gib(m.activations)}",
+        f"  working      one layer's grads (+ its recompute) or loss chunk{'':<1}{gib(m.working)}",
+        f"  reserve      CUDA context, NCCL buffers, fragmentation{'':<10}{gib(m.reserve)}",
+        f"  total{'':<59}{gib(m.total)}   of {gpu_mem:g} GiB: "
+        + (f"fits ({free / GIB:.2f} GiB free)" if free >= 0 else f"does NOT fit ({-free / GIB:.2f} GiB over)"),
+        f"one layer's saved activations ({layer_unit}; attention on {m.tokens} tokens, "
+        f"{'MoE block' if cfg.first_k_dense < cfg.num_layers else 'FFN'} on {m.moe_tokens})",
+        "  attention: " + _terms(m.attention_layer, layer_scale),
+        ("  MoE block: " if cfg.first_k_dense < cfg.num_layers else "  FFN: ") + _terms(m.ffn_layer, layer_scale),
+    ]
+    t = m.traffic
+    lines.append(f"traffic per GPU per micro-batch (GB): ZeRO-3 dense {t['zero3_dense'] / 1e9:.1f}, ZeRO-3 experts "
+                 f"{t['zero3_experts'] / 1e9:.1f}, expert all-to-all {t['all_to_all'] / 1e9:.1f}")
+    return lines + [f"note: {n}" for n in m.notes]
+
+
+def _terms(parts: dict[str, float], scale: float) -> str:
+    return ", ".join(f"{k} {v / scale:.1f}" for k, v in parts.items()) + f"; total {sum(parts.values()) / scale:.1f}"
+
+
+# -------------------------------------------------------------------------------------------------- comm
+
+
+def run_comm(cfg, args) -> str:
+    net = comm.Network(args.intra_bw, args.inter_bw, args.intra_lat, args.inter_lat)
+    if min(args.intra_bw, args.inter_bw) <= 0 or min(args.intra_lat, args.inter_lat) < 0:
+        raise ValueError("bandwidths must be > 0 and latencies >= 0")
+    if args.tp > args.gpus_per_node:
+        raise ValueError(f"--tp ({args.tp}) must be <= --gpus-per-node ({args.gpus_per_node})")
+    probs = comm.routing_probs(args.routing, cfg.moe.num_experts, cfg.moe.top_k, args.seed)
+    common = dict(gpus_per_node=args.gpus_per_node, tp=args.tp, placement=args.placement, routing=probs,
+                  tokens_per_gpu=args.tokens_per_gpu, network=net, mc_tokens=args.mc_tokens, seed=args.seed)
+    est = comm.estimate_comm(cfg, args.gpus, ep=args.ep, **common)
+    r, moe = est.rows, cfg.moe
+    mb = lambda rows: f"{est.nbytes(rows) / 1e6:.1f} MB"  # noqa: E731
+    lines = [
+        f"xmoe plan comm: {args.preset}, {args.gpus} GPUs ({args.gpus_per_node} per node), ep {est.ep} "
+        f"(EP group on {est.group_nodes} node{'s' if est.group_nodes > 1 else ''}, {args.placement}), "
+        f"{r.tokens:.0f} tokens per GPU, top-{moe.top_k} of {moe.num_experts} experts, H {cfg.hidden_size} bf16",
+        f"routing {args.routing} ({est.method}); per GPU: intra {net.intra_bw:g} GB/s + {net.intra_lat:g} us, "
+        f"inter {net.inter_bw:g} GB/s + {net.inter_lat:g} us",
+        f"rows one GPU sends per dispatch{'':<9}{'flat':>12}{'RBD':>12}",
+        f"  kept on the GPU (no transfer){'':<10}{r.flat_local:>12.0f}{r.flat_local:>12.0f}",
+        f"  intra-node, own node{'':<19}{r.flat_intra:>12.0f}{r.flat_intra:>12.0f}",
+        f"  intra-node, replicas on remote nodes{'':<3}{0:>12.0f}{r.rbd_replicas:>12.0f}",
+        f"  inter-node{'':<29}{r.flat_inter:>12.0f}{r.rbd_inter:>12.0f}",
+        f"redundancy rate R = {r.redundancy_rate:.3f}; RBD sends {100 * r.inter_saving:.1f}% fewer inter-node rows "
+        f"({mb(r.flat_inter)} -> {mb(r.rbd_inter)})",
+        f"time per dispatch: flat {est.flat_us:.0f} us, RBD {est.rbd_us:.0f} us -> {est.speedup:.2f}x "
+        "(combine costs the same again; forward + backward 4x)",
+    ]
+    if est.method == "closed form":
+        mc = comm.estimate_comm(cfg, args.gpus, ep=args.ep, method="mc", **common)
+        lines.append(f"check by {mc.method}: inter rows flat {mc.rows.flat_inter:.0f}, "
+                     f"RBD {mc.rows.rbd_inter:.0f}, replicas {mc.rows.rbd_replicas:.0f}, "
+                     f"R {mc.rows.redundancy_rate:.3f}")
+    lines += ["", f"scaling (ep = {args.ep or 'min(E, gpus / tp)'}, {args.placement}, same tokens per GPU):",
+              f"{'gpus':>6}{'ep':>5}{'nodes':>6}{'flat inter':>12}{'RBD inter':>11}{'saved':>7}{'R':>7}"
+              f"{'flat MB':>9}{'RBD MB':>8}{'flat us':>9}{'RBD us':>8}{'speedup':>9}"]
+    for e in comm.scaling_table(cfg, ep=args.ep, **common):
+        x = e.rows
+        mark = "  <-" if e.gpus == args.gpus else ""
+        lines.append(f"{e.gpus:>6}{e.ep:>5}{e.group_nodes:>6}{x.flat_inter:>12.0f}{x.rbd_inter:>11.0f}"
+                     f"{100 * x.inter_saving:>6.1f}%{x.redundancy_rate:>7.3f}{e.nbytes(x.flat_inter) / 1e6:>9.1f}"
+                     f"{e.nbytes(x.rbd_inter) / 1e6:>8.1f}{e.flat_us:>9.0f}{e.rbd_us:>8.0f}{e.speedup:>8.2f}x{mark}")
+    return "\n".join(lines)

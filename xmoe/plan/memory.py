@@ -1,0 +1,356 @@
+"""Per-GPU memory model of training a preset: parameters, gradients, optimizer state, activations.
+
+# T tokens per rank per micro-batch (micro_batch * seq), H hidden, F expert ffn, E experts, K top-k,
+# N routed rows a rank computes (T_moe * K when dropless), C capacity per expert (padded baseline), V vocab
+# W world (GPUs), D data-parallel degree, P expert-parallel degree, S tensor-parallel degree (W = D * P * S)
+
+Conventions (docs/planning.md gives the reasons and the comparison with the paper):
+  * Mixed precision, ZeRO-3 / FSDP full sharding: bf16 parameters (2 B) and gradients (2 B), AdamW state in
+    fp32 (master copy, exp_avg, exp_avg_sq: 12 B), all three sharded. Dense parameters (attention, embedding,
+    head, norms, router, shared experts) are first split by TP where Megatron splits them (attention, dense
+    FFN, vocab-parallel embedding and head) and then sharded over the "dp_ep" axis (D * P ranks). Routed
+    experts are split by EP (E / P per rank) and sharded over the "dp" axis (D ranks), the expert
+    data-parallel group of xmoe/parallel/dims.py; the S ranks of a TP group hold copies of the same experts.
+    Sharding costs a working set: two layers' unsharded bf16 weights (the one computing and the prefetched
+    one) plus one layer's unsharded bf16 gradient before its reduce-scatter.
+  * Activations are what autograd saves in xmoe's own code (xmoe/model/transformer.py, xmoe/moe/, the Triton
+    kernels), counted tensor by tensor in the functions below; b = bytes per activation element (2, bf16).
+    TP (without sequence parallelism) replicates the residual stream: norms and the inputs of the
+    column-parallel projections are full size on every TP rank, the head-parallel parts (q, k, v, attention
+    output, log-sum-exp) are 1/S. The MoE block (ffn norm, router, buffers, experts, shared experts) is
+    replicated over TP without SSMB and runs on T/S tokens with SSMB.
+  * Recompute: "none" keeps everything; "moe" checkpoints every MoE block (keeps its b*T_moe*H input);
+    "full" checkpoints every block (keeps its b*T*H input). Peak = saved activations of all layers +
+    max(one layer's activations again as gradients in flight (+ the recomputed layer), the loss chunk).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from xmoe.config import ModelConfig, MoEConfig, ParallelConfig
+from xmoe.model.counting import count_params
+from xmoe.parallel.dims import ParallelDims
+
+GIB = 2**30
+PARAM_BYTES = 2  # bf16 working parameters
+GRAD_BYTES = 2  # bf16 gradients
+ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
+INDEX_BYTES = 8  # int64 routing arrays
+RECOMPUTE = ("none", "moe", "full")  # also the search's order of preference: each one costs more compute
+LOSS_CHUNK_TOKENS = 4096  # Transformer(loss_chunk_tokens=...) default: one chunk's logits exist at a time
+TP_CHOICES = (1, 2, 4, 8)
+
+
+def norm_activations(T: int, H: int) -> float:
+    """RMSNorm (transformer.py) works in fp32 whatever the activation dtype: it keeps the fp32 input copy, 1/rms,
+    the fp32 normalized tensor and an fp32 copy of its weight; its output is saved by whoever consumes it."""
+    return 8 * T * H + 4 * T + 4 * H
+
+
+def attention_activations(T: int, H: int, heads: int, tp: int, b: int = 2) -> dict[str, float]:
+    """Bytes one attention sub-block saves (pre-norm RMSNorm, q/k/v/o projections, rotary, SDPA)."""
+    return {
+        "norm": norm_activations(T, H),
+        "qkv_input": b * T * H,  # the norm output, saved once by wq, wk, wv (full size on every TP rank)
+        "q_k_v": 3 * b * T * H / tp,  # rotated q, k and v saved by flash SDPA (rotary itself saves only cos/sin)
+        "attn_out": 2 * b * T * H / tp,  # SDPA output, and its (B, S, H) copy that wo saves
+        "softmax_lse": 4 * T * heads / tp,  # fp32 log-sum-exp per (head, position)
+    }
+
+
+def dense_ffn_activations(T: int, H: int, F: int, tp: int, b: int = 2) -> dict[str, float]:
+    """Bytes a dense SwiGLU sub-block saves (the first_k_dense layers); F split by TP."""
+    return {
+        "norm": norm_activations(T, H),
+        "ffn_input": b * T * H,
+        "hidden": 4 * b * T * F / tp,  # w1 out (silu's input), silu(w1 out), w3 out, their product (w2's input)
+    }
+
+
+def capacity(moe: MoEConfig, num_tokens: int, capacity_factor: Optional[float] = None) -> int:
+    """Slots per expert for ``num_tokens`` tokens: MoEConfig.capacity with ``capacity_factor`` (None: the
+    config's own factor; dropless when both are None, where the padded baseline uses C = T)."""
+    factor = capacity_factor if capacity_factor is not None else moe.capacity_factor
+    return replace(moe, capacity_factor=factor).capacity(num_tokens)
+
+
+def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False,
+                    capacity_factor: Optional[float] = None, imbalance: float = 1.0, kernel: str = "triton",
+                    b: int = 2) -> dict[str, float]:
+    """Bytes one MoE block saves for T tokens (T is already T/S under SSMB).
+
+    PFT: the dispatch and combine buffers are N*H each with N = T*K routed rows (the paper's
+    A_dispatch = A_combine = s*k*h*m), capped at E*C kept rows with a capacity factor; ``imbalance`` scales the
+    rows of the most loaded rank (1.0 = perfectly balanced). Padded (xmoe's GShard/DeepSpeed-MoE baseline):
+    E*C rows whatever the routing, plus the (T, E, C) dispatch and combine masks.
+    ``kernel``: "triton" experts save h1, h3 (a = silu(h1)*h3 is recomputed); "torch" (torch._grouped_mm or the
+    CPU loop) saves h1, silu(h1), h3 and their product.
+    """
+    if kernel not in ("triton", "torch"):
+        raise ValueError(f"kernel ({kernel!r}) must be 'triton' or 'torch'")
+    H, F, E, K = moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k
+    out: dict[str, float] = {
+        "norm": norm_activations(T, H),
+        # F.linear(x.float(), weight.float()) keeps fp32 copies of both (an fp32 input is saved as is: same
+        # bytes; an fp32 weight is the parameter itself: no copy), then the softmax output and the top-k ids
+        "router": 4 * T * H + (4 * E * H if b != 4 else 0) + 4 * T * E + INDEX_BYTES * T * K
+        + (4 * T * E if moe.z_loss_coef > 0 else 0),
+    }
+    C = capacity(moe, T, capacity_factor)
+    dropless = capacity_factor is None and moe.capacity_factor is None
+    if padded:
+        kept = min(T * K, E * C)
+        out["dispatch_masks"] = (b + 4) * T * E * C  # dispatch mask (activation dtype) + fp32 combine weights
+        out["dispatch_buffer"] = b * E * C * H  # x_ECH, saved by the expert bmm
+        out["expert_hidden"] = 4 * b * E * C * F  # the bmm path saves h1, silu(h1), h3, product
+        out["combine_buffer"] = 4 * E * C * H  # fp32 copy of the expert output, saved by the combine einsum
+        out["routing_indices"] = (INDEX_BYTES + 4) * T * K + 3 * INDEX_BYTES * kept  # ids, weights, index_put
+    else:
+        rows = (T * K if dropless else min(T * K, E * C)) * imbalance
+        hidden_tensors = 2 if kernel == "triton" else 4
+        out["dispatch_buffer"] = b * rows * H  # rows the experts read (received rows under EP)
+        out["expert_hidden"] = hidden_tensors * b * rows * F
+        out["combine_buffer"] = b * rows * H  # expert output rows (after the reverse all-to-all under EP)
+        regroup = 2 * INDEX_BYTES * rows if ep > 1 and E // ep > 1 else 0  # (source, expert) <-> expert-major
+        # row_of_slot (T, K) and weights (T, K); token and slot id per row; the EP regroup permutations
+        out["routing_indices"] = (INDEX_BYTES + 4) * T * K + 2 * INDEX_BYTES * rows + regroup
+    if moe.num_shared_experts:
+        Fs = moe.num_shared_experts * F
+        # input (one storage with the router's fp32 copy when activations are fp32) + 4 hidden tensors
+        out["shared_experts"] = (b * T * H if b != 4 else 0) + 4 * b * T * Fs
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Per-GPU bytes of one training setting; ``total`` is the predicted peak."""
+
+    name: str
+    parallel: ParallelConfig
+    micro_batch: int
+    seq_len: int
+    recompute: str
+    padded: bool
+    capacity_factor: Optional[float]
+    ssmb: bool
+    tokens: int  # T: tokens per rank per micro-batch
+    moe_tokens: int  # tokens the MoE block of this rank processes (T / S under SSMB)
+    dense_params: float  # parameters of this GPU's shard (counts, not bytes)
+    expert_params: float
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float  # saved over all layers, plus the final norm and the head's input
+    working: float  # transient peak on top of the saved activations
+    reserve: float
+    traffic: dict[str, float]  # bytes each GPU sends per micro-batch: ZeRO-3 collectives and expert all-to-alls
+    attention_layer: dict[str, float] = field(repr=False)
+    ffn_layer: dict[str, float] = field(repr=False)  # the MoE block (or the dense FFN for an all-dense model)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.gathered + self.activations + self.working
+                + self.reserve)
+
+    @property
+    def moe_layer_bytes(self) -> float:
+        return sum(self.ffn_layer.values())
+
+    def fits(self, gpu_mem_gib: float) -> bool:
+        return self.total <= gpu_mem_gib * GIB
+
+    def parts(self) -> dict[str, float]:
+        return {"parameters": self.params, "gradients": self.grads, "optimizer": self.optimizer,
+                "gathered": self.gathered, "activations": self.activations, "working": self.working,
+                "reserve": self.reserve}
+
+
+def _zero3_bytes(num_params: float, group: int) -> float:
+    """ZeRO-3 moves every weight three times per micro-batch (all-gather forward, all-gather backward,
+    reduce-scatter of the gradient); each GPU sends (G-1)/G of the unsharded bytes over a group of G."""
+    return 3 * PARAM_BYTES * num_params * (group - 1) / group
+
+
+def _validate(cfg: ModelConfig, par: ParallelConfig, micro_batch: int, seq_len: int, ssmb: bool) -> None:
+    """The checks a user can fail."""
+    world = par.world_size
+    node = par.gpus_per_node or world
+    if par.tp > node:
+        raise ValueError(f"tp ({par.tp}) must be <= gpus per node ({node}): TP needs the intra-node links")
+    if world > node and world % node:
+        raise ValueError(f"gpus ({world}) must be a multiple of gpus per node ({node}); use whole nodes")
+    if cfg.moe.num_experts % par.ep:
+        raise ValueError(f"ep ({par.ep}) must divide num_experts ({cfg.moe.num_experts})")
+    if cfg.num_heads % par.tp:
+        raise ValueError(f"tp ({par.tp}) must divide num_heads ({cfg.num_heads})")
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch ({micro_batch}) must be >= 1")
+    if not 0 < seq_len <= cfg.max_seq_len:
+        raise ValueError(f"seq_len ({seq_len}) must be in [1, max_seq_len={cfg.max_seq_len}]")
+    if ssmb and par.tp > 1 and (micro_batch * seq_len) % par.tp:
+        raise ValueError(f"SSMB splits micro_batch*seq ({micro_batch * seq_len}) tokens over tp ({par.tp}); "
+                         "make it divisible or pass --no-ssmb")
+
+
+def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int = 1,
+                    seq_len: Optional[int] = None, recompute: str = "none", padded: bool = False,
+                    capacity_factor: Optional[float] = None, ssmb: bool = True, imbalance: float = 1.0,
+                    kernel: str = "triton", act_bytes: int = 2, reserve_gib: float = 2.0,
+                    name: str = "") -> MemoryBreakdown:
+    """The per-GPU memory of training ``cfg`` under ``parallel`` (see the module docstring for the model)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE}")
+    if imbalance < 1.0:
+        raise ValueError(f"imbalance ({imbalance}) is max/mean rows per rank and must be >= 1")
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    _validate(cfg, parallel, micro_batch, seq_len, ssmb)
+    S, P, D, b = parallel.tp, parallel.ep, parallel.dp, act_bytes
+    H, L, V, moe = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.moe
+    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
+
+    # 1. parameters: TP split, then ZeRO-3 sharding (dense over dp_ep, experts over dp)
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    tp_split = parts["attention"] + parts["dense_ffn"] + parts["embedding"] + parts["head"]
+    replicated = parts["norms"] + parts["router"] + parts["shared_experts"]
+    dense_unsharded = tp_split / S + replicated
+    dense = dense_unsharded / (D * P)
+    experts = parts["routed_experts"] / P / D
+    local = dense + experts
+    # unsharded working set: this rank's biggest layer (dense part gathered over dp_ep, experts over dp), or
+    # the vocab-parallel embedding / head, whichever is larger
+    expert_layer = (moe.num_experts // P) * 3 * H * moe.ffn_hidden_size if D > 1 else 0
+    sharded_dense = D * P > 1
+    moe_layer = 4 * H * H / S + 2 * H + moe.num_experts * H + moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    dense_layer = 4 * H * H / S + 2 * H + 3 * H * cfg.ffn_hidden_size / S
+    biggest = max(
+        (moe_layer * sharded_dense + expert_layer) if n_moe else 0,
+        dense_layer * sharded_dense if n_dense else 0,
+        V * H / S * sharded_dense,
+    )
+    gathered = 3 * PARAM_BYTES * biggest  # two layers' weights in flight + one layer's unsharded gradient
+
+    # 2. activations per layer
+    T = micro_batch * seq_len
+    T_moe = T // S if ssmb and S > 1 else T
+    attn = attention_activations(T, H, cfg.num_heads, S, b)
+    moe_act = moe_activations(moe, T_moe, ep=P, padded=padded, capacity_factor=capacity_factor,
+                              imbalance=imbalance, kernel=kernel, b=b) if n_moe else {}
+    dense_act = dense_ffn_activations(T, H, cfg.ffn_hidden_size, S, b) if n_dense else {}
+    attn_sum, moe_sum, dense_sum = sum(attn.values()), sum(moe_act.values()), sum(dense_act.values())
+    if recompute == "none":
+        saved = n_moe * (attn_sum + moe_sum) + n_dense * (attn_sum + dense_sum)
+        regen = 0.0
+    elif recompute == "moe":
+        saved = n_moe * (attn_sum + b * T_moe * H) + n_dense * (attn_sum + dense_sum)
+        regen = moe_sum
+    else:
+        saved = L * b * T * H
+        regen = attn_sum + max(moe_sum, dense_sum)
+    saved += norm_activations(T, H) + b * T * H  # final norm, head input
+    layer_max = attn_sum + max(moe_sum, dense_sum)
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V / S  # bf16 logits, fp32 log-softmax, their gradients
+    working = max(layer_max + regen, loss_chunk)
+
+    rows = moe_act.get("dispatch_buffer", 0.0) / b / H  # rows a rank computes (E*C when padded)
+    traffic = {
+        "zero3_dense": _zero3_bytes(dense_unsharded, D * P),
+        "zero3_experts": _zero3_bytes(parts["routed_experts"] / P, D),
+        # dispatch + combine, forward and backward; (P-1)/P of the rows leave the GPU
+        "all_to_all": 4 * n_moe * rows * H * b * (P - 1) / P,
+    }
+    notes = []
+    if S > 1 and not ssmb:
+        notes.append(f"without SSMB all {S} TP ranks run the MoE block on the same {T} tokens")
+    if imbalance == 1.0 and not padded:
+        notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
+    return MemoryBreakdown(
+        name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+        padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and S > 1, tokens=T, moe_tokens=T_moe,
+        dense_params=dense, expert_params=experts, params=PARAM_BYTES * local, grads=GRAD_BYTES * local,
+        optimizer=ADAM_BYTES * local, gathered=gathered, activations=saved, working=working,
+        reserve=reserve_gib * GIB, traffic=traffic, attention_layer=attn, ffn_layer=moe_act or dense_act,
+        notes=tuple(notes),
+    )
+
+
+def ep_group_nodes(parallel: ParallelConfig) -> int:
+    """How many nodes the EP group of rank 0 spans (pure layout arithmetic through ParallelDims)."""
+    world = parallel.world_size
+    with warnings.catch_warnings():  # straddling warnings are the planner's business to report, not to raise
+        warnings.simplefilter("ignore")
+        dims = ParallelDims(parallel.dp, parallel.ep, parallel.tp, world, parallel.gpus_per_node or world,
+                            parallel.placement)
+    return len(dims.nodes_of_group("ep", 0))
+
+
+def _preference(m: MemoryBreakdown) -> tuple:
+    """The search's order: fewest memory-saving tricks (recompute, then TP), then the largest micro-batch, then
+    the least traffic per GPU per micro-batch (ZeRO-3 collectives + expert all-to-alls: a small EP makes every
+    GPU all-gather E/EP experts' weights each pass, a large EP moves rows instead), then EP inside a node."""
+    par = m.parallel
+    node = par.gpus_per_node or par.world_size
+    return (RECOMPUTE.index(m.recompute), par.tp, -m.micro_batch, round(sum(m.traffic.values()) / 1e6),
+            par.ep * par.tp > node)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_layouts(cfg: ModelConfig, gpus: int, gpu_mem_gib: float, *, gpus_per_node: int = 8,
+                   tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
+                   micro_batch: Optional[int] = None, recompute: Optional[str] = None,
+                   max_micro_batch: int = 8, placement: str = "ep_first", **kwargs) -> list[MemoryBreakdown]:
+    """Every layout that the given options allow, feasible ones first in order of preference, then the rest
+    by total memory. Options left as None are searched: tp in {1,2,4,8} (<= node, dividing gpus and heads),
+    ep among the divisors of E that divide gpus / tp, dp = the rest, micro-batch 1, 2, 4, ... up to
+    ``max_micro_batch``, recompute none / moe / full. Placement is EP-first when EP*TP fits in a node.
+    ``kwargs`` go to estimate_memory (padded, capacity_factor, ssmb, seq_len, imbalance, ...)."""
+    if gpus < 1:
+        raise ValueError(f"gpus ({gpus}) must be >= 1")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus per node ({gpus_per_node}) must be >= 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"gpus ({gpus}) must be a multiple of gpus per node ({gpus_per_node}); use whole nodes")
+    if tp is not None and tp > gpus_per_node:
+        raise ValueError(f"tp ({tp}) must be <= gpus per node ({gpus_per_node}): TP needs the intra-node links")
+    for label, value in (("tp", tp), ("ep", ep), ("dp", dp)):
+        if value is not None and (value < 1 or gpus % value):
+            raise ValueError(f"{label} ({value}) must divide gpus ({gpus})")
+    given = [v for v in (tp, ep, dp) if v is not None]
+    if (len(given) == 3 and tp * ep * dp != gpus) or gpus % math.prod(given):
+        raise ValueError(f"tp * ep * dp = {'*'.join(map(str, given))} = {math.prod(given)} must equal (or, with one "
+                         f"left to search, divide) gpus ({gpus})")
+    tps = [tp] if tp else [t for t in TP_CHOICES if t <= gpus_per_node and not gpus % t and not cfg.num_heads % t]
+    if max_micro_batch < 1:
+        raise ValueError(f"max_micro_batch ({max_micro_batch}) must be >= 1")
+    mbs = [micro_batch] if micro_batch else [2**i for i in range(max_micro_batch.bit_length())]
+    recs = [recompute] if recompute else list(RECOMPUTE)
+    results, errors = [], []
+    for t in tps:
+        eps = [ep] if ep else [e for e in _divisors(cfg.moe.num_experts) if (gpus // t) % e == 0]
+        for e in eps:
+            if gpus % (t * e) or (dp is not None and dp * t * e != gpus):
+                continue
+            d = gpus // (t * e)
+            place = "ep_first" if e * t <= gpus_per_node else placement
+            par = ParallelConfig(dp=d, ep=e, tp=t, gpus_per_node=gpus_per_node, placement=place)
+            for rec in recs:
+                for mb in mbs:
+                    try:
+                        results.append(estimate_memory(cfg, par, micro_batch=mb, recompute=rec, **kwargs))
+                    except ValueError as exc:  # e.g. tokens not divisible by tp under SSMB: skip the layout
+                        errors.append(str(exc))
+    if not results:
+        why = f" (last reason: {errors[-1]})" if errors else ""
+        raise ValueError(f"no layout of {gpus} GPUs satisfies tp={tp}, ep={ep}, dp={dp} for this model "
+                         f"({cfg.moe.num_experts} experts, {cfg.num_heads} heads){why}")
+    feasible = sorted((m for m in results if m.fits(gpu_mem_gib)), key=_preference)
+    infeasible = sorted((m for m in results if not m.fits(gpu_mem_gib)), key=lambda m: m.total)
+    return feasible + infeasible

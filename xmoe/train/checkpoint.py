@@ -1,0 +1,560 @@
+"""Atomic, sharded checkpoints through torch.distributed.checkpoint (DCP).
+
+Layout under the run directory OUT::
+
+    OUT/checkpoints/step_000100/      one complete checkpoint
+        .metadata, __<rank>_0.distcp  DCP files: model + optimizer, each rank writes its own shards
+        rank_00000.pt ...             per-rank extra state (data loader, LR scheduler, RNG states)
+        meta.json                     step, config, versions, world size, every file's size and crc32
+        COMPLETE                      written last; a directory without it is never loaded
+    OUT/checkpoints/latest            name of the newest checkpoint written (replaced atomically)
+
+Save protocol (why each step exists):
+  1. rank 0 removes ``*.tmp-*`` leftovers of crashed saves and creates ``step_XXXXXX.tmp-<random>``;
+     the name is broadcast so every rank writes into the same directory (a shared filesystem is assumed).
+  2. every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards.
+  3. ranks checksum the files round-robin (so a big checkpoint is read once, in parallel) and rank 0
+     writes meta.json, then COMPLETE, then renames the directory to its final name, then repoints
+     ``latest`` (tmp file + os.replace), then prunes to ``keep_last``. Renames are atomic, so a crash at
+     any point leaves either the old state or the new one, never a directory that looks complete.
+  4. rank 0 broadcasts success or its error, so all ranks return or raise together (no hang).
+
+Every failure a rank can hit is turned into the same ``CheckpointError`` on all ranks. Model and optimizer
+state go through ``get_state_dict`` / ``set_state_dict``, so plain modules, DDP, FSDP2 and torch.compile'd
+modules share one key space and a checkpoint can be reloaded under a different wrapper or world size.
+Per-rank extra state is loaded with ``torch.load(weights_only=True)``: keep it to tensors, numbers,
+strings, None and dicts/lists/tuples of those (LR scheduler and data-loader state dicts are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import secrets
+import shutil
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from xmoe import __version__
+
+CKPT_SUBDIR = "checkpoints"
+LATEST = "latest"
+META = "meta.json"
+COMPLETE = "COMPLETE"
+FORMAT = "xmoe-checkpoint-v1"
+_TMP = ".tmp-"
+_CHUNK = 8 << 20  # crc32 read size: large enough that Python overhead is negligible
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read (incomplete, corrupt, or a rank failed during save)."""
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    _, world = _rank_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    if _rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agree(exc: Optional[BaseException], what: str) -> None:
+    """Collective: raise the same CheckpointError on every rank if any rank failed."""
+    errors = _all_gather(None if exc is None else f"{type(exc).__name__}: {exc}")
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(
+            f"{what} failed on rank {rank} ({len(failed)} rank(s) failed): {message}"
+        ) from exc
+
+
+@contextlib.contextmanager
+def _dcp_quietly():
+    """DCP warns that it 'assumes a single process' when no group exists; that is our intent there."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    # Make a rename durable: the directory entry itself must reach the disk (some network FSs refuse).
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write via a temp file + fsync + os.replace so a reader sees the old or the new content only."""
+    tmp = path.with_name(f"{path.name}{_TMP}{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _step_of(path: Path) -> Optional[int]:
+    name = path.name
+    if not name.startswith("step_") or _TMP in name:
+        return None
+    try:
+        return int(name[len("step_") :])
+    except ValueError:
+        return None
+
+
+def _ckpt_root(out_dir: Path) -> Path:
+    # Accept the run directory OUT or OUT/checkpoints itself.
+    if out_dir.name == CKPT_SUBDIR or not (out_dir / CKPT_SUBDIR).is_dir():
+        return out_dir
+    return out_dir / CKPT_SUBDIR
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = [(_step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((s, p) for s, p in found if s is not None and (p / COMPLETE).is_file())
+
+
+def _discard(path: Path) -> None:
+    """Rename out of the way first (atomic), then delete: a half-deleted checkpoint never looks complete."""
+    doomed = path.with_name(f"{path.name}{_TMP}del-{secrets.token_hex(4)}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _suggest_previous(ckpt: Path) -> str:
+    step = _step_of(ckpt)
+    older = [p for s, p in _complete_checkpoints(ckpt.parent) if p != ckpt and (step is None or s < step)]
+    if older:
+        return f"Load the previous complete checkpoint instead: {older[-1]}"
+    return f"No older complete checkpoint exists in {ckpt.parent}."
+
+
+# ------------------------------------------------------------------------------------------ RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of python ``random``, numpy's global generator, torch CPU and the current CUDA device."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch_cpu": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        # Plain ints/lists so torch.load(weights_only=True) accepts it.
+        state["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    except ImportError:
+        pass
+    # Only the current device: get_rng_state_all() would create a CUDA context on every visible GPU.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`; generators missing from ``state`` are left untouched."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch_cpu" in state:
+        torch.set_rng_state(state["torch_cpu"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------ public API
+
+
+def find_latest(out_dir: str | os.PathLike) -> Optional[Path]:
+    """Newest complete checkpoint under ``out_dir`` (the run dir or its ``checkpoints/``), or None.
+
+    The ``latest`` pointer wins when it names a complete checkpoint (after resuming from an older step it
+    names the new timeline, not stale higher-numbered dirs); otherwise the highest complete step.
+    Directories without COMPLETE and ``.tmp-`` directories are ignored.
+    """
+    root = _ckpt_root(Path(out_dir))
+    pointer = root / LATEST
+    try:
+        target = root / pointer.read_text().strip()
+        if _step_of(target) is not None and (target / COMPLETE).is_file():
+            return target
+    except (OSError, ValueError):
+        pass
+    complete = _complete_checkpoints(root)
+    return complete[-1][1] if complete else None
+
+
+def save_checkpoint(
+    out_dir: str | os.PathLike,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    extra: Optional[dict[str, Any]] = None,
+    keep_last: int = 2,
+    *,
+    config: Any = None,
+    checksum: bool = True,
+) -> Path:
+    """Collective (all ranks call it): write ``OUT/checkpoints/step_{step:06d}`` atomically; return its path.
+
+    ``extra`` is this rank's small state (data loader, LR scheduler, ...); RNG states are captured
+    automatically. ``config`` (a dataclass or dict) is stored in meta.json. After success only the
+    ``keep_last`` newest checkpoints with step <= ``step`` remain (checkpoints with a higher step, left by
+    an abandoned timeline, are not deleted). On failure no existing checkpoint is touched and every rank
+    raises CheckpointError.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last ({keep_last}) must be >= 1")
+    if step < 0:
+        raise ValueError(f"step ({step}) must be >= 0")
+    rank, world = _rank_world()
+    root = Path(out_dir) / CKPT_SUBDIR
+    final = root / f"step_{step:06d}"
+
+    # 1. rank 0 prepares a fresh temp dir; everyone learns its name (or rank 0's error).
+    tmp, exc = None, None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for leftover in root.iterdir():
+                if _TMP in leftover.name:  # a crashed save's dir or pointer file; nothing references it
+                    if leftover.is_dir():
+                        shutil.rmtree(leftover, ignore_errors=True)
+                    else:
+                        leftover.unlink(missing_ok=True)
+            tmp = root / f"{final.name}{_TMP}{secrets.token_hex(4)}"
+            tmp.mkdir()
+        except OSError as e:
+            exc = e
+    tmp = _broadcast(tmp)
+    _agree(exc, f"preparing checkpoint dir in {root}")
+
+    try:
+        # 2. per-rank extra state, then the sharded model + optimizer.
+        exc, state, prints = None, None, None
+        try:
+            blob = {"rank": rank, "extra": dict(extra or {}), "rng": capture_rng_state()}
+            with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:
+                torch.save(blob, f)
+                f.flush()
+                os.fsync(f.fileno())
+            state = _state_dicts(model, optimizer)
+            prints = _fingerprints(state) if world > 1 else {}
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+            exc = e
+        _agree(exc, f"writing checkpoint {tmp}")
+        _warn_unsynced_replicas(prints)
+        try:
+            with _dcp_quietly():
+                dcp.save(state, checkpoint_id=str(tmp))
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+            exc = e
+        _agree(exc, f"writing checkpoint {tmp}")
+
+        # 3. sizes + checksums, split round-robin over ranks. Rank 0 lists the files so that every rank
+        # works from the same list even where a shared filesystem shows new files to ranks at different times.
+        exc, entries = None, {}
+        try:
+            names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.is_file()) if rank == 0 else None)
+            for name in names[rank::world]:
+                entries[name] = {"size": (tmp / name).stat().st_size}
+                if checksum:
+                    entries[name]["crc32"] = _crc32(tmp / name)
+        except OSError as e:
+            exc = e
+        gathered = _all_gather(entries)
+        _agree(exc, f"checksumming checkpoint {tmp}")
+
+        # 4. rank 0 publishes; its outcome is broadcast so no rank waits forever on a failed rank 0.
+        exc, error = None, None
+        if rank == 0:
+            try:
+                files = {k: v for part in gathered for k, v in part.items()}
+                meta = {
+                    "format": FORMAT,
+                    "step": step,
+                    "world_size": world,
+                    "has_optimizer": optimizer is not None,
+                    "xmoe_version": __version__,
+                    "torch_version": torch.__version__,
+                    "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
+                    "files": files,
+                }
+                _write_text(tmp / META, json.dumps(meta, indent=1, default=str))
+                _write_text(tmp / COMPLETE, f"{step}\n")
+                _publish(tmp, final)
+            except Exception as e:  # noqa: BLE001 - broadcast to all ranks below
+                exc, error = e, f"{type(e).__name__}: {e}"
+        error = _broadcast(error)
+        if error is not None:
+            raise CheckpointError(f"publishing checkpoint {final} failed on rank 0: {error}") from exc
+    except BaseException:
+        if rank == 0 and tmp.exists():
+            try:
+                _discard(tmp)
+            except OSError:
+                pass  # left behind as a .tmp- dir: ignored by loads, removed by the next save
+        raise
+
+    # 5. The checkpoint is durable now; pointer and pruning failures only warn (find_latest falls back to
+    # scanning, and a failed prune leaves an extra good checkpoint rather than losing one).
+    if rank == 0:
+        try:
+            _write_text(root / LATEST, final.name + "\n")
+            _prune(root, step, final, keep_last)
+        except OSError as e:
+            warnings.warn(f"checkpoint {final} is saved, but updating '{LATEST}' or pruning failed: {e}")
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename tmp -> final. A same-step checkpoint (re-saved after resuming earlier) is swapped out."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}{_TMP}old-{secrets.token_hex(4)}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _prune(root: Path, step: int, keep: Path, keep_last: int) -> None:
+    older = [p for s, p in _complete_checkpoints(root) if s < step and p != keep]
+    for path in older[: max(0, len(older) - (keep_last - 1))]:
+        _discard(path)
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _fingerprints(state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], float]]:
+    """Shape and float64 sum of every plain (non-DTensor) tensor in the model / optimizer state."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = dict(state["model"])
+    for fqn, per_param in state.get("optim", {}).get("state", {}).items():
+        tensors.update({f"optim.{fqn}.{k}": v for k, v in per_param.items()})
+    plain = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)}
+    sums = [v.detach().sum(dtype=torch.float64).cpu() for v in plain.values()]
+    return {k: (tuple(v.shape), float(x)) for (k, v), x in zip(plain.items(), sums)}
+
+
+def _warn_unsynced_replicas(prints: dict[str, tuple[tuple[int, ...], float]]) -> None:
+    """Collective. DCP stores a plain tensor once, from one rank, assuming every rank holds the same copy.
+    Weights sharded by hand (e.g. expert-parallel experts kept as local nn.Parameters) would silently
+    lose all other ranks' values, so say so loudly."""
+    if _rank_world()[1] == 1:
+        return
+    reference, *others = _all_gather(prints)
+    differ = sorted({
+        k for other in others for k, (shape, total) in other.items()
+        if k in reference and (reference[k][0] != shape or not _same(reference[k][1], total))
+    })
+    if differ:
+        warnings.warn(
+            f"{len(differ)} plain (non-DTensor) tensors differ across ranks, e.g. {', '.join(differ[:4])}; "
+            "DCP saves one rank's copy of each and every rank reloads that copy. Keep sharded weights as "
+            "DTensors (FSDP2, distribute_tensor) and replicated ones identical."
+        )
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)  # NaN sums compare equal to each other
+
+
+def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of a complete checkpoint dir; CheckpointError if it is incomplete or unreadable."""
+    ckpt = Path(ckpt)
+    if _TMP in ckpt.name:
+        raise CheckpointError(f"{ckpt} is the temporary dir of an unfinished save. {_suggest_previous(ckpt)}")
+    if not (ckpt / COMPLETE).is_file():
+        raise CheckpointError(
+            f"checkpoint {ckpt} is incomplete (no {COMPLETE} marker: the save was interrupted). "
+            f"{_suggest_previous(ckpt)}"
+        )
+    try:
+        meta = json.loads((ckpt / META).read_text())
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+            raise ValueError(f"not an {FORMAT} meta.json")
+        int(meta["step"]), int(meta["world_size"]), bool(meta["has_optimizer"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint {ckpt} has a missing or corrupt {META} ({type(e).__name__}: {e}). {_suggest_previous(ckpt)}"
+        ) from e
+    return meta
+
+
+def _verify_files(ckpt: Path, meta: dict[str, Any], checksums: bool) -> None:
+    """Collective: sizes on every rank (cheap), checksums split round-robin; same error everywhere."""
+    rank, world = _rank_world()
+    problems = []
+    names = sorted(meta["files"])
+    for i, name in enumerate(names):
+        want = meta["files"][name]
+        path = ckpt / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != want.get("size"):
+            size = path.stat().st_size
+            problems.append(f"{name} has {size} bytes, expected {want.get('size')} (truncated?)")
+        elif checksums and "crc32" in want and i % world == rank and _crc32(path) != want["crc32"]:
+            problems.append(f"{name} fails its crc32 check (content corrupted)")
+    problems = sorted({p for part in _all_gather(problems) for p in part})
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}"
+        )
+
+
+def _check_compatible(ckpt: Path, state: dict[str, Any]) -> None:
+    """Compare tensor keys and global shapes with the DCP metadata; ValueError naming the first offenders."""
+    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    wanted: dict[str, Any] = {f"model.{k}": v for k, v in state["model"].items()}
+    for fqn, per_param in state.get("optim", {}).get("state", {}).items():
+        wanted.update({f"optim.state.{fqn}.{k}": v for k, v in per_param.items()})
+    prefixes = ("model.", "optim.state.") if "optim" in state else ("model.",)
+    missing = [k for k in wanted if k not in stored]
+    unexpected = [k for k in stored if k.startswith(prefixes) and k not in wanted]
+    mismatched = []
+    for k, v in wanted.items():
+        size = getattr(stored.get(k), "size", None)
+        if isinstance(v, torch.Tensor) and size is not None and tuple(v.shape) != tuple(size):
+            mismatched.append(f"{k}: model {list(v.shape)} vs checkpoint {list(size)}")
+    if missing or unexpected or mismatched:
+        parts = []
+        if mismatched:
+            parts.append(f"shape mismatch: {', '.join(mismatched[:5])}")
+        if missing:
+            parts.append(f"missing from checkpoint: {', '.join(missing[:5])}")
+        if unexpected:
+            parts.append(f"not in model: {', '.join(unexpected[:5])}")
+        raise ValueError(
+            f"model/optimizer do not match checkpoint {ckpt} ({len(mismatched)} shape mismatches, "
+            f"{len(missing)} missing, {len(unexpected)} unexpected keys): {'; '.join(parts)}. "
+            "Build the model with the config stored in its meta.json."
+        )
+
+
+def load_checkpoint(
+    path_or_out_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    verify: bool = True,
+    restore_rng: bool = True,
+    restore_extra: bool = True,
+) -> dict[str, Any]:
+    """Collective: load a checkpoint dir, or the latest one under a run dir, into model (+ optimizer).
+
+    Returns this rank's ``extra`` dict as saved, with ``"step"`` set from meta.json if absent, and
+    restores the RNG states (``restore_rng``). ``verify`` checks every file's crc32 (sizes are always
+    checked). The world size may differ from the one that saved (DCP reshards model + optimizer) only with
+    ``restore_extra=False`` (per-rank extra state cannot be remapped); then ``{"step": step}`` is returned.
+    Raises FileNotFoundError (nothing there), CheckpointError (incomplete/corrupt), ValueError (mismatch).
+    """
+    path = Path(path_or_out_dir)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if _step_of(path) is None and _TMP not in path.name and not (path / META).exists():
+        root = _ckpt_root(path)
+        found = find_latest(path)
+        if found is None:
+            raise FileNotFoundError(
+                f"no complete checkpoint under {root} (dirs without {COMPLETE} are ignored)"
+            )
+        path = found
+    meta = read_meta(path)
+    _verify_files(path, meta, verify)
+    rank, world = _rank_world()
+    if restore_extra and meta["world_size"] != world:
+        raise ValueError(
+            f"checkpoint {path} was saved by {meta['world_size']} ranks, this run has {world}: per-rank state "
+            "(data loader, RNG) cannot be remapped; pass restore_extra=False to load only model + optimizer"
+        )
+    if optimizer is not None and not meta["has_optimizer"]:
+        raise ValueError(f"checkpoint {path} holds no optimizer state; pass optimizer=None")
+
+    state = _state_dicts(model, optimizer)
+    _check_compatible(path, state)
+    try:
+        with _dcp_quietly():
+            dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001 - DCP raises many types; name the dir and the way out
+        raise CheckpointError(
+            f"reading checkpoint {path} failed ({type(e).__name__}: {e}). {_suggest_previous(path)}"
+        ) from e
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    if not restore_extra:
+        return {"step": meta["step"]}
+    try:
+        blob = torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+        raise CheckpointError(
+            f"extra state rank_{rank:05d}.pt in {path} is unreadable ({e}). {_suggest_previous(path)}"
+        ) from e
+    if restore_rng:
+        restore_rng_state(blob["rng"])
+    extra = blob["extra"]
+    extra.setdefault("step", meta["step"])
+    return extra

@@ -1,0 +1,379 @@
+"""Training metrics: FLOP accounting, MFU, memory, expert load imbalance, and the run logger.
+
+FLOP accounting (the one place it is defined)
+---------------------------------------------
+# B sequences, s seq len, N = B*s tokens, H hidden, L layers (L_moe MoE + L_dense dense), V vocab,
+# n_h heads, n_kv key/value heads, d_h head dim, E experts, k top-k, F expert ffn, F_d dense ffn,
+# S shared experts, R token-expert rows the routed experts actually processed (all MoE layers summed).
+
+One multiply-accumulate (MAC) is 2 FLOPs; a training step is 3 x the forward FLOPs (the backward pass costs
+2 x forward: gradients w.r.t. activations and w.r.t. weights). Only matmuls count: norms, softmax,
+activations, RoPE, top-k selection and the optimizer are ignored, and activation recomputation is not
+counted (model FLOPs, the MFU convention).
+
+(a) xmoe's formula, forward MACs of one step:
+    attention projections  N * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H)
+    attention QK^T and PV  L * B * n_h * 2 d_h * s (s + 1) / 2     causal: only the s(s+1)/2 (query, key) pairs
+                                                                   with key <= query are counted, not s^2
+    dense FFN (SwiGLU)     N * L_dense * 3 H F_d                   gate, up and down matrices
+    router                 N * L_moe * H E
+    shared experts         N * L_moe * S * 3 H F
+    routed experts         R * 3 H F                               R excludes dropped slots; dropless R = N L_moe k
+    LM head                N * V H                                 the embedding lookup is free
+    training FLOPs = 2 * 3 * MACs
+
+(b) the paper's formula, kept only to compare with its reported numbers:
+    forward MACs = L * B s (4 H^2 + 2 d_h n_h s + 2 F H k) + B V H s
+    TFLOP/s      = 2 * 3 * MACs / (time * GPUs) / 1e12
+    It counts full (non-causal) attention, two expert matrices instead of SwiGLU's three, every layer as
+    a top-k MoE layer, and no router / shared experts / dense layers / drops, so (a) and (b) differ.
+
+Per-GPU throughput: pass the global token and row counts of the step and divide by time * GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+import torch
+
+__all__ = [
+    "FlopDims",
+    "MetricsLogger",
+    "forward_macs",
+    "format_progress",
+    "load_imbalance",
+    "mfu",
+    "paper_train_flops",
+    "peak_flops",
+    "peak_memory_bytes",
+    "train_flops",
+]
+
+
+@dataclass
+class FlopDims:
+    """Model dimensions the FLOP formulas need; ``head_dim`` 0 means H / n_h, ``num_kv_heads`` 0 means n_h."""
+
+    hidden_size: int
+    num_layers: int
+    num_moe_layers: int
+    num_heads: int
+    vocab_size: int
+    seq_len: int
+    num_experts: int
+    top_k: int
+    expert_ffn_size: int
+    dense_ffn_size: int
+    num_shared_experts: int = 0
+    head_dim: int = 0
+    num_kv_heads: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_moe_layers <= self.num_layers:
+            raise ValueError(f"num_moe_layers ({self.num_moe_layers}) must be in [0, num_layers={self.num_layers}]")
+        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
+        self.num_kv_heads = self.num_kv_heads or self.num_heads
+
+    @classmethod
+    def from_model_config(cls, model: Any, seq_len: int) -> "FlopDims":
+        """From an ``xmoe.config.ModelConfig`` (duck-typed, so this module imports no model code)."""
+        return cls(
+            hidden_size=model.hidden_size,
+            num_layers=model.num_layers,
+            num_moe_layers=model.num_layers - model.first_k_dense,
+            num_heads=model.num_heads,
+            vocab_size=model.vocab_size,
+            seq_len=seq_len,
+            num_experts=model.moe.num_experts,
+            top_k=model.moe.top_k,
+            expert_ffn_size=model.moe.ffn_hidden_size,
+            dense_ffn_size=model.ffn_hidden_size,
+            num_shared_experts=model.moe.num_shared_experts,
+        )
+
+
+def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> dict[str, int]:
+    """Forward multiply-accumulates of one step by component, formula (a) above. Integers, exact."""
+    H, s, n = d.hidden_size, d.seq_len, num_sequences * d.seq_len
+    num_dense = d.num_layers - d.num_moe_layers
+    if routed_rows is None:  # dropless: every token reaches its k experts in every MoE layer
+        routed_rows = n * d.num_moe_layers * d.top_k
+    return {
+        "attn_proj": n * d.num_layers * H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads),
+        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
+        "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
+        "router": n * d.num_moe_layers * H * d.num_experts,
+        "shared_experts": n * d.num_moe_layers * d.num_shared_experts * 3 * H * d.expert_ffn_size,
+        "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
+        "lm_head": n * d.vocab_size * H,
+    }
+
+
+def train_flops(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> int:
+    """Training FLOPs of one step (forward + backward), xmoe's formula (a)."""
+    return 2 * 3 * sum(forward_macs(d, num_sequences, routed_rows).values())
+
+
+def paper_train_flops(d: FlopDims, num_sequences: int) -> int:
+    """Training FLOPs of one step under the paper's formula (b); divide by time * GPUs for TFLOP/s."""
+    H, s, B = d.hidden_size, d.seq_len, num_sequences
+    per_layer = B * s * (4 * H * H + 2 * d.head_dim * d.num_heads * s + 2 * d.expert_ffn_size * H * d.top_k)
+    return 2 * 3 * (d.num_layers * per_layer + B * d.vocab_size * H * s)
+
+
+# Dense bf16 tensor-core peaks in TFLOP/s (no sparsity). First case-insensitive substring match of
+# torch.cuda.get_device_name() wins, so the PCIe H100 entry must precede the generic (SXM) one.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("MI250X", 191.5),  # per GCD; ROCm shows each GCD as one device
+    ("MI300X", 1307.0),
+)
+
+
+def peak_flops(device: Optional[torch.device | str | int] = None) -> Optional[float]:
+    """Peak dense bf16 FLOP/s of a CUDA/ROCm device from the table above; None on CPU or unknown GPUs."""
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS if key.lower() in name), None)
+
+
+def mfu(flops_per_s_per_gpu: float, device: Optional[torch.device | str | int] = None) -> Optional[float]:
+    """Model FLOPs utilisation = achieved / peak, or None when the peak is unknown."""
+    peak = peak_flops(device)
+    return None if peak is None else flops_per_s_per_gpu / peak
+
+
+def peak_memory_bytes(device: torch.device | str | int = "cpu") -> int:
+    """CUDA: torch.cuda.max_memory_allocated (tensors only, not the caching allocator's reserve).
+    CPU: the peak resident set size of the whole process (ru_maxrss), which includes Python and libraries."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource  # POSIX only, hence the local import
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def load_imbalance(tokens_per_expert: torch.Tensor) -> float:
+    """max / mean of tokens per expert (1.0 = perfectly balanced). For a [..., E] tensor, the worst row.
+    All-zero counts (no tokens routed) return 1.0 rather than NaN, so logs stay valid JSON."""
+    counts = tokens_per_expert.detach().float().reshape(-1, tokens_per_expert.shape[-1])
+    mean = counts.mean(dim=-1)
+    ratio = torch.where(mean > 0, counts.amax(dim=-1) / mean.clamp_min(1e-30), torch.ones_like(mean))
+    return float(ratio.max())
+
+
+# ---------------------------------------------------------------------------------------------- logger
+
+
+def _si(x: float) -> str:
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.1f}{suffix}"
+    return f"{x:.0f}"
+
+
+# Canonical keys, in display order. Other keys are logged and shown as "key value".
+_FORMATS = {
+    "loss": lambda v: f"loss {v:.3f}",
+    "aux_loss": lambda v: f"aux {v:.3f}",
+    "lr": lambda v: f"lr {v:.1e}",
+    "grad_norm": lambda v: f"gnorm {v:.2f}",
+    "tokens_per_s": lambda v: f"{_si(v)} tok/s",
+    "tflops": lambda v: f"{v:.2f} TFLOP/s",
+    "paper_tflops": lambda v: f"paper {v:.2f} TFLOP/s",
+    "mfu": lambda v: f"MFU {100 * v:.1f}%",
+    "mem_bytes": lambda v: f"mem {v / 2**30:.1f} GiB",
+    "imbalance": lambda v: f"imbalance {v:.2f}",
+}
+
+
+def format_progress(step: int, total_steps: int, values: dict[str, Any]) -> str:
+    """``step 40/300 | loss 3.214 | aux 0.010 | lr 2.9e-03 | 12.3k tok/s | ...`` (None values skipped)."""
+    parts = [f"step {step}/{total_steps}"]
+    parts += [fmt(values[k]) for k, fmt in _FORMATS.items() if values.get(k) is not None]
+    for k, v in values.items():
+        if k not in _FORMATS and k not in ("step", "elapsed_s") and v is not None:
+            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    return " | ".join(parts)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly scalars: 0-d tensors and numpy scalars become Python numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if hasattr(value, "item") and not isinstance(value, (int, float, str)):
+        return value.item()
+    return value
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Rank 0 appends one JSON line per ``log`` to ``out_dir/metrics.jsonl`` and shows progress.
+
+    Keys: ``step``, the values passed (canonical: loss, aux_loss, lr, grad_norm, tokens_per_s, tflops,
+    paper_tflops, mfu, mem_bytes, imbalance; TFLOP/s per GPU) and ``elapsed_s`` (training wall time,
+    cumulative across resumes). Each line is flushed, so a crash loses nothing already logged. Progress is
+    a tqdm bar when stderr is a TTY, else one plain line per ``log`` on ``stream`` (stdout). Other ranks do
+    nothing. Values may be floats, ints, None, 0-d tensors (each costs a host sync) or numpy scalars.
+
+    Resume: pass ``resume_step``; the file is rewritten atomically keeping only records with
+    step <= resume_step (later ones came from the interrupted run and will be logged again), and so is a
+    torn last line. Without ``resume_step`` an existing file is replaced: a new run starts a new log.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        rank: int,
+        total_steps: int,
+        tensorboard: bool = False,
+        *,
+        resume_step: Optional[int] = None,
+        stream: Optional[TextIO] = None,
+        progress_bar: Optional[bool] = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.active = rank == 0
+        self.total_steps = total_steps
+        self.path = self.out_dir / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        self._stream = stream
+        self._t0 = time.perf_counter()
+        self._offset = 0.0
+        self._first_new = 0  # index of this process's first record: its timing includes start-up
+        self._bar = self._tb = self._file = None
+        if not self.active:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            self.records = [r for r in self._read() if r["step"] <= resume_step]
+            if self.records:
+                self._offset = float(self.records[-1].get("elapsed_s", 0.0))
+        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self._first_new = len(self.records)
+        self._file = open(self.path, "a")
+        if progress_bar if progress_bar is not None else sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+            except ImportError as e:
+                warnings.warn(
+                    f"tensorboard=True but TensorBoard is unavailable ({e}); install it with "
+                    "`pip install tensorboard`. Continuing with metrics.jsonl only."
+                )
+
+    def _read(self) -> list[dict[str, Any]]:
+        records = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the crash we are resuming from
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+        return records
+
+    def log(self, step: int, **values: Any) -> None:
+        if not self.active:
+            return
+        record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
+        record["elapsed_s"] = round(self._offset + time.perf_counter() - self._t0, 3)
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        line = format_progress(step, self.total_steps, record)
+        if self._bar is not None:
+            self._bar.update(max(0, step - self._bar.n))
+            self._bar.set_postfix_str(line.split(" | ", 1)[-1], refresh=True)
+        else:
+            print(line, file=self._stream or sys.stdout, flush=True)
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+
+    def finish(
+        self,
+        *,
+        floor: Optional[float] = None,
+        baseline: Optional[float] = None,
+        references: Optional[dict[str, float]] = None,
+    ) -> dict[str, Any]:
+        """Print a summary, write ``summary.json`` and ``loss.png`` (loss vs step over the whole run, with
+        dashed lines for ``floor`` (entropy rate), ``baseline`` (unigram entropy) and any ``references``).
+        Means of tokens/s, TFLOP/s and MFU skip this process's first record (it includes start-up time)."""
+        if not self.active:
+            return {}
+        for handle in (self._bar, self._tb, self._file):
+            if handle is not None:
+                handle.close()
+        losses = [(r["step"], r["loss"]) for r in self.records if isinstance(r.get("loss"), (int, float))]
+        timed = self.records[self._first_new + 1 :] or self.records[self._first_new :]
+
+        def mean(key: str) -> Optional[float]:
+            vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+            return sum(vals) / len(vals) if vals else None
+
+        mems = [r["mem_bytes"] for r in self.records if isinstance(r.get("mem_bytes"), (int, float))]
+        finite = [v for _, v in losses if math.isfinite(v)]
+        summary = {
+            "steps": self.records[-1]["step"] if self.records else 0,
+            "final_loss": losses[-1][1] if losses else None,
+            "best_loss": min(finite) if finite else None,
+            "mean_tokens_per_s": mean("tokens_per_s"),
+            "mean_tflops": mean("tflops"),
+            "mean_mfu": mean("mfu"),
+            "peak_mem_bytes": max(mems) if mems else None,
+            "wall_time_s": round(self._offset + time.perf_counter() - self._t0, 3),
+        }
+        lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
+        lines = {k: v for k, v in lines.items() if v is not None}
+        _atomic_write(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
+        self._plot(losses, lines)
+        shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if v is not None]
+        print("summary: " + ", ".join(shown), file=self._stream or sys.stdout, flush=True)
+        return summary
+
+    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float]) -> None:
+        # The object API with an explicit Agg canvas: no pyplot, so no global backend switch and no display.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(7, 4.5))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        if losses:
+            ax.plot([s for s, _ in losses], [v for _, v in losses], label="train loss", linewidth=1.2)
+        for i, (label, value) in enumerate(lines.items()):
+            ax.axhline(value, linestyle="--", color=f"C{i + 1}", linewidth=1, label=f"{label}: {value:.3f}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.out_dir / "loss.png", dpi=110)
