@@ -81,7 +81,7 @@ def test_flops_match_torch_flop_counter() -> None:
     matmul_ops = {"mm", "addmm", "bmm", "matmul"}
     counted = sum(n for op, n in counter.get_flop_counts()["Global"].items() if op.__name__ in matmul_ops)
     ours = flops_per_token(cfg, S)
-    attn_core = cfg.num_layers * 2 * cfg.hidden_size * S  # QK^T and AV, causal half, forward
+    attn_core = cfg.num_layers * 2 * cfg.hidden_size * (S + 1)  # QK^T and AV over S(S+1)/2 pairs, forward
     assert counted / (B * S) == pytest.approx(3 * (ours.forward - attn_core), rel=1e-9)
     assert ours.forward_by_part["dense_ffn"] == 4 * 2 * 3 * 128 * 512
 
@@ -89,7 +89,7 @@ def test_flops_match_torch_flop_counter() -> None:
 def test_paper_flop_formula_is_ours_with_full_attention_and_no_router() -> None:
     cfg, S = get_preset("small"), 2048
     ours = flops_per_token(cfg, S, expert_matrices=2)
-    full_attention_extra = cfg.num_layers * 2 * cfg.hidden_size * S  # the causal half the paper also counts
+    full_attention_extra = cfg.num_layers * 2 * cfg.hidden_size * (S - 1)  # S^2 pairs vs causal S(S+1)/2
     want = 3 * (ours.forward - ours.forward_by_part["router"] + full_attention_extra)
     assert paper_flops_per_token(cfg, S) == pytest.approx(want, rel=1e-12)
     assert ours.training == pytest.approx(3 * ours.forward)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xmoe.config import ModelConfig
+from xmoe.train.metrics import FlopDims, forward_macs, paper_train_flops
 
 PARTS = ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "head")
 
@@ -108,35 +109,39 @@ def paper_params(cfg: ModelConfig) -> tuple[float, float]:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, expert_matrices: int = 3) -> FlopCount:
-    """Forward FLOPs per token at ``seq_len`` (causal attention halved); ``.training`` is 3x that."""
+    """Forward FLOPs per token at ``seq_len`` by part; ``.training`` is 3x that.
+
+    The formula is xmoe's one FLOP definition, ``xmoe.train.metrics.forward_macs`` (causal attention counts
+    the s(s+1)/2 visible pairs), divided over the tokens of one sequence. ``expert_matrices=2`` rescales the
+    FFN parts to the paper's two-matrix (GELU) experts.
+    """
     _check_matrices(expert_matrices)
     _check_seq_len(cfg, seq_len)
-    H, V, L, m, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, expert_matrices, cfg.moe
-    n_moe = L - cfg.first_k_dense
-    expert = 2 * m * H * moe.ffn_hidden_size
+    macs = forward_macs(FlopDims.from_model_config(cfg, seq_len), num_sequences=1)
+    ffn_scale = expert_matrices / 3
+
+    def per_token(*keys: str) -> float:
+        return 2.0 * sum(macs[k] for k in keys) / seq_len
+
     return FlopCount({
         "embedding": 0.0,
-        # 4 projections, plus QK^T and AV over on average S/2 earlier positions (N*D = H).
-        "attention": float(L * (2 * 4 * H * H + 2 * 2 * H * seq_len / 2)),
-        "dense_ffn": float(cfg.first_k_dense * 2 * m * H * cfg.ffn_hidden_size),
-        "routed_experts": float(n_moe * moe.top_k * expert),
-        "shared_experts": float(n_moe * moe.num_shared_experts * expert),
-        "router": float(n_moe * 2 * H * moe.num_experts),
-        "head": float(2 * H * V),
+        "attention": per_token("attn_proj", "attn_scores"),
+        "dense_ffn": per_token("dense_ffn") * ffn_scale,
+        "routed_experts": per_token("routed_experts") * ffn_scale,
+        "shared_experts": per_token("shared_experts") * ffn_scale,
+        "router": per_token("router"),
+        "head": per_token("lm_head"),
     })
 
 
 def paper_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token by the paper's formula: 2*3*(L*(4H^2 + 2*D*N*S + 2*F*H*k) + V*H).
+    """Training FLOPs per token by the paper's formula (``xmoe.train.metrics.paper_train_flops``).
 
-    Taken verbatim: full (not causal-halved) attention, two-matrix experts, no router, every layer counted
-    as an MoE layer and shared experts ignored; use it only to compare TFLOP/s with the paper's tables.
+    Full (not causal) attention, two-matrix experts, no router, every layer an MoE layer, shared experts
+    ignored: use it only to compare TFLOP/s with the paper's tables.
     """
     _check_seq_len(cfg, seq_len)
-    H, moe = cfg.hidden_size, cfg.moe
-    D, N, F, k = cfg.head_dim, cfg.num_heads, moe.ffn_hidden_size, moe.top_k
-    per_layer = 4 * H * H + 2 * D * N * seq_len + 2 * F * H * k
-    return 6.0 * (cfg.num_layers * per_layer + cfg.vocab_size * H)
+    return paper_train_flops(FlopDims.from_model_config(cfg, seq_len), num_sequences=1) / seq_len
 
 
 def _human(n: float, giga: str = "B") -> str:

@@ -99,19 +99,6 @@ class Attention(nn.Module):
         return self.wo(out_BNSD.transpose(1, 2).reshape(B, S, -1))
 
 
-class FeedForward(nn.Module):
-    """Dense SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
 
@@ -123,11 +110,12 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if self.is_moe:
             # Imported here so that dense-only models need nothing from the MoE stack (which may pull Triton).
-            from xmoe.moe.layer import MoELayer
+            from xmoe.moe.experts import SwiGLU
+from xmoe.moe.layer import MoELayer
 
             self.ffn: nn.Module = MoELayer(cfg.moe)
         else:
-            self.ffn = FeedForward(cfg.hidden_size, cfg.ffn_hidden_size)
+            self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
         x_BSH = x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
