@@ -35,6 +35,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from xmoe.config import ModelConfig
+from xmoe.moe.experts import SwiGLU
+from xmoe.moe.layer import MoELayer
 
 IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
 
@@ -109,10 +111,6 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if self.is_moe:
-            # Imported here so that dense-only models need nothing from the MoE stack (which may pull Triton).
-            from xmoe.moe.experts import SwiGLU
-from xmoe.moe.layer import MoELayer
-
             self.ffn: nn.Module = MoELayer(cfg.moe)
         else:
             self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
