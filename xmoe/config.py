@@ -199,13 +199,15 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 10
-    ckpt_every: int = 100
+    ckpt_every: int = 100  # 0: no checkpoints (benchmark runs)
     keep_last: int = 2
     tensorboard: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "ckpt_every", "keep_last"):
+        for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))
+        if self.ckpt_every < 0:
+            raise ValueError(f"ckpt_every ({self.ckpt_every}) must be >= 0 (0 disables checkpoints)")
         if self.micro_batch_size < 0:
             raise ValueError(f"micro_batch_size ({self.micro_batch_size}) must be >= 0 (0: no accumulation)")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--log-every", type=int, help="log every N steps")
-    p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps")
+    p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps and at the end (0: never)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to --out")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cpu or cuda")
     p.add_argument("--config", help="JSON or TOML file of config sections")
