@@ -1,5 +1,7 @@
 """`xmoe bench`: forward + backward time, TFLOP/s and memory of one MoE layer, PFT vs the padded baseline.
 
+PFT runs dropless; the padded (GShard / DeepSpeed-MoE) baseline runs with capacity factor 1.25, as it is used.
+
 TFLOP/s counts the routed experts' work only, as 3 x 2·T·K·H·3F (forward + twice that for backward; the
 router, shared experts and data movement are overhead the layer must hide). On CUDA, times are CUDA-event
 medians after warm-up and memory is the allocator's peak above the inputs; on CPU, host-timer medians and the
@@ -64,8 +66,11 @@ def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.devi
     from xmoe.moe.layer import MoELayer
 
     hidden, ffn, experts, top_k = LAYER_SHAPES[shape]
+    # the padded baseline runs as GShard / DeepSpeed-MoE are used, with capacity factor 1.25 (C = T would need a
+    # T x E x T mask); PFT runs dropless, so it computes every routed row the baseline computes and more
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
-                    dispatcher=dispatcher, kernel_backend=backend)
+                    dispatcher=dispatcher, kernel_backend=backend,
+                    capacity_factor=1.25 if dispatcher == "padded" else None)
     torch.manual_seed(seed)
     layer = MoELayer(cfg).to(device=device, dtype=dtype)
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
