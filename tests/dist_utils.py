@@ -7,10 +7,9 @@
 Children come from a "forkserver" that preloads torch once per pytest session: starting 4 ranks then costs ~0.3 s
 instead of ~20 s (4 fresh torch imports on 2 cores with "spawn"). Plain "fork" is not used: the pytest process has
 already run OpenMP work, and a forked child of such a process can deadlock in libgomp; the forkserver has run none.
-Each child gets one intra-op thread (tests here run 2-4 ranks on 2
-cores; more threads only oversubscribe), a fresh free TCP port, the env variables torchrun would set (so
-DeviceMesh and ParallelDims see a launcher-like world), and a collective timeout, so a rank stuck in a collective
-fails the test instead of hanging it. An exception in any rank is re-raised in pytest with that rank's traceback.
+Each child gets one intra-op thread (tests here run 2-4 ranks on 2 cores; more threads only oversubscribe), a
+fresh free TCP port, the env variables torchrun would set (so DeviceMesh and ParallelDims see a launcher-like
+world), and a collective timeout, so a rank stuck in a collective fails the test instead of hanging it. An exception in any rank is re-raised in pytest with that rank's traceback.
 """
 
 from __future__ import annotations

@@ -230,3 +230,30 @@ def test_bad_inputs_raise():
         layer(torch.randn(4, 15))
     with pytest.raises(ValueError, match="floating-point"):
         layer(torch.ones(4, 16, dtype=torch.long))
+
+
+def test_aux_loss_scale_scales_only_the_aux_gradient():
+    grads = []
+    for scale in (1.0, 0.25):
+        layer = make_layer(aux_loss_coef=1.0, z_loss_coef=0.1)
+        layer.aux_loss_scale = scale
+        (layer(torch.randn(10, 16, generator=torch.Generator().manual_seed(0))) * 0).sum().backward()
+        grads.append(layer.router.weight.grad)
+    assert torch.allclose(grads[1], 0.25 * grads[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_shared_experts=1, aux_loss_coef=0.1),
+        dict(hidden_size=13, ffn_hidden_size=7, num_experts=6, top_k=3, capacity_factor=0.5),  # odd, drops
+        dict(num_experts=16, top_k=1, score_func="sigmoid"),  # most experts empty
+    ],
+)
+def test_layer_with_triton_backend_matches_float64_reference(kw):
+    """The fused Triton path (Triton's CPU interpreter, fp32) against the same float64 loop reference."""
+    pytest.importorskip("triton", reason="kernel_backend='triton' needs the triton package")
+    layer = make_layer(kernel_backend="triton", **kw)
+    with torch.no_grad():  # skew the routing towards expert 0
+        layer.router.expert_bias[0] = 0.2
+    check_against_reference(layer, torch.randn(2, 9, layer.cfg.hidden_size), tol=1e-4)

@@ -1,8 +1,9 @@
-"""Kernel backends. Every backend exposes the same three ops (see reference.py for their contracts):
+"""Kernel backends. Every backend exposes the same ops (see reference.py for their contracts):
 
   gather_rows(x_TH, token_ids_N, row_of_slot_TK) -> x_NH
   combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK) -> out_TH
   grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E) -> y_NH
+  moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2) -> out_TH
 
 ``torch`` (reference.py) runs anywhere. ``triton`` (triton_ops.py) runs on any Triton backend (NVIDIA, AMD) and
 on CPU tensors under TRITON_INTERPRET=1 (fp32 only). ``auto`` picks triton for GPU tensors when Triton imports,

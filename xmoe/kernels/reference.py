@@ -2,12 +2,15 @@
 
 # T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows (expert-major)
 
-Three ops, one signature per backend (see xmoe/kernels/__init__.py):
+Three ops and their composition, one signature per backend (see xmoe/kernels/__init__.py):
   gather_rows(x_TH, token_ids_N, row_of_slot_TK) -> x_NH             rows of the expert buffer
   combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK) -> out_TH
                                                                      out[t] = sum_k w[t,k] * y[row[t,k]]
   grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E) -> y_NH
                                                                      per expert: (silu(x w1) * (x w3)) w2
+  moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2)
+                                                                     combine(grouped_swiglu(gather(x))): a backend
+                                                                     may fuse it (Triton does: no (N, H) buffers)
 
 Determinism: gather's backward and combine's forward both sum a token's K rows by looping over k in a fixed
 order, so no floating-point atomics (index_add_ / scatter_add_) are involved anywhere.
@@ -95,3 +98,11 @@ def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
     if not outs:  # no rows at all: keep the result attached to the weights' graph
         return x_NH.new_zeros(0, hidden) + 0 * (w1_EHF.sum() + w3_EHF.sum() + w2_EFH.sum())
     return torch.cat(outs)
+
+
+def moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF,
+                w2_EFH):
+    """gather -> grouped SwiGLU -> combine, unfused."""
+    x_NH = gather_rows(x_TH, token_ids_N, row_of_slot_TK)
+    y_NH = grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E)
+    return combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)

@@ -12,6 +12,11 @@ from torch import nn
 from xmoe.kernels import get_ops
 
 
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """Under expert parallelism the weights are DTensors sharded over the EP ranks: compute on this rank's slice."""
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
 class RoutedExperts(nn.Module):
     """E SwiGLU experts: y = (silu(x w1_e) * (x w3_e)) w2_e, weights w1/w3 (E, H, F) and w2 (E, F, H)."""
 
@@ -29,8 +34,12 @@ class RoutedExperts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=self.init_std)
 
+    def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) of the experts on this rank, in the compute dtype."""
+        return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+
     def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = self.w1.to(x_NH.dtype), self.w3.to(x_NH.dtype), self.w2.to(x_NH.dtype)
+        w1, w3, w2 = self.local_weights(x_NH.dtype)
         if x_NH.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
             return torch.bmm(F.silu(torch.bmm(x_NH, w1)) * torch.bmm(x_NH, w3), w2)
         ops = get_ops(self.kernel_backend, x_NH.device)

@@ -26,14 +26,16 @@ class _AttachAuxLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.aux_shape = aux_loss.shape
         ctx.aux_dtype = aux_loss.dtype
+        ctx.scale = scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        return grad_out, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_out.device)
+        grad_aux = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad_out.device)
+        return grad_out, grad_aux, None
 
 
 def make_dispatcher(cfg: MoEConfig):
@@ -64,6 +66,9 @@ class MoELayer(nn.Module):
             else None
         )
         self.dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
+        # Gradient the attached aux losses receive: the caller's loss scale. A trainer that backpropagates
+        # loss / accum over accum micro-batches sets 1 / accum, so the losses keep their weight.
+        self.aux_loss_scale = 1.0
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,16 +92,19 @@ class MoELayer(nn.Module):
         # (which autocast does not see) into fp32 (measured on H200, small shape: 43 TFLOP/s for the model).
         if torch.is_autocast_enabled(x.device.type):
             x_TH = x_TH.to(torch.get_autocast_dtype(x.device.type))
-        x_NH, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TH, plan)
-        y_NH = self.experts(x_NH, tokens_per_expert)
-        out_TH = self.dispatcher.combine(y_NH, route.weights_TK, plan, ctx)
+        if hasattr(self.dispatcher, "run"):  # single-rank: the backend may fuse the three steps into one op
+            out_TH = self.dispatcher.run(x_TH, route.weights_TK, plan, self.experts)
+        else:
+            x_NH, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TH, plan)
+            y_NH = self.experts(x_NH, tokens_per_expert)
+            out_TH = self.dispatcher.combine(y_NH, route.weights_TK, plan, ctx)
         # 4. shared experts see every token
         if self.shared_experts is not None:
             out_TH = out_TH + self.shared_experts(x_TH)
 
         aux_total = route.aux_loss + route.z_loss
         if torch.is_grad_enabled() and aux_total.requires_grad:
-            out_TH = _AttachAuxLoss.apply(out_TH, aux_total)
+            out_TH = _AttachAuxLoss.apply(out_TH, aux_total, self.aux_loss_scale)
         self.last_stats = {
             "aux_loss": route.aux_loss.detach(),
             "z_loss": route.z_loss.detach(),

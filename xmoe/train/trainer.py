@@ -27,6 +27,7 @@ import torch.distributed as dist
 from xmoe.config import RunConfig
 from xmoe.model.transformer import Transformer
 from xmoe.moe.layer import MoELayer
+from xmoe.parallel.expert_parallel import clip_grad_norm_
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics
 from xmoe.train.data import TokenLoader, build_dataset
@@ -85,7 +86,9 @@ class Trainer:
                 "or change --dp/--ep/--tp"
             )
         if par.tp > 1:
-            raise ValueError("--tp > 1 (tensor parallelism with SSMB) is not implemented yet; use --tp 1")
+            from xmoe.parallel.tensor import check_tensor_parallel
+
+            check_tensor_parallel(run.model, par.tp)  # heads (and dense FFN width) must split over tp
         self.dp_rank, self.dp_size = self._data_parallel_coords()
         t = run.train
         if t.global_batch_size % self.dp_size:
@@ -140,6 +143,24 @@ class Trainer:
     def _parallelize(self, model: Transformer) -> torch.nn.Module:
         if self.world == 1:
             return model
+        if self.run.parallel.tp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            from xmoe.parallel.expert_parallel import moe_layers, shard_experts
+            from xmoe.parallel.ssmb import apply_ssmb
+            from xmoe.parallel.tensor import apply_tensor_parallel
+
+            # fixed order: TP (attention, dense FFN) -> SSMB (MoE blocks on 1/tp of the tokens) -> EP -> FSDP2
+            apply_tensor_parallel(model, self.dims)
+            apply_ssmb(model, self.dims)
+            shard_experts(model, self.dims)
+            # FSDP2 units as in apply_expert_parallel (which still refuses tp > 1): experts over "dp", blocks and
+            # root over "dp_ep"; TP weights become 2-D ("dp_ep", "tp") DTensors
+            for layer in moe_layers(model):
+                fully_shard(layer.experts, mesh=self.dims.submesh("dp"))
+            for block in model.layers:
+                fully_shard(block, mesh=self.dims.submesh("dp_ep"))
+            return fully_shard(model, mesh=self.dims.submesh("dp_ep"), reshard_after_forward=False)
         if self.run.parallel.ep > 1:
             from xmoe.parallel.expert_parallel import apply_expert_parallel
 
@@ -212,6 +233,8 @@ class Trainer:
     def train(self) -> dict:
         t = self.run.train
         accum = self.local_batch // self.micro_batch
+        for layer in _moe_layers(self.model):
+            layer.aux_loss_scale = 1.0 / accum  # the LM loss is backpropagated as loss / accum too
         if self.rank == 0:
             self._announce(accum)
         params = [p for p in self.wrapped.parameters() if p.requires_grad]
@@ -224,7 +247,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             loss, stats = self._forward_backward(accum)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            grad_norm = clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._update_expert_bias(stats["load"])
@@ -239,7 +262,7 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
                 window_rows = torch.zeros_like(window_rows)
                 window_load = None
-            if self.step % t.ckpt_every == 0 or self.step == t.steps:
+            if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
                 self.save()
         summary = self.logger.finish(floor=getattr(self.dataset, "loss_floor", None),
                                      baseline=getattr(self.dataset, "unigram_entropy", None))

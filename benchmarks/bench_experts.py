@@ -1,0 +1,255 @@
+"""Routed SwiGLU experts, forward and forward+backward, bf16: xmoe's Triton kernels against peers and a ceiling.
+
+# T tokens, H hidden, F expert ffn, E experts, K top-k
+
+    PYTHONPATH=. python benchmarks/bench_experts.py                 # all configs, T = 8192 and 16384
+    PYTHONPATH=. python benchmarks/bench_experts.py --sweep         # first re-tune the kernels' tile configs
+
+Methods, all including their routing bookkeeping (plan / sort) inside the timed region:
+  triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad)
+  triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
+  torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
+  grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the GPU.md anchor)
+  gshard_padded     xmoe/dispatch/padded.py at capacity factor 1.25 + bmm experts (drops tokens; a baseline)
+  dense_equiv       one dense SwiGLU over T*K rows, same FLOPs, no routing: the ceiling
+TFLOP/s counts 2*T*K*H*3F per forward and 3x that for forward+backward. Peak memory: max_memory_allocated
+over one forward+backward minus what was allocated before (inputs and weights excluded, weight grads included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import environment, peak_extra_bytes, time_ms, write_results
+
+CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
+METHODS = ["triton_fused", "triton_ops", "torch_backend", "grouped_mm_pipe", "gshard_padded", "dense_equiv"]
+
+
+def make_inputs(H, Fd, E, K, T, routing, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev, bf = "cuda", torch.bfloat16
+    if routing == "uniform":
+        ids = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=-1).indices
+    else:  # skewed: Zipf(1.2) expert popularity, K distinct experts per token
+        p = (torch.arange(1, E + 1, device=dev, dtype=torch.float32) ** -1.2)
+        ids = torch.multinomial(p.expand(T, E), K, replacement=False, generator=gen)
+    inp = {
+        "ids": ids,
+        "scores": torch.rand(T, K, device=dev, generator=gen),
+        "x": torch.randn(T, H, device=dev, dtype=bf, generator=gen).requires_grad_(),
+        "w": torch.softmax(torch.randn(T, K, device=dev, generator=gen), -1).requires_grad_(),
+        "w1": (torch.randn(E, H, Fd, device=dev, dtype=bf, generator=gen) / H**0.5).requires_grad_(),
+        "w3": (torch.randn(E, H, Fd, device=dev, dtype=bf, generator=gen) / H**0.5).requires_grad_(),
+        "w2": (torch.randn(E, Fd, H, device=dev, dtype=bf, generator=gen) / Fd**0.5).requires_grad_(),
+        "grad": torch.randn(T, H, device=dev, dtype=bf, generator=gen),
+    }
+    return inp
+
+
+def forward_fn(method, inp, E):
+    """A zero-argument forward returning (output, leaves) for one method."""
+    from xmoe.dispatch.padded import PaddedDispatcher
+    from xmoe.kernels import reference, triton_ops
+    from xmoe.moe.routing import build_plan
+
+    x, w, w1, w3, w2, ids = inp["x"], inp["w"], inp["w1"], inp["w3"], inp["w2"], inp["ids"]
+    T, K = ids.shape
+    leaves = [x, w, w1, w3, w2]
+    if method == "triton_fused":
+        def fwd():
+            p = build_plan(ids, inp["scores"], E)
+            return triton_ops.moe_experts(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK,
+                                          p.tokens_per_expert_E, w1, w3, w2)
+    elif method in ("triton_ops", "torch_backend"):
+        ops = triton_ops if method == "triton_ops" else reference
+
+        def fwd():
+            p = build_plan(ids, inp["scores"], E)
+            x_NH = ops.gather_rows(x, p.token_ids_N, p.row_of_slot_TK)
+            y_NH = ops.grouped_swiglu(x_NH, w1, w3, w2, p.tokens_per_expert_E)
+            return ops.combine_rows(y_NH, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK)
+    elif method == "grouped_mm_pipe":
+        def fwd():
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+            tok = order // K
+            x_NH = x[tok]
+            h = F.silu(torch._grouped_mm(x_NH, w1, offs=offs)) * torch._grouped_mm(x_NH, w3, offs=offs)
+            y = torch._grouped_mm(h, w2, offs=offs) * w.reshape(-1)[order, None].to(x.dtype)
+            return torch.zeros_like(x).index_add(0, tok, y)
+    elif method == "gshard_padded":
+        capacity = math.ceil(1.25 * T * K / E)
+        disp = PaddedDispatcher()
+
+        def fwd():
+            p = build_plan(ids, inp["scores"], E, capacity)
+            x_ECH, _, ctx = disp.dispatch(x, p)
+            h = F.silu(torch.bmm(x_ECH, w1)) * torch.bmm(x_ECH, w3)
+            return disp.combine(torch.bmm(h, w2), w, p, ctx)
+    elif method == "dense_equiv":
+        H, Fd = w1.shape[1], w1.shape[2]
+        xd = inp.setdefault("x_dense", torch.randn(T * K, H, device="cuda", dtype=x.dtype).requires_grad_())
+        inp.setdefault("grad_dense", torch.randn(T * K, H, device="cuda", dtype=x.dtype))
+        wd = [t[0].detach().clone().requires_grad_() for t in (w1, w3, w2)]
+        leaves = [xd] + wd
+
+        def fwd():
+            return (F.silu(xd @ wd[0]) * (xd @ wd[1])) @ wd[2]
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return fwd, leaves
+
+
+def measure(method, inp, E, flops_fwd):
+    fwd, leaves = forward_fn(method, inp, E)
+    grad = inp["grad_dense"] if method == "dense_equiv" else inp["grad"]
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), leaves, grad)
+
+    row = {"method": method}
+    try:
+        with torch.no_grad():
+            row["fwd_ms"] = time_ms(fwd)
+        row["fwd_bwd_ms"] = time_ms(fwd_bwd)
+        row["peak_gib"] = peak_extra_bytes(fwd_bwd) / 2**30
+        row["fwd_tflops"] = flops_fwd / row["fwd_ms"] * 1e-9
+        row["tflops"] = 3 * flops_fwd / row["fwd_bwd_ms"] * 1e-9
+    except torch.OutOfMemoryError as exc:
+        row["error"] = "OOM: " + str(exc).split("\n")[0][:120]
+    except Exception as exc:  # record and go on: one failing peer must not lose the run
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+SWEEP = {
+    "up_fwd": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4)],
+    "mm": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)],
+    "down_bwd": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)],
+    "wgrad": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 4)],
+    "wgrad2": [(128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3)],
+}
+
+
+def _kernel_calls(H, Fd, E, K, T):
+    """One zero-argument call per swept kernel, each in its fused-path use, on fresh inputs of one config."""
+    from xmoe.kernels import grouped_gemm as gg
+    from xmoe.moe.routing import build_plan
+
+    inp = make_inputs(H, Fd, E, K, T, "uniform")
+    p = build_plan(inp["ids"], inp["scores"], E)
+    x, g, counts, tok = inp["x"].detach(), inp["grad"], p.tokens_per_expert_E, p.token_ids_N
+    w1, w3, w2 = (inp[k].detach() for k in ("w1", "w3", "w2"))
+    h1, h3, a = gg.swiglu_up_fwd(x, tok, w1, w3, counts, True)
+    row_w = inp["w"].detach().reshape(-1)[p.slot_ids_N]
+    return {
+        "up_fwd": lambda: gg.swiglu_up_fwd(x, tok, w1, w3, counts, True),
+        "mm": lambda: (gg.grouped_mm(a, w2, None, None, counts),
+                       gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts)),
+        "down_bwd": lambda: gg.swiglu_down_bwd(g, tok, w2, h1, h3, row_w, counts),
+        "wgrad": lambda: gg.grouped_wgrad(a, None, g, None, tok, counts),
+        "wgrad2": lambda: gg.grouped_wgrad(x, tok, h1, h3, None, counts),
+    }
+
+
+def sweep(configs=("small", "medium"), T=16384):
+    """Time each kernel's candidate tiles in its fused-path use; keep the best total over ``configs``."""
+    from xmoe.kernels import grouped_gemm as gg
+
+    calls = {name: _kernel_calls(*CONFIGS[name], T) for name in configs}
+    rows = []
+    for kernel, candidates in SWEEP.items():
+        best = None
+        for cand in candidates:
+            gg.CONFIGS[kernel] = gg.TileConfig(*cand)
+            total, row = 0.0, {"kernel": kernel, "config": str(cand)}
+            try:
+                for name in configs:
+                    row[name + "_ms"] = time_ms(calls[name][kernel], warmup_ms=10, rep_ms=40)
+                    total += row[name + "_ms"]
+            except Exception as exc:
+                row["error"], total = f"{type(exc).__name__}: {str(exc)[:100]}", float("inf")
+            rows.append(row)
+            print(f"sweep {kernel:9s} {cand}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()
+                                                          if k.endswith("_ms")) + (" " + row.get("error", "")))
+            if best is None or total < best[0]:
+                best = (total, cand)
+        gg.CONFIGS[kernel] = gg.TileConfig(*best[1])
+        print(f"sweep {kernel}: best {best[1]}")
+    del calls
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", default="small,medium,large")
+    parser.add_argument("--tokens", default="8192,16384")
+    parser.add_argument("--routing", default="uniform,skewed")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--sweep", action="store_true", help="re-tune the Triton tile configs first")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_experts: skipped, no CUDA device")
+        return 0
+    meta = environment()
+    sweep_rows = sweep() if args.sweep else []
+    from xmoe.kernels import grouped_gemm as gg
+
+    meta["tile_configs"] = {k: vars(v) for k, v in gg.CONFIGS.items()}
+    if sweep_rows:
+        write_results("sweep_tiles", sweep_rows, ["kernel", "config", "small_ms", "medium_ms", "error"], meta,
+                      "Tile-config sweep of the Triton grouped-GEMM kernels (T=16384, uniform)")
+    rows = []
+    columns = ["config", "T", "routing", "method", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "tflops", "peak_gib",
+               "vs_grouped_mm", "vs_dense", "error"]
+    for cfg in args.configs.split(","):
+        H, Fd, E, K = CONFIGS[cfg]
+        for T in map(int, args.tokens.split(",")):
+            for routing in args.routing.split(","):
+                inp = make_inputs(H, Fd, E, K, T, routing)
+                flops_fwd = 2 * T * K * H * 3 * Fd
+                cell = []
+                for method in args.methods.split(","):
+                    if method == "dense_equiv" and routing != "uniform":
+                        continue  # no routing: identical to the uniform cell
+                    row = {"config": cfg, "T": T, "routing": routing, **measure(method, inp, E, flops_fwd)}
+                    cell.append(row)
+                    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                          flush=True)
+                ref = {r["method"]: r.get("fwd_bwd_ms") for r in cell}
+                dense = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
+                              and r["method"] == "dense_equiv"), None)
+                for r in cell:
+                    if r.get("fwd_bwd_ms") and ref.get("grouped_mm_pipe"):
+                        r["vs_grouped_mm"] = ref["grouped_mm_pipe"] / r["fwd_bwd_ms"]
+                    if r.get("fwd_bwd_ms") and dense:
+                        r["vs_dense"] = dense / r["fwd_bwd_ms"]
+                rows += cell
+                del inp
+                gc.collect()
+                torch.cuda.empty_cache()
+                write_results("bench_experts", rows, columns, meta, "Routed SwiGLU experts, bf16",
+                              notes="fwd_bwd_ms: median forward+backward; tflops = 3*2*T*K*H*3F / fwd_bwd time; "
+                                    "vs_*: speed relative to that method (>1 = faster).")
+    print()
+    from benchmarks.harness import markdown_table
+
+    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "grouped_mm_pipe", "dense_equiv")],
+                         columns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""GPU correctness of the Triton backend in bf16 against a float64 reference (relative to the reference's norm).
+
+# T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows
+
+    PYTHONPATH=. python benchmarks/check_gpu.py          # exits 1 on any failure; skips cleanly without a GPU
+
+For each case: the fused ``moe_experts`` and the three-op path (gather_rows -> grouped_swiglu -> combine_rows)
+run forward and backward in bf16; output and every gradient are compared with the torch backend run in float64
+(exact per-expert loop) by ||got - ref|| / ||ref|| < 1e-2. Freed memory is filled with NaN before each run, so an
+output element a kernel forgets to write shows up as NaN and fails. The fused path runs twice and must be
+bitwise identical (no atomics). The torch backend's own bf16 error is printed beside ours for scale.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+TOLERANCE = 1e-2
+# name: (T, H, F, E, K, capacity, routing)
+CASES = {
+    "odd_shapes": (300, 200, 136, 7, 3, None, "uniform"),
+    "k1": (257, 128, 96, 5, 1, None, "uniform"),
+    "large_k": (64, 96, 80, 12, 12, None, "uniform"),
+    "dropping": (512, 256, 128, 8, 2, 40, "uniform"),
+    "empty_experts": (96, 128, 64, 32, 2, None, "few"),
+    "one_expert": (333, 64, 48, 4, 1, None, "one"),
+    "no_rows": (16, 64, 64, 4, 2, 0, "uniform"),
+    "small_model": (2048, 2048, 1408, 64, 6, None, "uniform"),
+}
+
+
+def _routing(T, E, K, kind, gen):
+    """(T, K) distinct expert ids: uniform, "few" (only experts 0..2 chosen, the rest empty) or "one" (all on 0)."""
+    if kind == "one":
+        return torch.zeros(T, K, dtype=torch.long, device="cuda")
+    scores = torch.rand(T, E, device="cuda", generator=gen)
+    if kind == "few":
+        scores[:, 3:] = -1
+    return scores.topk(K, dim=-1).indices
+
+
+def _poison():
+    """Fill 1 GiB of the caching allocator's free memory with NaN: an output a kernel never writes stays NaN."""
+    torch.full((256 << 20,), float("nan"), device="cuda")  # freed at once; the NaN stays in the cached block
+
+
+def _run(ops, fused, x, w, w1, w3, w2, plan, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w1, w3, w2)]
+    x_, w_, w1_, w3_, w2_ = leaves
+    _poison()
+    if fused:
+        out = ops.moe_experts(x_, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
+                              plan.tokens_per_expert_E, w1_, w3_, w2_)
+    else:
+        x_NH = ops.gather_rows(x_, plan.token_ids_N, plan.row_of_slot_TK)
+        y_NH = ops.grouped_swiglu(x_NH, w1_, w3_, w2_, plan.tokens_per_expert_E)
+        out = ops.combine_rows(y_NH, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves)]
+
+
+def _rel(got, ref):
+    got, ref = got.detach().double(), ref.detach().double()
+    if not torch.isfinite(got).all():
+        return float("nan")
+    denom = ref.norm()
+    return float((got - ref).norm() / denom) if denom > 0 else float(got.norm())
+
+
+def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
+    from xmoe.kernels import reference, triton_ops
+    from xmoe.moe.routing import build_plan
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = _routing(T, E, K, routing, gen)
+    K = ids.shape[1]
+    scores = torch.rand(T, K, device="cuda", generator=gen)
+    plan = build_plan(ids, scores, E, capacity)
+    x = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64)
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), -1).double()
+    w1 = torch.randn(E, H, Fd, device="cuda", generator=gen, dtype=torch.float64) / H**0.5
+    w3 = torch.randn(E, H, Fd, device="cuda", generator=gen, dtype=torch.float64) / H**0.5
+    w2 = torch.randn(E, Fd, H, device="cuda", generator=gen, dtype=torch.float64) / Fd**0.5
+    grad_out = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64)
+    ref = _run(reference, False, x, w, w1, w3, w2, plan, grad_out)
+    bf = [t.to(torch.bfloat16) for t in (x, w1, w3, w2)]
+    xb, w1b, w3b, w2b = bf
+    wf = w.float()  # router probabilities stay fp32
+    results = {}
+    torch_bf16 = _run(reference, False, xb, wf, w1b, w3b, w2b, plan, grad_out)
+    names = ["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"]
+    ok = True
+    for label, fused in (("fused", True), ("ops", False)):
+        got = _run(triton_ops, fused, xb, wf, w1b, w3b, w2b, plan, grad_out)
+        for n, g, r, tb in zip(names, got, ref, torch_bf16):
+            err = _rel(g, r)
+            passed = err == err and err < TOLERANCE if r.norm() > 0 else err == 0.0
+            ok &= passed
+            results[f"{label}.{n}"] = {"err": err, "torch_bf16_err": _rel(tb, r), "pass": passed}
+    runs = [_run(triton_ops, True, xb, wf, w1b, w3b, w2b, plan, grad_out) for _ in range(2)]
+    deterministic = all(torch.equal(a, b) for a, b in zip(*runs))
+    ok &= deterministic
+    return ok, {"case": name, "shape": [T, H, Fd, E, K, capacity], "rows": plan.num_rows,
+                "deterministic": deterministic, "errors": results}
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("check_gpu: skipped, no CUDA device (run it on the GPU machine; "
+              "CPU coverage: tests/test_triton_kernels.py)")
+        return 0
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("check_gpu: skipped, triton is not installed")
+        return 0
+    from benchmarks.harness import environment, out_dir
+
+    all_ok, report = True, []
+    for name, case in CASES.items():
+        try:
+            ok, info = check_case(name, *case)
+        except Exception as exc:  # report every case, then fail
+            ok, info = False, {"case": name, "error": f"{type(exc).__name__}: {exc}"}
+        all_ok &= ok
+        report.append(info)
+        if "error" in info:
+            print(f"FAIL {name}: {info['error']}")
+            continue
+        worst = max(v["err"] for v in info["errors"].values())
+        worst_torch = max(v["torch_bf16_err"] for v in info["errors"].values())
+        print(f"{'ok  ' if ok else 'FAIL'} {name:14s} rows={info['rows']:6d} worst rel err {worst:.2e} "
+              f"(torch backend bf16: {worst_torch:.2e}) deterministic={info['deterministic']}")
+        if not ok:
+            for k, v in info["errors"].items():
+                if not v["pass"]:
+                    print(f"     {k}: {v['err']:.3e}")
+    (out_dir() / "check_gpu.json").write_text(json.dumps({"meta": environment(), "ok": all_ok, "cases": report},
+                                                         indent=1))
+    print("check_gpu:", "PASS" if all_ok else "FAIL")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Shared benchmark harness: device-event timing (median), peak extra memory, JSON + markdown results.
+
+Every benchmark script times with ``time_ms`` (triton.testing.do_bench: warm-up, then the median of many runs
+timed with CUDA events, L2 flushed between runs), measures ``peak_extra_bytes`` over one call, and writes its rows
+through ``write_results`` so each result file carries the date, the GPU and the command that produced it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median milliseconds of fn() on the current CUDA device."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated during fn() above what was allocated before it (fn's results are dropped)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del result
+    return peak - base
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": props.name if props else None,
+        "sm_count": props.multi_processor_count if props else None,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+
+
+def out_dir(default: str = "benchmarks/results") -> Path:
+    """$OUT when set (the GPU machine's result folder), else the repository's results folder."""
+    path = Path(os.environ.get("OUT") or default)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(stem: str, rows: Sequence[dict], columns: Sequence[str], meta: dict, title: str,
+                  notes: str = "") -> tuple[Path, Path]:
+    """Write <stem>.json (meta + rows) and <stem>.md (header + table) under out_dir(); returns both paths."""
+    folder = out_dir()
+    json_path, md_path = folder / f"{stem}.json", folder / f"{stem}.md"
+    json_path.write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=1))
+    header = f"# {title}\n\n{meta.get('date')}, {meta.get('gpu')}, torch {meta.get('torch')}, "
+    header += f"triton {meta.get('triton')}\n\n"
+    header += f"Command: `{meta.get('command')}`\n\n"
+    md_path.write_text(header + (notes + "\n\n" if notes else "") + markdown_table(rows, columns) + "\n")
+    return json_path, md_path

@@ -1,0 +1,171 @@
+"""Flat expert-parallel dispatch: one uneven all-to-all of padding-free rows each way.
+
+# T tokens, H hidden, K top-k, E experts, P ranks in the EP group, E_local = E / P experts per rank,
+# N rows this rank routes (its plan's kept slots), M rows this rank computes (received from all P ranks)
+
+Experts are laid out contiguously: EP rank r owns global experts [r * E_local, (r + 1) * E_local). The plan's rows
+are sorted by global expert, hence already grouped by destination rank, so dispatch needs no local reordering:
+
+  dispatch: 1. gather the N kept rows (expert-major, so rank-major)          ops.gather_rows
+            2. exchange per-expert counts: E ints out, P * E_local ints in    exchange_counts
+            3. copy the split sizes to the host: THE one host sync per layer  splits_to_host
+            4. ONE all_to_all_single of the rows, uneven splits               all_to_all_rows
+            5. received rows are ordered (source rank, local expert); regroup them to (local expert, source rank)
+               with one gather by an index computed on device (no per-expert split/cat)
+  combine:  the same steps backwards: inverse gather, reverse all-to-all, weighted per-token sum
+            (ops.combine_rows, deterministic: a fixed k order, no atomics)
+
+Autograd runs through every step (the all-to-all's backward is the reverse all-to-all). Combine needs no host
+sync: it reuses the splits of its dispatch. A rank that sends or receives nothing takes part in the collectives
+with empty buffers; nothing is padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from xmoe.kernels import get_ops
+from xmoe.moe.routing import RoutingPlan
+from xmoe.parallel.comm import all_to_all_rows, exchange_counts, splits_to_host
+
+
+@dataclass
+class AllToAllStats:
+    """Traffic of the forward passes since the last reset (backward moves the same volume again, in reverse).
+
+    rows_*: dispatch direction only; rows a rank sends to itself are ``rows_kept`` and count in neither sent nor
+    received. bytes_*: dispatch + combine payloads over the network (rows to self excluded).
+    """
+
+    calls: int = 0
+    rows_sent: int = 0
+    rows_received: int = 0
+    rows_kept: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class _Ctx:
+    input_splits: list[int]  # rows this rank sends to each EP rank
+    output_splits: list[int]  # rows this rank receives from each EP rank
+    src_of_dst_M: Optional[torch.Tensor]  # received-order row of each expert-major row; None: identity
+    dst_of_src_M: Optional[torch.Tensor]  # its inverse
+    empty_rows_MH: Optional[torch.Tensor]  # the dispatched (M, H) tensor when M == 0, else None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """out = x[index_M]; index_M is a permutation, so the backward is a gather by its inverse (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, x_MH, index_M, inverse_M):
+        ctx.save_for_backward(inverse_M)
+        return x_MH[index_M]
+
+    @staticmethod
+    def backward(ctx, grad_MH):
+        (inverse_M,) = ctx.saved_tensors
+        return grad_MH[inverse_M], None, None
+
+
+def regroup_indices(recv_counts_PE: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permutation from received order (source p, expert e) to expert-major order (e, p), all on device.
+
+    Block (p, e) holds recv_counts_PE[p, e] rows; it starts at src_start[p, e] in received order and at
+    dst_start[p, e] in expert-major order. Row i of block b moves to dst_start[b] + (i - src_start[b]).
+    Returns (src_of_dst_M, dst_of_src_M): the gather index for dispatch and its inverse for combine.
+    """
+    num_ranks, num_local = recv_counts_PE.shape
+    counts_B = recv_counts_PE.reshape(-1)  # blocks in received (p-major) order
+    src_start_B = torch.cumsum(counts_B, 0) - counts_B
+    counts_EP = recv_counts_PE.t().reshape(-1)  # blocks in expert-major order
+    dst_start_PE = (torch.cumsum(counts_EP, 0) - counts_EP).view(num_local, num_ranks).t()
+    dst_start_B = dst_start_PE.reshape(-1)
+    # output_size: the length is known on the host, so repeat_interleave does not sync to find it
+    block_M = torch.repeat_interleave(
+        torch.arange(counts_B.numel(), device=counts_B.device), counts_B, output_size=num_rows
+    )
+    row_M = torch.arange(num_rows, device=counts_B.device)
+    dst_of_src_M = dst_start_B[block_M] + row_M - src_start_B[block_M]
+    src_of_dst_M = torch.empty_like(dst_of_src_M)
+    src_of_dst_M[dst_of_src_M] = row_M  # a permutation: each target written once
+    return src_of_dst_M, dst_of_src_M
+
+
+class AllToAllDispatcher:
+    """Dispatcher for experts sharded over ``ep_group`` (see xmoe/dispatch/base.py for the interface)."""
+
+    def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, kernel_backend: str = "auto"):
+        self.group = ep_group
+        self.num_ranks = dist.get_world_size(ep_group)
+        self.ep_rank = dist.get_rank(ep_group)
+        if num_experts % self.num_ranks:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the EP group size ({self.num_ranks})"
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.num_ranks
+        self.kernel_backend = kernel_backend
+        self.stats = AllToAllStats()
+
+    def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        if plan.num_experts != self.num_experts:
+            raise ValueError(
+                f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}"
+            )
+        ops = get_ops(self.kernel_backend, x_TH.device)
+        # 1. rows in expert order = destination-rank order
+        x_NH = ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
+        # 2.-3. counts out, counts in, then the layer's only host synchronisation (the split sizes)
+        send_counts_PE = plan.tokens_per_expert_E.view(self.num_ranks, self.num_local_experts)
+        recv_counts_PE = exchange_counts(send_counts_PE, self.group)
+        input_splits, output_splits = splits_to_host(send_counts_PE, recv_counts_PE)
+        # 4. one uneven all-to-all
+        x_MH = all_to_all_rows(x_NH, output_splits, input_splits, self.group)
+        # 5. (source, expert) -> (expert, source); nothing to do with one rank or one local expert
+        src_of_dst_M = dst_of_src_M = None
+        if self.num_ranks > 1 and self.num_local_experts > 1:
+            src_of_dst_M, dst_of_src_M = regroup_indices(recv_counts_PE, x_MH.shape[0])
+            x_MH = _PermuteRows.apply(x_MH, src_of_dst_M, dst_of_src_M)
+        self._record(input_splits, output_splits, x_TH.shape[1] * x_TH.element_size())
+        ctx = _Ctx(input_splits, output_splits, src_of_dst_M, dst_of_src_M, x_MH if x_MH.shape[0] == 0 else None)
+        return x_MH, recv_counts_PE.sum(0), ctx
+
+    def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: _Ctx) -> torch.Tensor:
+        ops = get_ops(self.kernel_backend, y_MH.device)
+        if ctx.empty_rows_MH is not None and ctx.empty_rows_MH.requires_grad:
+            # Experts given no rows may return an empty output detached from their empty input. The backward
+            # would then skip the dispatch all-to-all on this rank while its peers enter it: a hang. Re-attach.
+            y_MH = y_MH + 0 * ctx.empty_rows_MH.sum()
+        if ctx.dst_of_src_M is not None:
+            y_MH = _PermuteRows.apply(y_MH, ctx.dst_of_src_M, ctx.src_of_dst_M)
+        # the reverse exchange: what this rank received, it sends back; no new counts, no host sync
+        y_NH = all_to_all_rows(y_MH, ctx.input_splits, ctx.output_splits, self.group)
+        self.stats.bytes_sent += (sum(ctx.output_splits) - ctx.output_splits[self.ep_rank]) * _row_bytes(y_MH)
+        self.stats.bytes_received += (sum(ctx.input_splits) - ctx.input_splits[self.ep_rank]) * _row_bytes(y_MH)
+        return ops.combine_rows(y_NH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
+
+    def _record(self, input_splits: list[int], output_splits: list[int], row_bytes: int) -> None:
+        kept = input_splits[self.ep_rank]
+        sent, received = sum(input_splits) - kept, sum(output_splits) - output_splits[self.ep_rank]
+        self.stats.calls += 1
+        self.stats.rows_kept += kept
+        self.stats.rows_sent += sent
+        self.stats.rows_received += received
+        self.stats.bytes_sent += sent * row_bytes
+        self.stats.bytes_received += received * row_bytes
+
+
+def _row_bytes(rows_MH: torch.Tensor) -> int:
+    return rows_MH.shape[1] * rows_MH.element_size()

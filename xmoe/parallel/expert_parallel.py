@@ -1,0 +1,172 @@
+"""Expert parallelism applied from outside the model, then data parallelism through FSDP2.
+
+# E experts, E_local = E / ep experts per EP rank, H hidden, F expert ffn
+
+``apply_expert_parallel(model, dims)`` does, in this fixed order:
+  1. every MoELayer keeps only its EP rank's experts: ``experts.w1/w3/w2`` become DTensors of global shape
+     (E, H, F) / (E, F, H) placed ``Shard(0)`` on the "ep" mesh axis (local slice: experts
+     [e * E_local, (e + 1) * E_local) on the rank with EP coordinate e), and its dispatcher becomes an
+     ``AllToAllDispatcher`` over the "ep" group (``HierarchicalDispatcher``, RBD, when cfg.dispatcher == "rbd");
+  2. FSDP2 ``fully_shard`` of each routed-experts module over "dp" (the ranks that hold the same experts),
+     of each transformer block and of the root over "dp_ep" (every rank: dense weights are replicated
+     across EP ranks too).
+
+Gradient scale. Each rank's loss is the mean over its own tokens, and the trainer wants the mean over all
+dp * ep ranks. FSDP averages dense gradients over "dp_ep" (dp * ep ranks): right. An expert's local gradient
+already SUMS the contributions of the ep ranks of its EP group (the backward all-to-all brings them home), and
+FSDP averages it over "dp" only, so it comes out ep times too large. ``shard_experts`` fixes that inside the
+autograd graph: the experts' output gradient is divided by ep and their input gradient multiplied back by ep,
+so only the weight gradients change (exactly, when ep is a power of two). FSDP2's
+``set_gradient_divide_factor`` would do the same in the reduction, but with dp == 1 (no reduce-scatter) its
+handling differs across torch versions and dtypes (torch 2.13 divides twice in float64), so it is not used.
+
+Checkpoints. With DTensor parameters a state dict (``get_state_dict``) holds each expert stack under its usual
+key (``...experts.w1``) with its GLOBAL shape, each rank owning the rows of its shard. DCP saves by global
+offsets and loads into any other layout: another EP degree, another dp, or one process with plain tensors.
+No key mapping is needed; optimizer state (also DTensors) reshards the same way.
+
+The one thing the model must do for this: RoutedExperts.forward computes on ``w.to_local()`` when a weight is a
+DTensor (FSDP2 hands it the unsharded DTensor on the "ep" axis; the grouped GEMM wants the local slice).
+Gradient clipping must group gradients by mesh (``clip_grad_norm_`` below): torch's own mixes meshes and fails.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from xmoe.dispatch.alltoall import AllToAllDispatcher
+from xmoe.dispatch.hierarchical import HierarchicalDispatcher
+from xmoe.moe.layer import MoELayer
+from xmoe.parallel.dims import DENSE_AXIS, ParallelDims
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    """Step 1 only: slice every MoELayer's experts over "ep" (DTensor Shard(0)) and install the all-to-all dispatcher.
+
+    Works on real or meta tensors (no communication: every rank slices the full weights it holds, so all ranks
+    must have initialised them identically, e.g. from one seed). A no-op when ep == 1.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    layers = moe_layers(model)
+    if dims.ep == 1 or not layers:
+        return model
+    ep_mesh, ep_rank = dims.submesh("ep"), dims.coord("ep")
+    for layer in layers:
+        cfg = layer.cfg
+        num_local = dims.check_experts(cfg.num_experts)
+        if cfg.dispatcher == "padded":
+            raise ValueError(
+                "dispatcher='padded' (the GShard baseline) runs on one rank only; use dispatcher='pft' with ep > 1"
+            )
+        rows = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
+        for name in EXPERT_WEIGHTS:
+            full = getattr(layer.experts, name)
+            if isinstance(full, DTensor):
+                raise ValueError(f"experts.{name} is already a DTensor: apply expert parallelism once")
+            if full.shape[0] != cfg.num_experts:
+                raise ValueError(f"experts.{name} has {full.shape[0]} experts on dim 0, config says {cfg.num_experts}")
+            local = full.detach()[rows].clone()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+        if cfg.dispatcher == "rbd":  # two-stage hierarchical dispatch over the nodes the EP group spans
+            layer.dispatcher = HierarchicalDispatcher.from_dims(dims, cfg.num_experts, cfg.kernel_backend)
+        else:
+            layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend)
+        _scale_weight_grads(layer.experts, 1.0 / dims.ep)
+    return model
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _scale_weight_grads(experts: nn.Module, scale: float) -> None:
+    """Scale the gradients of ``experts``' weights by ``scale`` and leave the gradient of its input unchanged:
+    the output gradient is scaled by ``scale`` on the way in, the input gradient by 1 / scale on the way out."""
+
+    def scale_input(module, args):
+        return (_ScaleGrad.apply(args[0], 1.0 / scale), *args[1:])
+
+    def scale_output(module, args, out):
+        return _ScaleGrad.apply(out, scale)
+
+    experts.register_forward_pre_hook(scale_input)
+    experts.register_forward_hook(scale_output)
+
+
+def apply_expert_parallel(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy=None,
+) -> nn.Module:
+    """EP (``shard_experts``) then FSDP2 with the right mesh per parameter group; returns the model (now an
+    FSDPModule). FSDP units: each routed-experts module ("dp"), each ``model.layers[i]`` if the model has
+    ``layers`` ("dp_ep"), the root ("dp_ep"). ``mp_policy``: an FSDP2 MixedPrecisionPolicy, or None.
+
+    With tp > 1 call it after tensor parallelism and SSMB (xmoe/parallel/tensor.py, ssmb.py): TP weights then
+    become 2-D ("dp_ep", "tp") DTensors, and SSMB has already arranged the "tp" reduction of the replicated
+    MoE parameters (experts included); nothing here depends on tp.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    shard_experts(model, dims)
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    dp_mesh, dense_mesh = dims.submesh("dp"), dims.submesh(DENSE_AXIS)
+    for layer in moe_layers(model):
+        fully_shard(layer.experts, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    for block in getattr(model, "layers", []):
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    # the root's parameters (embeddings, final norm, head) are used last in forward, first in backward:
+    # keeping them unsharded after forward saves one all-gather per step
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **kwargs)
+    return model
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients that live on different meshes (experts on ("dp", "ep"),
+    dense weights on "dp_ep"), plain tensors included. Returns the total norm as a plain tensor.
+
+    DTensor refuses to mix meshes in one op, so norms are taken per (mesh, placements) group, each reduced to a
+    plain scalar (``full_tensor``: the collective over that group's mesh), then combined. Every rank must call it.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Optional[tuple], list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups[key].append(p)
+    if not groups:
+        return torch.zeros(())
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    for params in groups.values():  # per group again: the scale is a plain scalar, fine next to any DTensor
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
