@@ -61,20 +61,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun(nproc: int, out: Path, *extra: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(_free_port()), "-m", "xmoe", "train", "--out", str(out), "--device", "cpu", *SMALL, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def assert_tracks(a: dict[int, float], b: dict[int, float], steps) -> None:
+    for step in steps:
+        # same global batch: only reduction order and the per-rank balance loss differ
+        assert abs(a[step] - b[step]) < 2e-3 * abs(a[step]), (step, a[step], b[step])
+
+
 def test_data_parallel_matches_single_process(tmp_path):
     single, dp = tmp_path / "single", tmp_path / "dp"
     args = ["--steps", "6", "--log-every", "1", "--ckpt-every", "100"]
     train(single, *args)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "-m", "xmoe", "train", "--out", str(dp), "--device", "cpu", "--dp", "2",
-           *SMALL, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = losses(single), losses(dp)
-    for step in range(1, 7):
-        # same global batch: only reduction order and the per-rank balance loss differ
-        assert abs(a[step] - b[step]) < 2e-3 * abs(a[step]), (step, a[step], b[step])
+    torchrun(2, dp, "--dp", "2", *args)
+    assert_tracks(losses(single), losses(dp), range(1, 7))
+
+
+def test_expert_parallel_matches_single_process_and_resumes_at_another_degree(tmp_path):
+    single, ep = tmp_path / "single", tmp_path / "ep"
+    args = ["--log-every", "1", "--ckpt-every", "4"]
+    train(single, "--steps", "6", *args)
+    torchrun(4, ep, "--ep", "4", "--steps", "4", *args)  # 8 experts, 2 per rank
+    torchrun(2, ep, "--ep", "2", "--steps", "6", "--resume", *args)  # the EP=4 checkpoint, resharded
+    assert_tracks(losses(single), losses(ep), range(1, 7))
 
 
 @pytest.mark.parametrize("preset, total, active", [("small", 10.1, 1.3), ("medium", 55.2, 5.2),

@@ -547,14 +547,24 @@ def load_checkpoint(
 
     if not restore_extra:
         return {"step": meta["step"]}
-    try:
-        blob = torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
-        raise CheckpointError(
-            f"extra state rank_{rank:05d}.pt in {path} is unreadable ({e}). {_suggest_previous(path)}"
-        ) from e
+    blob = _read_rank_blob(path, rank)
     if restore_rng:
         restore_rng_state(blob["rng"])
     extra = blob["extra"]
     extra.setdefault("step", meta["step"])
     return extra
+
+
+def _read_rank_blob(path: Path, rank: int) -> dict[str, Any]:
+    try:
+        return torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+        raise CheckpointError(
+            f"extra state rank_{rank:05d}.pt in {path} is unreadable ({e}). {_suggest_previous(path)}"
+        ) from e
+
+
+def read_extra(ckpt: str | os.PathLike, rank: int = 0) -> dict[str, Any]:
+    """The ``extra`` dict one rank saved (no RNG restore): for state that is the same on every rank (the data
+    position, the step) when resuming at a different world size."""
+    return _read_rank_blob(Path(ckpt), rank)["extra"]

@@ -179,7 +179,16 @@ class Trainer:
             if self.rank == 0:
                 print(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
             return
-        extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer)
+        saved_world = ckpt.read_meta(found)["world_size"]
+        same_world = saved_world == self.world
+        extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer, restore_extra=same_world)
+        if not same_world:
+            # DCP resharded model and optimizer (experts too: they are saved under their full shape). The data
+            # position and the expert bias are the same on every rank, so rank 0's copy serves; per-rank RNG
+            # streams restart, so the continuation is equivalent but not bit-identical.
+            extra = ckpt.read_extra(found, rank=0)
+            if self.rank == 0:
+                print(f"resuming a {saved_world}-process checkpoint on {self.world} processes")
         self.step = int(extra["step"])
         self.loader.load_state_dict(extra["loader"])
         for layer, bias in zip(_moe_layers(self.model), extra.get("expert_bias", [])):
