@@ -11,8 +11,8 @@ Every dispatcher (local, all-to-all, hierarchical RBD, padded baseline) implemen
       out[t] = sum_k weights[t, k] * (expert output of slot (t, k)), dropped slots contribute nothing.
 
 so that the MoE layer's forward stays:  rows = dispatch -> experts(rows) -> combine.
-A single-rank dispatcher may also offer ``run(x_TH, weights_TK, plan, experts) -> out_TH`` doing all three as
-one op, which lets a kernel backend fuse them (LocalDispatcher does; the layer prefers it when present).
+A single-rank dispatcher may set ``fuses_experts = True``: the layer then hands the tokens and the plan to the
+experts in one call, which lets a kernel backend fuse gather -> experts -> combine (LocalDispatcher does).
 """
 
 from __future__ import annotations

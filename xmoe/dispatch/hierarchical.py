@@ -2,40 +2,36 @@
 
 # T tokens, H hidden, K top-k, E experts, P ranks in the EP group, E_local = E / P experts per rank (contiguous),
 # L most EP ranks on one node, U rows this rank sends in stage 1, M1 rows it receives there, U2 / M2 the same for
-# stage 2, M = M1 + M2, N rows its local experts compute. See docs/rbd.md for the algorithm's walk-through.
+# stage 2, M = M1 + M2, N rows its local experts compute. docs/rbd.md walks through the algorithm.
 
 dispatch:
-  1. every token's kept slots are sorted by (node, expert); a "unit" is a run of one remote node (pilot), or of one
-     GPU of this rank's own node (a direct row). Its head is its lowest expert: the PILOT RULE is that a pilot lands
-     on the GPU hosting the token's lowest-numbered expert on that node. A unit carries the token's row once, plus
-     its K expert ids masked to the unit (-1 elsewhere).
-  2. ONE count exchange (an equal-split all-to-all of P x (E_local + 1 + 2L) ints): per destination rank, the flat
-     per-expert counts (the grouped GEMM's sizes), the stage-1 rows, and the stage-2 rows every pilot will forward
-     and receive (the source knows which GPUs each of its pilots covers), then ONE host sync of all split sizes.
-  3. stage 1: all-to-all-v of unit rows (+ their ids) over the EP group: inter-node for pilots, intra-node for
-     direct rows, a local copy for rows to itself.
-  4. stage 2: each pilot's GPU forwards one replica per other GPU of its node that hosts the token's experts
-     (one per (token, GPU), ids masked to that GPU), in a second all-to-all-v whose non-zero splits are all
-     intra-node. Skipped outright (no collective) when no node holds two ranks of the group, or one node holds all.
-  5. every GPU expands its received rows to its local experts, grouped expert-major: the rows flat all-to-all gives
-     it, in another order.
+  1. each token's kept slots are sorted by (node, expert). A "unit" is a run on one remote node (a pilot) or on
+     one GPU of this rank's own node (a direct row). PILOT RULE: a pilot lands on the GPU hosting the token's
+     lowest-numbered expert on that node. A unit carries the token's row once, with its K expert ids masked to it.
+  2. ONE count exchange (equal-split all-to-all of P x (E_local + 1 + 2L) ints: per destination, the flat
+     per-expert counts, the stage-1 rows, and the stage-2 rows each pilot's GPU will forward / receive, which the
+     source knows), then ONE host sync of every split size.
+  3. stage 1, all-to-all-v over the EP group: pilots cross nodes, direct rows stay inside, rows to self are copied.
+  4. stage 2, all-to-all-v whose non-zero splits are all intra-node: a pilot's GPU forwards one replica per other
+     GPU of its node hosting the token's experts, ids masked to that GPU. No collective at all when no node holds
+     two ranks of the group, or one node holds them all.
+  5. each GPU expands its received rows to its local experts, expert-major: flat's rows, in another order.
 combine, the reverse, every sum in a fixed order (ops.combine_rows: k in order, fp32 accumulation, no atomics):
-  6. the router weights reach the rows' GPUs (stage 1 then stage 2, one autograd node: _SendWeights); each GPU
-     sums its experts' outputs of a row, weighted: the weights are applied here, once.
-  7. replicas' partial sums go back to the pilot (reverse stage 2), which adds them to its own, in expert order.
-  8. one row per unit goes back (reverse stage 1); the source sums a token's units in (node, expert) order.
-The weights travel in combine because the dispatcher interface hands them to combine only.
+  6. router weights reach the rows' GPUs (stage 1 then 2, one autograd node: _SendWeights; they travel here since
+     the dispatcher interface hands them to combine only); each GPU sums its experts' outputs of a row, WEIGHTED:
+     the only place weights are applied.
+  7. replicas' partial sums return to the pilot's GPU (reverse stage 2), added to its own in expert order.
+  8. one row per unit returns (reverse stage 1); the source sums a token's units in (node, expert) order.
 
-Collectives per layer call, forward: 1 count exchange, stage 1 and 2 each moving rows and ids (4), weights stage 1
-and 2 (2), partial sums reverse stage 2 and 1 (2): 9; backward: 6 (the row and weight paths reversed, ids need
-none). With one stage (see 4): 1 + 2 + 1 + 1 = 5 forward, 3 backward. Host syncs: ONE per layer call (step 2:
-the split sizes of all four row all-to-alls, the expanded-row count and the counters' numbers: one
-device-to-host copy of 2P + 2L + 6 ints); combine and backward reuse them. Nothing is (tokens x experts): metadata is O(T K + M K) ints, found by
-sorting each token's K keys and marking run heads, which needs no host sync (torch.unique would).
+Collectives per layer call: forward 9 (counts; rows + ids in stages 1 and 2; weights in stages 1 and 2; partial
+sums back in stages 2 and 1), backward 6; with one stage 5 and 3 (flat: 3 and 2). Host syncs: ONE, in step 2
+(2P + 2L + 6 ints: all split sizes, the expanded-row count, the counters); combine and backward reuse them. No
+(tokens x experts) structure: metadata is O(T K + M K) ints, deduplicated by sorting each token's K keys and
+marking run heads, which needs no host sync (torch.unique would).
 
-Backward order: every rank must enter the collectives of backward in the same order. Stage 1 -> 2 -> expansion
-and combine's chain are linear; the weights' node (_SendWeights) is a side branch, so it takes the stage-1 and
-stage-2 rows as extra (gradient-free) inputs: autograd must run it before either dispatch all-to-all's backward.
+Backward order: every rank must enter backward's collectives in the same order. The row path and combine's chain
+are linear; the weights' node is a side branch, so it takes the dispatched rows as extra inputs ("anchors"):
+autograd must then run it before the dispatch all-to-alls' backward, on every rank.
 """
 
 from __future__ import annotations
@@ -53,17 +49,8 @@ from xmoe.parallel.comm import all_to_all_rows, exchange_counts
 
 @dataclass
 class RBDStats:
-    """Traffic this rank SENT in the forward passes since the last reset (backward moves as much again, reversed).
-
-    rows_local: stage-1 rows to itself (no transfer); rows_intra_direct: stage-1 rows to other GPUs of its node,
-    one per (token, GPU); rows_inter: pilots, one per (token, remote node); rows_replica: stage-2 rows this rank
-    forwarded as a pilot's GPU (for other ranks' tokens). rows_intra = direct + replica. bytes_*: dispatch
-    payloads (rows + int32 ids) plus combine payloads (weights, then partial sums back) crossing each link class.
-    For the routing of this rank's tokens: slots (kept (token, expert) pairs), token_nodes (distinct (token,
-    node)), replicas_caused (stage-2 copies its pilots cause on remote nodes), flat_rows_intra / flat_rows_inter
-    (what flat all-to-all sends for the same routing, one row per slot). Summed over the group,
-    rows_replica == replicas_caused.
-    """
+    """Traffic this rank SENT in forward passes since reset() (backward moves as much again, reversed); the
+    meaning of each field is in docs/rbd.md ("Counters"). Python numbers, from dispatch's one host sync."""
 
     calls: int = 0
     slots: int = 0

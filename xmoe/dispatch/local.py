@@ -11,7 +11,13 @@ from xmoe.moe.routing import RoutingPlan
 
 
 class LocalDispatcher:
-    """All experts live on this rank. dispatch is a row gather, combine a weighted per-token sum."""
+    """All experts live on this rank. dispatch is a row gather, combine a weighted per-token sum.
+
+    ``fuses_experts``: the layer may skip dispatch / combine and call the experts on the tokens directly, so a
+    kernel backend can fuse gather -> experts -> combine (RoutedExperts.forward with a plan).
+    """
+
+    fuses_experts = True
 
     def __init__(self, kernel_backend: str = "auto"):
         self.kernel_backend = kernel_backend
@@ -24,10 +30,3 @@ class LocalDispatcher:
     def combine(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor:
         ops = get_ops(self.kernel_backend, y_NH.device)
         return ops.combine_rows(y_NH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
-
-    def run(self, x_TH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, experts) -> torch.Tensor:
-        """dispatch -> experts -> combine as one op, which a backend may fuse (the Triton one reads rows of x_TH
-        by token id inside the first GEMM and never writes the (N, H) dispatch or expert-output buffers)."""
-        ops = get_ops(self.kernel_backend, x_TH.device)
-        return ops.moe_experts(x_TH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                               plan.tokens_per_expert_E, *experts.local_weights(x_TH.dtype))

@@ -5,11 +5,14 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from xmoe.kernels import get_ops
+from xmoe.moe.routing import RoutingPlan
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -38,12 +41,19 @@ class RoutedExperts(nn.Module):
         """(w1, w3, w2) of the experts on this rank, in the compute dtype."""
         return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = self.local_weights(x_NH.dtype)
-        if x_NH.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
-            return torch.bmm(F.silu(torch.bmm(x_NH, w1)) * torch.bmm(x_NH, w3), w2)
-        ops = get_ops(self.kernel_backend, x_NH.device)
-        return ops.grouped_swiglu(x_NH, w1, w3, w2, tokens_per_expert_E)
+    def forward(self, x: torch.Tensor, tokens_per_expert_E: torch.Tensor, plan: Optional[RoutingPlan] = None,
+                weights_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows (N, H) grouped by expert -> (N, H); or, with ``plan`` and ``weights_TK``, tokens (T, H) -> the
+        weighted sum of each token's expert outputs (T, H): gather, experts and combine in one backend op
+        (fused by the Triton backend). Called as a module either way, so wrappers' hooks (FSDP) run."""
+        w1, w3, w2 = self.local_weights(x.dtype)
+        ops = get_ops(self.kernel_backend, x.device)
+        if plan is not None:
+            return ops.moe_experts(x, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
+                                   tokens_per_expert_E, w1, w3, w2)
+        if x.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
+            return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
+        return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
 
 
 class SwiGLU(nn.Module):

@@ -92,8 +92,8 @@ class MoELayer(nn.Module):
         # (which autocast does not see) into fp32 (measured on H200, small shape: 43 TFLOP/s for the model).
         if torch.is_autocast_enabled(x.device.type):
             x_TH = x_TH.to(torch.get_autocast_dtype(x.device.type))
-        if hasattr(self.dispatcher, "run"):  # single-rank: the backend may fuse the three steps into one op
-            out_TH = self.dispatcher.run(x_TH, route.weights_TK, plan, self.experts)
+        if getattr(self.dispatcher, "fuses_experts", False):  # one rank: the backend may fuse the three steps
+            out_TH = self.experts(x_TH, plan.tokens_per_expert_E, plan, route.weights_TK)
         else:
             x_NH, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TH, plan)
             y_NH = self.experts(x_NH, tokens_per_expert)

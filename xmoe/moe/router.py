@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xmoe.config import MoEConfig
+from xmoe.moe.routing import count_ids
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Router(nn.Module):
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.routed_scaling_factor
 
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=cfg.num_experts)
+        counts_E = count_ids(ids_TK, cfg.num_experts)
         if self.training and cfg.bias_update_rate > 0:
             self.load_E += counts_E.float()
         zero = logits_TE.new_zeros(())
@@ -100,7 +101,7 @@ class Router(nn.Module):
         mean_prob_BE = probs_TE.view(num_sequences, seq_len, num_experts).mean(1)
         seq_of_slot = torch.arange(num_tokens, device=ids_TK.device).div(seq_len, rounding_mode="floor")
         flat = (seq_of_slot[:, None] * num_experts + ids_TK).reshape(-1)
-        counts_BE = torch.bincount(flat, minlength=num_sequences * num_experts).view(num_sequences, num_experts)
+        counts_BE = count_ids(flat, num_sequences * num_experts).view(num_sequences, num_experts)
         frac_BE = counts_BE.float() * (num_experts / (cfg.top_k * seq_len))
         return cfg.aux_loss_coef * (frac_BE * mean_prob_BE).sum(-1).mean()
 

@@ -7,7 +7,7 @@ row n of the expert buffer holds token ``token_ids_N[n]`` for expert ``expert_id
 ``[offsets_E[e] - tokens_per_expert_E[e], offsets_E[e])``. ``row_of_slot_TK`` is the inverse map, used by
 combine to sum a token's K rows in a fixed order (deterministic, no atomics).
 
-Host synchronisation: none in the dropless path (argsort, bincount and scatter all stay on device, N = T*K is
+Host synchronisation: none in the dropless path (argsort, scatter-add counts stay on device, N = T*K is
 known on the host). With a capacity factor the number of kept rows is data dependent, so sizing the buffer needs
 one device-to-host read of that count (``int(keep.sum())``), once per layer call.
 """
@@ -53,6 +53,13 @@ class RoutingPlan:
         return torch.arange(self.num_rows, device=self.token_ids_N.device) - starts_E[self.expert_ids_N]
 
 
+def count_ids(ids: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int64 histogram of ``ids`` over [0, num_bins). torch.bincount would read the ids' max back to the host on
+    CUDA (a sync); an integer scatter-add needs none and is exact in any order."""
+    flat = ids.reshape(-1).long()
+    return torch.zeros(num_bins, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def build_plan(
     expert_ids_TK: torch.Tensor,
     scores_TK: torch.Tensor,
@@ -71,7 +78,7 @@ def build_plan(
     device = expert_ids_TK.device
     flat_ids = expert_ids_TK.reshape(-1).long()
     num_slots = flat_ids.numel()
-    counts_E = torch.bincount(flat_ids, minlength=num_experts)
+    counts_E = count_ids(flat_ids, num_experts)
 
     if capacity is None or capacity >= num_tokens:
         # 1. stable sort by expert: slot order inside an expert is token-major

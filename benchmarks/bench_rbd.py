@@ -1,0 +1,237 @@
+"""RBD vs flat all-to-all on GPUs (NCCL): time of dispatch + combine, rows moved, and the traffic model's prediction.
+
+# T tokens per rank, H hidden, E experts, K top-k, P = EP ranks (= world size here)
+
+    torchrun --nproc-per-node 2 benchmarks/bench_rbd.py                 # each GPU stands for one node
+    torchrun --nproc-per-node 4 benchmarks/bench_rbd.py --gpus-per-node 2 --tokens 8192
+
+Skips (exit 0, with the reason) without CUDA GPUs or with fewer than 2 ranks. ``--cpu`` runs the same code on CPU
+processes over gloo (host timers, a tiny shape): a smoke test of the script, not a measurement. Takes < 2 minutes.
+
+For each layer shape (small: H 2048, E 64, K 6; medium: H 5120, E 128, K 6), bf16, uniform routing (every token's
+K experts a uniform K-subset, the traffic model's assumption), experts replaced by the identity so that only the
+dispatch and combine are timed:
+  1. check: RBD's output and input / weight gradients against flat's (relative, bf16: RBD rounds partial sums
+     per GPU and per node), host syncs seen by torch.cuda.set_sync_debug_mode in dispatch and in combine;
+  2. rows: rows each rank sends inter-node per dispatch, flat vs RBD, measured (dispatcher counters), exact for
+     this routing (xmoe.plan.comm.count_rows) and predicted (xmoe.plan.comm.estimate_comm, uniform closed form);
+  3. time: dispatch + combine, forward and forward + backward, CUDA events around a FIXED number of iterations
+     (every rank must run the same collectives), median of trials; and the model's predicted time for the same
+     topology with its default network (25 GB/s per GPU between nodes) and with "nodes" joined by the intra-node
+     link, which is what GPUs of one host standing in for nodes really have (then RBD's saving is bookkeeping-
+     bound: it removes rows but adds a stage).
+Results: rank 0 writes bench_rbd.json / bench_rbd.md under $OUT or benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
+
+SHAPES = {"tiny": (128, 16, 4), "small": (2048, 64, 6), "medium": (5120, 128, 6)}  # H, E, K of the presets
+
+
+def _skip_reason(cpu: bool) -> str | None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        return "needs >= 2 ranks: torchrun --nproc-per-node 2 benchmarks/bench_rbd.py"
+    if cpu:
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible (--cpu runs a gloo smoke test instead)"
+    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        return f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node"
+    return None
+
+
+def _time_ms(fn, device: torch.device, iters: int, trials: int = 5) -> float:
+    """Median over trials of the time of ``iters`` back-to-back calls / iters; ranks barrier before each trial."""
+    fn()
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def _count_syncs(fn, device: torch.device) -> int:
+    """Synchronising CUDA calls fn makes (torch's sync debug mode warns on each); -1 where it cannot tell."""
+    if device.type != "cuda":
+        fn()
+        return -1
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+def rel_err(a, ref) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) -> dict:
+    from xmoe.dispatch.alltoall import AllToAllDispatcher
+    from xmoe.dispatch.hierarchical import HierarchicalDispatcher
+    from xmoe.model.presets import get_preset
+    from xmoe.moe.routing import build_plan
+    from xmoe.plan.comm import Network, count_rows, estimate_comm
+
+    hidden, num_experts, top_k = SHAPES[shape]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator(device=device).manual_seed(1000 + rank)
+    ids_TK = torch.rand(num_tokens, num_experts, device=device, generator=gen).topk(top_k, dim=-1).indices
+    plan = build_plan(ids_TK, torch.ones(ids_TK.shape, device=device), num_experts)
+    x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, generator=gen).requires_grad_(True)
+    w = torch.rand(num_tokens, top_k, device=device, generator=gen).requires_grad_(True)  # fp32, as the router's
+    g = torch.randn(num_tokens, hidden, device=device, dtype=dtype, generator=gen)
+    flat = AllToAllDispatcher(dims.group("ep"), num_experts)
+    rbd = HierarchicalDispatcher.from_dims(dims, num_experts)
+
+    def layer(disp):  # identity experts: the dispatch -> combine round trip alone
+        rows, _, ctx = disp.dispatch(x, plan)
+        return disp.combine(rows, w, plan, ctx)
+
+    def fwd(disp):
+        return lambda: layer(disp)
+
+    def fwd_bwd(disp):
+        def fn():
+            x.grad = w.grad = None
+            layer(disp).backward(g)
+        return fn
+
+    # 1. check against flat; host syncs of dispatch and of combine
+    outs = {}
+    for name, disp in (("flat", flat), ("rbd", rbd)):
+        x.grad = w.grad = None
+        out = layer(disp)
+        out.backward(g)
+        outs[name] = (out.detach(), x.grad.clone(), w.grad.clone())
+        disp.stats.reset()
+    errs = [rel_err(a, b) for a, b in zip(outs["rbd"], outs["flat"])]
+    syncs = {}
+    for name, disp in (("flat", flat), ("rbd", rbd)):
+        holder = {}
+        syncs[f"{name}_dispatch"] = _count_syncs(lambda: holder.update(r=disp.dispatch(x.detach(), plan)), device)
+        rows, _, ctx = holder["r"]
+        syncs[f"{name}_combine"] = _count_syncs(lambda: disp.combine(rows, w.detach(), plan, ctx), device)
+
+    # 2. rows this rank sends across nodes: measured, exact for this routing, and the model's expectation
+    flat.stats.reset()
+    rbd.stats.reset()
+    with torch.no_grad():
+        layer(flat)
+        layer(rbd)
+    node_of_rank = [dims.node_of(r) for r in dims.group_ranks("ep")]
+    local = num_experts // world
+    exact = count_rows(ids_TK, torch.arange(num_experts) // local, torch.tensor(node_of_rank), dims.coord("ep"))
+    cfg = get_preset(shape)  # the model reads H, E and K from the preset of the same name
+    model = estimate_comm(cfg, world, gpus_per_node=dims.node_size, ep=world, tokens_per_gpu=num_tokens)
+    net = Network()
+    linked = estimate_comm(cfg, world, gpus_per_node=dims.node_size, ep=world, tokens_per_gpu=num_tokens,
+                           network=Network(inter_bw=net.intra_bw, inter_lat=net.intra_lat))
+    flat_inter = flat.stats.rows_sent - exact.flat_intra  # flat's counters do not split intra / inter
+    s = rbd.stats.as_dict()  # one call's counters, before the timing loops add to them
+
+    # 3. time
+    t = {f"{name}_{kind}_ms": _time_ms(make(disp), device, iters)
+         for name, disp in (("flat", flat), ("rbd", rbd)) for kind, make in (("fwd", fwd), ("fwd_bwd", fwd_bwd))}
+    return {
+        "shape": shape, "hidden": hidden, "experts": num_experts, "top_k": top_k, "tokens_per_rank": num_tokens,
+        "ranks": world, "gpus_per_node": dims.node_size, **t,
+        "speedup_fwd": t["flat_fwd_ms"] / t["rbd_fwd_ms"],
+        "speedup_fwd_bwd": t["flat_fwd_bwd_ms"] / t["rbd_fwd_bwd_ms"],
+        "flat_inter_rows": flat_inter, "rbd_inter_rows": s["rows_inter"], "rbd_replica_rows": s["rows_replica"],
+        "exact_flat_inter": exact.flat_inter, "exact_rbd_inter": exact.rbd_inter,
+        "model_flat_inter": model.rows.flat_inter, "model_rbd_inter": model.rows.rbd_inter,
+        "R": s["redundancy_rate"], "model_R": model.rows.redundancy_rate,
+        "model_flat_us": model.flat_us, "model_rbd_us": model.rbd_us, "model_speedup": model.speedup,
+        "model_nvlink_flat_us": linked.flat_us, "model_nvlink_rbd_us": linked.rbd_us,
+        "err_out": errs[0], "err_x_grad": errs[1], "err_w_grad": errs[2], **{f"syncs_{k}": v for k, v in syncs.items()},
+        "counters": s,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                        help="default: small medium (tiny with --cpu)")
+    parser.add_argument("--tokens", type=int, default=None, help="per rank; default 4096 (256 with --cpu)")
+    parser.add_argument("--gpus-per-node", type=int, default=1, help="ranks per (virtual) node; default 1")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--cpu", action="store_true", help="gloo smoke test of this script on CPU processes")
+    args = parser.parse_args(argv)
+    args.shapes = args.shapes or (["tiny"] if args.cpu else ["small", "medium"])
+    args.tokens = args.tokens or (256 if args.cpu else 4096)
+    reason = _skip_reason(args.cpu)
+    if reason:
+        print(f"bench_rbd: skipped: {reason}")
+        return
+    if args.cpu:
+        device, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo")
+    else:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on these machines
+        device, dtype = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), torch.bfloat16
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    from benchmarks.harness import environment, markdown_table, write_results
+    from xmoe.config import ParallelConfig
+    from xmoe.parallel.dims import ParallelDims
+
+    world = dist.get_world_size()
+    cfg = ParallelConfig(ep=world, gpus_per_node=args.gpus_per_node)
+    dims = ParallelDims.from_config(cfg, world).build_mesh(device.type)
+    rows = [bench_shape(shape, args.tokens, dims, device, dtype, args.iters) for shape in args.shapes]
+    if dist.get_rank() == 0:
+        time_cols = ["shape", "tokens_per_rank", "ranks", "gpus_per_node", "flat_fwd_ms", "rbd_fwd_ms", "speedup_fwd",
+                     "flat_fwd_bwd_ms", "rbd_fwd_bwd_ms", "speedup_fwd_bwd", "model_flat_us", "model_rbd_us",
+                     "model_speedup", "model_nvlink_flat_us", "model_nvlink_rbd_us"]
+        row_cols = ["shape", "flat_inter_rows", "exact_flat_inter", "model_flat_inter", "rbd_inter_rows",
+                    "exact_rbd_inter", "model_rbd_inter", "rbd_replica_rows", "R", "model_R"]
+        check_cols = ["shape", "err_out", "err_x_grad", "err_w_grad", "syncs_flat_dispatch", "syncs_flat_combine",
+                      "syncs_rbd_dispatch", "syncs_rbd_combine"]
+        notes = ("Identity experts, uniform routing, rank 0. Rows each rank sends to other (virtual) nodes per "
+                 "dispatch: measured, exact (count_rows), model (estimate_comm):\n\n"
+                 + markdown_table(rows, row_cols) + "\n\nRBD vs flat (bf16 relative error) and host syncs "
+                 "(sync debug mode; -1 = not on CUDA):\n\n" + markdown_table(rows, check_cols)
+                 + "\n\nTime (ms per layer call; model: us per dispatch, 25 GB/s network / NVLink-joined):")
+        title = f"RBD vs flat all-to-all ({dist.get_backend()})"
+        write_results("bench_rbd", rows, time_cols, environment(), title, notes)
+        for cols in (row_cols, check_cols, time_cols):
+            print(markdown_table(rows, cols) + "\n")
+    bad = [r["shape"] for r in rows if max(r["err_out"], r["err_x_grad"], r["err_w_grad"]) > 2e-2]
+    dist.destroy_process_group()
+    if bad:
+        raise SystemExit(f"bench_rbd: RBD differs from flat beyond bf16 rounding for {bad}")
+
+
+if __name__ == "__main__":
+    main()
