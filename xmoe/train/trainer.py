@@ -144,23 +144,14 @@ class Trainer:
         if self.world == 1:
             return model
         if self.run.parallel.tp > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            from xmoe.parallel.expert_parallel import moe_layers, shard_experts
+            from xmoe.parallel.expert_parallel import apply_expert_parallel
             from xmoe.parallel.ssmb import apply_ssmb
             from xmoe.parallel.tensor import apply_tensor_parallel
 
             # fixed order: TP (attention, dense FFN) -> SSMB (MoE blocks on 1/tp of the tokens) -> EP -> FSDP2
             apply_tensor_parallel(model, self.dims)
             apply_ssmb(model, self.dims)
-            shard_experts(model, self.dims)
-            # FSDP2 units as in apply_expert_parallel (which still refuses tp > 1): experts over "dp", blocks and
-            # root over "dp_ep"; TP weights become 2-D ("dp_ep", "tp") DTensors
-            for layer in moe_layers(model):
-                fully_shard(layer.experts, mesh=self.dims.submesh("dp"))
-            for block in model.layers:
-                fully_shard(block, mesh=self.dims.submesh("dp_ep"))
-            return fully_shard(model, mesh=self.dims.submesh("dp_ep"), reshard_after_forward=False)
+            return apply_expert_parallel(model, self.dims)
         if self.run.parallel.ep > 1:
             from xmoe.parallel.expert_parallel import apply_expert_parallel
 

@@ -1,0 +1,244 @@
+"""SSMB on GPUs: peak memory and step time of a Small-shaped model under TP, with and without SSMB and against
+activation recomputation of the MoE blocks, beside xmoe.plan.memory's prediction.
+
+# T tokens per micro-batch (micro-batch x seq), H hidden, E experts, K top-k, F expert ffn, S = TP degree
+
+    torchrun --nproc-per-node 2 benchmarks/bench_ssmb.py        # H 2048, E 64, top-6, F 1408, 4 layers, seq 4096
+    torchrun --nproc-per-node 2 benchmarks/bench_ssmb.py --micro-batch 1 2 4 --layers 8
+
+Skips (exit 0, with the reason) without CUDA GPUs or when not launched on >= 2 ranks. ``--cpu`` runs the same code
+on CPU processes over gloo (tiny shape, host timers, no allocator peak): a smoke test of the script only.
+
+TP = the world size (dp = ep = 1); every setting is the same model from one seed, bf16 weights (no fp32 master copy,
+so the experts' kernels read the parameters themselves), all layers MoE, no shared experts (the paper's Small), the
+default kernels (Triton on GPUs). One step = forward + backward of the LM loss; no optimizer (its state is the same
+in every setting). Settings:
+  tp                  attention split over TP, MoE blocks replicated: every rank runs them on all T tokens (the
+                      X-MoE paper's baseline)
+  tp+ssmb             SSMB: each rank runs its MoE blocks on T/S tokens, one all-gather per block and direction
+  tp+recompute        no SSMB; every MoE block (ffn norm + MoE layer) under torch.utils.checkpoint, keeping only its
+                      input and recomputing it in backward (dispatch included)
+  tp+ssmb+recompute   both
+Columns: step_ms (median over trials of CUDA-event time / iterations, ranks in lockstep), tokens/s (all ranks, each
+token counted once), tflops (useful training FLOPs per GPU, xmoe.train.metrics formula (a): replicated MoE compute
+is not counted twice), act_peak_gib (peak allocated during a step above what is allocated before it: parameters and
+gradients excluded), pred_peak_gib (estimate_memory's activations + working for the same setting), moe_mib (bytes
+autograd saves for one MoE block, xmoe.bench.saved_activation_bytes) and pred_moe_mib (the plan's per-block terms).
+Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $OUT or benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
+
+GIB, MIB = 2**30, 2**20
+SETTINGS = {"tp": (False, False), "tp+ssmb": (True, False), "tp+recompute": (False, True),
+            "tp+ssmb+recompute": (True, True)}
+
+
+def _skip_reason(cpu: bool) -> str | None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        return "needs >= 2 ranks: torchrun --nproc-per-node 2 benchmarks/bench_ssmb.py"
+    if cpu:
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible (--cpu runs a gloo smoke test instead)"
+    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        return f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node"
+    return None
+
+
+class RecomputedFFN(nn.Module):
+    """A block's ffn norm + MoE layer under activation checkpointing (the block's ffn_norm becomes the identity)."""
+
+    def __init__(self, norm: nn.Module, ffn: nn.Module):
+        super().__init__()
+        self.norm, self.ffn = norm, ffn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: self.ffn(self.norm(t)), x, use_reentrant=False)
+
+
+def model_config(args):
+    from xmoe.config import ModelConfig, MoEConfig
+
+    moe = MoEConfig(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_experts=args.experts, top_k=args.top_k)
+    return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                       moe=moe, max_seq_len=args.seq)
+
+
+def build(cfg, dims, device, dtype, ssmb: bool, recompute: bool):
+    from xmoe.model.transformer import Transformer
+    from xmoe.parallel.ssmb import apply_ssmb
+    from xmoe.parallel.tensor import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(cfg)
+    model.to(dtype)
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()  # angles stay fp32
+    apply_tensor_parallel(model, dims)
+    if recompute:
+        for block in model.layers:
+            block.ffn, block.ffn_norm = RecomputedFFN(block.ffn_norm, block.ffn), nn.Identity()
+    if ssmb:  # after the checkpoint wrapper: SSMB's scatter runs before it, so it keeps only T/S input rows
+        apply_ssmb(model, dims)
+    return model
+
+
+def time_ms(fn, device, iters: int, trials: int) -> float:
+    """Median over trials of (time of ``iters`` back-to-back calls) / iters; ranks barrier before each trial."""
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def predicted(cfg, world: int, micro_batch: int, seq: int, ssmb: bool, recompute: bool, kernel: str, b: int) -> dict:
+    from xmoe.config import ParallelConfig
+    from xmoe.plan.memory import estimate_memory, moe_activations
+
+    par = ParallelConfig(tp=world, gpus_per_node=world)
+    m = estimate_memory(cfg, par, micro_batch=micro_batch, seq_len=seq, ssmb=ssmb, kernel=kernel, act_bytes=b,
+                        recompute="moe" if recompute else "none")
+    moe_block = b * m.moe_tokens * cfg.hidden_size if recompute else sum(
+        moe_activations(cfg.moe, m.moe_tokens, kernel=kernel, b=b).values())
+    return {"pred_peak_gib": (m.activations + m.working) / GIB, "pred_moe_mib": moe_block / MIB}
+
+
+def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
+    from xmoe.bench import saved_activation_bytes
+    from xmoe.kernels import get_ops
+    from xmoe.train import metrics
+
+    ssmb, recompute = SETTINGS[name]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    world, T = dist.get_world_size(), micro_batch * args.seq
+    kernel = "triton" if get_ops("auto", device).__name__.endswith("triton_ops") else "torch"
+    row = {"setting": name, "tp": world, "micro_batch": micro_batch, "tokens": T,
+           **predicted(cfg, world, micro_batch, args.seq, ssmb, recompute, kernel, dtype.itemsize)}
+    model = step = None
+    try:
+        model = build(cfg, dims, device, dtype, ssmb, recompute)
+        gen = torch.Generator(device=device).manual_seed(1)  # the same tokens on every TP rank: one data shard
+        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, args.seq + 1), device=device, generator=gen)
+        losses = []
+
+        def step():
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()  # gradients accumulate across steps: allocated once, like a training run's
+            losses.append(loss.detach())
+
+        for _ in range(args.warmup):
+            step()
+        block = model.layers[-1]
+        h = torch.randn(micro_batch, args.seq, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        row["moe_mib"] = saved_activation_bytes(lambda: block.ffn(block.ffn_norm(h))) / MIB
+        del h
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            row["act_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+        ms = time_ms(step, device, args.iters, args.trials)
+        flops = metrics.train_flops(metrics.FlopDims.from_model_config(cfg, args.seq), micro_batch)
+        row.update(loss=losses[0].float().item(), step_ms=ms, tokens_per_s=T / (ms / 1e3),
+                   tflops=flops / (ms / 1e3) / world / 1e12)
+    except torch.OutOfMemoryError:  # every rank runs the same shapes, so all of them land here together
+        row["error"] = "out of memory"
+    model = step = None  # the closure holds the model too
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=None, help="default 2048 (64 with --cpu)")
+    parser.add_argument("--ffn", type=int, default=None, help="expert ffn width; default 1408 (32 with --cpu)")
+    parser.add_argument("--experts", type=int, default=None, help="default 64 (8 with --cpu)")
+    parser.add_argument("--top-k", type=int, default=None, help="default 6 (2 with --cpu)")
+    parser.add_argument("--heads", type=int, default=None, help="default 16 (4 with --cpu)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=None, help="default 32768 (256 with --cpu)")
+    parser.add_argument("--seq", type=int, default=None, help="default 4096 (64 with --cpu)")
+    parser.add_argument("--micro-batch", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--cpu", action="store_true", help="gloo smoke test of this script on CPU processes")
+    args = parser.parse_args(argv)
+    small = {"hidden": 2048, "ffn": 1408, "experts": 64, "top_k": 6, "heads": 16, "vocab": 32768, "seq": 4096}
+    tiny = {"hidden": 64, "ffn": 32, "experts": 8, "top_k": 2, "heads": 4, "vocab": 256, "seq": 64}
+    for key, value in (tiny if args.cpu else small).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    reason = _skip_reason(args.cpu)
+    if reason:
+        print(f"bench_ssmb: skipped: {reason}")
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # GPU.md: NVLink multicast stays off on these machines
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    from benchmarks.harness import environment, markdown_table, write_results
+    from xmoe.config import ParallelConfig
+    from xmoe.parallel.dims import ParallelDims
+
+    world = dist.get_world_size()
+    dims = ParallelDims.from_config(ParallelConfig(tp=world), world).build_mesh(device.type)
+    cfg = model_config(args)
+    rows = [run_setting(name, cfg, dims, device, args, mb) for mb in args.micro_batch for name in args.settings]
+    if dist.get_rank() == 0:
+        cols = ["setting", "tp", "micro_batch", "tokens", "loss", "step_ms", "tokens_per_s", "tflops",
+                "act_peak_gib", "pred_peak_gib", "moe_mib", "pred_moe_mib", "error"]
+        notes = (f"Model: H {args.hidden}, E {args.experts}, top-{args.top_k}, F {args.ffn}, {args.heads} heads, "
+                 f"{args.layers} MoE layers, vocab {args.vocab}, seq {args.seq}; TP {world}; "
+                 f"{'fp32 CPU smoke test' if args.cpu else 'bf16 weights'}. Rank 0's numbers.")
+        if args.cpu:  # xmoe.bench.saved_activation_bytes skips parameters but not views of them
+            notes += " moe_mib also counts the expert weights: the torch backend saves per-expert views w[e]."
+        write_results("bench_ssmb", rows, cols, {**environment(), "args": vars(args)},
+                      "SSMB vs replicated MoE blocks vs recomputation under TP", notes)
+        print(notes)
+        print(markdown_table(rows, cols))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""SSMB, sequence-sharded MoE blocks (X-MoE, SC'25): under tensor parallelism each TP rank runs its MoE blocks on
+1/S of the tokens instead of all of them.
+
+# S tensor-parallel degree, T tokens of a micro-batch (B sequences x L positions), H hidden, b bytes per element
+
+With TP (``tensor.py``) the residual stream is replicated over the S ranks of a TP group, so without SSMB every rank
+runs the MoE block (ffn norm, router, dispatch, experts, combine, shared experts) on the same T tokens: S-fold
+redundant compute, activation memory and all-to-all traffic. ``apply_ssmb(model, dims)`` shards the block:
+
+  h (B, L, H) replicated     1. scatter: rank t keeps its contiguous 1/S of the T token rows, as a copy (so nothing
+                                keeps the full h alive); no communication. Whole sequences, (B/S, L, H), when S
+                                divides B; otherwise (T/S, H)
+  ffn_norm -> MoELayer       2. norm, router, experts (local or EP all-to-all within this rank's EP group, which
+                                shares its TP coordinate), shared experts: all on T/S tokens
+  y (B, L, H) replicated     3. gather: one all-gather over "tp" of the T/S output rows
+  h + y                         the residual add, unchanged
+
+Autograd. The residual stream's gradient is replicated too (ColwiseParallel all-reduces input gradients), so the
+gather's backward needs no communication: a rank keeps its own rows. The scatter's backward all-gathers the slices'
+input gradients, making the gradient into h full and identical again. Collectives added per MoE layer: one
+all-gather forward and one backward, b*T*H*(S-1)/S bytes sent per rank each, and the all-reduce of the block's
+parameter gradients below. Removed: (S-1)/S of the block's compute, activation memory and, under EP, all-to-all rows
+(each TP rank dispatches only its slice). Under sequence parallelism (``tensor.py``) the block's input is already this
+rank's tokens and the scatter / gather are not needed at all (docs/ssmb.md tabulates both layouts).
+
+Gradients of replicated parameters. The ffn norm, router, shared experts and routed experts are identical on the S TP
+peers, but each peer now sees only its tokens, so its gradient is a partial sum: left alone the peers' weights drift
+apart after the first optimizer step (the original X-MoE code forgot this reduction). Here every such parameter gets a
+gradient hook that all-reduces its gradient over "tp" before autograd accumulates it; whatever wraps the model
+(nothing, or FSDP2 over "dp" / "dp_ep") then sees the reduced gradient, and gradient accumulation stays exact. The hooks
+are registered at forward time on the tensors the forward really uses (FSDP2 swaps in unsharded parameters), once each.
+Cost: 2*(S-1)/S times the gradient bytes of router, shared and local experts per backward, on intra-node links.
+
+The hook averages, and the gather's backward multiplies the gradient entering the block by S (the scatter's backward
+divides it back), so the block's parameters see S times their slice's gradient and the average over "tp" is the exact
+sum of the slices' contributions to the LM loss. Why not plain sums: the auxiliary losses that MoELayer attaches (with
+the same fixed gradient on every rank) then enter as the MEAN over the S slices of each slice's loss, as data-parallel
+ranks' do (averaged gradients), rather than S times that. The z-loss and a per-sequence ("seq") balance loss over
+whole sequences are means over tokens or sequences, so they equal the unsharded block's exactly; the batch-level
+balance loss is the mean of the slices' losses (as under data parallelism), and a capacity factor applies per slice.
+
+Expert weights are not split over TP: the S peers hold the same experts (sharded over "ep", FSDP over "dp"), which is
+what ``xmoe.plan.memory`` assumes; their gradients are averaged over "tp" like the router's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from xmoe.parallel.dims import ParallelDims
+
+# recent torch renamed all_gather_into_tensor (keeping it as a deprecated alias); older versions have only that name
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_rows(x_RH: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Concatenate the (R, ...) tensors of the group's ranks along dim 0, in group-rank order."""
+    x_RH = x_RH.contiguous()
+    out = x_RH.new_empty((size * x_RH.shape[0],) + tuple(x_RH.shape[1:]))
+    _all_gather_single(out, x_RH, group=group)
+    return out
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Forward: a copy of rows [rank * R, (rank + 1) * R) of x_TH, R = T / size. Backward: the group's row gradients
+    all-gathered, divided by ``size`` (undoing the gather's scaling, see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, group, rank: int, size: int):
+        ctx.group, ctx.size = group, size
+        rows = x_TH.shape[0] // size
+        return x_TH[rank * rows : (rank + 1) * rows].clone()
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        return _all_gather_rows(grad_RH / ctx.size, ctx.group, ctx.size), None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Forward: all-gather of the group's (R, H) rows into (T, H). Backward: this rank's rows of the (replicated)
+    output gradient, times ``size``."""
+
+    @staticmethod
+    def forward(ctx, y_RH, group, rank: int, size: int):
+        ctx.rank, ctx.size = rank, size
+        return _all_gather_rows(y_RH, group, size)
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        rows = grad_TH.shape[0] // ctx.size
+        return grad_TH[ctx.rank * rows : (ctx.rank + 1) * rows] * ctx.size, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class SSMBRegion:
+    """The hooks that shard one block's MoE part over the TP group. Built by ``apply_ssmb``.
+
+    Replicated input (plain TP): ``enter`` is the ffn norm's forward pre-hook (1. scatter) and ``exit`` the MoE
+    layer's forward hook (3. gather). Sequence-parallel input (``tensor.py`` with ``sequence_parallel=True``: the ffn
+    norm already returns this rank's tokens): no collectives, ``enter`` / ``exit`` on the MoE layer only apply the
+    gradient scaling (1/S into the block's input, S into its output) that the gather and scatter would have applied.
+    """
+
+    def __init__(self, group, sequence_parallel: bool):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.sequence_parallel = sequence_parallel
+        self.num_grad_reductions = 0  # gradients averaged over "tp" so far (tests and benchmarks read it)
+        self._shape: Optional[torch.Size] = None
+        self._hooked: dict[int, weakref.ref] = {}  # by id: tensors compare elementwise, so no WeakSet
+
+    def enter(self, module: nn.Module, args: tuple):
+        h = args[0]
+        if self.sequence_parallel:
+            return (_ScaleGrad.apply(h, 1.0 / self.size), *args[1:])
+        # 1. scatter
+        hidden = h.shape[-1]
+        num_tokens = h.numel() // hidden
+        if num_tokens % self.size:
+            raise ValueError(
+                f"SSMB splits the {num_tokens} tokens of a micro-batch (shape {tuple(h.shape[:-1])}) over tp "
+                f"({self.size}) ranks: make micro-batch x seq_len divisible by {self.size}"
+            )
+        self._shape = h.shape
+        h_RH = _ScatterTokens.apply(h.reshape(num_tokens, hidden), self.group, self.rank, self.size)
+        if h.dim() == 3 and h.shape[0] % self.size == 0:  # whole sequences: keeps the per-sequence balance loss exact
+            h_RH = h_RH.view(h.shape[0] // self.size, h.shape[1], hidden)
+        return (h_RH, *args[1:])
+
+    def exit(self, module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return _ScaleGrad.apply(y, float(self.size))
+        # 3. gather
+        if self._shape is None:
+            raise RuntimeError("SSMB: the MoE layer ran without its ffn norm's scatter; call the block, not the layer")
+        shape, self._shape = self._shape, None
+        y_TH = _GatherTokens.apply(y.reshape(-1, y.shape[-1]), self.group, self.rank, self.size)
+        return y_TH.view(shape)
+
+    # gradient reduction: forward pre-hook of the MoE layer and of every module inside the region that owns
+    # parameters. Hooks go on whatever parameter objects are registered when a module runs: FSDP2 swaps in unsharded
+    # ones in its own pre-forward (which always runs first), and a fused dispatcher reads the experts' weights
+    # without calling their forward, so both the layer's and each module's view are hooked (once each).
+    def hook_params(self, module: nn.Module, args: tuple) -> None:
+        for p in module.parameters():
+            ref = self._hooked.get(id(p))
+            if p.requires_grad and (ref is None or ref() is not p):
+                p.register_hook(self._average_over_tp)
+                self._hooked[id(p)] = weakref.ref(p)
+
+    def _average_over_tp(self, grad: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        self.num_grad_reductions += 1
+        if isinstance(grad, DTensor):  # expert stacks under EP: the local experts, the same on every TP peer
+            local = grad.to_local() / self.size
+            dist.all_reduce(local, group=self.group)
+            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                                      shape=grad.shape, stride=grad.stride())
+        out = grad / self.size  # a new tensor: never modify the buffer autograd handed in
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    from xmoe.model.transformer import Block
+
+    return [m for m in model.modules() if isinstance(m, Block) and m.is_moe]
+
+
+def apply_ssmb(model: nn.Module, dims: ParallelDims, *, sequence_parallel: bool = False) -> nn.Module:
+    """Shard every MoE block's tokens over "tp" (see the module docstring); returns the model. A no-op when tp == 1.
+
+    Apply after tensor parallelism and before EP / FSDP2 (it only registers hooks, so parameter names, shapes and
+    checkpoints are unchanged). Each block's ``ssmb_region`` attribute holds its ``SSMBRegion``; blocks that have one
+    already are left alone (``apply_tensor_parallel(sequence_parallel=True)`` installs them itself, with
+    ``sequence_parallel=True``: the block's input is then already this rank's tokens, and its ffn norm, a
+    SequenceParallel DTensor module, gets its gradient reduced by DTensor rather than by the hooks here).
+    """
+    if dims.tp == 1:
+        return model
+    group = dims.group("tp")
+    for block in moe_blocks(model):
+        if isinstance(getattr(block, "ssmb_region", None), SSMBRegion):
+            continue
+        region = SSMBRegion(group, sequence_parallel)
+        inside = list(block.ffn.modules()) if sequence_parallel else [block.ffn_norm, *block.ffn.modules()]
+        inside[0].register_forward_pre_hook(region.enter)
+        block.ffn.register_forward_hook(region.exit)
+        for module in inside:
+            if module is block.ffn or any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(region.hook_params)
+        block.ssmb_region = region
+    return model
