@@ -68,7 +68,7 @@ def main() -> None:
         else:
             lines.append(f"| {r['backend']} | {r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {r['paper_tflops']:.1f} | "
                          f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {r['final_loss']:.3f} |")
-    lines += ["", f"Command per row: `python -m xmoe {rows[0].get('command', '')}` (backend varies)"]
+    lines += ["", f"Command per row: `python {rows[0].get('command', '')}` (backend varies)"]
     (out / "bench_train.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
