@@ -23,11 +23,14 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xmoe.config import RunConfig
 from xmoe.model.transformer import Transformer
-from xmoe.moe.layer import MoELayer
-from xmoe.parallel.expert_parallel import clip_grad_norm_
+from xmoe.parallel.dims import ParallelDims
+from xmoe.parallel.expert_parallel import apply_expert_parallel, clip_grad_norm_
+from xmoe.parallel.ssmb import apply_ssmb
+from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics
 from xmoe.train.data import TokenLoader, build_dataset
@@ -69,10 +72,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _moe_layers(model: torch.nn.Module) -> list[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
-
-
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | os.PathLike, data: str = "markov",
                  device: str = "auto", resume: bool = False):
@@ -86,8 +85,6 @@ class Trainer:
                 "or change --dp/--ep/--tp"
             )
         if par.tp > 1:
-            from xmoe.parallel.tensor import check_tensor_parallel
-
             check_tensor_parallel(run.model, par.tp)  # heads (and dense FFN width) must split over tp
         self.dp_rank, self.dp_size = self._data_parallel_coords()
         t = run.train
@@ -134,30 +131,21 @@ class Trainer:
         par = self.run.parallel
         if self.world == 1:
             return 0, 1
-        from xmoe.parallel.dims import ParallelDims
-
         self.dims = ParallelDims.from_config(par, self.world, rank=self.rank).build_mesh(self.device.type)
         # expert-parallel ranks see different tokens too: data is sharded over dp x ep
         return self.dims.coord("dp") * par.ep + self.dims.coord("ep"), par.dp * par.ep
 
     def _parallelize(self, model: Transformer) -> torch.nn.Module:
+        """Fixed order: TP (attention, dense FFN) -> SSMB (MoE blocks on 1/tp of the tokens) -> EP + FSDP2.
+        Pure data parallelism (ep = tp = 1) uses DDP."""
+        par = self.run.parallel
         if self.world == 1:
             return model
-        if self.run.parallel.tp > 1:
-            from xmoe.parallel.expert_parallel import apply_expert_parallel
-            from xmoe.parallel.ssmb import apply_ssmb
-            from xmoe.parallel.tensor import apply_tensor_parallel
-
-            # fixed order: TP (attention, dense FFN) -> SSMB (MoE blocks on 1/tp of the tokens) -> EP -> FSDP2
+        if par.tp > 1:
             apply_tensor_parallel(model, self.dims)
             apply_ssmb(model, self.dims)
+        if par.tp > 1 or par.ep > 1:
             return apply_expert_parallel(model, self.dims)
-        if self.run.parallel.ep > 1:
-            from xmoe.parallel.expert_parallel import apply_expert_parallel
-
-            return apply_expert_parallel(model, self.dims)
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         # broadcast_buffers=False: the router's load counters are per rank by design (summed explicitly)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                    broadcast_buffers=False)
@@ -182,7 +170,7 @@ class Trainer:
                 print(f"resuming a {saved_world}-process checkpoint on {self.world} processes")
         self.step = int(extra["step"])
         self.loader.load_state_dict(extra["loader"])
-        for layer, bias in zip(_moe_layers(self.model), extra.get("expert_bias", [])):
+        for layer, bias in zip(self.model.moe_layers(), extra.get("expert_bias", [])):
             layer.router.expert_bias.copy_(bias)
         if self.rank == 0:
             print(f"resumed from {found} at step {self.step}")
@@ -191,7 +179,7 @@ class Trainer:
         extra = {
             "step": self.step,
             "loader": self.loader.state_dict(),
-            "expert_bias": [layer.router.expert_bias.detach().cpu() for layer in _moe_layers(self.model)],
+            "expert_bias": [layer.router.expert_bias.detach().cpu() for layer in self.model.moe_layers()],
         }
         return ckpt.save_checkpoint(self.out_dir, self.step, self.wrapped, self.optimizer, extra,
                                     keep_last=self.run.train.keep_last, config=asdict(self.run))
@@ -221,7 +209,7 @@ class Trainer:
         return loss_sum / accum, {"aux": aux_sum / accum, "rows": rows, "load": load}
 
     def _update_expert_bias(self, load_LE: Optional[torch.Tensor]) -> None:
-        layers = _moe_layers(self.model)
+        layers = self.model.moe_layers()
         if load_LE is None or not layers or layers[0].cfg.bias_update_rate <= 0:
             return
         load_LE = load_LE.float()
@@ -233,7 +221,7 @@ class Trainer:
     def train(self) -> dict:
         t = self.run.train
         accum = self.local_batch // self.micro_batch
-        for layer in _moe_layers(self.model):
+        for layer in self.model.moe_layers():
             layer.aux_loss_scale = 1.0 / accum  # the LM loss is backpropagated as loss / accum too
         if self.rank == 0:
             self._announce(accum)
@@ -287,12 +275,36 @@ class Trainer:
                       paper_tflops=metrics.paper_train_flops(self.flop_dims, sequences) / seconds / self.world / 1e12,
                       mfu=metrics.mfu(per_device, self.device) if self.device.type == "cuda" else None,
                       mem_bytes=metrics.peak_memory_bytes(self.device))
+        record.update(self._comm_metrics(steps))
         if load is not None:
             if dist.is_initialized():
                 load = load.clone()
                 dist.all_reduce(load)
             record["imbalance"] = metrics.load_imbalance(load.sum(0))
         self.logger.log(self.step, **record)
+
+    def _comm_metrics(self, steps: int) -> dict[str, float]:
+        """This rank's dispatch traffic per step since the last log (dispatchers count with no extra sync):
+        MB sent over the network by the all-to-all dispatchers; for RBD also the inter-node rows against what
+        flat all-to-all would have sent, and the redundancy rate R."""
+        totals: dict[str, float] = {}
+        for layer in self.model.moe_layers():
+            stats = getattr(layer.dispatcher, "stats", None)
+            if stats is None:
+                continue
+            for key, value in stats.as_dict().items():
+                totals[key] = totals.get(key, 0) + value
+            stats.reset()
+        if not totals:
+            return {}
+        sent = totals.get("bytes_sent", totals.get("bytes_intra", 0) + totals.get("bytes_inter", 0))
+        out = {"comm_mb_per_step": sent / steps / 2**20}
+        if "rows_inter" in totals:
+            slots = totals["slots"]
+            out.update(rbd_inter_rows=totals["rows_inter"] / steps,
+                       flat_inter_rows=totals["flat_rows_inter"] / steps,
+                       rbd_redundancy=1.0 - totals["token_nodes"] / slots if slots else 0.0)
+        return out
 
     def _announce(self, accum: int) -> None:
         t, m = self.run.train, self.run.model
