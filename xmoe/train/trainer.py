@@ -252,8 +252,12 @@ class Trainer:
                 window_load = None
             if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
                 self.save()
-        summary = self.logger.finish(floor=getattr(self.dataset, "loss_floor", None),
-                                     baseline=getattr(self.dataset, "unigram_entropy", None))
+        floor = getattr(self.dataset, "loss_floor", None)
+        summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None))
+        if self.rank == 0 and floor is not None and "final_loss" in summary:
+            print(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above the "
+                  f"source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f}); "
+                  f"plot {self.out_dir / 'loss.png'}")
         if dist.is_initialized():
             dist.barrier()
         return summary
