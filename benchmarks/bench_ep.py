@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
@@ -40,21 +39,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
+from benchmarks.harness import distributed_skip_reason, init_distributed  # noqa: E402
+
 DEVICE = torch.device("cuda")  # set in main()
 SHAPES = {"tiny": (256, 128, 16, 4), "small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6)}
-
-
-def _skip_reason(cpu: bool) -> str | None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        return "needs >= 2 ranks: torchrun --nproc-per-node 2 benchmarks/bench_ep.py"
-    if cpu:
-        return None
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible (--cpu runs a gloo smoke test instead)"
-    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
-        return f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node"
-    return None
 
 
 def _layer(shape: str, dims, bias: torch.Tensor | None, dtype, seed: int = 0):
@@ -216,20 +204,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.shape = args.shape or ("tiny" if args.cpu else "small")
     args.tokens = args.tokens or ([256] if args.cpu else [8192])
-    reason = _skip_reason(args.cpu)
+    reason = distributed_skip_reason("benchmarks/bench_ep.py", args.cpu)
     if reason:
         print(f"bench_ep: skipped: {reason}")
         return
     global DEVICE
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
-        DEVICE = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # GPU.md: NVLink multicast stays off on these machines
-        DEVICE = torch.device("cuda", local_rank)
-        torch.cuda.set_device(DEVICE)
-        dist.init_process_group("nccl", device_id=DEVICE)
+    DEVICE = init_distributed(args.cpu)
     from benchmarks.harness import environment, markdown_table, write_results
     from xmoe.config import ParallelConfig
     from xmoe.parallel.dims import ParallelDims

@@ -95,7 +95,7 @@ def forward_fn(method, inp, E):
             h = F.silu(torch.bmm(x_ECH, w1)) * torch.bmm(x_ECH, w3)
             return disp.combine(torch.bmm(h, w2), w, p, ctx)
     elif method == "dense_equiv":
-        H, Fd = w1.shape[1], w1.shape[2]
+        H = w1.shape[1]
         xd = inp.setdefault("x_dense", torch.randn(T * K, H, device="cuda", dtype=x.dtype).requires_grad_())
         inp.setdefault("grad_dense", torch.randn(T * K, H, device="cuda", dtype=x.dtype))
         wd = [t[0].detach().clone().requires_grad_() for t in (w1, w3, w2)]

@@ -26,7 +26,6 @@ Results: rank 0 writes bench_rbd.json / bench_rbd.md under $OUT or benchmarks/re
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -38,20 +37,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
+from benchmarks.harness import distributed_skip_reason, init_distributed  # noqa: E402
+
 SHAPES = {"tiny": (128, 16, 4), "small": (2048, 64, 6), "medium": (5120, 128, 6)}  # H, E, K of the presets
-
-
-def _skip_reason(cpu: bool) -> str | None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        return "needs >= 2 ranks: torchrun --nproc-per-node 2 benchmarks/bench_rbd.py"
-    if cpu:
-        return None
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible (--cpu runs a gloo smoke test instead)"
-    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
-        return f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node"
-    return None
 
 
 def _time_ms(fn, device: torch.device, iters: int, trials: int = 5) -> float:
@@ -190,18 +178,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     args.shapes = args.shapes or (["tiny"] if args.cpu else ["small", "medium"])
     args.tokens = args.tokens or (256 if args.cpu else 4096)
-    reason = _skip_reason(args.cpu)
+    reason = distributed_skip_reason("benchmarks/bench_rbd.py", args.cpu)
     if reason:
         print(f"bench_rbd: skipped: {reason}")
         return
-    if args.cpu:
-        device, dtype = torch.device("cpu"), torch.float32
-        dist.init_process_group("gloo")
-    else:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on these machines
-        device, dtype = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))), torch.bfloat16
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+    device = init_distributed(args.cpu)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
     from benchmarks.harness import environment, markdown_table, write_results
     from xmoe.config import ParallelConfig
     from xmoe.parallel.dims import ParallelDims

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -44,22 +43,11 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
+from benchmarks.harness import distributed_skip_reason, init_distributed  # noqa: E402
+
 GIB, MIB = 2**30, 2**20
 SETTINGS = {"tp": (False, False), "tp+ssmb": (True, False), "tp+recompute": (False, True),
             "tp+ssmb+recompute": (True, True)}
-
-
-def _skip_reason(cpu: bool) -> str | None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        return "needs >= 2 ranks: torchrun --nproc-per-node 2 benchmarks/bench_ssmb.py"
-    if cpu:
-        return None
-    if not torch.cuda.is_available():
-        return "no CUDA GPU visible (--cpu runs a gloo smoke test instead)"
-    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
-        return f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node"
-    return None
 
 
 class RecomputedFFN(nn.Module):
@@ -159,9 +147,8 @@ def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
         for _ in range(args.warmup):
             step()
         block = model.layers[-1]
-        h = torch.randn(micro_batch, args.seq, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
-        row["moe_mib"] = saved_activation_bytes(lambda: block.ffn(block.ffn_norm(h))) / MIB
-        del h
+        h_BSH = torch.randn(micro_batch, args.seq, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        row["moe_mib"] = saved_activation_bytes(lambda: block.ffn(block.ffn_norm(h_BSH))) / MIB
         if device.type == "cuda":
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -204,19 +191,11 @@ def main(argv=None) -> None:
     for key, value in (tiny if args.cpu else small).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    reason = _skip_reason(args.cpu)
+    reason = distributed_skip_reason("benchmarks/bench_ssmb.py", args.cpu)
     if reason:
         print(f"bench_ssmb: skipped: {reason}")
         return
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if args.cpu:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    else:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # GPU.md: NVLink multicast stays off on these machines
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+    device = init_distributed(args.cpu)
     from benchmarks.harness import environment, markdown_table, write_results
     from xmoe.config import ParallelConfig
     from xmoe.parallel.dims import ParallelDims

@@ -85,3 +85,31 @@ def write_results(stem: str, rows: Sequence[dict], columns: Sequence[str], meta:
     header += f"Command: `{meta.get('command')}`\n\n"
     md_path.write_text(header + (notes + "\n\n" if notes else "") + markdown_table(rows, columns) + "\n")
     return json_path, md_path
+
+
+def distributed_skip_reason(script: str, cpu: bool) -> str | None:
+    """Why a torchrun benchmark cannot run here (None: it can). ``cpu``: a gloo smoke run needs no GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        return f"needs >= 2 ranks: torchrun --nproc-per-node 2 {script}"
+    if cpu:
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible (--cpu runs a gloo smoke test instead)"
+    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        return f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE')} ranks on this node"
+    return None
+
+
+def init_distributed(cpu: bool) -> torch.device:
+    """Join torchrun's process group: gloo on CPU processes, else NCCL with this rank's GPU."""
+    import torch.distributed as dist
+
+    if cpu:
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # GPU.md: NVLink multicast stays off on these machines
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return device

@@ -10,7 +10,6 @@ dispatcher argument, so no new processes are needed for each. A world of 8 ranks
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
