@@ -228,13 +228,15 @@ def test_train_cli_tp2_tracks_single_process(tmp_path):
 
     from xmoe.cli import main
 
-    single, tp = tmp_path / "single", tmp_path / "tp"
+    single = tmp_path / "single"
     main(["train", "--out", str(single), *SMALL])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "xmoe", "train", "--out", str(tp), "--tp", "2", *SMALL]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = _losses(single), _losses(tp)
-    for step in range(1, 7):
-        # same batch; only TP's summation order and the per-slice batch balance loss differ
-        assert abs(a[step] - b[step]) < 2e-3 * abs(a[step]), (step, a[step], b[step])
+    for name, extra in (("tp", []), ("tp_sp", ["--sequence-parallel"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "xmoe", "train", "--out", str(tmp_path / name), "--tp", "2", *extra, *SMALL]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        a, b = _losses(single), _losses(tmp_path / name)
+        for step in range(1, 7):
+            # same batch; only TP's summation order and the per-slice batch balance loss differ
+            assert abs(a[step] - b[step]) < 2e-3 * abs(a[step]), (name, step, a[step], b[step])

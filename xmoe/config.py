@@ -7,6 +7,7 @@ One dataclass per component, validated on construction: a value a user can get w
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -125,6 +126,7 @@ class ParallelConfig:
     tp: int = 1
     gpus_per_node: Optional[int] = None
     placement: Literal["ep_first", "dp_first"] = "ep_first"
+    sequence_parallel: bool = False  # with tp > 1: norms on 1/tp of the positions (Megatron-style SP)
 
     def __post_init__(self) -> None:
         for name in ("dp", "ep", "tp"):
@@ -133,6 +135,8 @@ class ParallelConfig:
             _positive("gpus_per_node", self.gpus_per_node)
         if self.placement not in ("ep_first", "dp_first"):
             raise ValueError(f"placement ({self.placement!r}) must be 'ep_first' or 'dp_first'")
+        if self.sequence_parallel and self.tp == 1:
+            warnings.warn("sequence_parallel does nothing with tp == 1", stacklevel=2)
 
     @property
     def world_size(self) -> int:

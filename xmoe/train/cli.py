@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--gpus-per-node", type=int, help="node size for placement (default: LOCAL_WORLD_SIZE)")
     p.add_argument("--placement", choices=["ep_first", "dp_first"], help="EP group layout over nodes")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)")
     p.add_argument("--dispatcher", choices=["pft", "padded", "rbd"], help="token dispatcher (default pft)")
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
     p.add_argument("--batch-size", type=int, help="global batch in sequences")
@@ -121,6 +123,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         par_values["gpus_per_node"] = args.gpus_per_node
     if args.placement is not None:
         par_values["placement"] = args.placement
+    if args.sequence_parallel:
+        par_values["sequence_parallel"] = True
     parallel = _apply(ParallelConfig(), "parallel", par_values)
     if model.moe.num_experts % parallel.ep:
         raise ValueError(f"num_experts ({model.moe.num_experts}) must be divisible by --ep ({parallel.ep})")

@@ -142,8 +142,8 @@ class Trainer:
         if self.world == 1:
             return model
         if par.tp > 1:
-            apply_tensor_parallel(model, self.dims)
-            apply_ssmb(model, self.dims)
+            apply_tensor_parallel(model, self.dims, sequence_parallel=par.sequence_parallel)
+            apply_ssmb(model, self.dims)  # with sequence parallelism, TP already installed the SSMB regions
         if par.tp > 1 or par.ep > 1:
             return apply_expert_parallel(model, self.dims)
         # broadcast_buffers=False: the router's load counters are per rank by design (summed explicitly)
