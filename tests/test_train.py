@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -55,15 +54,9 @@ def test_resume_is_bit_identical(tmp_path):
     assert all(a[s] == b[s] for s in range(1, 9)), (a, b)  # exactly equal, not approximately
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(nproc: int, out: Path, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), "-m", "xmoe", "train", "--out", str(out), "--device", "cpu", *SMALL, *extra]
+    # --standalone: torchrun picks a free port itself (no race between finding a port and binding it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "xmoe", "train", "--out", str(out), "--device", "cpu", *SMALL, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

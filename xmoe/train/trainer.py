@@ -111,7 +111,8 @@ class Trainer:
 
         # 2. the model, identical on every rank, then parallelism from outside
         torch.manual_seed(t.seed)
-        model = Transformer(run.model).to(self.device)
+        with torch.device(self.device):  # built where it trains: no host copy of a multi-GB model
+            model = Transformer(run.model)
         model.init_weights(seed=t.seed)
         self.model = model
         self.wrapped = self._parallelize(model)

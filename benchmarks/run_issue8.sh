@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Issue 8 in one call on one GPU node (8 H200s; degrades to 4 or 2 GPUs). See docs/issue8.md.
+#
+#   OUT=/some/dir bash benchmarks/run_issue8.sh         # GPU node; results in $OUT (default benchmarks/results/issue8)
+#   bash benchmarks/run_issue8.sh --cpu                 # CPU smoke test of the whole script (4 gloo ranks, tiny)
+#
+# Parts, each under its own `timeout` so that one hang cannot eat the others' time (8 GPUs, estimated / cap):
+#   0 plans   xmoe plan memory / comm predictions, on the host, in the background      ~10 s / 60 s
+#   1 table   bench_paper8.py: small 2048x28, 1024x28, 2048x14; xmoe (EP=W) vs padded ~220 s / 235 s
+#   2 ssmb    bench_paper8.py --mode ssmb: TP=2 x EP=W/2, SSMB on vs off (2048x28)   ~90 s / 100 s
+#   3 rbd     bench_rbd.py --gpus-per-node W/2 (2 virtual nodes), small shape        ~45 s / 70 s
+#   4 loss    tiny preset, STEPS steps: EP=W under torchrun and 1 GPU, concurrently  ~60 s / 90 s
+# Worst case 495 s + a few seconds of assembly: under 9 minutes (the device tool allows 10 per command).
+# Files under $OUT, at most 8 (the device tool returns 8): paper8_table.{json,md}, paper8_ssmb.{json,md},
+# bench_rbd.{json,md}, issue8_loss.json, issue8_summary.md (plans, loss comparison, part exit codes / times, the
+# log tails of failed parts). Everything else (full logs, run dirs) stays in a scratch folder, printed at the end.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. NCCL_NVLS_ENABLE=0
+CPU=0
+[ "${1:-}" = "--cpu" ] && CPU=1
+OUT=${OUT:-benchmarks/results/issue8}
+mkdir -p "$OUT"
+export OUT
+W=$(mktemp -d /tmp/issue8.XXXXXX)
+T0=$(date +%s)
+
+if [ $CPU = 1 ]; then
+    NP=4; FLAG=--cpu; DEV="--device cpu"; STEPS=${STEPS:-40}
+    TABLE_ARGS="--micro-batches 1 2"; SSMB_ARGS="--micro-batches 1"; CAPS=(120 90 90 120)
+    export OMP_NUM_THREADS=1
+else
+    NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [ "$NGPU" -ge 8 ]; then NP=8; elif [ "$NGPU" -ge 4 ]; then NP=4; elif [ "$NGPU" -ge 2 ]; then NP=2
+    else echo "run_issue8: needs >= 2 GPUs, found ${NGPU}"; exit 1; fi
+    FLAG=""; DEV=""; STEPS=${STEPS:-300}
+    TABLE_ARGS="--case-budget-s 33"; SSMB_ARGS="--case-budget-s 35 --micro-batches 1 2 4 8 16"
+    CAPS=(235 100 70 90)
+fi
+GPN=$((NP / 2))  # two virtual nodes for RBD
+TORCHRUN="torchrun --standalone --nproc-per-node $NP"
+echo "| part | exit | seconds | cap | command |" > "$W/parts.md"
+echo "|---|---|---|---|---|" >> "$W/parts.md"
+
+part() {  # part NAME CAP_S COMMAND...: run under timeout, log to $W/NAME.log, record exit code and time
+    local name=$1 cap=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "[$(( start - T0 )) s] $name: $*"
+    timeout --kill-after=15 "$cap" "$@" > "$W/$name.log" 2>&1
+    rc=$?
+    echo "| $name | $rc$([ $rc = 124 ] && echo ' (timeout)') | $(( $(date +%s) - start )) | $cap | \`$*\` |" >> "$W/parts.md"
+    if [ $rc != 0 ]; then
+        { echo; echo "### $name: exit $rc, last lines of its log"; echo '```'; tail -n 30 "$W/$name.log"; echo '```'; } \
+            >> "$W/failures.md"
+    fi
+    return 0
+}
+
+# 0. predictions (host only, in the background while the GPUs work)
+(
+    for args in "--tp 1 --ep $NP" "--tp 1 --ep 1 --padded" "--tp 2 --ep $GPN" "--tp 2 --ep $GPN --no-ssmb"; do
+        echo "\$ python -m xmoe plan memory --preset small --gpus $NP --gpu-mem 141 --recompute none $args"
+        timeout 60 python -m xmoe plan memory --preset small --gpus $NP --gpu-mem 141 --recompute none $args 2>&1 \
+            | head -n 14
+        echo
+    done
+    echo "\$ python -m xmoe plan comm --preset small --gpus $NP --gpus-per-node $GPN --ep $NP"
+    timeout 60 python -m xmoe plan comm --preset small --gpus $NP --gpus-per-node $GPN --ep $NP 2>&1
+) > "$W/plans.log" 2>&1 &
+PLANS=$!
+
+# 1-3. benchmarks (each writes its json + md into $OUT itself)
+part table ${CAPS[0]} $TORCHRUN benchmarks/bench_paper8.py $FLAG $TABLE_ARGS
+part ssmb ${CAPS[1]} $TORCHRUN benchmarks/bench_paper8.py --mode ssmb $FLAG $SSMB_ARGS
+part rbd ${CAPS[2]} $TORCHRUN benchmarks/bench_rbd.py --gpus-per-node $GPN $FLAG $([ $CPU = 0 ] && echo --shapes small)
+
+# 4. loss curves: same tiny model, seed, data and global batch (16 sequences); EP=NP vs one process. Run together:
+# only the losses are compared, so sharing GPU 0 costs nothing that matters
+TRAIN="-m xmoe train --steps $STEPS --batch-size 16 --log-every 10 --ckpt-every 0 $DEV"
+part loss_single ${CAPS[3]} env CUDA_VISIBLE_DEVICES=0 python $TRAIN --out "$W/loss_single" &
+LS=$!
+part loss_ep ${CAPS[3]} $TORCHRUN $TRAIN --ep $NP --out "$W/loss_ep"
+wait $LS
+python - "$W" "$OUT" "$NP" <<'EOF' > "$W/loss.md" 2>&1
+import json, sys
+from pathlib import Path
+w, out, np_ = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+def curve(name):
+    f = w / name / "metrics.jsonl"
+    return {r["step"]: r["loss"] for r in map(json.loads, f.read_text().splitlines()) if "loss" in r} if f.exists() else {}
+single, ep = curve("loss_single"), curve("loss_ep")
+steps = sorted(set(single) & set(ep))
+rel = {s: abs(ep[s] - single[s]) / abs(single[s]) for s in steps}
+last = steps[-5:]
+res = {"ep": np_, "steps_compared": len(steps),
+       "max_rel_diff": max(rel.values()) if rel else None,
+       "max_rel_diff_step": max(rel, key=rel.get) if rel else None,
+       "final_single": single[steps[-1]] if steps else None, "final_ep": ep[steps[-1]] if steps else None,
+       "mean_rel_diff_last5": sum(rel[s] for s in last) / len(last) if last else None,
+       "curve_single": single, "curve_ep": ep}
+(out / "issue8_loss.json").write_text(json.dumps(res, indent=1))
+print(f"loss, tiny preset, global batch 16, EP={np_} vs 1 GPU: {len(steps)} logged steps compared, "
+      f"max relative difference {res['max_rel_diff']} (step {res['max_rel_diff_step']}), "
+      f"mean over the last 5 logged steps {res['mean_rel_diff_last5']}; final loss 1 GPU {res['final_single']}, "
+      f"EP {res['final_ep']}")
+EOF
+wait $PLANS
+
+# summary: the one markdown file that holds what the json / md files of the parts do not
+S="$OUT/issue8_summary.md"
+{
+    echo "# Issue 8 run, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo
+    echo "GPUs: $([ $CPU = 1 ] && echo 'none (--cpu smoke test)' || nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs);" \
+         "world $NP, RBD virtual nodes of $GPN; torch $(python -c 'import torch; print(torch.__version__)')"
+    echo
+    echo "Command: \`bash benchmarks/run_issue8.sh $*\` (commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')); total $(( $(date +%s) - T0 )) s"
+    echo
+    echo "## Parts"; echo; cat "$W/parts.md"
+    echo; echo "## Loss curves (issue8_loss.json)"; echo; cat "$W/loss.md"
+    for f in paper8_table paper8_ssmb bench_rbd; do
+        echo; echo "## $f.md"; echo
+        [ -f "$OUT/$f.md" ] && sed -n '1,40p' "$OUT/$f.md" || echo "(missing)"
+    done
+    echo; echo "## Predictions"; echo; echo '```'; cat "$W/plans.log"; echo '```'
+    [ -f "$W/failures.md" ] && { echo; echo "## Failures"; cat "$W/failures.md"; }
+} > "$S"
+
+echo
+echo "===== issue 8 summary ($(( $(date +%s) - T0 )) s; full logs in $W) ====="
+cat "$W/parts.md"
+cat "$W/loss.md"
+for f in paper8_table paper8_ssmb; do
+    # the first table of the file: the largest micro-batch per (variant, method)
+    [ -f "$OUT/$f.md" ] && awk '/^\| variant/ {on = 1} on && !/^\|/ {exit} on' "$OUT/$f.md"
+done
+[ -f "$OUT/bench_rbd.md" ] && grep '^|' "$OUT/bench_rbd.md" | tail -n 4
+echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
