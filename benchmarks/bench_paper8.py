@@ -232,9 +232,10 @@ def run_case(variant: str, method: str, args, device):
         yield row
         if r["status"] != "ok":
             break
-        # the next size costs about twice this one's (warm-up + timed) steps: stop when the case budget cannot hold it
+        # the next size costs about twice this one's (1 warm-up + timed) steps. Estimated from the timed step, not
+        # the first warm-up (which holds Triton compilation: on 2 H200s it predicted 86 s for a ~3 s size)
         elapsed = _agree([time.perf_counter() - t_case], device)[0]
-        next_s = 2 * r["warm_s"] * (1 + args.iters)
+        next_s = 2 * (r["ms_step"] / 1e3) * (1 + args.iters)
         if i + 1 < len(args.micro_batches) and elapsed + next_s > args.case_budget_s:
             yield {**head, "micro_batch": args.micro_batches[i + 1],
                    "status": f"not run: time cap ({elapsed:.0f} s used, next ~{next_s:.0f} s)"}
