@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xmoe.config import MoEConfig
+from xmoe.kernels import get_ops
 from xmoe.moe.routing import count_ids
 
 
@@ -66,18 +67,33 @@ class Router(nn.Module):
             choice_TE = grouped_TGe.masked_fill(~allowed_TG[..., None], float("-inf")).view(num_tokens, -1)
         return choice_TE.topk(cfg.top_k, dim=-1).indices
 
+    def _scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits_TE, dim=-1) if self.cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
+
     def forward(self, x_TH: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
         cfg = self.cfg
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
-        scores_TE = torch.softmax(logits_TE, dim=-1) if cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
-
-        ids_TK = self._select(scores_TE.detach() + self.expert_bias)
-        scores_TK = scores_TE.gather(1, ids_TK)
-        weights_TK = scores_TK
-        if cfg.norm_topk_prob:
-            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        weights_TK = weights_TK * cfg.routed_scaling_factor
+        # kernel_backend="triton" fuses scores, selection and weights (kernels/router_topk.py) within its limits
+        # (no expert groups, E <= 512, K <= 16); the torch path below is the reference and the fallback. "auto"
+        # keeps the torch router: the Triton one is tested in the interpreter but not yet compiled on a GPU.
+        router_topk = None
+        if cfg.kernel_backend == "triton":
+            router_topk = getattr(get_ops(cfg.kernel_backend, logits_TE.device), "router_topk", None)
+        if router_topk is not None and cfg.num_expert_groups == 1 and cfg.num_experts <= 512 and cfg.top_k <= 16:
+            weights_TK, ids_TK, scores_TK = router_topk(logits_TE, self.expert_bias, cfg.top_k, cfg.score_func,
+                                                        cfg.norm_topk_prob, cfg.routed_scaling_factor)
+            # the balance loss gets its own scores: its gradient reaches logits_TE through them, the weights'
+            # through the kernel's backward, so neither is counted twice
+            scores_TE = self._scores(logits_TE) if cfg.aux_loss_coef > 0 else None
+        else:
+            scores_TE = self._scores(logits_TE)
+            ids_TK = self._select(scores_TE.detach() + self.expert_bias)
+            scores_TK = scores_TE.gather(1, ids_TK)
+            weights_TK = scores_TK
+            if cfg.norm_topk_prob:
+                weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+            weights_TK = weights_TK * cfg.routed_scaling_factor
 
         counts_E = count_ids(ids_TK, cfg.num_experts)
         if self.training and cfg.bias_update_rate > 0:
