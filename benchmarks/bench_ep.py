@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import distributed_skip_reason, init_distributed  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
 
 DEVICE = torch.device("cuda")  # set in main()
 SHAPES = {"tiny": (256, 128, 16, 4), "small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6)}
@@ -106,32 +104,6 @@ def check(shape: str, num_tokens: int, dims) -> list[dict]:
     return rows
 
 
-def _time_ms(fn, iters: int, trials: int = 5) -> float:
-    """Median over trials of (CUDA-event time of `iters` back-to-back calls) / iters; ranks barrier per trial."""
-    fn()
-    if DEVICE.type != "cuda":  # --cpu smoke test: host timer
-        times = []
-        for _ in range(trials):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / iters)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
 def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
     from xmoe.moe.routing import build_plan
     from xmoe.parallel.comm import all_to_all_rows, exchange_counts, splits_to_host
@@ -155,8 +127,8 @@ def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
     dispatcher.stats.reset()
     step(ep_layer)()
     stats = dispatcher.stats.as_dict()
-    layer_ms = _time_ms(step(ep_layer), iters)
-    local_ms = _time_ms(step(local), iters)
+    layer_ms = collective_time_ms(step(ep_layer), DEVICE, iters)
+    local_ms = collective_time_ms(step(local), DEVICE, iters)
 
     # the parts, alone, with this rank's real routing
     route = ep_layer.router(x.detach())
@@ -179,9 +151,9 @@ def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
     def run_experts():
         ep_layer.experts(rows_MH, counts_local).backward(grad_MH)
 
-    a2a_ms = 2 * _time_ms(a2a, iters)
-    sync_ms = _time_ms(sync, iters)
-    experts_ms = _time_ms(run_experts, iters)
+    a2a_ms = 2 * collective_time_ms(a2a, DEVICE, iters)
+    sync_ms = collective_time_ms(sync, DEVICE, iters)
+    experts_ms = collective_time_ms(run_experts, DEVICE, iters)
     moved = stats["bytes_sent"] + stats["bytes_received"]
     remote_rows = (stats["rows_sent"] + stats["rows_received"]) // 2
     return {

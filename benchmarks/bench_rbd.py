@@ -26,9 +26,7 @@ Results: rank 0 writes bench_rbd.json / bench_rbd.md under $OUT or benchmarks/re
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -37,31 +35,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import distributed_skip_reason, init_distributed  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
 
 SHAPES = {"tiny": (128, 16, 4), "small": (2048, 64, 6), "medium": (5120, 128, 6)}  # H, E, K of the presets
-
-
-def _time_ms(fn, device: torch.device, iters: int, trials: int = 5) -> float:
-    """Median over trials of the time of ``iters`` back-to-back calls / iters; ranks barrier before each trial."""
-    fn()
-    times = []
-    for _ in range(trials):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(times)
 
 
 def _count_syncs(fn, device: torch.device) -> int:
@@ -149,7 +125,7 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) ->
     s = rbd.stats.as_dict()  # one call's counters, before the timing loops add to them
 
     # 3. time
-    t = {f"{name}_{kind}_ms": _time_ms(make(disp), device, iters)
+    t = {f"{name}_{kind}_ms": collective_time_ms(make(disp), device, iters)
          for name, disp in (("flat", flat), ("rbd", rbd)) for kind, make in (("fwd", fwd), ("fwd_bwd", fwd_bwd))}
     return {
         "shape": shape, "hidden": hidden, "experts": num_experts, "top_k": top_k, "tokens_per_rank": num_tokens,

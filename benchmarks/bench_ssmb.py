@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -43,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import distributed_skip_reason, init_distributed  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 SETTINGS = {"tp": (False, False), "tp+ssmb": (True, False), "tp+recompute": (False, True),
@@ -86,27 +84,6 @@ def build(cfg, dims, device, dtype, ssmb: bool, recompute: bool):
     if ssmb:  # after the checkpoint wrapper: SSMB's scatter runs before it, so it keeps only T/S input rows
         apply_ssmb(model, dims)
     return model
-
-
-def time_ms(fn, device, iters: int, trials: int) -> float:
-    """Median over trials of (time of ``iters`` back-to-back calls) / iters; ranks barrier before each trial."""
-    times = []
-    for _ in range(trials):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(times)
 
 
 def predicted(cfg, world: int, micro_batch: int, seq: int, ssmb: bool, recompute: bool, kernel: str, b: int) -> dict:
@@ -156,7 +133,7 @@ def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
             step()
             torch.cuda.synchronize()
             row["act_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
-        ms = time_ms(step, device, args.iters, args.trials)
+        ms = collective_time_ms(step, device, args.iters, args.trials, warmup=False)
         flops = metrics.train_flops(metrics.FlopDims.from_model_config(cfg, args.seq), micro_batch)
         row.update(loss=losses[0].float().item(), step_ms=ms, tokens_per_s=T / (ms / 1e3),
                    tflops=flops / (ms / 1e3) / world / 1e12)

@@ -113,3 +113,34 @@ def init_distributed(cpu: bool) -> torch.device:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     return device
+
+
+def collective_time_ms(fn: Callable[[], object], device: torch.device, iters: int, trials: int = 5,
+                       warmup: bool = True) -> float:
+    """Median over trials of (time of ``iters`` back-to-back calls) / iters, for code with collectives: every rank
+    runs the same fixed count (do_bench's adaptive repeats would desynchronise them) and barriers before each
+    trial. CUDA events on GPUs; a host timer on CPU processes (the --cpu smoke runs)."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    if warmup:
+        fn()
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(times)
