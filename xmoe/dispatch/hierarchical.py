@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan
+from xmoe.moe.routing import RoutingPlan, count_ids
 from xmoe.parallel.comm import all_to_all_rows, exchange_counts
 
 
@@ -139,13 +139,6 @@ def source_units(expert_ids_TK: torch.Tensor, node_of_expert_E: torch.Tensor, nu
 def _shift_right(x_TK: torch.Tensor) -> torch.Tensor:
     """x shifted one slot right with -2 in front: compared with x it marks the heads of equal-value runs."""
     return torch.cat([torch.full_like(x_TK[:, :1], -2), x_TK[:, :-1]], dim=1)
-
-
-def _count(key: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """Histogram of keys in [0, num_bins], the last bin (the sentinel) dropped. Not torch.bincount: on CUDA it
-    reads the input's min and max to the host (two syncs); integer scatter_add is exact in any order."""
-    counts = torch.zeros(num_bins + 1, dtype=torch.long, device=key.device)
-    return counts.scatter_add_(0, key, torch.ones_like(key))[:num_bins]
 
 
 def _rows_by_key(key_flat: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -296,12 +289,12 @@ class HierarchicalDispatcher:
 
         # 2. counts: flat per expert | stage-1 rows | stage-2 rows each pilot sends / receives, per node-local rank
         key1 = torch.where(u.unit_head_TK, u.rank_TK, P).view(-1)
-        parts = [plan.tokens_per_expert_E.view(P, E_loc), _count(key1, P)[:, None]]
+        parts = [plan.tokens_per_expert_E.view(P, E_loc), count_ids(key1, P + 1)[:P, None]]
         if self.two_stage:
             pilot, target = u.pilot_TK.clamp(min=0), u.rank_TK.clamp(min=0)
             for a, b in ((pilot, target), (target, pilot)):  # (pilot q, its peer r): to q, then to r
                 key = torch.where(u.replica_TK, a * L + local_idx[b], P * L).view(-1)
-                parts.append(_count(key, P * L).view(P, L))
+                parts.append(count_ids(key, P * L + 1)[:P * L].view(P, L))
         send_PC = torch.cat(parts, dim=1)
         recv_PC = exchange_counts(send_PC, self.group)
         tokens_per_expert_local = recv_PC[:, :E_loc].sum(0)

@@ -19,6 +19,7 @@ order, so no floating-point atomics (index_add_ / scatter_add_) are involved any
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -101,8 +102,12 @@ def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
 
 
 def moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF,
-                w2_EFH):
-    """gather -> grouped SwiGLU -> combine, unfused."""
-    x_NH = gather_rows(x_TH, token_ids_N, row_of_slot_TK)
-    y_NH = grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E)
-    return combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)
+                w2_EFH, ops=None):
+    """gather -> grouped SwiGLU -> combine, unfused, through ``ops`` (a backend module; default this one)."""
+    ops = ops or _THIS
+    x_NH = ops.gather_rows(x_TH, token_ids_N, row_of_slot_TK)
+    y_NH = ops.grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E)
+    return ops.combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)
+
+
+_THIS = sys.modules[__name__]
