@@ -12,6 +12,7 @@ torch otherwise.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from types import ModuleType
@@ -19,7 +20,8 @@ from types import ModuleType
 import torch
 
 
-def triton_available() -> bool:
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:  # asked on every layer call: look once
     try:
         importlib.import_module("triton")
     except ImportError:
