@@ -4,6 +4,7 @@
 
     PYTHONPATH=. python benchmarks/bench_experts.py                 # all configs, T = 8192 and 16384
     PYTHONPATH=. python benchmarks/bench_experts.py --sweep         # first re-tune the kernels' tile configs
+    PYTHONPATH=. python benchmarks/bench_experts.py --profile       # and GPU time per kernel of the fused path
 
 Methods, all including their routing bookkeeping (plan / sort) inside the timed region:
   triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad)
@@ -132,12 +133,15 @@ def measure(method, inp, E, flops_fwd):
     return row
 
 
-SWEEP = {
-    "up_fwd": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4)],
-    "mm": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)],
-    "down_bwd": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (128, 256, 32, 8, 4)],
-    "wgrad": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 4)],
-    "wgrad2": [(128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3)],
+SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages, persistent): see grouped_gemm.TileConfig
+    "up_fwd": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3)],
+    "mm": [(128, 256, 64, 8, 4, False), (128, 256, 64, 8, 4, True), (128, 256, 64, 8, 3, True),
+           (128, 128, 64, 8, 4, True)],
+    "down_bwd": [(128, 256, 64, 8, 4, False), (128, 256, 64, 8, 4, True), (128, 256, 64, 8, 3, True)],
+    "wgrad": [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (128, 256, 64, 8, 3, True),
+              (128, 256, 64, 8, 4, True), (128, 128, 64, 8, 4, True), (128, 256, 32, 8, 4, True)],
+    "wgrad2": [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 4, False), (128, 128, 64, 8, 3, True),
+               (128, 128, 64, 8, 4, True), (128, 64, 64, 8, 4, True), (128, 128, 32, 8, 4, True)],
 }
 
 
@@ -192,6 +196,50 @@ def sweep(configs=("small", "medium"), T=16384):
     return rows
 
 
+def profile(configs=("small", "medium"), T=16384, iters=3):
+    """Where the fused path's forward+backward time goes: GPU time per kernel (torch.profiler) against the
+    wall time of one call; the difference is launch gaps and host time."""
+    import time
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    rows = []
+    for name in configs:
+        H, Fd, E, K = CONFIGS[name]
+        inp = make_inputs(H, Fd, E, K, T, "uniform")
+        fwd, leaves = forward_fn("triton_fused", inp, E)
+
+        def fwd_bwd():
+            return torch.autograd.grad(fwd(), leaves, inp["grad"])
+
+        for _ in range(3):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fwd_bwd()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / iters
+        with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(iters):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / iters
+        print(f"profile {name} T={T}: wall {wall_ms:.2f} ms per fwd+bwd, GPU kernels {gpu_ms:.2f} ms")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total):
+            ms = e.self_device_time_total / 1e3 / iters
+            rows.append({"config": name, "kernel": e.key[:90], "calls": e.count // iters, "ms": ms})
+            print(f"  {ms:8.3f} ms  x{e.count // iters:<3d} {e.key[:100]}")
+        rows.append({"config": name, "kernel": "(sum of GPU kernels)", "calls": None, "ms": gpu_ms})
+        rows.append({"config": name, "kernel": "(wall time of one call)", "calls": None, "ms": wall_ms})
+        del inp, fwd, leaves
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="small,medium,large")
@@ -199,6 +247,7 @@ def main() -> int:
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--sweep", action="store_true", help="re-tune the Triton tile configs first")
+    parser.add_argument("--profile", action="store_true", help="then profile the fused path's kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_experts: skipped, no CUDA device")
@@ -211,6 +260,9 @@ def main() -> int:
     if sweep_rows:
         write_results("sweep_tiles", sweep_rows, ["kernel", "config", "small_ms", "medium_ms", "error"], meta,
                       "Tile-config sweep of the Triton grouped-GEMM kernels (T=16384, uniform)")
+    if args.profile:
+        write_results("profile_experts", profile(), ["config", "kernel", "calls", "ms"], meta,
+                      "GPU time per kernel of the fused path's forward+backward (T=16384, uniform)")
     rows = []
     columns = ["config", "T", "routing", "method", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "tflops", "peak_gib",
                "vs_grouped_mm", "vs_dense", "error"]

@@ -29,6 +29,10 @@ CASES = {
     "one_expert": (333, 64, 48, 4, 1, None, "one"),
     "no_rows": (16, 64, 64, 4, 2, 0, "uniform"),
     "small_model": (2048, 2048, 1408, 64, 6, None, "uniform"),
+    # the large preset's H, F and K; E cut from 256 to 32 for the float64 reference, which holds each weight about
+    # four times over (inputs, their clones, the gradient buffer and a full-size gradient per expert from the
+    # per-expert slice's backward): ~100 bytes per E*H*F element, ~45 GiB at E=32 but ~360 GiB at E=256
+    "large_model": (1024, 7168, 2048, 32, 8, None, "uniform"),
 }
 
 

@@ -3,11 +3,12 @@
 # T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows
 
 Runs on CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported), so fp32 only and
-tiny shapes; the kernels run with 16 x 16 x 16 tiles there, so every shape below spans several tiles, partial
-tiles and masked columns. bf16 on a GPU: benchmarks/check_gpu.py.
+tiny shapes; the kernels run with 32 x 32 x 32 tiles there, so the shapes below span partial tiles and masked
+columns (and the weight-gradient test several row blocks per expert). bf16 on a GPU: benchmarks/check_gpu.py.
 """
 
 import os
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 
@@ -103,8 +104,19 @@ def _check_layer(T, H, Fd, E, K, capacity, seed=0, concentrate=False):
     return plan
 
 
+@pytest.fixture(params=[True, False], ids=["persistent", "per_tile"])
+def gemm_kernels(request, monkeypatch):
+    """Both forms of the grouped GEMM and weight-gradient kernels: the persistent flat loop (3 programs in the
+    interpreter, so each runs several tiles and crosses tile and expert boundaries) and one program per tile."""
+    from xmoe.kernels import grouped_gemm
+
+    for name in ("wgrad", "wgrad2", "mm", "down_bwd"):
+        monkeypatch.setitem(grouped_gemm.CONFIGS, name, replace(grouped_gemm.CONFIGS[name], persistent=request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_layer_matches_float64_loop(case):
+def test_layer_matches_float64_loop(case, gemm_kernels):
     T, H, Fd, E, K, capacity = CASES[case]
     plan = _check_layer(T, H, Fd, E, K, capacity, seed=len(case))
     if case == "dropping":
@@ -113,7 +125,7 @@ def test_layer_matches_float64_loop(case):
         assert int((plan.tokens_per_expert_E == 0).sum()) > 0
 
 
-def test_all_rows_on_one_expert():
+def test_all_rows_on_one_expert(gemm_kernels):
     # E=4, K=1, every token on expert 0: one long group, three empty ones
     _check_layer(21, 16, 24, 4, 1, None, seed=3, concentrate=True)
     _check_layer(10, 24, 16, 4, 2, None, seed=4, concentrate=True)
@@ -143,7 +155,7 @@ def test_gather_is_exact_and_combine_deterministic():
     assert _rel(outs[0], ref) < 1e-6
 
 
-def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads():
+def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads(gemm_kernels):
     H, Fd, E = 16, 24, 5
     counts = torch.tensor([0, 7, 0, 0, 18])
     x = torch.randn(int(counts.sum()), H, requires_grad=True)
@@ -158,6 +170,33 @@ def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads():
         assert _rel(a, b) < 1e-5
     for dw in got[1:]:
         assert torch.count_nonzero(dw[[0, 2, 3]]) == 0
+
+
+@pytest.mark.parametrize("gather", ["a", "b", "none"])
+def test_grouped_wgrad_long_and_empty_groups(gather, gemm_kernels):
+    # groups of 0, 1, 31, 32, 33 and 97 rows: several 32-row reduction steps per tile, exact multiples, empty
+    # experts between full ones; M and NC not multiples of the tile; c2 shares the pass over a
+    from xmoe.kernels.grouped_gemm import grouped_wgrad
+
+    counts = torch.tensor([33, 0, 97, 1, 0, 32, 31])
+    N, T, M, NC = int(counts.sum()), 250, 40, 36
+    g = torch.Generator().manual_seed(11)
+    idx = torch.randperm(T, generator=g)[:N]
+    a = torch.randn(T if gather == "a" else N, M, generator=g)
+    b1, b2 = (torch.randn(T if gather == "b" else N, NC, generator=g) for _ in range(2))
+    c1, c2 = grouped_wgrad(a, idx if gather == "a" else None, b1, b2, idx if gather == "b" else None, counts)
+    rows_a = a[idx] if gather == "a" else a
+    rows_b1, rows_b2 = (b[idx] if gather == "b" else b for b in (b1, b2))
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        sl = slice(start, start + n)
+        want1 = rows_a[sl].double().T @ rows_b1[sl].double()
+        want2 = rows_a[sl].double().T @ rows_b2[sl].double()
+        if n == 0:
+            assert torch.count_nonzero(c1[e]) == 0 and torch.count_nonzero(c2[e]) == 0
+        else:
+            assert _rel(c1[e], want1) < 1e-5 and _rel(c2[e], want2) < 1e-5, e
+        start += n
 
 
 def test_rejects_mismatched_dtypes():
