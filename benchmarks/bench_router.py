@@ -105,9 +105,32 @@ def run_case(name, T, seed=0):
     return row
 
 
+def profile(name="medium", T=16384, iters=20):
+    """Host and GPU time of the kernel's forward+backward, op by op (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from xmoe.kernels.router_topk import router_topk
+
+    E, K, score_func, norm, scale = CONFIGS[name]
+    x = torch.randn(T, E, device="cuda").requires_grad_()
+    bias, grad_w = torch.zeros(E, device="cuda"), torch.randn(T, K, device="cuda")
+    for _ in range(3):
+        torch.autograd.grad(router_topk(x, bias, K, score_func, norm, scale)[0], x, grad_w)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            torch.autograd.grad(router_topk(x, bias, K, score_func, norm, scale)[0], x, grad_w)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total", row_limit=10))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=10))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler tables of one case")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_router: skipped, no CUDA device (CPU coverage: tests/test_router_kernel.py)")
@@ -126,6 +149,8 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
         write_results("bench_router", rows, COLUMNS, meta, "Router top-k, fp32: Triton kernel vs torch path", NOTES)
+    if args.profile:
+        profile()
     print()
     print(markdown_table(rows, COLUMNS))
     all_ok = bool(rows) and all(r["ok"] for r in rows)

@@ -8,7 +8,6 @@ columns (and the weight-gradient test several row blocks per expert). bf16 on a 
 """
 
 import os
-from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 
@@ -104,19 +103,8 @@ def _check_layer(T, H, Fd, E, K, capacity, seed=0, concentrate=False):
     return plan
 
 
-@pytest.fixture(params=[True, False], ids=["persistent", "per_tile"])
-def gemm_kernels(request, monkeypatch):
-    """Both forms of the grouped GEMM and weight-gradient kernels: the persistent flat loop (3 programs in the
-    interpreter, so each runs several tiles and crosses tile and expert boundaries) and one program per tile."""
-    from xmoe.kernels import grouped_gemm
-
-    for name in ("wgrad", "wgrad2", "mm", "down_bwd"):
-        monkeypatch.setitem(grouped_gemm.CONFIGS, name, replace(grouped_gemm.CONFIGS[name], persistent=request.param))
-    return request.param
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_layer_matches_float64_loop(case, gemm_kernels):
+def test_layer_matches_float64_loop(case):
     T, H, Fd, E, K, capacity = CASES[case]
     plan = _check_layer(T, H, Fd, E, K, capacity, seed=len(case))
     if case == "dropping":
@@ -125,7 +113,7 @@ def test_layer_matches_float64_loop(case, gemm_kernels):
         assert int((plan.tokens_per_expert_E == 0).sum()) > 0
 
 
-def test_all_rows_on_one_expert(gemm_kernels):
+def test_all_rows_on_one_expert():
     # E=4, K=1, every token on expert 0: one long group, three empty ones
     _check_layer(21, 16, 24, 4, 1, None, seed=3, concentrate=True)
     _check_layer(10, 24, 16, 4, 2, None, seed=4, concentrate=True)
@@ -155,7 +143,7 @@ def test_gather_is_exact_and_combine_deterministic():
     assert _rel(outs[0], ref) < 1e-6
 
 
-def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads(gemm_kernels):
+def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads():
     H, Fd, E = 16, 24, 5
     counts = torch.tensor([0, 7, 0, 0, 18])
     x = torch.randn(int(counts.sum()), H, requires_grad=True)
@@ -173,7 +161,7 @@ def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads(gemm_kernels):
 
 
 @pytest.mark.parametrize("gather", ["a", "b", "none"])
-def test_grouped_wgrad_long_and_empty_groups(gather, gemm_kernels):
+def test_grouped_wgrad_long_and_empty_groups(gather):
     # groups of 0, 1, 31, 32, 33 and 97 rows: several 32-row reduction steps per tile, exact multiples, empty
     # experts between full ones; M and NC not multiples of the tile; c2 shares the pass over a
     from xmoe.kernels.grouped_gemm import grouped_wgrad

@@ -22,7 +22,7 @@ anywhere: every output element is written by one program, and each program sums 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,7 +39,6 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    persistent: bool = False  # one program per multiprocessor looping over the output tiles (mm and wgrad kernels)
 
 
 # H200 bf16 winners of benchmarks/bench_experts.py --sweep (medium, T=16384, ms per call; sweep_tiles.md):
@@ -47,10 +46,10 @@ class TileConfig:
 # wgrad 4.08 (128x128, 4 stages: 4.94), wgrad2 7.57 (128x64: 9.24). Re-run the sweep on another GPU.
 CONFIGS: dict[str, TileConfig] = {
     "up_fwd": TileConfig(128, 128, 64, 8, 4),  # two accumulators (w1, w3): a 128 x 256 output tile
-    "mm": TileConfig(128, 256, 64, 8, 4, persistent=True),
-    "down_bwd": TileConfig(128, 256, 64, 8, 4, persistent=True),  # da = g w2^T, rows of g gathered when fused
-    "wgrad": TileConfig(128, 256, 64, 8, 3, persistent=True),
-    "wgrad2": TileConfig(128, 128, 64, 8, 3, persistent=True),  # dW1 and dW3 in one pass over x: two accumulators
+    "mm": TileConfig(128, 256, 64, 8, 4),
+    "down_bwd": TileConfig(128, 256, 64, 8, 4),  # da = g w2^T, rows of g gathered when fused
+    "wgrad": TileConfig(128, 256, 64, 8, 3),
+    "wgrad2": TileConfig(128, 128, 64, 8, 3),  # dW1 and dW3 in one pass over x: two accumulators
 }
 _INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per op
 # fp32 on a GPU (exact "ieee" dots, no tensor cores) is a correctness path: small tiles keep it from spilling
@@ -58,9 +57,9 @@ _FP32_CONFIG = TileConfig(64, 64, 32, 4, 3)
 
 
 def _config(name: str, dtype: torch.dtype) -> TileConfig:
-    if interpreting() or dtype == torch.float32:  # tile sizes of their own; the kernel choice stays the same
-        return replace(_INTERPRETER_CONFIG if interpreting() else _FP32_CONFIG, persistent=CONFIGS[name].persistent)
-    return CONFIGS[name]
+    if interpreting():
+        return _INTERPRETER_CONFIG
+    return _FP32_CONFIG if dtype == torch.float32 else CONFIGS[name]
 
 
 @triton.jit
@@ -213,84 +212,6 @@ def _grouped_mm_kernel(
 
 
 @triton.jit
-def _mm_tile_params(t, map_ptr, idx_ptr, num_tiles, total, num_pid_n, GATHER: tl.constexpr, BLOCK_M: tl.constexpr):
-    # (expert, pid_n, first row, end row, source rows) of row-grouped tile t; t >= total gives a harmless tile
-    tc = tl.maximum(tl.minimum(t, total - 1), 0)
-    r = tc // num_pid_n
-    e = tl.load(map_ptr + r)
-    row0 = tl.load(map_ptr + num_tiles + r)
-    row_end = tl.load(map_ptr + 2 * num_tiles + r)
-    rows = tl.maximum(tl.minimum(row0 + tl.arange(0, BLOCK_M), row_end - 1), 0)
-    src = tl.load(idx_ptr + rows).to(tl.int64) if GATHER else rows.to(tl.int64)
-    return e, tc % num_pid_n, row0, row_end, src
-
-
-@triton.jit
-def _grouped_mm_persistent_kernel(
-    a1_ptr, a2_ptr, idx_ptr, b1_ptr, b2_ptr, c_ptr, map_ptr,  # as _grouped_mm_kernel
-    counts_ptr,  # (E,) rows per expert: the number of real row tiles
-    E, num_tiles, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
-    GATHER: tl.constexpr, HAS_SECOND: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    # Persistent form of _grouped_mm_kernel (the reasoning of _grouped_wgrad_persistent_kernel): program p runs
-    # tiles p, p + P, ... of the real ones, all their K steps as one flat loop; the next tile's parameters and
-    # source rows are loaded one tile ahead. With HAS_SECOND the steps run over (a1, b1), then (a2, b2).
-    pid = tl.program_id(0)
-    num_progs = tl.num_programs(0)
-    num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
-    offs_e = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0).to(tl.int32)
-    total = tl.sum((counts + BLOCK_M - 1) // BLOCK_M, axis=0) * num_pid_n
-    k_steps = (KA + BLOCK_K - 1) // BLOCK_K
-    tile_steps = 2 * k_steps if HAS_SECOND else k_steps
-    num_steps = (tl.maximum(total - pid, 0) + num_progs - 1) // num_progs * tile_steps
-    t = pid
-    e, pid_n, row0, row_end, src = _mm_tile_params(t, map_ptr, idx_ptr, num_tiles, total, num_pid_n, GATHER, BLOCK_M)
-    e_n, pid_n_n, row0_n, row_end_n, src_n = _mm_tile_params(t + num_progs, map_ptr, idx_ptr, num_tiles, total,
-                                                             num_pid_n, GATHER, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    ki = 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, num_steps):
-        if HAS_SECOND:
-            second = ki >= k_steps
-            kk = tl.where(second, ki - k_steps, ki)
-            a_base = tl.where(second, a2_ptr, a1_ptr)
-            b_base = tl.where(second, b2_ptr, b1_ptr)
-        else:
-            kk = ki
-            a_base = a1_ptr
-            b_base = b1_ptr
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        a_offs = src[:, None] * stride_a + (kk * BLOCK_K + offs_k)[None, :]
-        b_offs = (e.to(tl.int64) * stride_be + (kk * BLOCK_K + offs_k)[:, None] * stride_bk
-                  + offs_n[None, :] * stride_bn)
-        if EVEN_K and EVEN_N:
-            a = tl.load(a_base + a_offs)
-            b = tl.load(b_base + b_offs)
-        else:
-            k_left = KA - kk * BLOCK_K
-            a = tl.load(a_base + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_base + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < NC), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if ki == tile_steps - 1:
-            offs_m = row0 + tl.arange(0, BLOCK_M)
-            mask = (offs_m < row_end)[:, None] if EVEN_N else (offs_m < row_end)[:, None] & (offs_n < NC)[None, :]
-            tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                     mask=mask)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            t += num_progs
-            e, pid_n, row0, row_end, src = e_n, pid_n_n, row0_n, row_end_n, src_n
-            e_n, pid_n_n, row0_n, row_end_n, src_n = _mm_tile_params(t + num_progs, map_ptr, idx_ptr, num_tiles,
-                                                                     total, num_pid_n, GATHER, BLOCK_M)
-            ki = 0
-        else:
-            ki += 1
-
-
-@triton.jit
 def _swiglu_bwd_kernel(
     da_ptr,  # (N, F) fp: g w2^T per row (before the combine weight), contiguous
     h1_ptr, h3_ptr,  # (N, F) dtype of da, contiguous
@@ -407,119 +328,6 @@ def _grouped_wgrad_kernel(
             tl.store(c2_ptr + c_offs, acc2.to(c2_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _wgrad_tile_params(t, order_ptr, bounds_ptr, E, total, tiles_per_e, num_pid_n):
-    # (expert, pid_m, pid_n, first row, end row) of wgrad tile t; t >= total gives a harmless in-range tile
-    q = tl.minimum(t, total - 1) // tiles_per_e
-    w = tl.minimum(t, total - 1) % tiles_per_e
-    e = tl.load(order_ptr + q).to(tl.int32)
-    return e, w // num_pid_n, w % num_pid_n, tl.load(bounds_ptr + e), tl.load(bounds_ptr + E + e)
-
-
-@triton.jit
-def _grouped_wgrad_persistent_kernel(
-    a_ptr, a_idx_ptr, b1_ptr, b2_ptr, b_idx_ptr, c1_ptr, c2_ptr, bounds_ptr, order_ptr,  # as _grouped_wgrad_kernel
-    E, M, NC, stride_a, stride_b,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, HAS_SECOND: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    # Persistent form of _grouped_wgrad_kernel: program p owns tiles p, p + P, p + 2P, ... (expert-major, so the
-    # P tiles in flight at once mostly share one expert's rows in L2) and runs all their reduction steps as one
-    # flat loop, so the software pipeline keeps loading across tile boundaries: the next tile's first row blocks
-    # are in flight while this tile's epilogue stores. Each expert's reductions are short (hundreds of rows), so
-    # a program per tile spends a large share of its time filling the pipeline and storing.
-    pid = tl.program_id(0)
-    num_progs = tl.num_programs(0)
-    num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
-    tiles_per_e = ((M + BLOCK_M - 1) // BLOCK_M) * num_pid_n
-    total = E * tiles_per_e
-    # this program's flat step count: sum over expert positions q of (its tiles in q's range) * steps per tile;
-    # an empty expert still takes one (fully masked) step so that its zero gradient is written
-    offs_q = tl.arange(0, BLOCK_E)
-    mask_q = offs_q < E
-    e_q = tl.load(order_ptr + offs_q, mask=mask_q, other=0)
-    rows_q = tl.load(bounds_ptr + E + e_q, mask=mask_q, other=0) - tl.load(bounds_ptr + e_q, mask=mask_q, other=0)
-    steps_q = tl.maximum((rows_q + BLOCK_K - 1) // BLOCK_K, 1)
-    lo = offs_q * tiles_per_e - pid
-    mine_q = ((tl.maximum(lo + tiles_per_e, 0) + num_progs - 1) // num_progs
-              - (tl.maximum(lo, 0) + num_progs - 1) // num_progs)
-    num_steps = tl.sum(tl.where(mask_q, mine_q * steps_q, 0), axis=0)
-
-    t = pid
-    e, pid_m, pid_n, row_start, row_end = _wgrad_tile_params(t, order_ptr, bounds_ptr, E, total, tiles_per_e,
-                                                             num_pid_n)
-    # the next tile's parameters are loaded one tile ahead, so a tile switch waits on no scalar load
-    e_n, pid_m_n, pid_n_n, row_start_n, row_end_n = _wgrad_tile_params(
-        t + num_progs, order_ptr, bounds_ptr, E, total, tiles_per_e, num_pid_n)
-    offs_k = tl.arange(0, BLOCK_K)
-    idx_ptr = a_idx_ptr if A_GATHER else b_idx_ptr
-    r0 = row_start
-    if A_GATHER or B_GATHER:  # row ids one step ahead, as in _grouped_wgrad_kernel
-        src_next = tl.load(idx_ptr + tl.maximum(tl.minimum(r0 + offs_k, row_end - 1), 0))
-    else:
-        src_next = offs_k
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, num_steps):
-        rows = r0 + offs_k
-        in_group = rows < row_end
-        rows = tl.maximum(tl.minimum(rows, row_end - 1), 0)  # an empty expert reads row 0, masked to zero in A^T
-        src = src_next.to(tl.int64)
-        src_a = src if A_GATHER else rows.to(tl.int64)
-        src_b = src if B_GATHER else rows.to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if EVEN_M:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None], mask=in_group[None, :], other=0.0)
-        else:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None],
-                         mask=in_group[None, :] & (offs_m < M)[:, None], other=0.0)
-        if EVEN_N:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-        else:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :], other=0.0)
-        acc1 = tl.dot(at, b1, acc1, input_precision=DOT_PRECISION)
-        if HAS_SECOND:
-            if EVEN_N:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-            else:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :],
-                             other=0.0)
-            acc2 = tl.dot(at, b2, acc2, input_precision=DOT_PRECISION)
-        last = r0 + BLOCK_K >= row_end  # this tile's final step (its only one when the expert is empty)
-        if last:
-            c_offs = e.to(tl.int64) * M * NC + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :]
-            if EVEN_M and EVEN_N:
-                tl.store(c1_ptr + c_offs, acc1.to(c1_ptr.dtype.element_ty))
-                if HAS_SECOND:
-                    tl.store(c2_ptr + c_offs, acc2.to(c2_ptr.dtype.element_ty))
-            else:
-                mask = (offs_m < M)[:, None] & (offs_n < NC)[None, :]
-                tl.store(c1_ptr + c_offs, acc1.to(c1_ptr.dtype.element_ty), mask=mask)
-                if HAS_SECOND:
-                    tl.store(c2_ptr + c_offs, acc2.to(c2_ptr.dtype.element_ty), mask=mask)
-            acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            t += num_progs
-            e, pid_m, pid_n, row_start, row_end = e_n, pid_m_n, pid_n_n, row_start_n, row_end_n
-            e_n, pid_m_n, pid_n_n, row_start_n, row_end_n = _wgrad_tile_params(
-                t + num_progs, order_ptr, bounds_ptr, E, total, tiles_per_e, num_pid_n)
-            r0 = row_start
-        else:
-            r0 += BLOCK_K
-        if A_GATHER or B_GATHER:
-            src_next = tl.load(idx_ptr + tl.maximum(tl.minimum(r0 + offs_k, row_end - 1), 0))
-
-
-def _num_programs(device: torch.device) -> int:
-    """Programs of a persistent launch: one per multiprocessor (the tiles use most of its shared memory)."""
-    if interpreting():
-        return 3  # several tiles per program, so the tests cover the tile switches
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact; 16-bit inputs ignore the setting
 
@@ -614,17 +422,12 @@ def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, config: str)
         return c.zero_()
     cfg = _config(config, a1.dtype)
     map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
-    num_tiles = map_3T.shape[1] * triton.cdiv(width, cfg.block_n)  # an upper bound: the real ones come first
-    args = (a1, a2 if a2 is not None else a1, idx_N if idx_N is not None else map_3T, b1_EKN,
-            b2_EKN if b2_EKN is not None else b1_EKN, c, map_3T)
-    scalars = (num_experts, map_3T.shape[1], depth, width, a1.stride(0), *b1_EKN.stride())
-    flags = dict(GATHER=idx_N is not None, HAS_SECOND=a2 is not None, EVEN_K=depth % cfg.block_k == 0,
-                 EVEN_N=width % cfg.block_n == 0, **_launch_kwargs(cfg, a1.dtype))
-    if cfg.persistent:
-        _grouped_mm_persistent_kernel[(min(num_tiles, _num_programs(c.device)),)](
-            *args, tokens_per_expert_E, *scalars, BLOCK_E=triton.next_power_of_2(num_experts), **flags)
-    else:
-        _grouped_mm_kernel[(num_tiles,)](*args, *scalars, **flags)
+    _grouped_mm_kernel[(map_3T.shape[1] * triton.cdiv(width, cfg.block_n),)](
+        a1, a2 if a2 is not None else a1, idx_N if idx_N is not None else map_3T, b1_EKN,
+        b2_EKN if b2_EKN is not None else b1_EKN, c, map_3T, num_experts, map_3T.shape[1], depth, width,
+        a1.stride(0), *b1_EKN.stride(), GATHER=idx_N is not None, HAS_SECOND=a2 is not None,
+        EVEN_K=depth % cfg.block_k == 0, EVEN_N=width % cfg.block_n == 0, **_launch_kwargs(cfg, a1.dtype),
+    )
     return c
 
 
@@ -698,17 +501,14 @@ def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Te
     cfg = _config("wgrad2" if b2 is not None else "wgrad", a.dtype)
     _, bounds_2E = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
     order_E = torch.argsort(tokens_per_expert_E, descending=True)  # longest-first: shorter tail when skewed
-    num_tiles = num_experts * triton.cdiv(width_a, cfg.block_m) * triton.cdiv(width_b, cfg.block_n)
-    args = (a, a_idx_N if a_idx_N is not None else order_E, b1, b2 if b2 is not None else b1,
-            b_idx_N if b_idx_N is not None else order_E, c1, c2 if b2 is not None else c1, bounds_2E,
-            order_E, num_experts, width_a, width_b, a.stride(0), b1.stride(0))
-    flags = dict(A_GATHER=a_idx_N is not None, B_GATHER=b_idx_N is not None, HAS_SECOND=b2 is not None,
-                 EVEN_M=width_a % cfg.block_m == 0, EVEN_N=width_b % cfg.block_n == 0, **_launch_kwargs(cfg, a.dtype))
-    if cfg.persistent:
-        grid = (min(num_tiles, _num_programs(a.device)),)
-        _grouped_wgrad_persistent_kernel[grid](*args, BLOCK_E=triton.next_power_of_2(num_experts), **flags)
-    else:
-        _grouped_wgrad_kernel[(num_tiles,)](*args, **flags)
+    grid = (num_experts * triton.cdiv(width_a, cfg.block_m) * triton.cdiv(width_b, cfg.block_n),)
+    _grouped_wgrad_kernel[grid](
+        a, a_idx_N if a_idx_N is not None else order_E, b1, b2 if b2 is not None else b1,
+        b_idx_N if b_idx_N is not None else order_E, c1, c2 if b2 is not None else c1, bounds_2E,
+        order_E, num_experts, width_a, width_b, a.stride(0), b1.stride(0),
+        A_GATHER=a_idx_N is not None, B_GATHER=b_idx_N is not None, HAS_SECOND=b2 is not None,
+        EVEN_M=width_a % cfg.block_m == 0, EVEN_N=width_b % cfg.block_n == 0, **_launch_kwargs(cfg, a.dtype),
+    )
     return c1, c2
 
 
