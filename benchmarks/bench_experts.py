@@ -133,13 +133,14 @@ def measure(method, inp, E, flops_fwd):
     return row
 
 
-SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages); 4 warps with <= 113 KB of stages: 2 programs per SM
-    "up_fwd": [(128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (128, 64, 64, 4, 4)],
-    "mm": [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 32, 4, 5), (128, 256, 64, 8, 3)],
-    "down_bwd": [(128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 32, 4, 5)],
-    "wgrad": [(128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 32, 4, 5), (128, 256, 64, 8, 4)],
-    "wgrad2": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 64, 32, 4, 5), (64, 128, 64, 4, 2),
-               (64, 128, 32, 4, 4)],
+SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages); 16 warps: 256-row tiles, more reuse per byte
+    "up_fwd": [(128, 128, 64, 8, 4), (256, 128, 64, 16, 3)],
+    "mm": [(128, 256, 64, 8, 4), (256, 256, 64, 16, 3), (256, 128, 64, 8, 4)],
+    "down_bwd": [(128, 256, 64, 8, 4), (256, 256, 64, 16, 3)],
+    "wgrad": [(128, 128, 32, 4, 5), (128, 256, 64, 8, 3), (256, 256, 64, 16, 3), (256, 256, 32, 16, 4),
+              (256, 128, 64, 8, 3)],
+    "wgrad2": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (256, 128, 64, 16, 3), (256, 128, 32, 16, 4),
+               (256, 64, 64, 8, 3)],
 }
 
 
@@ -194,6 +195,26 @@ def sweep(configs=("small", "medium"), T=16384):
     return rows
 
 
+def _stream_gaps(prof):
+    """(idle ms, "previous kernel -> next kernel") for each gap between consecutive GPU kernels in a trace."""
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    gaps = []
+    for a, b in zip(kernels, kernels[1:]):
+        gap_us = b["ts"] - (a["ts"] + a["dur"])
+        if gap_us > 0:
+            gaps.append((gap_us / 1e3, f"{a['name'][:40]} -> {b['name'][:40]}"))
+    return gaps
+
+
 def profile(configs=("small", "medium"), T=16384, iters=3):
     """Where the fused path's forward+backward time goes: GPU time per kernel (torch.profiler) against the
     wall time of one call; the difference is launch gaps and host time."""
@@ -226,6 +247,7 @@ def profile(configs=("small", "medium"), T=16384, iters=3):
         torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         # GPU kernels only: the custom-op rows (xmoe::...) repeat their kernels' time
+        gaps = _stream_gaps(prof)
         timed = [e for e in prof.key_averages() if e.self_device_time_total > 0]
         kernels = [e for e in timed if e.device_type.name == "CUDA"] or timed
         gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / iters
@@ -234,7 +256,12 @@ def profile(configs=("small", "medium"), T=16384, iters=3):
             ms = e.self_device_time_total / 1e3 / iters
             rows.append({"config": name, "kernel": e.key[:90], "calls": e.count // iters, "ms": ms})
             print(f"  {ms:8.3f} ms  x{e.count // iters:<3d} {e.key[:100]}")
+        idle_ms = sum(g for g, _ in gaps) / iters
+        print(f"  GPU idle between kernels: {idle_ms:.3f} ms per call; largest gaps (ms, after -> before):")
+        for g, where in sorted(gaps, reverse=True)[:8]:
+            print(f"  {g:8.3f}  {where}")
         rows.append({"config": name, "kernel": "(sum of GPU kernels)", "calls": None, "ms": gpu_ms})
+        rows.append({"config": name, "kernel": "(GPU idle between kernels)", "calls": None, "ms": idle_ms})
         rows.append({"config": name, "kernel": "(wall time of one call)", "calls": None, "ms": wall_ms})
         del inp, fwd, leaves
         gc.collect()

@@ -198,6 +198,7 @@ class RouterTopkFn(torch.autograd.Function):
         ctx.save_for_backward(logits_TE, ids_TK)
         ctx.args = (score_func, norm_topk_prob, routed_scaling_factor)
         ctx.mark_non_differentiable(ids_TK, scores_TK)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for the non-differentiable outputs
         return weights_TK, ids_TK, scores_TK
 
     @staticmethod
