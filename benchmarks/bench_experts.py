@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/bench_experts.py                 # all configs, T = 8192 and 16384
     PYTHONPATH=. python benchmarks/bench_experts.py --sweep         # first re-tune the kernels' tile configs
     PYTHONPATH=. python benchmarks/bench_experts.py --profile       # and GPU time per kernel of the fused path
+    PYTHONPATH=. python benchmarks/bench_experts.py --sweep --check # check_gpu.py with the tiles chosen, then time
 
 Methods, all including their routing bookkeeping (plan / sort) inside the timed region:
   triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad)
@@ -277,6 +278,8 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--sweep", action="store_true", help="re-tune the Triton tile configs first")
     parser.add_argument("--profile", action="store_true", help="then profile the fused path's kernels")
+    parser.add_argument("--check", action="store_true",
+                        help="run benchmarks/check_gpu.py's bf16 checks with the chosen tiles first; stop on failure")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_experts: skipped, no CUDA device")
@@ -286,6 +289,13 @@ def main() -> int:
     from xmoe.kernels import grouped_gemm as gg
 
     meta["tile_configs"] = {k: vars(v) for k, v in gg.CONFIGS.items()}
+    if args.check:
+        from benchmarks import check_gpu
+
+        if check_gpu.main() != 0:
+            print("bench_experts: stopped, the GPU check failed with these tiles", meta["tile_configs"])
+            return 1
+        meta["checked"] = "check_gpu.py passed with these tile configs"
     if sweep_rows:
         write_results("sweep_tiles", sweep_rows, ["kernel", "config", "small_ms", "medium_ms", "error"], meta,
                       "Tile-config sweep of the Triton grouped-GEMM kernels (T=16384, uniform)")
