@@ -48,7 +48,7 @@ CONFIGS: dict[str, TileConfig] = {
     "up_fwd": TileConfig(128, 128, 64, 8, 4),  # two accumulators (w1, w3): a 128 x 256 output tile
     "mm": TileConfig(128, 256, 64, 8, 4),
     "down_bwd": TileConfig(128, 256, 64, 8, 4),  # da = g w2^T, rows of g gathered when fused
-    "wgrad": TileConfig(128, 256, 64, 8, 3),
+    "wgrad": TileConfig(128, 128, 32, 4, 5),  # 4 warps, 80 KB of stages: two programs per multiprocessor
     "wgrad2": TileConfig(128, 128, 64, 8, 3),  # dW1 and dW3 in one pass over x: two accumulators
 }
 _INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per op
