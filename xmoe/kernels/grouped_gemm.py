@@ -41,15 +41,17 @@ class TileConfig:
     num_stages: int
 
 
-# H200 bf16 winners of benchmarks/bench_experts.py --sweep (medium, T=16384, ms per call; sweep_tiles.md):
-# up_fwd 5.57 (128x64 tiles: 7.25), mm 9.00 for y + dx (128x128: 11.3), down_bwd 3.14 (128x128: 4.11),
-# wgrad 4.08 (128x128, 4 stages: 4.94), wgrad2 7.57 (128x64: 9.24). Re-run the sweep on another GPU.
+# H200 bf16 winners of benchmarks/bench_experts.py --sweep (T=16384, ms per call small / medium; sweep_tiles.md):
+# up_fwd 1.91 / 5.38 (64-deep k steps, 4 stages: 2.13 / 5.54), mm 2.73 / 8.97 for y + dx (32-deep, 6 stages:
+# 2.87 / 9.46), down_bwd 1.54 / 3.14, wgrad 1.22 / 3.78 (128 x 256 x 64, 8 warps: 1.30 / 3.98), wgrad2 2.42 / 7.36
+# (64-deep, 3 stages: 2.38 / 7.53). Rejected on the way: 256-row tiles with 16 warps (ptxas runs out of
+# registers, or 3x slower), persistent flat-loop kernels (docs/kernels.md). Re-run the sweep on another GPU.
 CONFIGS: dict[str, TileConfig] = {
-    "up_fwd": TileConfig(128, 128, 64, 8, 4),  # two accumulators (w1, w3): a 128 x 256 output tile
+    "up_fwd": TileConfig(128, 128, 32, 8, 6),  # two accumulators (w1, w3): a 128 x 256 output tile
     "mm": TileConfig(128, 256, 64, 8, 4),
     "down_bwd": TileConfig(128, 256, 64, 8, 4),  # da = g w2^T, rows of g gathered when fused
-    "wgrad": TileConfig(128, 128, 32, 4, 5),  # 4 warps, 80 KB of stages: two programs per multiprocessor
-    "wgrad2": TileConfig(128, 128, 64, 8, 3),  # dW1 and dW3 in one pass over x: two accumulators
+    "wgrad": TileConfig(128, 128, 32, 4, 6),  # 4 warps, 96 KB of stages: two programs per multiprocessor
+    "wgrad2": TileConfig(128, 128, 32, 8, 4),  # dW1 and dW3 in one pass over x: two accumulators
 }
 _INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per op
 # fp32 on a GPU (exact "ieee" dots, no tensor cores) is a correctness path: small tiles keep it from spilling
