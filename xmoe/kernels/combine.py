@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xmoe.kernels._common import check_device, check_float, check_index, interpreting
+from xmoe.kernels._common import cdiv, check_device, check_float, check_index, interpreting, kernel_op, next_pow2
 
 
 @triton.jit
@@ -78,10 +78,10 @@ def _combine_bwd_kernel(
 
 def _block_h(hidden: int) -> int:
     # 2 KiB of bf16 per row chunk keeps 16-byte vector loads with few masked lanes; the interpreter wants small
-    return 32 if interpreting() else min(1024, triton.next_power_of_2(max(hidden, 16)))
+    return 32 if interpreting() else min(1024, next_pow2(max(hidden, 16)))
 
 
-@torch.library.custom_op("xmoe::combine_fwd", mutates_args=())
+@kernel_op("combine_fwd")
 def combine_fwd(rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor,
                 weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
     """out[t] = sum_k (weights[t,k] or 1) * rows[row_of_slot[t,k]], k in order, fp32 accumulation."""
@@ -101,7 +101,7 @@ def combine_fwd(rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor,
                              f"{tuple(row_of_slot_TK.shape)}")
         weights_TK = weights_TK.contiguous()
     block_t, block_h = 4, _block_h(hidden)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     _combine_fwd_kernel[grid](
         rows_NH, row_of_slot_TK.contiguous(), weights_TK if weights_TK is not None else rows_NH, out_TH,
         num_tokens, hidden, top_k, rows_NH.stride(0),
@@ -115,7 +115,7 @@ def _(rows_NH, row_of_slot_TK, weights_TK):
     return rows_NH.new_empty(row_of_slot_TK.shape[0], rows_NH.shape[1])
 
 
-@torch.library.custom_op("xmoe::combine_bwd", mutates_args=())
+@kernel_op("combine_bwd")
 def combine_bwd(grad_TH: torch.Tensor, y_NH: torch.Tensor, weights_TK: torch.Tensor, token_ids_N: torch.Tensor,
                 slot_ids_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_y_NH, grad_weights_TK) of combine_fwd; dropped slots get a zero weight gradient."""
@@ -126,7 +126,7 @@ def combine_bwd(grad_TH: torch.Tensor, y_NH: torch.Tensor, weights_TK: torch.Ten
     if num_rows > 0 and hidden > 0:
         block_n = 4 if interpreting() else 8
         block_h = _block_h(hidden)
-        _combine_bwd_kernel[(triton.cdiv(num_rows, block_n),)](
+        _combine_bwd_kernel[(cdiv(num_rows, block_n),)](
             grad_TH, y_NH, weights_TK.contiguous().view(-1), token_ids_N, slot_ids_N, grad_y, grad_w,
             num_rows, hidden, BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4,
         )

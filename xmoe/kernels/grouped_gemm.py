@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xmoe.kernels._common import check_device, check_float, check_index, interpreting
+from xmoe.kernels._common import cdiv, check_device, check_float, check_index, interpreting, kernel_op, next_pow2
 
 
 @dataclass(frozen=True)
@@ -345,13 +345,13 @@ def tile_map(counts_E: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch
     num_tiles = cdiv(num_rows, block_m) + E bounds sum_e cdiv(n_e, block_m); the programs past the real tiles
     read expert E and exit at once."""
     num_experts = counts_E.shape[0]
-    num_tiles = triton.cdiv(num_rows, block_m) + num_experts
+    num_tiles = cdiv(num_rows, block_m) + num_experts
     map_3T = torch.empty(3, num_tiles, dtype=torch.int32, device=counts_E.device)
     bounds_2E = torch.empty(2, num_experts, dtype=torch.int32, device=counts_E.device)
     block_t = 64
-    _tile_map_kernel[(triton.cdiv(num_tiles, block_t),)](
+    _tile_map_kernel[(cdiv(num_tiles, block_t),)](
         counts_E, map_3T, bounds_2E, num_experts, num_tiles,
-        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(max(num_experts, 1)), BLOCK_T=block_t, num_warps=4,
+        BLOCK_M=block_m, BLOCK_E=next_pow2(max(num_experts, 1)), BLOCK_T=block_t, num_warps=4,
     )
     return map_3T, bounds_2E
 
@@ -366,7 +366,7 @@ def _check_experts(x: torch.Tensor, counts_E: torch.Tensor, *weights: torch.Tens
             raise ValueError(f"weights hold {w.shape[0]} experts but tokens_per_expert_E has {counts_E.shape[0]}")
 
 
-@torch.library.custom_op("xmoe::swiglu_up_fwd", mutates_args=())
+@kernel_op("swiglu_up_fwd")
 def swiglu_up_fwd(x: torch.Tensor, token_ids_N: Optional[torch.Tensor], w1_EHF: torch.Tensor, w3_EHF: torch.Tensor,
                   tokens_per_expert_E: torch.Tensor, store_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h1, h3, a) of shape (N, F); rows are x[token_ids_N] when token_ids_N is given, else x. h1/h3 are (0, F)
@@ -389,7 +389,7 @@ def swiglu_up_fwd(x: torch.Tensor, token_ids_N: Optional[torch.Tensor], w1_EHF: 
         return h1, h3, a
     cfg = _config("up_fwd", x.dtype)
     map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
-    _swiglu_up_fwd_kernel[(map_3T.shape[1] * triton.cdiv(ffn, cfg.block_n),)](
+    _swiglu_up_fwd_kernel[(map_3T.shape[1] * cdiv(ffn, cfg.block_n),)](
         x, token_ids_N if token_ids_N is not None else map_3T, w1_EHF, w3_EHF, h1, h3, a, map_3T,
         num_experts, map_3T.shape[1], hidden, ffn, x.stride(0), *w1_EHF.stride(),
         GATHER=token_ids_N is not None, STORE_H=store_h, EVEN_K=hidden % cfg.block_k == 0,
@@ -424,7 +424,7 @@ def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, config: str)
         return c.zero_()
     cfg = _config(config, a1.dtype)
     map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
-    _grouped_mm_kernel[(map_3T.shape[1] * triton.cdiv(width, cfg.block_n),)](
+    _grouped_mm_kernel[(map_3T.shape[1] * cdiv(width, cfg.block_n),)](
         a1, a2 if a2 is not None else a1, idx_N if idx_N is not None else map_3T, b1_EKN,
         b2_EKN if b2_EKN is not None else b1_EKN, c, map_3T, num_experts, map_3T.shape[1], depth, width,
         a1.stride(0), *b1_EKN.stride(), GATHER=idx_N is not None, HAS_SECOND=a2 is not None,
@@ -433,7 +433,7 @@ def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, config: str)
     return c
 
 
-@torch.library.custom_op("xmoe::grouped_mm", mutates_args=())
+@kernel_op("grouped_mm")
 def grouped_mm(a1: torch.Tensor, b1_EKN: torch.Tensor, a2: Optional[torch.Tensor], b2_EKN: Optional[torch.Tensor],
                tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
     """c[rows of e] = a1[rows of e] @ b1_EKN[e] (+ a2[rows of e] @ b2_EKN[e]); b may be a strided (transposed) view."""
@@ -445,7 +445,7 @@ def _(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E):
     return a1.new_empty(a1.shape[0], b1_EKN.shape[2])
 
 
-@torch.library.custom_op("xmoe::swiglu_down_bwd", mutates_args=())
+@kernel_op("swiglu_down_bwd")
 def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH: torch.Tensor, h1_NF: torch.Tensor,
                     h3_NF: torch.Tensor, row_weights_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -462,8 +462,8 @@ def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
     if num_rows == 0 or ffn == 0:
         return dh1, dh3, a, grad_w.zero_()
-    block_r, block_f = (16, 32) if interpreting() else (8, min(512, triton.next_power_of_2(ffn)))
-    _swiglu_bwd_kernel[(triton.cdiv(num_rows, block_r),)](
+    block_r, block_f = (16, 32) if interpreting() else (8, min(512, next_pow2(ffn)))
+    _swiglu_bwd_kernel[(cdiv(num_rows, block_r),)](
         da, h1_NF, h3_NF, row_weights_N.float().contiguous() if has_w else da, dh1, dh3, a,
         grad_w if has_w else da, num_rows, ffn, HAS_W=has_w, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=4,
     )
@@ -477,7 +477,7 @@ def _(g, token_ids_N, w2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E):
             h1_NF.new_empty(num_w, dtype=torch.float32))
 
 
-@torch.library.custom_op("xmoe::grouped_wgrad", mutates_args=())
+@kernel_op("grouped_wgrad")
 def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Tensor, b2: Optional[torch.Tensor],
                   b_idx_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -503,7 +503,7 @@ def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Te
     cfg = _config("wgrad2" if b2 is not None else "wgrad", a.dtype)
     _, bounds_2E = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
     order_E = torch.argsort(tokens_per_expert_E, descending=True)  # longest-first: shorter tail when skewed
-    grid = (num_experts * triton.cdiv(width_a, cfg.block_m) * triton.cdiv(width_b, cfg.block_n),)
+    grid = (num_experts * cdiv(width_a, cfg.block_m) * cdiv(width_b, cfg.block_n),)
     _grouped_wgrad_kernel[grid](
         a, a_idx_N if a_idx_N is not None else order_E, b1, b2 if b2 is not None else b1,
         b_idx_N if b_idx_N is not None else order_E, c1, c2 if b2 is not None else c1, bounds_2E,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xmoe.kernels._common import check_device, check_float, check_index, interpreting
+from xmoe.kernels._common import cdiv, check_device, check_float, check_index, interpreting, kernel_op, next_pow2
 from xmoe.kernels.combine import combine_fwd
 
 
@@ -34,7 +34,7 @@ def _gather_rows_fwd_kernel(
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * H + offs_h[None, :], vals, mask=mask)
 
 
-@torch.library.custom_op("xmoe::gather_rows_fwd", mutates_args=())
+@kernel_op("gather_rows_fwd")
 def gather_rows_fwd(x_TH: torch.Tensor, token_ids_N: torch.Tensor) -> torch.Tensor:
     check_float("x_TH", x_TH, 2)
     check_index("token_ids_N", token_ids_N, 1)
@@ -46,8 +46,8 @@ def gather_rows_fwd(x_TH: torch.Tensor, token_ids_N: torch.Tensor) -> torch.Tens
     if num_rows == 0 or hidden == 0:
         return out_NH
     block_n = 4
-    block_h = 32 if interpreting() else min(1024, triton.next_power_of_2(hidden))
-    grid = (triton.cdiv(num_rows, block_n), triton.cdiv(hidden, block_h))
+    block_h = 32 if interpreting() else min(1024, next_pow2(hidden))
+    grid = (cdiv(num_rows, block_n), cdiv(hidden, block_h))
     _gather_rows_fwd_kernel[grid](x_TH, token_ids_N.contiguous(), out_NH, num_rows, hidden, x_TH.stride(0),
                                   BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4)
     return out_NH

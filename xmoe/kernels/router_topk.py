@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xmoe.kernels._common import check_device, interpreting
+from xmoe.kernels._common import cdiv, check_device, interpreting, kernel_op, next_pow2
 
 MAX_EXPERTS, MAX_TOP_K = 512, 16
 
@@ -119,10 +119,10 @@ def _router_topk_bwd_kernel(
 
 
 def _blocks(num_experts: int, top_k: int) -> tuple[int, int, int]:
-    block_e = max(16, triton.next_power_of_2(num_experts))
+    block_e = max(16, next_pow2(num_experts))
     # ~4K fp32 per tile keeps the few live (BLOCK_T, BLOCK_E) tiles in registers; the interpreter wants small
     block_t = 4 if interpreting() else max(1, min(64, 4096 // block_e))
-    return block_t, block_e, max(2, triton.next_power_of_2(top_k))  # K = 1: 2-wide tile, no 1-wide edge case
+    return block_t, block_e, max(2, next_pow2(top_k))  # K = 1: 2-wide tile, no 1-wide edge case
 
 
 def _check(logits_TE: torch.Tensor, top_k: int, score_func: str) -> None:
@@ -137,7 +137,7 @@ def _check(logits_TE: torch.Tensor, top_k: int, score_func: str) -> None:
         raise ValueError(f"score_func ({score_func!r}) must be 'softmax' or 'sigmoid'")
 
 
-@torch.library.custom_op("xmoe::router_topk_fwd", mutates_args=())
+@kernel_op("router_topk_fwd")
 def router_topk_fwd(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor, top_k: int, score_func: str,
                     norm_topk_prob: bool, routed_scaling_factor: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +152,7 @@ def router_topk_fwd(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor, top_k:
     scores_TK = torch.empty_like(weights_TK)
     if num_tokens:
         block_t, block_e, block_k = _blocks(num_experts, top_k)
-        _router_topk_fwd_kernel[(triton.cdiv(num_tokens, block_t),)](
+        _router_topk_fwd_kernel[(cdiv(num_tokens, block_t),)](
             logits_TE.contiguous(), expert_bias_E.float().contiguous(), weights_TK, ids_TK, scores_TK,
             num_tokens, num_experts, top_k, float(routed_scaling_factor),
             SIGMOID=score_func == "sigmoid", NORM=norm_topk_prob,
@@ -168,7 +168,7 @@ def _(logits_TE, expert_bias_E, top_k, score_func, norm_topk_prob, routed_scalin
     return logits_TE.new_empty(num_tokens, top_k), ids_TK, logits_TE.new_empty(num_tokens, top_k)
 
 
-@torch.library.custom_op("xmoe::router_topk_bwd", mutates_args=())
+@kernel_op("router_topk_bwd")
 def router_topk_bwd(grad_weights_TK: torch.Tensor, logits_TE: torch.Tensor, ids_TK: torch.Tensor, score_func: str,
                     norm_topk_prob: bool, routed_scaling_factor: float) -> torch.Tensor:
     """grad_logits_TE of router_topk_fwd's weights_TK."""
@@ -176,7 +176,7 @@ def router_topk_bwd(grad_weights_TK: torch.Tensor, logits_TE: torch.Tensor, ids_
     grad_TE = torch.empty_like(logits_TE)
     if num_tokens:
         block_t, block_e, _ = _blocks(num_experts, ids_TK.shape[1])
-        _router_topk_bwd_kernel[(triton.cdiv(num_tokens, block_t),)](
+        _router_topk_bwd_kernel[(cdiv(num_tokens, block_t),)](
             grad_weights_TK.float().contiguous(), logits_TE, ids_TK.contiguous(), grad_TE,
             num_tokens, num_experts, ids_TK.shape[1], float(routed_scaling_factor),
             SIGMOID=score_func == "sigmoid", NORM=norm_topk_prob, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
