@@ -5,6 +5,8 @@
   grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E) -> y_NH
   moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2) -> out_TH
 
+The Triton backend also has ``router_topk`` (router_topk.py), which the router uses when its backend provides it.
+
 ``torch`` (reference.py) runs anywhere. ``triton`` (triton_ops.py) runs on any Triton backend (NVIDIA, AMD) and
 on CPU tensors under TRITON_INTERPRET=1 (fp32 only). ``auto`` picks triton for GPU tensors when Triton imports,
 torch otherwise.

@@ -74,12 +74,11 @@ class Router(nn.Module):
         cfg = self.cfg
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
-        # kernel_backend="triton" fuses scores, selection and weights (kernels/router_topk.py) within its limits
-        # (no expert groups, E <= 512, K <= 16); the torch path below is the reference and the fallback. "auto"
-        # keeps the torch router: the Triton one is tested in the interpreter but not yet compiled on a GPU.
-        router_topk = None
-        if cfg.kernel_backend == "triton":
-            router_topk = getattr(get_ops(cfg.kernel_backend, logits_TE.device), "router_topk", None)
+        # The Triton backend ("triton", or "auto" on a GPU) fuses scores, selection and weights in one kernel each
+        # way (kernels/router_topk.py) within its limits (no expert groups, E <= 512, K <= 16); the torch path below
+        # is the reference and the fallback. H200, fwd+bwd at T = 16384: 1.0-3.4x the torch path
+        # (benchmarks/results/bench_router.md).
+        router_topk = getattr(get_ops(cfg.kernel_backend, logits_TE.device), "router_topk", None)
         if router_topk is not None and cfg.num_expert_groups == 1 and cfg.num_experts <= 512 and cfg.top_k <= 16:
             weights_TK, ids_TK, scores_TK = router_topk(logits_TE, self.expert_bias, cfg.top_k, cfg.score_func,
                                                         cfg.norm_topk_prob, cfg.routed_scaling_factor)
