@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -267,3 +268,31 @@ def test_bench_pft_saves_less_activation_memory_than_padded(capsys):
     saved = {r[3].strip(): float(r[7]) for r in rows}  # MiB of tensors saved for backward
     # PFT keeps N*H rows; the padded baseline also keeps its (T, E, C) masks and E*C*H buffers
     assert saved["pft"] < saved["padded"]
+
+
+def test_weight_casts_reused_across_micro_batches():
+    # bf16 compute on fp32 weights, two micro-batches accumulating into .grad: inside reuse_weight_casts the
+    # experts cast once (the same tensors serve both) and the accumulated fp32 gradients are bitwise those of
+    # casting per micro-batch; outside the scope, and under no_grad, every call casts afresh
+    from xmoe.moe.experts import reuse_weight_casts
+
+    torch.manual_seed(0)
+    xs = [torch.randn(12, 32).bfloat16() for _ in range(2)]
+
+    def run(scoped):
+        layer = make_layer(seed=3, hidden_size=32, ffn_hidden_size=24, num_experts=4, top_k=2)
+        with reuse_weight_casts(layer) if scoped else contextlib.nullcontext():
+            casts = []
+            for x in xs:
+                casts.append(layer.experts.local_weights(torch.bfloat16))
+                layer(x).float().square().mean().backward()
+        return [p.grad.clone() for p in layer.parameters() if p.grad is not None], casts, layer
+
+    want, casts_plain, _ = run(False)
+    got, casts_scoped, layer = run(True)
+    assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(a is b for a, b in zip(*casts_scoped)) and all(w.dtype == torch.bfloat16 for w in casts_scoped[0])
+    assert not any(a is b for a, b in zip(*casts_plain))
+    assert layer.experts._casts is None  # dropped on exit
+    with reuse_weight_casts(layer), torch.no_grad():
+        assert layer.experts.local_weights(torch.bfloat16)[0] is not layer.experts.local_weights(torch.bfloat16)[0]

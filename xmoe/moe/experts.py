@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ class RoutedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self._casts: Optional[dict] = None  # compute-dtype copies, kept while reuse_weight_casts() is active
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -38,8 +40,16 @@ class RoutedExperts(nn.Module):
             nn.init.normal_(w, std=self.init_std)
 
     def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of the experts on this rank, in the compute dtype."""
-        return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+        """(w1, w3, w2) of the experts on this rank, in the compute dtype. Inside reuse_weight_casts() a cast is
+        made once and reused by every later call (the micro-batches of one step): the gradients of all of them
+        flow back through the one cast into the fp32 parameters."""
+        weights = (self.w1, self.w3, self.w2)
+        cache = self._casts
+        if cache is None or not torch.is_grad_enabled() or any(hasattr(w, "to_local") for w in weights):
+            return tuple(_local(w).to(dtype) for w in weights)  # sharded (EP / FSDP) weights: their owner's job
+        if dtype not in cache:
+            cache[dtype] = tuple(w.to(dtype) for w in weights)
+        return cache[dtype]
 
     def forward(self, x: torch.Tensor, tokens_per_expert_E: torch.Tensor, plan: Optional[RoutingPlan] = None,
                 weights_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -54,6 +64,24 @@ class RoutedExperts(nn.Module):
         if x.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
             return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
         return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
+
+
+@contextlib.contextmanager
+def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
+    """Within: each RoutedExperts of ``model`` casts its weights to the compute dtype once, not once per forward.
+
+    For one optimizer step's micro-batches, whose weights do not change: with fp32 parameters and bf16 compute
+    the casts are a large part of a params-heavy step (fp32 read + bf16 write per expert weight and micro-batch).
+    The casts are dropped on exit, so nothing stale outlives the step. Weights sharded as DTensors (expert
+    parallelism, FSDP) are cast per forward as before."""
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    for m in experts:
+        m._casts = {}
+    try:
+        yield
+    finally:
+        for m in experts:
+            m._casts = None
 
 
 class SwiGLU(nn.Module):

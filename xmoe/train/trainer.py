@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xmoe.config import RunConfig
 from xmoe.model.transformer import Transformer
+from xmoe.moe.experts import reuse_weight_casts
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import apply_expert_parallel, clip_grad_norm_
 from xmoe.parallel.ssmb import apply_ssmb
@@ -192,21 +193,25 @@ class Trainer:
         aux_sum = torch.zeros((), device=self.device)
         rows = torch.zeros((), dtype=torch.long, device=self.device)
         load = None
-        for micro in range(accum):
-            inputs, targets = next(self.loader)
-            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
-            last = micro == accum - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
-            with sync, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                loss = self.wrapped(inputs, targets)
-                (loss / accum).backward()
-            loss_sum += loss.detach()
-            stats = self.model.moe_stats()
-            if stats:
-                aux_sum += stats["aux_loss"] + stats["z_loss"]
-                tpe = stats["tokens_per_expert"]
-                rows += tpe.sum() - stats["num_dropped"]
-                load = tpe if load is None else load + tpe
+        # one autocast region and one set of expert-weight casts for all micro-batches of the step: the weights do
+        # not change within it, so autocast's cast cache and reuse_weight_casts cast each weight once per step
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
+                reuse_weight_casts(self.model):
+            for micro in range(accum):
+                inputs, targets = next(self.loader)
+                inputs = inputs.to(self.device, non_blocking=True)
+                targets = targets.to(self.device, non_blocking=True)
+                no_sync = micro < accum - 1 and hasattr(self.wrapped, "no_sync")
+                with self.wrapped.no_sync() if no_sync else contextlib.nullcontext():
+                    loss = self.wrapped(inputs, targets)
+                    (loss / accum).backward()
+                loss_sum += loss.detach()
+                stats = self.model.moe_stats()
+                if stats:
+                    aux_sum += stats["aux_loss"] + stats["z_loss"]
+                    tpe = stats["tokens_per_expert"]
+                    rows += tpe.sum() - stats["num_dropped"]
+                    load = tpe if load is None else load + tpe
         return loss_sum / accum, {"aux": aux_sum / accum, "rows": rows, "load": load}
 
     def _update_expert_bias(self, load_LE: Optional[torch.Tensor]) -> None:
