@@ -7,9 +7,8 @@ Order of set-up (fixed, so every rank does the same thing):
   4. parallelism applied from outside: expert parallelism (EP > 1), then data parallelism (DDP)
   5. optimizer, data loader (sharded over data-parallel ranks), resume from the latest checkpoint
 Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, each weight cast once per step), clip,
-AdamW step, auxiliary-loss-free bias update (loads
-summed over data-parallel ranks so the bias stays identical everywhere), metrics every ``log_every`` steps,
-an atomic checkpoint every ``ckpt_every`` steps and at the end.
+AdamW step, auxiliary-loss-free bias update (loads summed over data-parallel ranks so the bias stays identical
+everywhere), metrics every ``log_every`` steps, an atomic checkpoint every ``ckpt_every`` steps and at the end.
 """
 
 from __future__ import annotations
