@@ -13,9 +13,9 @@ step here is one optimizer step of `xmoe train` with one micro-batch, on uniform
 random init is near uniform, as in the paper's throughput runs).
 Methods (every rank runs the same steps, so all collectives match):
   xmoe         PFT dispatcher + Triton kernels, EP = W (dense weights FSDP2 over all W ranks)
-  padded       GShard / DeepSpeed-MoE padded dispatcher, capacity factor 1.25. PaddedDispatcher is single-rank only
-               (shard_experts refuses it under EP), so this runs EP = 1, DP = W with everything FSDP2-sharded
-               (ZeRO-3): same tokens per GPU, same harness, but experts all-gathered instead of tokens all-to-all'd
+  padded       GShard / DeepSpeed-MoE capacity buffers, capacity factor 1.25, EP = W: every rank's (E, C, H)
+               buffer moves by one equal-split all-to-all, padding included (PaddedAllToAllDispatcher)
+  padded-dp    the same buffers at EP = 1, DP = W, everything FSDP2-sharded (ZeRO-3; not in the default)
   xmoe-dp      PFT at EP = 1, DP = W (ZeRO-3): separates the dispatcher's effect from the layout (not in the default)
   tp2-ssmb / tp2-nossmb   TP = 2 x EP = W/2, with and without SSMB (the trainer always applies SSMB at TP > 1)
 Micro-batch search: mb = 1, 2, 4, ... until torch.OutOfMemoryError, a time cap, or --micro-batches' end. OOM is caught
@@ -50,7 +50,8 @@ from benchmarks.harness import distributed_skip_reason  # noqa: E402
 GIB = 2**30
 METHODS = {  # name -> (dispatcher, capacity factor, ep is the world (else 1), tp, ssmb)
     "xmoe": ("pft", None, True, 1, False),
-    "padded": ("padded", 1.25, False, 1, False),
+    "padded": ("padded", 1.25, True, 1, False),
+    "padded-dp": ("padded", 1.25, False, 1, False),
     "xmoe-dp": ("pft", None, False, 1, False),
     "tp2-ssmb": ("pft", None, True, 2, True),
     "tp2-nossmb": ("pft", None, True, 2, False),

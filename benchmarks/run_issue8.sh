@@ -6,7 +6,7 @@
 #
 # Parts, each under its own `timeout` so that one hang cannot eat the others' time (8 GPUs, estimated / cap):
 #   0 plans   xmoe plan memory / comm predictions, on the host, in the background      ~10 s / 60 s
-#   1 table   bench_paper8.py: small 2048x28, 1024x28, 2048x14; xmoe (EP=W) vs padded ~220 s / 235 s
+#   1 table   bench_paper8.py: small 2048x28, 1024x28, 2048x14; xmoe vs padded, both EP=W ~220 s / 235 s
 #   2 ssmb    bench_paper8.py --mode ssmb: TP=2 x EP=W/2, SSMB on vs off (2048x28)   ~90 s / 100 s
 #   3 rbd     bench_rbd.py --gpus-per-node W/2 (2 virtual nodes), small shape        ~45 s / 70 s
 #   4 loss    tiny preset, STEPS steps: EP=W under torchrun and 1 GPU, concurrently  ~60 s / 90 s
@@ -59,7 +59,7 @@ part() {  # part NAME CAP_S COMMAND...: run under timeout, log to $W/NAME.log, r
 
 # 0. predictions (host only, in the background while the GPUs work)
 (
-    for args in "--tp 1 --ep $NP" "--tp 1 --ep 1 --padded" "--tp 2 --ep $GPN" "--tp 2 --ep $GPN --no-ssmb"; do
+    for args in "--tp 1 --ep $NP" "--tp 1 --ep $NP --padded" "--tp 2 --ep $GPN" "--tp 2 --ep $GPN --no-ssmb"; do
         echo "\$ python -m xmoe plan memory --preset small --gpus $NP --gpu-mem 141 --recompute none $args"
         timeout 60 python -m xmoe plan memory --preset small --gpus $NP --gpu-mem 141 --recompute none $args 2>&1 \
             | head -n 14

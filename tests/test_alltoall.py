@@ -170,7 +170,7 @@ def _layer_cases(num_experts: int, world_size: int):
     ]
 
 
-def _layer_body(rank: int, world_size: int):
+def _layer_body(rank: int, world_size: int, dispatcher: str = "pft"):
     import copy
 
     from xmoe.config import MoEConfig, ParallelConfig
@@ -183,7 +183,8 @@ def _layer_body(rank: int, world_size: int):
     mine = slice(rank * 2, rank * 2 + 2)
     for name, overrides, bias in _layer_cases(num_experts, world_size):
         torch.manual_seed(0)
-        kwargs = dict(hidden_size=hidden, ffn_hidden_size=6, num_experts=num_experts, top_k=2, kernel_backend="torch")
+        kwargs = dict(hidden_size=hidden, ffn_hidden_size=6, num_experts=num_experts, top_k=2, kernel_backend="torch",
+                      dispatcher=dispatcher)
         cfg = MoEConfig(**{**kwargs, **overrides})
         ref = MoELayer(cfg).double()
         with torch.no_grad():
@@ -223,7 +224,9 @@ def _layer_body(rank: int, world_size: int):
                 assert got is None or got.abs().max() == 0, (where, pname)
             else:
                 assert rel_err(got, want) < LAYER_TOL, (where, pname, rel_err(got, want))
-        if name == "all_to_rank0" and rank > 0 or name == "rank0_starved" and rank == 0:
+        if dispatcher == "padded":  # the capacity buffers travel whole, padding included
+            assert type(layer.dispatcher).__name__ == "PaddedAllToAllDispatcher", where
+        elif name == "all_to_rank0" and rank > 0 or name == "rank0_starved" and rank == 0:
             assert layer.dispatcher.stats.rows_received == 0 and layer.dispatcher.stats.rows_kept == 0, where
 
 
@@ -234,3 +237,9 @@ LAYER_TOL = 1e-6
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_moe_layer_expert_parallel_matches_single_process(world_size):
     run_distributed(_layer_body, world_size)
+
+
+def test_padded_baseline_under_expert_parallelism_matches_single_process():
+    # the GShard / DeepSpeed-MoE capacity buffers moved by an equal-split all-to-all (PaddedAllToAllDispatcher):
+    # the same function as the one-rank padded layer, drops (capacity_factor 0.5) and starved ranks included
+    run_distributed(_layer_body, 2, "padded")

@@ -33,7 +33,7 @@ def test_table_mode_agrees_on_a_one_rank_oom(tmp_path):
     # rank 1 alone "ran out of memory" at mb 2: every rank stopped there, for both methods
     assert seen == [("xmoe", 1, "ok"), ("xmoe", 2, "OOM"), ("padded", 1, "ok"), ("padded", 2, "OOM")]
     xmoe, padded = rows[0], rows[2]
-    assert (xmoe["ep"], xmoe["dp"], padded["ep"], padded["dp"]) == (4, 1, 1, 4)
+    assert (xmoe["ep"], xmoe["dp"], padded["ep"], padded["dp"]) == (4, 1, 4, 1)  # both expert-parallel
     for r in (xmoe, padded):
         assert r["tflops"] > 0 and r["paper_tflops"] > 0 and r["ms_step_max"] >= r["ms_step"] > 0
     assert xmoe["kept_rows_frac"] == 1.0  # dropless

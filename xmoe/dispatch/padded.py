@@ -6,15 +6,20 @@ It builds the (T, E, C) one-hot dispatch mask and the matching combine-weight te
 einsums, so memory is O(T*E*C + E*C*H) however few tokens are routed: exactly the cost PFT removes. It keeps
 the same slots as the PFT plan (same capacity rule), so both paths compute the same function when nothing is
 dropped and when something is. Dropless routing is emulated with C = T.
+
+Under expert parallelism (PaddedAllToAllDispatcher, DeepSpeed-MoE style) the (E, C, H) buffer moves with one
+equal-split all-to-all: every rank sends each expert's C rows, padding included, to the expert's owner.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from xmoe.moe.routing import RoutingPlan
+from xmoe.parallel.comm import all_to_all_rows
 
 
 class PaddedDispatcher:
@@ -41,3 +46,39 @@ class PaddedDispatcher:
     def combine(self, y_ECH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor:
         combine_TEC = self._masks(plan, weights_TK, torch.float32)
         return torch.einsum("tec,ech->th", combine_TEC, y_ECH.float()).to(y_ECH.dtype)
+
+
+class PaddedAllToAllDispatcher(PaddedDispatcher):
+    """The capacity-buffer baseline under expert parallelism over P ranks holding E_local = E / P experts each.
+
+    dispatch: (E, C, H) as on one rank -> all-to-all of E_local * C rows to each rank -> (E_local, P * C, H), the
+    C rows of every source rank for each local expert (one batched matmul per weight). combine: the reverse
+    exchange, then the one-rank combine. Every rank must route the same number of tokens (C is derived from it),
+    as the trainer's equal micro-batches do; a mismatch fails in the collective.
+    """
+
+    def __init__(self, ep_group: Optional[dist.ProcessGroup]):
+        self.group = ep_group
+
+    def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        x_ECH, _, _ = super().dispatch(x_TH, plan)
+        num_ranks = dist.get_world_size(self.group)
+        num_experts, capacity, hidden = x_ECH.shape
+        if num_experts % num_ranks:
+            raise ValueError(f"{num_experts} experts do not split over {num_ranks} expert-parallel ranks")
+        num_local = num_experts // num_ranks
+        splits = [num_local * capacity] * num_ranks
+        recv = all_to_all_rows(x_ECH.reshape(num_experts * capacity, hidden), splits, splits, self.group)
+        x_local = recv.view(num_ranks, num_local, capacity, hidden).transpose(0, 1).reshape(
+            num_local, num_ranks * capacity, hidden)
+        counts_E = torch.full((num_local,), num_ranks * capacity, dtype=torch.long, device=x_TH.device)
+        return x_local, counts_E, capacity
+
+    def combine(self, y_ECH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor:
+        capacity = ctx
+        num_local, rows, hidden = y_ECH.shape
+        num_ranks = rows // capacity
+        send = y_ECH.view(num_local, num_ranks, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
+        splits = [num_local * capacity] * num_ranks
+        back = all_to_all_rows(send, splits, splits, self.group)
+        return super().combine(back.view(num_ranks * num_local, capacity, hidden), weights_TK, plan, None)

@@ -40,6 +40,7 @@ from torch import nn
 
 from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher
+from xmoe.dispatch.padded import PaddedAllToAllDispatcher
 from xmoe.moe.layer import MoELayer
 from xmoe.parallel.dims import DENSE_AXIS, ParallelDims
 
@@ -65,10 +66,6 @@ def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
     for layer in layers:
         cfg = layer.cfg
         num_local = dims.check_experts(cfg.num_experts)
-        if cfg.dispatcher == "padded":
-            raise ValueError(
-                "dispatcher='padded' (the GShard baseline) runs on one rank only; use dispatcher='pft' with ep > 1"
-            )
         rows = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
         for name in EXPERT_WEIGHTS:
             full = getattr(layer.experts, name)
@@ -81,6 +78,8 @@ def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
             setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         if cfg.dispatcher == "rbd":  # two-stage hierarchical dispatch over the nodes the EP group spans
             layer.dispatcher = HierarchicalDispatcher.from_dims(dims, cfg.num_experts, cfg.kernel_backend)
+        elif cfg.dispatcher == "padded":  # the capacity-buffer baseline, DeepSpeed-MoE style
+            layer.dispatcher = PaddedAllToAllDispatcher(dims.group("ep"))
         else:
             layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend)
         _scale_weight_grads(layer.experts, 1.0 / dims.ep)
