@@ -32,10 +32,12 @@ Gradient clipping must group gradients by mesh (``clip_grad_norm_`` below): torc
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from xmoe.dispatch.alltoall import AllToAllDispatcher
@@ -144,15 +146,24 @@ def apply_expert_parallel(
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    dims: Optional[ParallelDims] = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients that live on different meshes (experts on ("dp", "ep"),
     dense weights on "dp_ep"), plain tensors included. Returns the total norm as a plain tensor.
 
     DTensor refuses to mix meshes in one op, so norms are taken per (mesh, placements) group, each reduced to a
-    plain scalar (``full_tensor``: the collective over that group's mesh), then combined. Every rank must call it.
+    plain scalar, then combined. With ``dims``, every group sharded (no replicated mesh dimension) over exactly the
+    ranks of this rank's "dp_ep" group adds its local sum of |g|^p to one tensor that a single all-reduce over
+    "dp_ep" completes: one collective for the dense and the expert gradients together, where ``full_tensor`` on the
+    2-D expert mesh alone would run two in sequence. Other groups reduce over their own mesh (``full_tensor``).
+    Every rank must call it.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
+    try:  # FSDP2 over an EP-sharded dimension: strided, still a partition (not a Shard subclass in torch 2.13)
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:
+        _StridedShard = Shard
     groups: dict[Optional[tuple], list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
@@ -160,10 +171,21 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
             groups[key].append(p)
     if not groups:
         return torch.zeros(())
-    norms = []
-    for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    dense_ranks = sorted(dims.group_ranks(DENSE_AXIS)) if dims is not None and dims.mesh is not None else None
+    fusable = math.isfinite(norm_type) and dense_ranks is not None and dims.dp * dims.ep > 1
+    norms, partial_sum = [], None
+    for key, params in groups.items():
+        grads = [p.grad for p in params]
+        if (fusable and key is not None and all(isinstance(pl, (Shard, _StridedShard)) for pl in key[1])
+                and sorted(key[0].mesh.flatten().tolist()) == dense_ranks):
+            local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type) ** norm_type
+            partial_sum = local if partial_sum is None else partial_sum + local.to(partial_sum.device)
+            continue
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if partial_sum is not None:
+        dist.all_reduce(partial_sum, group=dims.group(DENSE_AXIS))
+        norms.append(partial_sum ** (1.0 / norm_type))
     device = norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
     for params in groups.values():  # per group again: the scale is a plain scalar, fine next to any DTensor

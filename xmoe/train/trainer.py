@@ -131,6 +131,7 @@ class Trainer:
     def _data_parallel_coords(self) -> tuple[int, int]:
         """This rank's index among the ranks that see different data, and how many there are."""
         par = self.run.parallel
+        self.dims: Optional[ParallelDims] = None
         if self.world == 1:
             return 0, 1
         self.dims = ParallelDims.from_config(par, self.world, rank=self.rank).build_mesh(self.device.type)
@@ -241,7 +242,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             loss, stats = self._forward_backward(accum)
-            grad_norm = clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            grad_norm = clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._update_expert_bias(stats["load"])
