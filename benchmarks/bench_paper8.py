@@ -98,7 +98,8 @@ def layout(method: str, world: int) -> tuple[int, int, int]:
 
 
 def build(cfg, method: str, device: torch.device, world: int):
-    """Trainer._parallelize's order, with SSMB optional: TP (+ SSMB) -> EP + FSDP2. Returns (model, optimizer)."""
+    """Trainer._parallelize's order, with SSMB optional: TP (+ SSMB) -> EP + FSDP2.
+    Returns (model, optimizer, (dp, ep, tp), ParallelDims)."""
     from xmoe.config import ParallelConfig
     from xmoe.model.transformer import Transformer
     from xmoe.parallel.dims import ParallelDims
@@ -122,7 +123,7 @@ def build(cfg, method: str, device: torch.device, world: int):
     # set (15.5B parameters for small) cannot be replicated on every GPU with its AdamW state
     model = apply_expert_parallel(model, dims)
     opt = torch.optim.AdamW(_param_groups(model, 0.1), lr=1e-4, fused=device.type == "cuda")
-    return model, opt, (dp, ep, tp)
+    return model, opt, (dp, ep, tp), dims
 
 
 def _free(device: torch.device) -> None:
@@ -138,7 +139,7 @@ def _agree(values: list[float], device, op=dist.ReduceOp.MAX) -> list[float]:
     return t.tolist()
 
 
-def measure(model, opt, cfg, seq: int, mb: int, warmup: int, args, device) -> dict:
+def measure(model, opt, dims, cfg, seq: int, mb: int, warmup: int, args, device) -> dict:
     """Warm-up then timed optimizer steps at micro-batch mb; OOM -> {'status': 'OOM'} agreed by all ranks."""
     from xmoe.parallel.expert_parallel import clip_grad_norm_
 
@@ -160,7 +161,7 @@ def measure(model, opt, cfg, seq: int, mb: int, warmup: int, args, device) -> di
                 stats = model.moe_stats()
                 if stats:
                     rows.add_(stats["tokens_per_expert"].sum() - stats["num_dropped"])
-            clip_grad_norm_(params, 1.0)
+            clip_grad_norm_(params, 1.0, dims=dims)  # as the trainer clips
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
@@ -216,12 +217,12 @@ def run_case(variant: str, method: str, args, device):
     cfg, seq = model_config(args.base, variant, dispatcher, capacity)
     flop_dims = metrics.FlopDims.from_model_config(cfg, seq)
     t_case = time.perf_counter()
-    model, opt, (dp, ep, tp) = build(cfg, method, device, world)
+    model, opt, (dp, ep, tp), dims = build(cfg, method, device, world)
     _free(device)
     head = {"variant": variant, "method": method, "ep": ep, "tp": tp, "dp": dp}
     data_ranks = dp * ep  # TP peers share tokens (under SSMB each runs the MoE on its slice)
     for i, mb in enumerate(args.micro_batches):
-        r = measure(model, opt, cfg, seq, mb, args.warmup if i == 0 else 1, args, device)
+        r = measure(model, opt, dims, cfg, seq, mb, args.warmup if i == 0 else 1, args, device)
         row = {**head, "micro_batch": mb, **{k: v for k, v in r.items() if k not in ("rows", "warm_s")}}
         if r["status"] == "ok":
             sequences, sec = mb * data_ranks, r["ms_step"] / 1e3
