@@ -207,4 +207,29 @@ def test_fused_op_traces_under_torch_compile():
 
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # fullgraph: no graph break allowed
-    assert abs(float(compiled(x, w, w1, w3, w2)) - float(layer(x, w, w1, w3, w2))) < 1e-4
+    results = []
+    for fn in (compiled, layer):  # forward and backward: the custom ops and their fakes under AOTAutograd
+        leaves = [t.clone().requires_grad_() for t in (x, w, w1, w3, w2)]
+        out = fn(*leaves)
+        results.append([out.detach()] + list(torch.autograd.grad(out, leaves)))
+    for got, want in zip(*results):
+        assert _rel(got, want) < 1e-5
+
+
+def test_router_kernel_traces_under_torch_compile():
+    logits = torch.randn(10, 6)
+    bias = torch.randn(6) * 0.01
+
+    def router(logits):
+        weights, ids, _ = tops.router_topk(logits, bias, 2, "softmax", True, 1.5)
+        return (weights * torch.arange(1.0, 3.0)).sum(), ids
+
+    torch._dynamo.reset()
+    compiled = torch.compile(router, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (compiled, router):
+        x = logits.clone().requires_grad_()
+        total, ids = fn(x)
+        results.append((total.detach(), ids, torch.autograd.grad(total, x)[0]))
+    (t1, i1, g1), (t2, i2, g2) = results
+    assert torch.equal(i1, i2) and _rel(t1, t2) < 1e-6 and _rel(g1, g2) < 1e-5
