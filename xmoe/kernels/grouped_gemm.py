@@ -96,6 +96,42 @@ def _tile_map_kernel(
 
 
 @triton.jit
+def _row_tile(map_ptr, idx_ptr, num_tiles, pid_m, GATHER: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(end row, row offsets, source rows) of row tile pid_m of a tile map; its expert was read by the caller.
+    Rows past the group are clamped to its last row: they load real data and their results are never stored."""
+    row0 = tl.load(map_ptr + num_tiles + pid_m)
+    row_end = tl.load(map_ptr + 2 * num_tiles + pid_m)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    rows = tl.minimum(offs_m, row_end - 1)
+    if GATHER:
+        src = tl.load(idx_ptr + rows).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    return row_end, offs_m, src
+
+
+@triton.jit
+def _grouped_dot(acc, a_ptr, b_ptr, src, e, offs_n, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a[src] @ b[e][:, offs_n] over the KA columns of a (masked when KA or NC leave partial blocks)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_offs = src[:, None] * stride_a + offs_k[None, :]
+    b_offs = e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    for k in range(0, (KA + BLOCK_K - 1) // BLOCK_K):
+        if EVEN_K and EVEN_N:
+            a = tl.load(a_ptr + a_offs)
+            b = tl.load(b_ptr + b_offs)
+        else:  # masks, not clamped indices: a mask keeps 16-byte vector loads where a clamp would not
+            k_left = KA - k * BLOCK_K
+            a = tl.load(a_ptr + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptr + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < NC), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_offs += BLOCK_K
+        b_offs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def _swiglu_up_fwd_kernel(
     x_ptr,  # (T, H) when GATHER else (N, H); fp32/bf16/fp16, row stride stride_x, unit column stride
     token_ids_ptr,  # (N,) int32/int64: source row in x of each row (read when GATHER)
@@ -114,14 +150,7 @@ def _swiglu_up_fwd_kernel(
     e = tl.load(map_ptr + pid_m)
     if e >= E:  # past the last tile of the last expert: the launch covers an upper bound of tiles
         return
-    row0 = tl.load(map_ptr + num_tiles + pid_m)
-    row_end = tl.load(map_ptr + 2 * num_tiles + pid_m)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    rows = tl.minimum(offs_m, row_end - 1)  # clamped rows load real data; their results are never stored
-    if GATHER:
-        src = tl.load(token_ids_ptr + rows).to(tl.int64)
-    else:
-        src = rows.to(tl.int64)
+    row_end, offs_m, src = _row_tile(map_ptr, token_ids_ptr, num_tiles, pid_m, GATHER, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + src[:, None] * stride_x + offs_k[None, :]
@@ -171,44 +200,14 @@ def _grouped_mm_kernel(
     e = tl.load(map_ptr + pid_m)
     if e >= E:  # past the last tile of the last expert: the launch covers an upper bound of tiles
         return
-    row0 = tl.load(map_ptr + num_tiles + pid_m)
-    row_end = tl.load(map_ptr + 2 * num_tiles + pid_m)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    rows = tl.minimum(offs_m, row_end - 1)
-    if GATHER:
-        src = tl.load(idx_ptr + rows).to(tl.int64)
-    else:
-        src = rows.to(tl.int64)
+    row_end, offs_m, src = _row_tile(map_ptr, idx_ptr, num_tiles, pid_m, GATHER, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_offs = src[:, None] * stride_a + offs_k[None, :]
-    b_offs = e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (KA + BLOCK_K - 1) // BLOCK_K):
-        if EVEN_K and EVEN_N:
-            a = tl.load(a1_ptr + a_offs)
-            b = tl.load(b1_ptr + b_offs)
-        else:
-            k_left = KA - k * BLOCK_K
-            a = tl.load(a1_ptr + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b1_ptr + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < NC), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_offs += BLOCK_K
-        b_offs += BLOCK_K * stride_bk
+    acc = _grouped_dot(acc, a1_ptr, b1_ptr, src, e, offs_n, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
+                       EVEN_K, EVEN_N, BLOCK_K, DOT_PRECISION)
     if HAS_SECOND:  # second (a, b) pair over the same KA: dx = dh1 w1^T + dh3 w3^T in one accumulator
-        a_offs = src[:, None] * stride_a + offs_k[None, :]
-        b_offs = e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-        for k in range(0, (KA + BLOCK_K - 1) // BLOCK_K):
-            if EVEN_K and EVEN_N:
-                a = tl.load(a2_ptr + a_offs)
-                b = tl.load(b2_ptr + b_offs)
-            else:
-                k_left = KA - k * BLOCK_K
-                a = tl.load(a2_ptr + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
-                b = tl.load(b2_ptr + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < NC), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_offs += BLOCK_K
-            b_offs += BLOCK_K * stride_bk
+        acc = _grouped_dot(acc, a2_ptr, b2_ptr, src, e, offs_n, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
+                           EVEN_K, EVEN_N, BLOCK_K, DOT_PRECISION)
     mask = (offs_m < row_end)[:, None] if EVEN_N else (offs_m < row_end)[:, None] & (offs_n < NC)[None, :]
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
