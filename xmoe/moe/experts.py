@@ -45,8 +45,8 @@ class RoutedExperts(nn.Module):
         flow back through the one cast into the fp32 parameters."""
         weights = (self.w1, self.w3, self.w2)
         cache = self._casts
-        if cache is None or not torch.is_grad_enabled() or any(hasattr(w, "to_local") for w in weights):
-            return tuple(_local(w).to(dtype) for w in weights)  # sharded (EP / FSDP) weights: their owner's job
+        if cache is None or not torch.is_grad_enabled():
+            return tuple(_local(w).to(dtype) for w in weights)
         if dtype not in cache:
             cache[dtype] = tuple(w.to(dtype) for w in weights)
         return cache[dtype]
@@ -71,10 +71,12 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
     """Within: each RoutedExperts of ``model`` casts its weights to the compute dtype once, not once per forward.
 
     For one optimizer step's micro-batches, whose weights do not change: with fp32 parameters and bf16 compute
-    the casts are a large part of a params-heavy step (fp32 read + bf16 write per expert weight and micro-batch).
-    The casts are dropped on exit, so nothing stale outlives the step. Weights sharded as DTensors (expert
-    parallelism, FSDP) are cast per forward as before."""
-    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    each cast reads 4 and writes 2 bytes per expert weight (H200, `python benchmarks/bench_train.py --steps 24`,
+    2 micro-batches per step: 224.6 -> 227.2 TFLOP/s, bench_train.md). The casts are dropped on exit, so nothing
+    stale outlives the step. Experts whose weights are DTensors (expert parallelism, FSDP2, which swaps in other
+    tensors around each forward) are left out and cast per forward."""
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)
+               and not any(hasattr(w, "to_local") for w in (m.w1, m.w3, m.w2))]
     for m in experts:
         m._casts = {}
     try:
