@@ -252,13 +252,14 @@ class Trainer:
                 window_load = stats["load"] if window_load is None else window_load + stats["load"]
 
             if self.step % t.log_every == 0 or self.step == t.steps:
-                self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load,
-                          time.perf_counter() - window_start)
+                self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load, window_start)
                 window_start, window_steps = time.perf_counter(), 0
                 window_rows = torch.zeros_like(window_rows)
                 window_load = None
             if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
+                saving = time.perf_counter()
                 self.save()
+                window_start += time.perf_counter() - saving  # checkpoint time is not training time
         floor = getattr(self.dataset, "loss_floor", None)
         summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None))
         if self.rank == 0 and floor is not None and "final_loss" in summary:
@@ -269,12 +270,15 @@ class Trainer:
             dist.barrier()
         return summary
 
-    def _log(self, loss, aux, grad_norm, lr, steps, rows, load, seconds) -> None:
+    def _log(self, loss, aux, grad_norm, lr, steps, rows, load, window_start: float) -> None:
         values = torch.stack([loss.float(), aux.float(), grad_norm.float(), rows.float()])
         if dist.is_initialized():
             dist.all_reduce(values)
             values[:3] /= self.world
         loss_v, aux_v, gnorm_v, rows_v = values.tolist()  # the one host sync of a logging step
+        # the clock is read after that sync: the window's GPU work has finished, none of it spills uncounted
+        # into the next window (no other host sync in a step lets the host run ahead by up to the launch queue)
+        seconds = time.perf_counter() - window_start
         t = self.run.train
         sequences = steps * t.global_batch_size
         tokens = sequences * t.seq_len
