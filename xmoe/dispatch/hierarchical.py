@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from xmoe.kernels import get_ops
 from xmoe.moe.routing import RoutingPlan, count_ids
-from xmoe.parallel.comm import all_to_all_rows, exchange_counts
+from xmoe.parallel.comm import all_to_all_plain, all_to_all_rows, exchange_counts
 
 
 @dataclass
@@ -154,15 +154,6 @@ def _index_table(positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tenso
     return table.view(shape)
 
 
-def _all_to_all_plain(ids_NK: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """All-to-all outside autograd: expert ids (nothing to differentiate), and the weights inside _SendWeights."""
-    if dist.get_world_size(group) == 1:
-        return ids_NK
-    out = ids_NK.new_empty((sum(output_splits), ids_NK.shape[1]))
-    dist.all_to_all_single(out, ids_NK.contiguous(), output_splits, input_splits, group=group)
-    return out
-
-
 @dataclass
 class _Ctx:
     splits1: tuple[list[int], list[int]]  # (send, receive) per EP rank, stage 1
@@ -196,11 +187,11 @@ class _SendWeights(torch.autograd.Function):
         ctx.c, ctx.group, ctx.num_anchors = c, group, len(anchors)
         u = c.units
         w_UK = torch.where(c.in_unit_UK, weights_TK.gather(1, u.perm_TK)[c.token_of_unit_U], 0)
-        w1_MK = _all_to_all_plain(w_UK, c.splits1[1], c.splits1[0], group)
+        w1_MK = all_to_all_plain(w_UK, c.splits1[1], c.splits1[0], group)
         if c.splits2 is None:
             return w1_MK
         w2_send = torch.where(c.rep_mask_U2K, w1_MK[c.rep_src_U2], 0)
-        return torch.cat([w1_MK, _all_to_all_plain(w2_send, c.splits2[1], c.splits2[0], group)])
+        return torch.cat([w1_MK, all_to_all_plain(w2_send, c.splits2[1], c.splits2[0], group)])
 
     @staticmethod
     def backward(ctx, grad_MK):
@@ -209,12 +200,12 @@ class _SendWeights(torch.autograd.Function):
             return None, None, None, *(None for _ in range(ctx.num_anchors))
         grad1 = grad_MK[:c.num_recv1]
         if c.splits2 is not None:
-            back2 = _all_to_all_plain(grad_MK[c.num_recv1:].contiguous(), c.splits2[0], c.splits2[1], group)
+            back2 = all_to_all_plain(grad_MK[c.num_recv1:].contiguous(), c.splits2[0], c.splits2[1], group)
             # a slot's gradient is non-zero on exactly one GPU (the one hosting its expert): a gather, no atomics
             cols = torch.arange(grad1.shape[1], device=grad1.device)
             covered = c.rep_of_slot_M1K >= 0
             grad1 = torch.where(covered, back2[c.rep_of_slot_M1K.clamp(min=0), cols] if back2.numel() else 0, grad1)
-        back1 = _all_to_all_plain(grad1.contiguous(), c.splits1[0], c.splits1[1], group)
+        back1 = all_to_all_plain(grad1.contiguous(), c.splits1[0], c.splits1[1], group)
         u = c.units
         top_k = u.ids_TK.shape[1]
         cols = torch.arange(top_k, device=back1.device)
@@ -323,7 +314,7 @@ class HierarchicalDispatcher:
         in_unit = unit_of_slot[token_of_unit] == torch.arange(unit_slot.numel(), device=dev)[:, None]
         ids_send = torch.where(in_unit, u.ids_TK[token_of_unit], -1).to(torch.int32)
         x1 = all_to_all_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv1, send1, self.group)
-        ids1 = _all_to_all_plain(ids_send, recv1, send1, self.group).long()
+        ids1 = all_to_all_plain(ids_send, recv1, send1, self.group).long()
         num_recv1 = ids1.shape[0]
 
         # 4. stage 2: a replica per (received row, other GPU of this node hosting its experts)
@@ -341,7 +332,7 @@ class HierarchicalDispatcher:
             rep_mask = rank1[rep_src] == rank1.view(-1)[rep_slot][:, None]
             ids2_send = torch.where(rep_mask, ids1[rep_src], -1).to(torch.int32)
             x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), splits2[1], splits2[0], self.group)
-            ids2 = _all_to_all_plain(ids2_send, splits2[1], splits2[0], self.group).long()
+            ids2 = all_to_all_plain(ids2_send, splits2[1], splits2[0], self.group).long()
             arange_K = torch.arange(top_k, device=dev).expand(num_recv1, top_k)
             head_k = torch.where(head1, arange_K, -1).cummax(dim=1).values.clamp(min=0)
             rows_M1 = torch.arange(num_recv1, device=dev)

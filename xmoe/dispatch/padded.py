@@ -59,13 +59,12 @@ class PaddedAllToAllDispatcher(PaddedDispatcher):
 
     def __init__(self, ep_group: Optional[dist.ProcessGroup]):
         self.group = ep_group
+        self.num_ranks = dist.get_world_size(ep_group)  # shard_experts has checked that it divides E
 
     def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
         x_ECH, _, _ = super().dispatch(x_TH, plan)
-        num_ranks = dist.get_world_size(self.group)
+        num_ranks = self.num_ranks
         num_experts, capacity, hidden = x_ECH.shape
-        if num_experts % num_ranks:
-            raise ValueError(f"{num_experts} experts do not split over {num_ranks} expert-parallel ranks")
         num_local = num_experts // num_ranks
         splits = [num_local * capacity] * num_ranks
         recv = all_to_all_rows(x_ECH.reshape(num_experts * capacity, hidden), splits, splits, self.group)
@@ -75,9 +74,8 @@ class PaddedAllToAllDispatcher(PaddedDispatcher):
         return x_local, counts_E, capacity
 
     def combine(self, y_ECH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor:
-        capacity = ctx
-        num_local, rows, hidden = y_ECH.shape
-        num_ranks = rows // capacity
+        capacity, num_ranks = ctx, self.num_ranks
+        num_local, _, hidden = y_ECH.shape
         send = y_ECH.view(num_local, num_ranks, capacity, hidden).transpose(0, 1).reshape(-1, hidden)
         splits = [num_local * capacity] * num_ranks
         back = all_to_all_rows(send, splits, splits, self.group)

@@ -26,6 +26,11 @@ from xmoe.kernels._common import cdiv, check_device, interpreting, kernel_op, ne
 MAX_EXPERTS, MAX_TOP_K = 512, 16
 
 
+def router_topk_supports(num_experts: int, top_k: int, num_expert_groups: int = 1) -> bool:
+    """Whether router_topk covers this routing (the router falls back to its torch path otherwise)."""
+    return num_expert_groups == 1 and num_experts <= MAX_EXPERTS and top_k <= MAX_TOP_K
+
+
 @triton.jit
 def _scores(logits, mask_e, SIGMOID: tl.constexpr):
     # logits (BLOCK_T, BLOCK_E) fp32 (masked rows 0, so no row is all -inf); masked columns get score 0

@@ -25,9 +25,9 @@ import torch
 from xmoe.kernels.combine import combine_fwd, combine_rows
 from xmoe.kernels.grouped_gemm import grouped_mm, grouped_swiglu, grouped_wgrad, swiglu_down_bwd, swiglu_up_fwd
 from xmoe.kernels.permute import gather_rows
-from xmoe.kernels.router_topk import router_topk
+from xmoe.kernels.router_topk import router_topk, router_topk_supports
 
-__all__ = ["gather_rows", "combine_rows", "grouped_swiglu", "moe_experts", "router_topk"]
+__all__ = ["gather_rows", "combine_rows", "grouped_swiglu", "moe_experts", "router_topk", "router_topk_supports"]
 
 
 class MoEExpertsFn(torch.autograd.Function):

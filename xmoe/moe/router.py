@@ -75,13 +75,13 @@ class Router(nn.Module):
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
         # The Triton backend ("triton", or "auto" on a GPU) fuses scores, selection and weights in one kernel each
-        # way (kernels/router_topk.py) within its limits (no expert groups, E <= 512, K <= 16); the torch path below
-        # is the reference and the fallback. H200, fwd+bwd at T = 16384: 1.0-3.4x the torch path
+        # way (kernels/router_topk.py) within its limits (router_topk_supports); the torch path below is the
+        # reference and the fallback. H200, fwd+bwd at T = 16384: 1.0-3.4x the torch path
         # (benchmarks/results/bench_router.md).
-        router_topk = getattr(get_ops(cfg.kernel_backend, logits_TE.device), "router_topk", None)
-        if router_topk is not None and cfg.num_expert_groups == 1 and cfg.num_experts <= 512 and cfg.top_k <= 16:
-            weights_TK, ids_TK, scores_TK = router_topk(logits_TE, self.expert_bias, cfg.top_k, cfg.score_func,
-                                                        cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        ops = get_ops(cfg.kernel_backend, logits_TE.device)
+        if hasattr(ops, "router_topk") and ops.router_topk_supports(cfg.num_experts, cfg.top_k, cfg.num_expert_groups):
+            weights_TK, ids_TK, scores_TK = ops.router_topk(logits_TE, self.expert_bias, cfg.top_k, cfg.score_func,
+                                                            cfg.norm_topk_prob, cfg.routed_scaling_factor)
             # the balance loss gets its own scores: its gradient reaches logits_TE through them, the weights'
             # through the kernel's backward, so neither is counted twice
             scores_TE = self._scores(logits_TE) if cfg.aux_loss_coef > 0 else None

@@ -44,6 +44,7 @@ from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher
 from xmoe.dispatch.padded import PaddedAllToAllDispatcher
 from xmoe.moe.layer import MoELayer
+from xmoe.parallel.comm import ScaleGrad
 from xmoe.parallel.dims import DENSE_AXIS, ParallelDims
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -88,28 +89,15 @@ def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return model
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 def _scale_weight_grads(experts: nn.Module, scale: float) -> None:
     """Scale the gradients of ``experts``' weights by ``scale`` and leave the gradient of its input unchanged:
     the output gradient is scaled by ``scale`` on the way in, the input gradient by 1 / scale on the way out."""
 
     def scale_input(module, args):
-        return (_ScaleGrad.apply(args[0], 1.0 / scale), *args[1:])
+        return (ScaleGrad.apply(args[0], 1.0 / scale), *args[1:])
 
     def scale_output(module, args, out):
-        return _ScaleGrad.apply(out, scale)
+        return ScaleGrad.apply(out, scale)
 
     experts.register_forward_pre_hook(scale_input)
     experts.register_forward_hook(scale_output)

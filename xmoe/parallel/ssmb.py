@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xmoe.parallel.comm import ScaleGrad
 from xmoe.parallel.dims import ParallelDims
 
 # recent torch renamed all_gather_into_tensor (keeping it as a deprecated alias); older versions have only that name
@@ -96,19 +97,6 @@ class _GatherTokens(torch.autograd.Function):
         return grad_TH[ctx.rank * rows : (ctx.rank + 1) * rows] * ctx.size, None, None, None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class SSMBRegion:
     """The hooks that shard one block's MoE part over the TP group. Built by ``apply_ssmb``.
 
@@ -130,7 +118,7 @@ class SSMBRegion:
     def enter(self, module: nn.Module, args: tuple):
         h = args[0]
         if self.sequence_parallel:
-            return (_ScaleGrad.apply(h, 1.0 / self.size), *args[1:])
+            return (ScaleGrad.apply(h, 1.0 / self.size), *args[1:])
         # 1. scatter
         hidden = h.shape[-1]
         num_tokens = h.numel() // hidden
@@ -147,7 +135,7 @@ class SSMBRegion:
 
     def exit(self, module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return _ScaleGrad.apply(y, float(self.size))
+            return ScaleGrad.apply(y, float(self.size))
         # 3. gather
         if self._shape is None:
             raise RuntimeError("SSMB: the MoE layer ran without its ffn norm's scatter; call the block, not the layer")
