@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err  # noqa: E402
 
 DEVICE = torch.device("cuda")  # set in main()
 SHAPES = {"tiny": (256, 128, 16, 4), "small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6)}
@@ -57,9 +57,6 @@ def _layer(shape: str, dims, bias: torch.Tensor | None, dtype, seed: int = 0):
         local.router.expert_bias.copy_(bias)
     return shard_experts(copy.deepcopy(local), dims), local
 
-
-def rel_err(a, ref) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def check(shape: str, num_tokens: int, dims) -> list[dict]:

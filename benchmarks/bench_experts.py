@@ -134,7 +134,7 @@ def measure(method, inp, E, flops_fwd):
     return row
 
 
-SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages): H200 winners first, then the runners-up
+SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages): candidates; H200 winners in grouped_gemm.CONFIGS
     "up_fwd": [(128, 128, 64, 8, 4), (128, 128, 32, 8, 6)],
     "mm": [(128, 256, 64, 8, 4), (128, 256, 32, 8, 6)],
     "down_bwd": [(128, 256, 64, 8, 4), (128, 256, 32, 8, 6)],
@@ -240,10 +240,12 @@ def profile(configs=("small", "medium"), T=16384, iters=3):
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / iters
         torch.cuda.set_sync_debug_mode("warn")  # any host sync inside the layer prints a warning
-        with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            for _ in range(iters):
-                fwd_bwd()
-        torch.cuda.set_sync_debug_mode("default")
+        try:
+            with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(iters):
+                    fwd_bwd()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         # GPU kernels only: the custom-op rows (xmoe::...) repeat their kernels' time
         gaps = _stream_gaps(prof)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err  # noqa: E402
 
 SHAPES = {"tiny": (128, 16, 4), "small": (2048, 64, 6), "medium": (5120, 128, 6)}  # H, E, K of the presets
 
@@ -55,9 +55,6 @@ def _count_syncs(fn, device: torch.device) -> int:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in seen)
 
-
-def rel_err(a, ref) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) -> dict:

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, peak_extra_bytes  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
 SETTINGS = {"tp": (False, False), "tp+ssmb": (True, False), "tp+recompute": (False, True),
@@ -127,12 +127,7 @@ def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
         h_BSH = torch.randn(micro_batch, args.seq, cfg.hidden_size, device=device, dtype=dtype, requires_grad=True)
         row["moe_mib"] = saved_activation_bytes(lambda: block.ffn(block.ffn_norm(h_BSH))) / MIB
         if device.type == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            row["act_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+            row["act_peak_gib"] = peak_extra_bytes(step) / GIB
         ms = collective_time_ms(step, device, args.iters, args.trials, warmup=False)
         flops = metrics.train_flops(metrics.FlopDims.from_model_config(cfg, args.seq), micro_batch)
         row.update(loss=losses[0].float().item(), step_ms=ms, tokens_per_s=T / (ms / 1e3),

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
+
+from benchmarks.harness import environment, markdown_table, write_results  # noqa: E402
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> dict:
@@ -53,25 +55,15 @@ def main() -> None:
         print("bench_train: skipped, no CUDA GPU")
         return
     rows = [run_backend(b, args) for b in args.backends]
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "argv": sys.argv[1:]}
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_train.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# xmoe train, small preset with {args.layers} layers, seq {args.seq_len}, batch {args.batch_size}",
-             "", f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}", "",
-             "| kernel backend | tokens/s | TFLOP/s (xmoe) | TFLOP/s (paper formula) | MFU | peak GiB | loss |",
-             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['backend']} | error: {r['error'].splitlines()[-1]} | | | | | |")
-        else:
-            lines.append(f"| {r['backend']} | {r['tokens_per_s']:.0f} | {r['tflops']:.1f} | {r['paper_tflops']:.1f} | "
-                         f"{r['mfu']:.1%} | {r['peak_mem_gib']:.1f} | {r['final_loss']:.3f} |")
-    lines += ["", f"Command per row: `python {rows[0].get('command', '')}` (backend varies)"]
-    (out / "bench_train.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+        if "mfu" in r:
+            r["mfu_pct"] = 100 * r["mfu"]
+    columns = ["backend", "tokens_per_s", "tflops", "paper_tflops", "mfu_pct", "peak_mem_gib", "final_loss", "error"]
+    write_results("bench_train", rows, columns, environment(),
+                  f"xmoe train, small preset with {args.layers} layers, seq {args.seq_len}, batch {args.batch_size}",
+                  notes=f"Per row: `python {rows[0].get('command', '')}` (backend varies); tflops: xmoe's formula, "
+                        "paper_tflops: the paper's; averages over the logged windows after the first.")
+    print(markdown_table(rows, columns))
 
 if __name__ == "__main__":
     main()

@@ -37,6 +37,11 @@ def peak_extra_bytes(fn: Callable[[], object]) -> int:
     return peak - base
 
 
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| in float64 (the reference's norm floored at 1e-30)."""
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
 def environment() -> dict:
     props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     try:
@@ -52,8 +57,15 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "command": " ".join([_launcher(), sys.argv[0]] + sys.argv[1:]),
     }
+
+
+def _launcher() -> str:
+    """How this script was started: under torchrun (WORLD_SIZE set) with its process count, else python."""
+    if "WORLD_SIZE" in os.environ:
+        return f"torchrun --nproc-per-node {os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])}"
+    return "python"
 
 
 def out_dir(default: str = "benchmarks/results") -> Path:
