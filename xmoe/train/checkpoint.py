@@ -392,7 +392,11 @@ def _fingerprints(state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], flo
     for fqn, per_param in state.get("optim", {}).get("state", {}).items():
         tensors.update({f"optim.{fqn}.{k}": v for k, v in per_param.items()})
     plain = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)}
-    sums = [v.detach().sum(dtype=torch.float64).cpu() for v in plain.values()]
+    sums = [v.detach().sum(dtype=torch.float64) for v in plain.values()]
+    on_device = [i for i, x in enumerate(sums) if x.device.type != "cpu"]
+    if on_device:  # one device-to-host copy for all of them, not one (and one host sync) per tensor
+        for i, x in zip(on_device, torch.stack([sums[i] for i in on_device]).cpu()):
+            sums[i] = x
     return {k: (tuple(v.shape), float(x)) for (k, v), x in zip(plain.items(), sums)}
 
 
