@@ -271,11 +271,15 @@ class Trainer:
         return summary
 
     def _log(self, loss, aux, grad_norm, lr, steps, rows, load, window_start: float) -> None:
-        values = torch.stack([loss.float(), aux.float(), grad_norm.float(), rows.float()])
+        # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows and, when
+        # there are MoE layers, the tokens per expert summed over layers (float64: counts stay exact)
+        values = torch.stack([loss.double(), aux.double(), grad_norm.double(), rows.double()])
+        if load is not None:
+            values = torch.cat([values, load.sum(0).double()])
         if dist.is_initialized():
             dist.all_reduce(values)
             values[:3] /= self.world
-        loss_v, aux_v, gnorm_v, rows_v = values.tolist()  # the one host sync of a logging step
+        loss_v, aux_v, gnorm_v, rows_v, *load_v = values.tolist()  # the one host sync of a logging step
         # the clock is read after that sync: the window's GPU work has finished, none of it spills uncounted
         # into the next window (no other host sync in a step lets the host run ahead by up to the launch queue)
         seconds = time.perf_counter() - window_start
@@ -292,10 +296,7 @@ class Trainer:
                       mem_bytes=metrics.peak_memory_bytes(self.device))
         record.update(self._comm_metrics(steps))
         if load is not None:
-            if dist.is_initialized():
-                load = load.clone()
-                dist.all_reduce(load)
-            record["imbalance"] = metrics.load_imbalance(load.sum(0))
+            record["imbalance"] = metrics.load_imbalance(torch.tensor(load_v))
         self.logger.log(self.step, **record)
 
     def _comm_metrics(self, steps: int) -> dict[str, float]:
