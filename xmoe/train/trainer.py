@@ -324,7 +324,7 @@ class Trainer:
 
     def _announce(self, accum: int) -> None:
         t, m = self.run.train, self.run.model
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = self.model.num_params()
         lines = [
             f"xmoe train: {n_params / 1e6:.2f}M parameters, {m.num_layers} layers "
             f"({m.num_layers - m.first_k_dense} MoE: {m.moe.num_experts} experts, top-{m.moe.top_k}, "
