@@ -80,10 +80,17 @@ def test_keep_last_and_latest_pointer(tmp_path):
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004", "step_000005"]
     assert find_latest(tmp_path) == root / "step_000005"
-    # A run resumed from an older step saves below existing ones: newer dirs stay, `latest` names the new one.
+    # A save below existing steps leaves the newer dirs; a resume scans, so it still finds the newest, until
+    # the newer ones are set aside (what resuming from an older checkpoint does)
     _save(tmp_path, 3, model, opt, sched, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003", "step_000004", "step_000005"]
+    assert (root / "latest").read_text().strip() == "step_000003"
+    assert find_latest(tmp_path) == root / "step_000005"
+    moved = ckpt.set_aside_newer(tmp_path, 3)
+    assert sorted(p.name.split(".")[0] for p in moved) == ["step_000004", "step_000005"]
     assert find_latest(tmp_path) == root / "step_000003"
+    for path in moved:
+        path.rename(root / path.name.split(".")[0])
     # Saving an existing step again replaces it in place; with keep_last=1 the older steps 3 and 4 go.
     _save(tmp_path, 5, model, opt, sched, keep_last=1)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000005"]

@@ -108,9 +108,12 @@ def test_corrupt_checkpoint_is_a_clear_error_and_is_not_overwritten(tmp_path, ca
     shard = next(p for p in ckpt.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:-10])
     before = sorted(p.name for p in ckpt.iterdir())
-    with pytest.raises(Exception) as exc:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
         train(out, "--steps", "4", "--resume")
-    assert "step_000002" in str(exc.value)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "step_000002" in err and "truncated" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in ckpt.iterdir()) == before
 
 

@@ -14,9 +14,15 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from xmoe.config import MoEConfig
+
+# torch is imported inside the functions: `xmoe --help` builds this module's parser without loading it
+
+EXAMPLES = """examples:
+  xmoe bench                                  # the tiny layer on this machine's device
+  xmoe bench --shape small --tokens 8192      # a paper layer shape (a GPU is advised)
+  xmoe bench --device cpu --backend torch --repeats 3
+"""
 
 # name -> (hidden, expert ffn, experts, top-k): the X-MoE paper's presets' layer shapes, plus a CPU-sized one
 LAYER_SHAPES = {
@@ -29,6 +35,8 @@ LAYER_SHAPES = {
 
 def saved_activation_bytes(fn) -> int:
     """Bytes of distinct storages autograd saves for backward while running ``fn()`` (parameters excluded)."""
+    import torch
+
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
@@ -44,6 +52,8 @@ def saved_activation_bytes(fn) -> int:
 
 
 def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
+    import torch
+
     for _ in range(warmup):
         fn()
     times = []
@@ -64,6 +74,8 @@ def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
 
 def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.device, dtype: torch.dtype,
                 backend: str = "auto", warmup: int = 2, repeats: int = 5, seed: int = 0) -> dict:
+    import torch
+
     from xmoe.moe.layer import MoELayer
 
     hidden, ffn, experts, top_k = LAYER_SHAPES[shape]
@@ -120,16 +132,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="auto: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
+                        help="MoE kernels (default auto: triton on a GPU, torch on CPU)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs, the median is reported (default 5)")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    if args.tokens <= 0:
+        raise ValueError(f"--tokens ({args.tokens}) must be > 0")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
+    if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
+        raise ValueError(f"--device ({args.device!r}) must be auto, cpu or cuda")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no GPU; use --device cpu")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if args.tokens <= 0:
-        raise ValueError(f"--tokens ({args.tokens}) must be > 0")
     rows = [bench_layer(args.shape, args.tokens, d, device, dtype, args.backend, repeats=args.repeats)
             for d in ("pft", "padded")]
     print(format_table(rows))

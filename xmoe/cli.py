@@ -1,39 +1,107 @@
-"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`."""
+"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`.
+
+Exit codes: 0 success; 2 a user error (one line ``xmoe <command>: error: ...``; ``--debug`` shows the
+traceback); 3 training stopped on a non-finite loss or gradient norm; 128 + signum when a signal stopped a
+run after saving (143 for SIGTERM, 130 for SIGINT).
+
+Imports stay lazy: building the parsers imports neither torch nor numpy, so ``xmoe --help`` is quick.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
+
+EXAMPLES = """examples:
+  xmoe train                                  # the tiny preset on the embedded corpus (runs/default)
+  xmoe train --preset small --dry-run         # parameters and FLOPs of a paper preset
+  xmoe plan memory --preset medium --gpus 64  # will it fit, and in which layout
+"""
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from xmoe import __version__, bench
+    from xmoe.plan import cli as plan_cli
+    from xmoe.train import cli as train_cli
+
+    parser = argparse.ArgumentParser(
+        prog="xmoe", description="Train expert-specialized Mixture-of-Experts models, padding-free.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"xmoe {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    sub = parser.add_subparsers(dest="command", metavar="{train,bench,plan}")
+    subs = {}
+    for name, module, help_text in (
+        ("train", train_cli, "train a model (default: the tiny preset on the embedded corpus)"),
+        ("bench", bench, "time one MoE layer, padding-free vs the padded baseline"),
+        ("plan", plan_cli, "memory and communication models (no GPU needed)"),
+    ):
+        subs[name] = sub.add_parser(name, help=help_text, description=help_text, epilog=module.EXAMPLES,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        subs[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                help="show the full traceback of an error")
+        module.add_arguments(subs[name])
+    return parser, subs
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors a user's input or environment causes: reported in one line, not as a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from xmoe.train.checkpoint import CheckpointError
+
+    return ValueError, OSError, CheckpointError, CheckpointException
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full: {exc}"
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        text = f"{exc.strerror or type(exc).__name__}: {exc.filename or text}"
+    return " ".join(text.split())  # one line, however the message was built
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="xmoe", description="Train expert-specialized Mixture-of-Experts models, padding-free."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    from xmoe import bench
-    from xmoe.train import cli as train_cli
-
-    train_parser = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)")
-    train_cli.add_arguments(train_parser)
-    bench_parser = sub.add_parser("bench", help="time one MoE layer, padding-free vs the padded baseline")
-    bench.add_arguments(bench_parser)
-    try:
-        from xmoe.plan import cli as plan_cli
-    except ImportError:
-        plan_cli = None
-    if plan_cli is not None:
-        plan_cli.add_arguments(sub.add_parser("plan", help="memory and communication models (no GPU needed)"))
-
+    parser, subs = _parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("xmoe: error: choose a command: train, bench or plan (xmoe --help explains them)", file=sys.stderr)
+        sys.exit(2)
     try:
         if args.command == "train":
+            from xmoe.train import cli as train_cli
+
             train_cli.run(args)
         elif args.command == "bench":
+            from xmoe import bench
+
             bench.run(args)
         elif args.command == "plan":
+            from xmoe.plan import cli as plan_cli
+
             plan_cli.run(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"xmoe {args.command}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except BrokenPipeError:  # the reader went away (`xmoe plan comm | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - sorted into user errors, stops and bugs below
+        from xmoe.train.safety import NonFiniteError, RunStopped
+
+        if args.debug:
+            raise
+        if isinstance(exc, RunStopped):
+            print(f"xmoe {args.command}: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        if isinstance(exc, NonFiniteError):
+            print(f"xmoe {args.command}: error: {exc}", file=sys.stderr)
+            sys.exit(exc.exit_code)
+        if isinstance(exc, _user_error_types()):
+            print(f"xmoe {args.command}: error: {_message(exc)}", file=sys.stderr)
+            sys.exit(2)
+        raise
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and exits 130 itself)
+        print(f"xmoe {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)

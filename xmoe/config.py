@@ -6,10 +6,13 @@ One dataclass per component, validated on construction: a value a user can get w
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
@@ -18,8 +21,47 @@ AuxLossType = Literal["batch", "seq"]
 
 
 def _positive(name: str, value: int | float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} ({value}) must be > 0")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} ({value}) must be finite and > 0")
+
+
+def _describe(kind: typing.Any) -> str:
+    """What a value of annotation ``kind`` looks like, for error messages."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
+def _conforms(value: typing.Any, kind: typing.Any) -> bool:
+    if typing.get_origin(kind) is Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(kind))
+    if typing.get_args(kind) and typing.get_origin(kind) is not Literal:  # Optional[X] / X | None
+        return any(_conforms(value, a) for a in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is float:  # an integer is a fine number (JSON and TOML write 1 for 1.0); a bool is not
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:  # 16.0 or true as a count is a mistake to report, not to round
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_types(obj: typing.Any) -> None:
+    """Raise ValueError naming ``section.field``, the value and the expected type for any field of the config
+    dataclass ``obj`` whose value does not match its annotation; integers given for float fields become floats.
+    Runs first in every config's __post_init__, so range checks below compare numbers, never strings."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, kind = getattr(obj, f.name), hints[f.name]
+        if not _conforms(value, kind):
+            raise ValueError(f"{obj.section}.{f.name} ({value!r}) must be {_describe(kind)}, "
+                             f"not {type(value).__name__}")
+        if kind in (float, Optional[float]) and isinstance(value, int):
+            setattr(obj, f.name, float(value))
 
 
 @dataclass
@@ -57,8 +99,10 @@ class MoEConfig:
     kernel_backend: KernelBackend = "auto"
     dispatcher: DispatcherName = "pft"
     init_std: float = 0.02
+    section: ClassVar[str] = "moe"
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
             _positive(name, getattr(self, name))
         if self.top_k > self.num_experts:
@@ -127,8 +171,10 @@ class ParallelConfig:
     gpus_per_node: Optional[int] = None
     placement: Literal["ep_first", "dp_first"] = "ep_first"
     sequence_parallel: bool = False  # with tp > 1: norms on 1/tp of the positions (Megatron-style SP)
+    section: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("dp", "ep", "tp"):
             _positive(name, getattr(self, name))
         if self.gpus_per_node is not None:
@@ -159,9 +205,14 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    section: ClassVar[str] = "model"
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            _positive(name, getattr(self, name))
+        # norm_eps <= 0 divides by zero in RMSNorm on an all-zero row (and a negative one takes a NaN sqrt)
+        for name in ("norm_eps", "rope_theta", "init_std"):
             _positive(name, getattr(self, name))
         if self.hidden_size % self.num_heads:
             raise ValueError(
@@ -206,10 +257,25 @@ class TrainConfig:
     ckpt_every: int = 100  # 0: no checkpoints (benchmark runs)
     keep_last: int = 2
     tensorboard: bool = False
+    # a step whose loss or gradient norm is not finite: 0 stops the run at once (the check rides on the logging
+    # and checkpoint steps' existing host syncs); N > 0 skips up to N such steps in a row without updating the
+    # weights (this needs one host sync per step) and stops at the (N+1)-th
+    nonfinite_skips: int = 0
+    section: ClassVar[str] = "train"
 
     def __post_init__(self) -> None:
+        check_types(self)
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))
+        if self.seed < 0:
+            raise ValueError(f"seed ({self.seed}) must be >= 0")
+        if self.nonfinite_skips < 0:
+            raise ValueError(f"nonfinite_skips ({self.nonfinite_skips}) must be >= 0 (0: stop at the first)")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be in [0, 1)")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay ({self.weight_decay}) must be a finite number >= 0")
         if self.ckpt_every < 0:
             raise ValueError(f"ckpt_every ({self.ckpt_every}) must be >= 0 (0 disables checkpoints)")
         if self.micro_batch_size < 0:
@@ -218,8 +284,8 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be >= 0")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip ({self.grad_clip}) must be >= 0 (0 disables clipping)")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ValueError(f"grad_clip ({self.grad_clip}) must be finite and >= 0 (0 disables clipping)")
 
 
 @dataclass

@@ -6,28 +6,38 @@ Nothing is allocated and no GPU is needed; docs/planning.md explains both models
 from __future__ import annotations
 
 import argparse
+import math
 
-from xmoe.model.counting import count_params, paper_params
 from xmoe.model.presets import PRESETS, get_preset
-from xmoe.plan import comm, memory
 
-GIB = memory.GIB
+# The models (and, through them, torch) are imported when a plan runs: `xmoe --help` stays quick.
+GIB = 2**30
+RECOMPUTE = ("none", "moe", "full")  # xmoe.plan.memory.RECOMPUTE, checked in run()
+ASSUMED_GPU_MEM = 64.0  # GiB: an MI250X GCD, when no GPU is visible and --gpu-mem is not given
+
+EXAMPLES = """examples:
+  xmoe plan memory --preset medium --gpus 64            # search layouts that fit this machine's GPUs
+  xmoe plan memory --preset small --gpu-mem 80 --tp 2   # fix some degrees, search the rest
+  xmoe plan comm --preset large --gpus 256 --inter-bw 50
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="plan_command", required=True)
-    mem = sub.add_parser("memory", help="per-GPU memory of training a preset; searches layouts that fit")
+    sub = parser.add_subparsers(dest="plan_command", required=True, metavar="{memory,comm}")
+    mem = sub.add_parser("memory", help="per-GPU memory of training a preset; searches layouts that fit",
+                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     mem.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
     mem.add_argument("--gpus", type=int, default=8, help="world size (default 8)")
-    mem.add_argument("--gpu-mem", type=float, default=64.0, help="GiB per GPU (default 64, an MI250X GCD)")
-    mem.add_argument("--gpus-per-node", type=int, default=8)
+    mem.add_argument("--gpu-mem", type=float,
+                     help=f"GiB per GPU (default: this machine's GPU, else {ASSUMED_GPU_MEM:g}, an MI250X GCD)")
+    mem.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     mem.add_argument("--tp", type=int, help="tensor-parallel degree (default: searched in 1, 2, 4, 8)")
     mem.add_argument("--ep", type=int, help="expert-parallel degree (default: searched among divisors of E)")
     mem.add_argument("--dp", type=int, help="data-parallel degree (default: gpus / (tp * ep))")
     mem.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-batch (default: searched)")
     mem.add_argument("--max-micro-batch", type=int, default=8, help="largest micro-batch the search tries")
     mem.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    mem.add_argument("--recompute", choices=memory.RECOMPUTE, help="activation recompute (default: searched)")
+    mem.add_argument("--recompute", choices=RECOMPUTE, help="activation recompute (default: searched)")
     mem.add_argument("--padded", action="store_true", help="GShard/DeepSpeed-MoE capacity buffers instead of PFT")
     mem.add_argument("--capacity-factor", type=float,
                      help="capacity factor (default: 1.25 with --padded, dropless otherwise)")
@@ -37,31 +47,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--imbalance", type=float, default=1.0, help="max/mean routed rows per rank (default 1)")
     mem.add_argument("--kernel", choices=("triton", "torch"), default="triton",
                      help="expert kernels: triton saves 2 F-wide tensors per row, torch 4")
-    mem.add_argument("--reserve", type=float, default=2.0, help="GiB for CUDA context, NCCL, fragmentation")
+    mem.add_argument("--reserve", type=float, default=2.0,
+                     help="GiB for CUDA context, NCCL, fragmentation (default 2)")
 
-    com = sub.add_parser("comm", help="flat all-to-all vs RBD traffic and time of one MoE dispatch")
+    com = sub.add_parser("comm", help="flat all-to-all vs RBD traffic and time of one MoE dispatch",
+                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     com.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
-    com.add_argument("--gpus", type=int, default=64)
-    com.add_argument("--gpus-per-node", type=int, default=8)
+    com.add_argument("--gpus", type=int, default=64, help="world size (default 64)")
+    com.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     com.add_argument("--ep", type=int, help="expert-parallel degree (default min(E, gpus / tp))")
-    com.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (spaces EP ranks apart)")
-    com.add_argument("--placement", choices=("ep_first", "dp_first"), default="ep_first")
-    com.add_argument("--intra-bw", type=float, default=300.0, help="GB/s per GPU inside a node")
-    com.add_argument("--inter-bw", type=float, default=25.0, help="GB/s per GPU across nodes (its NIC share)")
-    com.add_argument("--intra-lat", type=float, default=5.0, help="us per intra-node stage")
-    com.add_argument("--inter-lat", type=float, default=10.0, help="us per inter-node stage")
-    com.add_argument("--routing", default="uniform", help="uniform | skewed | FILE.json (tokens per expert)")
+    com.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, spaces EP ranks apart (default 1)")
+    com.add_argument("--placement", choices=("ep_first", "dp_first"), default="ep_first",
+                     help="EP group layout over nodes (default ep_first)")
+    com.add_argument("--intra-bw", type=float, default=300.0, help="GB/s per GPU inside a node (default 300)")
+    com.add_argument("--inter-bw", type=float, default=25.0,
+                     help="GB/s per GPU across nodes, its NIC share (default 25)")
+    com.add_argument("--intra-lat", type=float, default=5.0, help="us per intra-node stage (default 5)")
+    com.add_argument("--inter-lat", type=float, default=10.0, help="us per inter-node stage (default 10)")
+    com.add_argument("--routing", default="uniform",
+                     help="uniform (default) | skewed | FILE.json (tokens per expert)")
     com.add_argument("--tokens-per-gpu", type=int, help="tokens each GPU routes (default: the preset's seq)")
-    com.add_argument("--mc-tokens", type=int, default=4096, help="Monte Carlo tokens per source GPU")
-    com.add_argument("--seed", type=int, default=0)
+    com.add_argument("--mc-tokens", type=int, default=4096, help="Monte Carlo tokens per source GPU (default 4096)")
+    com.add_argument("--seed", type=int, default=0, help="seed of the sampled routing (default 0)")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Counts >= 1 and sizes finite and > 0 (>= 0 where zero means something), naming the flag."""
+    counts = ("gpus", "gpus_per_node", "tp", "ep", "dp", "micro_batch", "max_micro_batch", "seq",
+              "tokens_per_gpu", "mc_tokens")
+    for name in counts:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
+    positive = ("gpu_mem", "capacity_factor", "intra_bw", "inter_bw")
+    at_least = {"imbalance": 1.0, "reserve": 0.0, "intra_lat": 0.0, "inter_lat": 0.0}
+    for name in positive:
+        value = getattr(args, name, None)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be a finite number > 0")
+    for name, low in at_least.items():
+        value = getattr(args, name, None)
+        if value is not None and not (value >= low and math.isfinite(value)):
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be a finite number >= {low:g}")
+    if getattr(args, "seed", 0) < 0:
+        raise ValueError(f"--seed ({args.seed}) must be >= 0")
+
+
+def _gpu_memory_gib() -> tuple[float, str]:
+    """This machine's GPU memory in GiB, or the assumed default; and a line saying which."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, f"GPU memory: {props.total_memory / GIB:.1f} GiB, this machine's {props.name}"
+    return ASSUMED_GPU_MEM, (f"GPU memory: {ASSUMED_GPU_MEM:g} GiB assumed (an MI250X GCD; no GPU visible here): "
+                             "pass --gpu-mem for yours")
 
 
 def run(args: argparse.Namespace) -> None:
+    _check_args(args)
     cfg = get_preset(args.preset)
-    if args.gpus < 1 or args.gpus_per_node < 1:
-        raise ValueError(f"--gpus ({args.gpus}) and --gpus-per-node ({args.gpus_per_node}) must be >= 1")
     if args.plan_command == "memory":
-        print(run_memory(cfg, args))
+        from xmoe.plan import memory
+
+        assert memory.RECOMPUTE == RECOMPUTE
+        note = None
+        if args.gpu_mem is None:
+            args.gpu_mem, note = _gpu_memory_gib()
+        text = run_memory(cfg, args)
+        print(text if note is None else text.replace("\n", f"\n{note}\n", 1))
     else:
         print(run_comm(cfg, args))
 
@@ -70,6 +124,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def run_memory(cfg, args) -> str:
+    from xmoe.plan import memory
+
     cf = args.capacity_factor if args.capacity_factor is not None else (1.25 if args.padded else None)
     if args.tp is not None and args.tp > args.gpus_per_node:
         raise ValueError(f"--tp ({args.tp}) must be <= --gpus-per-node ({args.gpus_per_node})")
@@ -108,6 +164,8 @@ def run_memory(cfg, args) -> str:
 
 
 def _model_line(cfg) -> str:
+    from xmoe.model.counting import count_params, paper_params
+
     moe = cfg.moe
     total, paper = count_params(cfg).total, paper_params(cfg)[0]
     return (f"model: {cfg.num_layers} layers ({cfg.num_layers - cfg.first_k_dense} MoE), H {cfg.hidden_size}, "
@@ -127,7 +185,9 @@ def _unit(largest: float) -> tuple[str, float]:
     return "KiB", 2**10
 
 
-def _breakdown(cfg, m: memory.MemoryBreakdown, gpu_mem: float) -> list[str]:
+def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
+    from xmoe.plan import memory
+
     p = m.parallel
     nodes = memory.ep_group_nodes(p)
     dispatch = "padded (GShard)" if m.padded else "PFT"
@@ -172,6 +232,8 @@ def _terms(parts: dict[str, float], scale: float) -> str:
 
 
 def run_comm(cfg, args) -> str:
+    from xmoe.plan import comm
+
     net = comm.Network(args.intra_bw, args.inter_bw, args.intra_lat, args.inter_lat)
     if min(args.intra_bw, args.inter_bw) <= 0 or min(args.intra_lat, args.inter_lat) < 0:
         raise ValueError("bandwidths must be > 0 and latencies >= 0")
@@ -205,12 +267,21 @@ def run_comm(cfg, args) -> str:
                      f"RBD {mc.rows.rbd_inter:.0f}, replicas {mc.rows.rbd_replicas:.0f}, "
                      f"R {mc.rows.redundancy_rate:.3f}")
     lines += ["", f"scaling (ep = {args.ep or 'min(E, gpus / tp)'}, {args.placement}, same tokens per GPU):",
-              f"{'gpus':>6}{'ep':>5}{'nodes':>6}{'flat inter':>12}{'RBD inter':>11}{'saved':>7}{'R':>7}"
+              f"{'gpus':>9}{'ep':>5}{'nodes':>6}{'flat inter':>12}{'RBD inter':>11}{'saved':>7}{'R':>7}"
               f"{'flat MB':>9}{'RBD MB':>8}{'flat us':>9}{'RBD us':>8}{'speedup':>9}"]
+    # once ep stops growing with the GPU count every row reads the same: print each distinct row once, under
+    # the range of GPU counts it holds for
+    groups: list[tuple[list[int], str]] = []
     for e in comm.scaling_table(cfg, ep=args.ep, **common):
         x = e.rows
-        mark = "  <-" if e.gpus == args.gpus else ""
-        lines.append(f"{e.gpus:>6}{e.ep:>5}{e.group_nodes:>6}{x.flat_inter:>12.0f}{x.rbd_inter:>11.0f}"
-                     f"{100 * x.inter_saving:>6.1f}%{x.redundancy_rate:>7.3f}{e.nbytes(x.flat_inter) / 1e6:>9.1f}"
-                     f"{e.nbytes(x.rbd_inter) / 1e6:>8.1f}{e.flat_us:>9.0f}{e.rbd_us:>8.0f}{e.speedup:>8.2f}x{mark}")
+        row = (f"{e.ep:>5}{e.group_nodes:>6}{x.flat_inter:>12.0f}{x.rbd_inter:>11.0f}"
+               f"{100 * x.inter_saving:>6.1f}%{x.redundancy_rate:>7.3f}{e.nbytes(x.flat_inter) / 1e6:>9.1f}"
+               f"{e.nbytes(x.rbd_inter) / 1e6:>8.1f}{e.flat_us:>9.0f}{e.rbd_us:>8.0f}{e.speedup:>8.2f}x")
+        if groups and groups[-1][1] == row:
+            groups[-1][0].append(e.gpus)
+        else:
+            groups.append(([e.gpus], row))
+    for gpus, row in groups:
+        label = str(gpus[0]) if len(gpus) == 1 else f"{gpus[0]}-{gpus[-1]}"
+        lines.append(f"{label:>9}{row}" + ("  <-" if args.gpus in gpus else ""))
     return "\n".join(lines)

@@ -7,17 +7,19 @@ Layout under the run directory OUT::
         rank_00000.pt ...             per-rank extra state (data loader, LR scheduler, RNG states)
         meta.json                     step, config, versions, world size, every file's size and crc32
         COMPLETE                      written last; a directory without it is never loaded
-    OUT/checkpoints/latest            name of the newest checkpoint written (replaced atomically)
+    OUT/checkpoints/latest            name of the newest checkpoint written (for scripts; resume scans)
 
-Save protocol (why each step exists):
-  1. rank 0 removes ``*.tmp-*`` leftovers of crashed saves and creates ``step_XXXXXX.tmp-<random>``;
+Save protocol, one function per step (why each exists):
+  1. ``_stage``: rank 0 removes ``*.tmp-*`` leftovers of crashed saves and creates ``step_XXXXXX.tmp-<random>``;
      the name is broadcast so every rank writes into the same directory (a shared filesystem is assumed).
-  2. every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards.
-  3. ranks checksum the files round-robin (so a big checkpoint is read once, in parallel) and rank 0
-     writes meta.json, then COMPLETE, then renames the directory to its final name, then repoints
-     ``latest`` (tmp file + os.replace), then prunes to ``keep_last``. Renames are atomic, so a crash at
-     any point leaves either the old state or the new one, never a directory that looks complete.
-  4. rank 0 broadcasts success or its error, so all ranks return or raise together (no hang).
+  2. ``_write``: every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards.
+  3. ``_verify``: ranks record sizes and checksums round-robin (a big checkpoint is read once, in parallel).
+  4. ``_publish_collective``: rank 0 writes meta.json, then COMPLETE, then renames the directory to its final
+     name, and broadcasts success or its error, so all ranks return or raise together (no hang).
+  5. ``_point_and_prune``: rank 0 repoints ``latest`` (tmp file + os.replace) and prunes to ``keep_last``.
+  Renames are atomic, so a crash at any point leaves either the old state or the new one, never a directory
+  that looks complete. A resume picks the newest complete checkpoint whose files have their recorded sizes
+  (``find_latest``), whatever ``latest`` says.
 
 Every failure a rank can hit is turned into the same ``CheckpointError`` on all ranks. Model and optimizer
 state go through ``get_state_dict`` / ``set_state_dict``, so plain modules, DDP, FSDP2 and torch.compile'd
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -59,6 +62,7 @@ COMPLETE = "COMPLETE"
 FORMAT = "xmoe-checkpoint-v1"
 _TMP = ".tmp-"
 _CHUNK = 8 << 20  # crc32 read size: large enough that Python overhead is negligible
+_LOW_SPACE = 16 << 20  # a failed write with less free space than this is reported as a full disk
 
 
 class CheckpointError(RuntimeError):
@@ -91,9 +95,37 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _agree(exc: Optional[BaseException], what: str) -> None:
+def _disk_full(exc: BaseException, where: Path) -> bool:
+    """ENOSPC / EDQUOT anywhere in the exception chain or its text (DCP and torch.save report write failures
+    as strings, torch.save even as "unexpected pos"), or less than _LOW_SPACE left where we were writing."""
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(where if where.exists() else where.parent).free < _LOW_SPACE
+    except OSError:
+        return False
+
+
+def _explain(exc: BaseException, where: Path) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if _disk_full(exc, where):
+        try:
+            free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2**20:.0f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        return (f"disk full on the filesystem of {where} ({free}); free some space or write to another --out "
+                f"({text})")
+    return text
+
+
+def _agree(exc: Optional[BaseException], what: str, where: Path) -> None:
     """Collective: raise the same CheckpointError on every rank if any rank failed."""
-    errors = _all_gather(None if exc is None else f"{type(exc).__name__}: {exc}")
+    errors = _all_gather(None if exc is None else _explain(exc, where))
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         rank, message = failed[0]
@@ -174,7 +206,7 @@ def _suggest_previous(ckpt: Path) -> str:
     step = _step_of(ckpt)
     older = [p for s, p in _complete_checkpoints(ckpt.parent) if p != ckpt and (step is None or s < step)]
     if older:
-        return f"Load the previous complete checkpoint instead: {older[-1]}"
+        return f"Load the previous complete checkpoint instead: {older[-1]} (xmoe train --resume-from {older[-1]})"
     return f"No older complete checkpoint exists in {ckpt.parent}."
 
 
@@ -218,22 +250,63 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def find_latest(out_dir: str | os.PathLike) -> Optional[Path]:
-    """Newest complete checkpoint under ``out_dir`` (the run dir or its ``checkpoints/``), or None.
+    """Newest complete, verified checkpoint under ``out_dir`` (the run dir or its ``checkpoints/``), or None.
 
-    The ``latest`` pointer wins when it names a complete checkpoint (after resuming from an older step it
-    names the new timeline, not stale higher-numbered dirs); otherwise the highest complete step.
-    Directories without COMPLETE and ``.tmp-`` directories are ignored.
+    Found by scanning, never by trusting the ``latest`` pointer (a failed pointer update must not send a resume
+    back to an older step). A checkpoint counts when it has COMPLETE, a readable meta.json and every file at
+    its recorded size (checksums are checked when it is loaded). Newer checkpoints that fail this are skipped
+    with a warning; if every complete one fails, CheckpointError names them.
     """
     root = _ckpt_root(Path(out_dir))
-    pointer = root / LATEST
-    try:
-        target = root / pointer.read_text().strip()
-        if _step_of(target) is not None and (target / COMPLETE).is_file():
-            return target
-    except (OSError, ValueError):
-        pass
-    complete = _complete_checkpoints(root)
-    return complete[-1][1] if complete else None
+    problems = []
+    for _, path in reversed(_complete_checkpoints(root)):
+        try:
+            _check_sizes(path, read_meta(path))
+        except CheckpointError as e:
+            problems.append(str(e).split(". ")[0])
+            continue
+        if problems:
+            warnings.warn(f"skipped {len(problems)} newer checkpoint(s) that fail verification ({'; '.join(problems)}); "
+                          f"using {path}")
+        return path
+    if problems:
+        raise CheckpointError(f"no usable checkpoint under {root}: {'; '.join(problems)}. Start again with "
+                              "--overwrite, or repair or remove the damaged checkpoint(s)")
+    return None
+
+
+def complete_checkpoints(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint dir with a COMPLETE marker, oldest first."""
+    return _complete_checkpoints(_ckpt_root(Path(out_dir)))
+
+
+def remove_leftovers(out_dir: str | os.PathLike) -> list[str]:
+    """Delete ``*.tmp-*`` dirs and files of interrupted saves (only safe while no save is running: the trainer
+    calls it under the run lock, save_checkpoint on rank 0 before staging); return their names."""
+    root = _ckpt_root(Path(out_dir))
+    if not root.is_dir():
+        return []
+    removed = []
+    for leftover in root.iterdir():
+        if _TMP in leftover.name:  # a crashed save's dir or pointer file; nothing references it
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+            removed.append(leftover.name)
+    return removed
+
+
+def set_aside_newer(out_dir: str | os.PathLike, step: int) -> list[Path]:
+    """Rename complete checkpoints above ``step`` to ``step_XXXXXX.superseded-<hex>`` (kept, but never found by
+    a resume again): after resuming from an older checkpoint, the newer ones belong to the abandoned run."""
+    moved = []
+    for s, path in complete_checkpoints(out_dir):
+        if s > step:
+            target = path.with_name(f"{path.name}.superseded-{secrets.token_hex(2)}")
+            os.rename(path, target)
+            moved.append(target)
+    return moved
 
 
 def save_checkpoint(
@@ -253,110 +326,127 @@ def save_checkpoint(
     automatically. ``config`` (a dataclass or dict) is stored in meta.json. After success only the
     ``keep_last`` newest checkpoints with step <= ``step`` remain (checkpoints with a higher step, left by
     an abandoned timeline, are not deleted). On failure no existing checkpoint is touched and every rank
-    raises CheckpointError.
+    raises CheckpointError (which says "disk full" when that is the cause).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last ({keep_last}) must be >= 1")
     if step < 0:
         raise ValueError(f"step ({step}) must be >= 0")
-    rank, world = _rank_world()
     root = Path(out_dir) / CKPT_SUBDIR
     final = root / f"step_{step:06d}"
+    tmp = _stage(root, final)
+    try:
+        _write(tmp, model, optimizer, extra)
+        files = _verify(tmp, checksum)
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": _rank_world()[1],
+            "has_optimizer": optimizer is not None,
+            "xmoe_version": __version__,
+            "torch_version": torch.__version__,
+            "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
+            "files": files,
+        }
+        _publish_collective(tmp, final, meta)
+    except BaseException:
+        if _rank_world()[0] == 0 and tmp.exists():
+            try:
+                _discard(tmp)
+            except OSError:
+                pass  # left behind as a .tmp- dir: ignored by loads, removed by the next save or run start
+        raise
+    _point_and_prune(root, step, final, keep_last)
+    return final
 
-    # 1. rank 0 prepares a fresh temp dir; everyone learns its name (or rank 0's error).
+
+def _stage(root: Path, final: Path) -> Path:
+    """Step 1. Rank 0 removes ``*.tmp-*`` leftovers of crashed saves and creates a fresh temp dir; every rank
+    learns its name (or rank 0's error)."""
     tmp, exc = None, None
-    if rank == 0:
+    if _rank_world()[0] == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            for leftover in root.iterdir():
-                if _TMP in leftover.name:  # a crashed save's dir or pointer file; nothing references it
-                    if leftover.is_dir():
-                        shutil.rmtree(leftover, ignore_errors=True)
-                    else:
-                        leftover.unlink(missing_ok=True)
+            remove_leftovers(root)
             tmp = root / f"{final.name}{_TMP}{secrets.token_hex(4)}"
             tmp.mkdir()
         except OSError as e:
             exc = e
     tmp = _broadcast(tmp)
-    _agree(exc, f"preparing checkpoint dir in {root}")
+    _agree(exc, f"preparing checkpoint dir in {root}", root)
+    return tmp
 
+
+def _write(tmp: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+           extra: Optional[dict[str, Any]]) -> None:
+    """Step 2. Every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards."""
+    rank, world = _rank_world()
+    exc, state, prints = None, None, None
     try:
-        # 2. per-rank extra state, then the sharded model + optimizer.
-        exc, state, prints = None, None, None
-        try:
-            blob = {"rank": rank, "extra": dict(extra or {}), "rng": capture_rng_state()}
-            with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:
-                torch.save(blob, f)
-                f.flush()
-                os.fsync(f.fileno())
-            state = _state_dicts(model, optimizer)
-            prints = _fingerprints(state) if world > 1 else {}
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
-            exc = e
-        _agree(exc, f"writing checkpoint {tmp}")
-        _warn_unsynced_replicas(prints)
-        try:
-            with _dcp_quietly():
-                dcp.save(state, checkpoint_id=str(tmp))
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
-            exc = e
-        _agree(exc, f"writing checkpoint {tmp}")
+        blob = {"rank": rank, "extra": dict(extra or {}), "rng": capture_rng_state()}
+        with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:
+            torch.save(blob, f)
+            f.flush()
+            os.fsync(f.fileno())
+        state = _state_dicts(model, optimizer)
+        prints = _fingerprints(state) if world > 1 else {}
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+        exc = e
+    _agree(exc, f"writing checkpoint {tmp}", tmp)
+    _warn_unsynced_replicas(prints)
+    try:
+        with _dcp_quietly():
+            dcp.save(state, checkpoint_id=str(tmp))
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+        exc = e
+    _agree(exc, f"writing checkpoint {tmp}", tmp)
 
-        # 3. sizes + checksums, split round-robin over ranks. Rank 0 lists the files so that every rank
-        # works from the same list even where a shared filesystem shows new files to ranks at different times.
-        exc, entries = None, {}
-        try:
-            names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.is_file()) if rank == 0 else None)
-            for name in names[rank::world]:
-                entries[name] = {"size": (tmp / name).stat().st_size}
-                if checksum:
-                    entries[name]["crc32"] = _crc32(tmp / name)
-        except OSError as e:
-            exc = e
-        gathered = _all_gather(entries)
-        _agree(exc, f"checksumming checkpoint {tmp}")
 
-        # 4. rank 0 publishes; its outcome is broadcast so no rank waits forever on a failed rank 0.
-        exc, error = None, None
-        if rank == 0:
-            try:
-                files = {k: v for part in gathered for k, v in part.items()}
-                meta = {
-                    "format": FORMAT,
-                    "step": step,
-                    "world_size": world,
-                    "has_optimizer": optimizer is not None,
-                    "xmoe_version": __version__,
-                    "torch_version": torch.__version__,
-                    "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
-                    "files": files,
-                }
-                _write_text(tmp / META, json.dumps(meta, indent=1, default=str))
-                _write_text(tmp / COMPLETE, f"{step}\n")
-                _publish(tmp, final)
-            except Exception as e:  # noqa: BLE001 - broadcast to all ranks below
-                exc, error = e, f"{type(e).__name__}: {e}"
-        error = _broadcast(error)
-        if error is not None:
-            raise CheckpointError(f"publishing checkpoint {final} failed on rank 0: {error}") from exc
-    except BaseException:
-        if rank == 0 and tmp.exists():
-            try:
-                _discard(tmp)
-            except OSError:
-                pass  # left behind as a .tmp- dir: ignored by loads, removed by the next save
-        raise
+def _verify(tmp: Path, checksum: bool) -> dict[str, dict[str, Any]]:
+    """Step 3. Sizes + checksums of what was written, split round-robin over ranks (a big checkpoint is read
+    once, in parallel). Rank 0 lists the files so that every rank works from the same list even where a shared
+    filesystem shows new files to ranks at different times."""
+    rank, world = _rank_world()
+    exc, entries = None, {}
+    try:
+        names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.is_file()) if rank == 0 else None)
+        for name in names[rank::world]:
+            entries[name] = {"size": (tmp / name).stat().st_size}
+            if checksum:
+                entries[name]["crc32"] = _crc32(tmp / name)
+    except OSError as e:
+        exc = e
+    gathered = _all_gather(entries)
+    _agree(exc, f"checksumming checkpoint {tmp}", tmp)
+    return {k: v for part in gathered for k, v in part.items()}
 
-    # 5. The checkpoint is durable now; pointer and pruning failures only warn (find_latest falls back to
-    # scanning, and a failed prune leaves an extra good checkpoint rather than losing one).
-    if rank == 0:
+
+def _publish_collective(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+    """Step 4. Rank 0 writes meta.json, then COMPLETE, then renames the directory to its final name; its
+    outcome is broadcast so no rank waits forever on a failed rank 0."""
+    exc, error = None, None
+    if _rank_world()[0] == 0:
         try:
-            _write_text(root / LATEST, final.name + "\n")
-            _prune(root, step, final, keep_last)
-        except OSError as e:
-            warnings.warn(f"checkpoint {final} is saved, but updating '{LATEST}' or pruning failed: {e}")
-    return final
+            _write_text(tmp / META, json.dumps(meta, indent=1, default=str))
+            _write_text(tmp / COMPLETE, f"{meta['step']}\n")
+            _publish(tmp, final)
+        except Exception as e:  # noqa: BLE001 - broadcast to all ranks below
+            exc, error = e, _explain(e, tmp)
+    error = _broadcast(error)
+    if error is not None:
+        raise CheckpointError(f"publishing checkpoint {final} failed on rank 0: {error}") from exc
+
+
+def _point_and_prune(root: Path, step: int, final: Path, keep_last: int) -> None:
+    """Step 5. The checkpoint is durable now; pointer and pruning failures only warn (resume scans for the
+    newest complete checkpoint, and a failed prune leaves an extra good checkpoint rather than losing one)."""
+    if _rank_world()[0] != 0:
+        return
+    try:
+        _write_text(root / LATEST, final.name + "\n")
+        _prune(root, step, final, keep_last)
+    except OSError as e:
+        warnings.warn(f"checkpoint {final} is saved, but updating '{LATEST}' or pruning failed: {e}")
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -443,6 +533,19 @@ def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint {ckpt} has a missing or corrupt {META} ({type(e).__name__}: {e}). {_suggest_previous(ckpt)}"
         ) from e
     return meta
+
+
+def _check_sizes(ckpt: Path, meta: dict[str, Any]) -> None:
+    """Every recorded file present at its recorded size (cheap: no reads); CheckpointError otherwise."""
+    problems = []
+    for name, want in sorted(meta["files"].items()):
+        path = ckpt / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != want.get("size"):
+            problems.append(f"{name} has {path.stat().st_size} bytes, expected {want.get('size')} (truncated?)")
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}")
 
 
 def _verify_files(ckpt: Path, meta: dict[str, Any], checksums: bool) -> None:

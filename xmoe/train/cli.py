@@ -1,8 +1,9 @@
 """Arguments of `xmoe train` and how they become a RunConfig.
 
-Precedence, lowest first: the preset, then a config file (--config, JSON or TOML with optional sections
-``model``, ``moe``, ``train``, ``parallel``), then ``--set section.field=value`` overrides, then the
-dedicated flags (--steps, --seed, --dp, ...). Unknown fields are errors that list the valid ones.
+Precedence, lowest first: the preset's defaults, then a config file (--config, JSON or TOML with optional
+sections ``model``, ``moe``, ``train``, ``parallel``), then ``--set section.field=value`` overrides, then the
+dedicated flags (--steps, --seed, --ep, --tp, --dp, ...). ``dp`` is derived last, from the merged ep and tp:
+processes / (ep * tp) unless given. Unknown fields and values of the wrong type are errors naming them.
 """
 
 from __future__ import annotations
@@ -17,33 +18,54 @@ from typing import Any
 from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
 
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "parallel": ParallelConfig}
+_TINY, _PAPER = TrainConfig(), TrainConfig(lr=3e-4, global_batch_size=8, warmup_steps=100)  # see _default_train
+
+EXAMPLES = """examples:
+  xmoe train --steps 600 --out runs/a          # the tiny preset on the embedded corpus
+  xmoe train --out runs/a --steps 900 --resume # continue runs/a (after a stop, a crash or Slurm's requeue)
+  torchrun --nproc-per-node 4 -m xmoe train --ep 4 --set moe.top_k=2 --out runs/ep4
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="model preset: tiny (default), small, medium, large, super")
-    p.add_argument("--steps", type=int, help="optimizer steps (tiny default: 300)")
-    p.add_argument("--out", default="runs/default", help="run directory: metrics, checkpoints, plot")
+    p.add_argument("--steps", type=int, help=f"optimizer steps (default {_TINY.steps})")
+    p.add_argument("--out", default="runs/default", help="run directory: metrics, checkpoints, plot "
+                   "(default runs/default); one run at a time")
     p.add_argument("--data", default="markov",
                    help="'markov' (embedded synthetic corpus, default), or a .npy / .bin / .txt file")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    p.add_argument("--seed", type=int, help="seed of model init and data order")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue from the newest verified checkpoint in --out")
+    again.add_argument("--resume-from", metavar="CKPT_DIR",
+                       help="continue from this checkpoint directory (later ones in --out are set aside)")
+    again.add_argument("--overwrite", action="store_true",
+                       help="delete the run already in --out (metrics, summary, plot, checkpoints) and start again")
+    p.add_argument("--allow-changes", action="store_true",
+                   help="with --resume: accept a checkpoint whose model, data or schedule differ from this run's "
+                        "(fine-tuning); without it such a resume is refused")
+    p.add_argument("--seed", type=int, help=f"seed of model init and data order (default {_TINY.seed})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (ep * tp))")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (default 1)")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     p.add_argument("--gpus-per-node", type=int, help="node size for placement (default: LOCAL_WORLD_SIZE)")
     p.add_argument("--placement", choices=["ep_first", "dp_first"], help="EP group layout over nodes")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)")
     p.add_argument("--dispatcher", choices=["pft", "padded", "rbd"], help="token dispatcher (default pft)")
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
-    p.add_argument("--batch-size", type=int, help="global batch in sequences")
-    p.add_argument("--micro-batch-size", type=int, help="sequences per forward per rank")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
-    p.add_argument("--lr", type=float, help="peak learning rate")
-    p.add_argument("--log-every", type=int, help="log every N steps")
-    p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps and at the end (0: never)")
+    p.add_argument("--batch-size", type=int, help=f"global batch in sequences (default {_TINY.global_batch_size}; "
+                   f"paper presets {_PAPER.global_batch_size})")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per forward per rank (default: the whole "
+                   "per-rank batch, no accumulation)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {_TINY.seq_len}; paper presets: "
+                   "their max_seq_len)")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {_TINY.lr:g}; paper presets {_PAPER.lr:g})")
+    p.add_argument("--log-every", type=int, help=f"log every N steps (default {_TINY.log_every})")
+    p.add_argument("--ckpt-every", type=int, help=f"checkpoint every N steps and at the end (default "
+                   f"{_TINY.ckpt_every}; 0: never)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to --out")
-    p.add_argument("--device", default="auto", help="auto (GPU if present), cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (GPU if present, default), cpu or cuda")
     p.add_argument("--config", help="JSON or TOML file of config sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set moe.top_k=2 (repeatable)")
@@ -52,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parse_value(text: str) -> Any:
+    """JSON (2, 2.5, true, null, "x") or, failing that, the plain string; the config's type check does the rest."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -60,19 +83,33 @@ def _parse_value(text: str) -> Any:
 
 def _load_file(path: str) -> dict[str, dict[str, Any]]:
     file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"config file {file} is a directory; pass a .json or .toml file")
     if not file.is_file():
         raise FileNotFoundError(f"config file {file} does not exist")
-    if file.suffix == ".toml":
-        import tomllib
-
-        data = tomllib.loads(file.read_text())
-    elif file.suffix == ".json":
-        data = json.loads(file.read_text())
-    else:
+    if file.suffix not in (".toml", ".json"):
         raise ValueError(f"config file {file} must end in .json or .toml")
+    try:
+        text = file.read_text(encoding="utf-8")
+        if file.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {file} is not text (not UTF-8); pass a .json or .toml file") from None
+    except ValueError as e:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+        raise ValueError(f"config file {file} is not valid {file.suffix[1:].upper()}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {file} must hold sections ({', '.join(SECTIONS)}), not {type(data).__name__}")
     unknown = set(data) - set(SECTIONS)
     if unknown:
         raise ValueError(f"config file {file}: unknown sections {sorted(unknown)}; valid: {sorted(SECTIONS)}")
+    for name, values in data.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"config file {file}: section {name} must be a table of fields (e.g. [{name}] in "
+                             f"TOML), not {values!r}")
     return data
 
 
@@ -84,9 +121,22 @@ def _apply(obj: Any, section: str, values: dict[str, Any]) -> Any:
     return dataclasses.replace(obj, **values)  # replace() re-runs validation
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Ranges of the flags that are used before any config validates them."""
+    for name in ("dp", "ep", "tp", "gpus_per_node"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
+    if not str(args.out).strip():
+        raise ValueError(f"--out ({args.out!r}) must name a run directory, e.g. runs/a")
+    if args.allow_changes and not (args.resume or args.resume_from):
+        raise ValueError("--allow-changes only applies with --resume or --resume-from")
+
+
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     from xmoe.model.presets import get_preset
 
+    _check_flags(args)
     model = get_preset(args.preset)
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if args.config:
@@ -115,27 +165,25 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     model = _apply(model, "model", {**sections["model"], "moe": moe})
     train = _apply(_default_train(args.preset, model), "train", sections["train"])
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ep, tp = args.ep, args.tp
-    dp = args.dp if args.dp is not None else max(1, world // (ep * tp))
-    par_values = {"dp": dp, "ep": ep, "tp": tp, **sections["parallel"]}
-    if args.gpus_per_node is not None:
-        par_values["gpus_per_node"] = args.gpus_per_node
-    if args.placement is not None:
-        par_values["placement"] = args.placement
-    if args.sequence_parallel:
-        par_values["sequence_parallel"] = True
-    parallel = _apply(ParallelConfig(), "parallel", par_values)
+    par_values = dict(sections["parallel"])
+    flags = {"dp": args.dp, "ep": args.ep, "tp": args.tp, "gpus_per_node": args.gpus_per_node,
+             "placement": args.placement, "sequence_parallel": args.sequence_parallel or None}
+    par_values.update({k: v for k, v in flags.items() if v is not None})
+    parallel = _apply(ParallelConfig(), "parallel", par_values)  # validates ep and tp before dp divides by them
+    if "dp" not in par_values:  # derived after the merge, from the ep and tp that will be used
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        parallel = dataclasses.replace(parallel, dp=max(1, world // (parallel.ep * parallel.tp)))
     if model.moe.num_experts % parallel.ep:
-        raise ValueError(f"num_experts ({model.moe.num_experts}) must be divisible by --ep ({parallel.ep})")
+        raise ValueError(f"num_experts ({model.moe.num_experts}) must be divisible by ep ({parallel.ep}); change "
+                         "--ep or moe.num_experts")
     return RunConfig(model=model, train=train, parallel=parallel)
 
 
 def _default_train(preset: str, model: ModelConfig) -> TrainConfig:
     """tiny trains on CPU in minutes; the paper presets default to their sequence length and a small batch."""
     if preset == "tiny":
-        return TrainConfig()
-    return TrainConfig(seq_len=model.max_seq_len, global_batch_size=8, lr=3e-4, warmup_steps=100)
+        return _TINY
+    return dataclasses.replace(_PAPER, seq_len=model.max_seq_len)
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -147,5 +195,7 @@ def run(args: argparse.Namespace) -> dict | None:
         return None
     from xmoe.train.trainer import Trainer
 
-    trainer = Trainer(run_cfg, args.out, data=args.data, device=args.device, resume=args.resume)
+    trainer = Trainer(run_cfg, args.out, data=args.data, device=args.device, resume=args.resume,
+                      overwrite=args.overwrite, resume_from=args.resume_from, allow_changes=args.allow_changes,
+                      preset=args.preset)
     return trainer.train()

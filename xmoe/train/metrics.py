@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -212,6 +213,66 @@ def format_progress(step: int, total_steps: int, values: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+# What the progress bar's postfix shows, most useful first; fields are dropped from the end to fit the terminal
+# (tqdm itself shows step, elapsed time and the ETA).
+_POSTFIX_KEYS = ("loss", "tokens_per_s", "mfu", "tflops", "grad_norm", "lr", "mem_bytes")
+
+
+def fit_postfix(values: dict[str, Any], width: int) -> str:
+    """The leading _POSTFIX_KEYS fields of ``values`` that fit in ``width`` characters (at least the loss);
+    MFU stands in for TFLOP/s when known (on CPUs it is not)."""
+    keys = [k for k in _POSTFIX_KEYS if values.get(k) is not None]
+    if "mfu" in keys and "tflops" in keys:
+        keys.remove("tflops")
+    parts = [_FORMATS[k](values[k]) for k in keys]
+    while len(parts) > 1 and len(", ".join(parts)) > width:
+        parts.pop()
+    return ", ".join(parts)
+
+
+def _size_text(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _tree_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def describe_outputs(out_dir: str | os.PathLike) -> str:
+    """Every output of a run with its size, e.g. for the last lines a user reads."""
+    out = Path(out_dir)
+    lines = [f"outputs in {out}/:"]
+    for name in ("metrics.jsonl", "summary.json", "loss.png", "tensorboard"):
+        if (out / name).exists():
+            lines.append(f"  {name:<40} {_size_text(_tree_bytes(out / name))}")
+    ckpts = sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir() and (p / "COMPLETE").is_file()) \
+        if (out / "checkpoints").is_dir() else []
+    for path in ckpts:
+        lines.append(f"  {'checkpoints/' + path.name + '/':<40} {_size_text(_tree_bytes(path))}")
+    return "\n".join(lines)
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """The summary in units a person reads: nats/token, tokens/s, GiB, minutes."""
+    parts = [f"{summary['steps']} steps"]
+    if summary.get("final_loss") is not None:
+        parts.append(f"final loss {summary['final_loss']:.4g} nats/token (best {summary['best_loss']:.4g})"
+                     if summary.get("best_loss") is not None else f"final loss {summary['final_loss']:.4g}")
+    if summary.get("mean_tokens_per_s") is not None:
+        parts.append(f"{_si(summary['mean_tokens_per_s'])} tokens/s")
+    if summary.get("mean_tflops") is not None:
+        parts.append(f"{summary['mean_tflops']:.3g} TFLOP/s per device")
+    if summary.get("mean_mfu") is not None:
+        parts.append(f"MFU {100 * summary['mean_mfu']:.1f}%")
+    if summary.get("peak_mem_bytes") is not None:
+        parts.append(f"peak memory {summary['peak_mem_bytes'] / 2**30:.2f} GiB")
+    parts.append(f"{summary['wall_time_s'] / 60:.1f} minutes")
+    return "summary: " + ", ".join(parts) + (f" ({summary['status']})" if summary.get("status") else "")
+
+
 def _plain(value: Any) -> Any:
     """JSON-friendly scalars: 0-d tensors and numpy scalars become Python numbers."""
     if isinstance(value, torch.Tensor):
@@ -272,10 +333,10 @@ class MetricsLogger:
         _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._first_new = len(self.records)
         self._file = open(self.path, "a")
-        if progress_bar if progress_bar is not None else sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=resume_step or 0, unit="step", dynamic_ncols=True)
+        # the bar is created at the first log, after the trainer's header lines (created here, it would draw
+        # itself first and the header would overwrite it)
+        self._want_bar = progress_bar if progress_bar is not None else sys.stderr.isatty()
+        self._bar_start = resume_step or 0
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -307,9 +368,15 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         line = format_progress(step, self.total_steps, record)
+        if self._want_bar and self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total_steps, initial=self._bar_start, unit="step", dynamic_ncols=True)
         if self._bar is not None:
             self._bar.update(max(0, step - self._bar.n))
-            self._bar.set_postfix_str(line.split(" | ", 1)[-1], refresh=True)
+            # ~45 columns go to tqdm's own counter, bar and times; the postfix gets the rest
+            width = shutil.get_terminal_size((100, 24)).columns - 45
+            self._bar.set_postfix_str(fit_postfix(record, max(width, 12)), refresh=True)
         else:
             print(line, file=self._stream or sys.stdout, flush=True)
         if self._tb is not None:
@@ -323,6 +390,8 @@ class MetricsLogger:
         floor: Optional[float] = None,
         baseline: Optional[float] = None,
         references: Optional[dict[str, float]] = None,
+        status: Optional[str] = None,
+        title: Optional[str] = None,
     ) -> dict[str, Any]:
         """Print a summary, write ``summary.json`` and ``loss.png`` (loss vs step over the whole run, with
         dashed lines for ``floor`` (entropy rate), ``baseline`` (unigram entropy) and any ``references``).
@@ -351,15 +420,16 @@ class MetricsLogger:
             "peak_mem_bytes": max(mems) if mems else None,
             "wall_time_s": round(self._offset + time.perf_counter() - self._t0, 3),
         }
+        if status is not None:  # why the run ended before its last step
+            summary["status"] = status
         lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
         lines = {k: v for k, v in lines.items() if v is not None}
         _atomic_write(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
-        self._plot(losses, lines)
-        shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if v is not None]
-        print("summary: " + ", ".join(shown), file=self._stream or sys.stdout, flush=True)
+        self._plot(losses, lines, title or str(self.out_dir))
+        print(summary_text(summary), file=self._stream or sys.stdout, flush=True)
         return summary
 
-    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float]) -> None:
+    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float], title: str) -> None:
         # The object API with an explicit Agg canvas: no pyplot, so no global backend switch and no display.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -372,7 +442,8 @@ class MetricsLogger:
         for i, (label, value) in enumerate(lines.items()):
             ax.axhline(value, linestyle="--", color=f"C{i + 1}", linewidth=1, label=f"{label}: {value:.3f}")
         ax.set_xlabel("step")
-        ax.set_ylabel("loss")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()

@@ -33,7 +33,7 @@ from xmoe.parallel.expert_parallel import apply_expert_parallel, clip_grad_norm_
 from xmoe.parallel.ssmb import apply_ssmb
 from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import metrics
+from xmoe.train import metrics, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
 
 
@@ -75,9 +75,29 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | os.PathLike, data: str = "markov",
-                 device: str = "auto", resume: bool = False):
-        self.run, self.out_dir, self.data_spec = run, Path(out_dir), data
+                 device: str = "auto", resume: bool = False, *, overwrite: bool = False,
+                 resume_from: Optional[str] = None, allow_changes: bool = False, preset: str = ""):
+        """``resume``: continue from the newest verified checkpoint in ``out_dir`` (``resume_from``: from that
+        checkpoint directory); a checkpoint whose model, data or schedule differ is refused unless
+        ``allow_changes``. ``overwrite``: replace a run already in ``out_dir`` (else that is an error)."""
+        self.run, self.out_dir, self.data_spec, self.preset = run, Path(out_dir), data, preset
         self.rank, self.world, self.device = init_distributed(device)
+        resume = resume or resume_from is not None
+        self.lock = rundir.open_run_dir(self.out_dir, rank=self.rank, resume=resume, overwrite=overwrite)
+        try:
+            self._setup(run, data, resume, resume_from, allow_changes)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run directory (train() does it when it ends)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _setup(self, run: RunConfig, data: str, resume: bool, resume_from: Optional[str],
+               allow_changes: bool) -> None:
         par = run.parallel
         if par.world_size != self.world:
             raise ValueError(
@@ -106,6 +126,7 @@ class Trainer:
 
         # 1. the data (checked against the model's vocabulary)
         self.dataset = dataset = build_dataset(data, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed)
+        self.data_info = rundir.fingerprint(data, dataset)  # stored in checkpoints; a resume must match it
         # one loader step = one micro-batch on every data-parallel rank
         self.loader = TokenLoader(dataset, self.micro_batch * self.dp_size, rank=self.dp_rank,
                                   world_size=self.dp_size)
@@ -123,7 +144,7 @@ class Trainer:
         )
         self.step = 0
         if resume:
-            self._resume()
+            self._resume(resume_from, allow_changes)
         self.logger = metrics.MetricsLogger(self.out_dir, self.rank, t.steps, tensorboard=t.tensorboard,
                                             resume_step=self.step if resume else None)
         self.flop_dims = metrics.FlopDims.from_model_config(run.model, t.seq_len)
@@ -155,13 +176,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ state
 
-    def _resume(self) -> None:
-        found = ckpt.find_latest(self.out_dir)
+    def _resume(self, resume_from: Optional[str], allow_changes: bool) -> None:
+        found = Path(resume_from) if resume_from else ckpt.find_latest(self.out_dir)
         if found is None:
             if self.rank == 0:
                 print(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
             return
-        saved_world = ckpt.read_meta(found)["world_size"]
+        meta = ckpt.read_meta(found)
+        rundir.check_resume(found, meta, self.run, self.data_info, allow_changes)
+        saved_world = meta["world_size"]
         same_world = saved_world == self.world
         extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer, restore_extra=same_world)
         if not same_world:
@@ -177,6 +200,10 @@ class Trainer:
             layer.router.expert_bias.copy_(bias)
         if self.rank == 0:
             print(f"resumed from {found} at step {self.step}")
+            if resume_from:  # later checkpoints of this directory belong to the timeline being replaced
+                for path in ckpt.set_aside_newer(self.out_dir, self.step):
+                    print(f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) as "
+                          f"{path.name}")
 
     def save(self) -> Path:
         extra = {
@@ -185,7 +212,8 @@ class Trainer:
             "expert_bias": [layer.router.expert_bias.detach().cpu() for layer in self.model.moe_layers()],
         }
         return ckpt.save_checkpoint(self.out_dir, self.step, self.wrapped, self.optimizer, extra,
-                                    keep_last=self.run.train.keep_last, config=asdict(self.run))
+                                    keep_last=self.run.train.keep_last,
+                                    config={**asdict(self.run), "data": self.data_info})
 
     # ------------------------------------------------------------------------------------------- loop
 
@@ -226,6 +254,15 @@ class Trainer:
             layer.update_expert_bias(load_E)
 
     def train(self) -> dict:
+        """Run to ``train.steps``; raises safety.RunStopped after a stop signal (a checkpoint saved first) and
+        safety.NonFiniteError on a NaN / inf loss or gradient norm (nothing saved after it)."""
+        try:
+            with safety.RunGuard(self.device, self.run.train.nonfinite_skips) as guard:
+                return self._train(guard)
+        finally:
+            self.close()
+
+    def _train(self, guard: safety.RunGuard) -> dict:
         t = self.run.train
         accum = self.local_batch // self.micro_batch
         for layer in self.model.moe_layers():
@@ -243,32 +280,80 @@ class Trainer:
                 group["lr"] = lr
             loss, stats = self._forward_backward(accum)
             grad_norm = clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self._update_expert_bias(stats["load"])
+            if guard.observe(self.step, loss, grad_norm):  # skip policy: a non-finite step updates nothing
+                self.optimizer.zero_grad(set_to_none=True)
+                if guard.exhausted:
+                    self._stop_nonfinite(guard.check(self.world)[1])
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self._update_expert_bias(stats["load"])
             window_steps += 1
             window_rows += stats["rows"]
             if stats["load"] is not None:
                 window_load = stats["load"] if window_load is None else window_load + stats["load"]
 
-            if self.step % t.log_every == 0 or self.step == t.steps:
+            log_now = self.step % t.log_every == 0 or self.step == t.steps
+            ckpt_now = bool(t.ckpt_every) and (self.step % t.ckpt_every == 0 or self.step == t.steps)
+            if log_now:
                 self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load, window_start)
                 window_start, window_steps = time.perf_counter(), 0
                 window_rows = torch.zeros_like(window_rows)
                 window_load = None
-            if t.ckpt_every and (self.step % t.ckpt_every == 0 or self.step == t.steps):
+            # stop flags are agreed where the step already synchronises (one process: a signal at any step)
+            signum = None
+            if log_now or ckpt_now or (self.world == 1 and guard.signalled()):
+                signum, first_bad = guard.check(self.world)
+                if first_bad is not None:
+                    self._stop_nonfinite(first_bad)  # before saving: a non-finite state is never checkpointed
+            if ckpt_now or (signum and t.ckpt_every):
                 saving = time.perf_counter()
                 self.save()
                 window_start += time.perf_counter() - saving  # checkpoint time is not training time
-        floor = getattr(self.dataset, "loss_floor", None)
-        summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None))
-        if self.rank == 0 and floor is not None and "final_loss" in summary:
-            print(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above the "
-                  f"source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f}); "
-                  f"plot {self.out_dir / 'loss.png'}")
+            if signum:
+                self._stop_signal(signum)
+        summary = self._finish()
         if dist.is_initialized():
             dist.barrier()
         return summary
+
+    def _finish(self, status: Optional[str] = None) -> dict:
+        """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""
+        floor = getattr(self.dataset, "loss_floor", None)
+        summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None),
+                                     status=status, title=f"{self.out_dir} ({self._preset_text()})")
+        if self.rank == 0:
+            if floor is not None and isinstance(summary.get("final_loss"), float):
+                print(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above "
+                      f"the source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f})")
+            print(metrics.describe_outputs(self.out_dir), flush=True)
+        return summary
+
+    def _preset_text(self) -> str:
+        m = self.run.model
+        return ((f"preset {self.preset}, " if self.preset else "") + f"{m.num_layers} layers, H {m.hidden_size}, {m.moe.num_experts} experts top-{m.moe.top_k}, "
+                f"data {self.dataset.name.split('(')[0]}")
+
+    def _last_good_checkpoint(self, before: int) -> Optional[Path]:
+        good = [p for s, p in ckpt.complete_checkpoints(self.out_dir) if s < before]
+        return good[-1] if good else None
+
+    def _stop_nonfinite(self, first_bad: int) -> None:
+        last = self._last_good_checkpoint(first_bad)
+        where = (f"the last good checkpoint is {last} (continue from it with --resume-from {last})" if last
+                 else "no checkpoint was saved before it")
+        message = (f"the loss or gradient norm became non-finite at step {first_bad} (lr {lr_at(first_bad, self.run):.3g}); "
+                   f"nothing after it was saved and {where}. Lower --lr, check the data, or let up to N bad steps "
+                   "be skipped with --set train.nonfinite_skips=N")
+        self._finish(status=f"stopped: non-finite loss or gradient norm at step {first_bad}")
+        raise safety.NonFiniteError(message)
+
+    def _stop_signal(self, signum: int) -> None:
+        name = safety.signal_name(signum)
+        saved = self._last_good_checkpoint(self.step + 1) if self.run.train.ckpt_every else None
+        self._finish(status=f"stopped by {name} at step {self.step}")
+        raise safety.RunStopped(signum, f"stopped by {name} at step {self.step} of {self.run.train.steps}; " + (
+            f"checkpoint {saved} saved: continue with --resume" if saved else "no checkpoint (--ckpt-every 0)"))
 
     def _log(self, loss, aux, grad_norm, lr, steps, rows, load, window_start: float) -> None:
         # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows and, when
@@ -338,4 +423,5 @@ class Trainer:
                          f"{self.dataset.unigram_entropy:.3f}")
         if self.step:
             lines.append(f"continuing from step {self.step} to {t.steps}")
+        lines.append(f"writing to {self.out_dir}/ (Ctrl-C or SIGTERM: save a checkpoint and stop)")
         print("\n".join(lines), flush=True)

@@ -1,0 +1,116 @@
+"""Stopping a run safely: on a signal (checkpoint, then exit 128 + signum) and on a non-finite loss.
+
+Signals (SIGTERM from Slurm or a scheduler's preemption, SIGINT from Ctrl-C, SIGHUP from a closed terminal):
+the handler only records the signal; the trainer acts at the next step boundary where all ranks agree, so
+every rank saves the same step. A second signal restores the default action and re-raises it: the process
+ends at once (an interrupted checkpoint is never published, see checkpoint.py).
+
+Non-finite training: a NaN or inf loss or gradient norm is recorded on the device with no host sync, as the
+first bad step; ``check`` reads it at steps that already synchronise (logging and checkpoint steps), so no
+checkpoint is ever written after a non-finite step. With ``nonfinite_skips`` > 0 each step is checked on the
+host instead (one sync per step) and up to that many bad steps in a row are skipped without an update.
+
+Several ranks: ``check`` agrees on both flags with one tiny all-reduce (MAX of [signal, first bad step]), at
+the logging / checkpoint cadence only; one process checks the signal flag at every step (free).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN or inf; the run stopped without saving past the last good step."""
+
+    exit_code = 3
+
+
+class RunStopped(Exception):
+    """A signal stopped the run at a step boundary after saving; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class RunGuard:
+    """Context manager: installs the stop-signal handlers (main thread only) and tracks non-finite steps."""
+
+    def __init__(self, device: torch.device, nonfinite_skips: int = 0) -> None:
+        self.received: Optional[int] = None
+        self.skips_allowed = nonfinite_skips
+        self.skipped_in_row = 0
+        self.skipped_total = 0
+        self._first_bad = torch.zeros((), dtype=torch.long, device=device)  # 0: no bad step yet
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "RunGuard":
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:  # the second signal: no more waiting for a step boundary
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.received = signum
+
+    # ----------------------------------------------------------------------------------------- non-finite
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Record this step's loss and gradient norm; True means: skip the optimizer step (skip policy only)."""
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if self.skips_allowed == 0:  # no host sync: remember the first bad step on the device
+            self._first_bad = torch.where(~finite & (self._first_bad == 0), step, self._first_bad)
+            return False
+        if bool(finite):  # one host sync per step, the price of the skip policy
+            self.skipped_in_row = 0
+            return False
+        self.skipped_in_row += 1
+        self.skipped_total += 1
+        if self.exhausted:
+            self._first_bad.fill_(step - self.skipped_in_row + 1)
+            return True
+        print(f"step {step}: non-finite loss or gradient norm, update skipped "
+              f"({self.skipped_in_row} of {self.skips_allowed} allowed in a row)", flush=True)
+        return True
+
+    @property
+    def exhausted(self) -> bool:
+        """The skip policy has run out: more non-finite steps in a row than allowed."""
+        return 0 < self.skips_allowed < self.skipped_in_row
+
+    def check(self, world: int) -> tuple[Optional[int], Optional[int]]:
+        """(signal to stop for, first non-finite step), agreed over ranks; call at the same steps on every rank."""
+        flags = torch.stack([torch.tensor(self.received or 0, device=self._first_bad.device), self._first_bad])
+        if world > 1 and dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signum, first_bad = (int(v) for v in flags.tolist())
+        return signum or None, first_bad or None
+
+    def signalled(self) -> bool:
+        """The local flag, for one process (free to read at every step)."""
+        return self.received is not None
