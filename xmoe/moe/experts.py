@@ -102,4 +102,11 @@ class SwiGLU(nn.Module):
             nn.init.normal_(lin.weight, std=self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        dtype = self.w1.weight.dtype
+        if x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        # an input in another dtype (bf16 activations on fp32 weights, float64 in a test) computes in the weights'
+        # dtype and returns in its own, as the routed experts accept any floating input: the MoE block takes
+        # whatever dtype its caller uses (nn.Linear would refuse the mix)
+        h = x.to(dtype)
+        return self.w2(F.silu(self.w1(h)) * self.w3(h)).to(x.dtype)

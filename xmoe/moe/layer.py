@@ -69,6 +69,10 @@ class MoELayer(nn.Module):
         # Gradient the attached aux losses receive: the caller's loss scale. A trainer that backpropagates
         # loss / accum over accum micro-batches sets 1 / accum, so the losses keep their weight.
         self.aux_loss_scale = 1.0
+        # True: forward raises on a NaN / inf input, naming the layer's input (a host sync per call, so off by
+        # default). The trainer leaves it off: a non-finite input makes the loss non-finite, which the trainer
+        # detects at no per-layer cost (xmoe/train/safety.py); turn it on to find which layer a NaN enters.
+        self.check_finite = False
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +83,9 @@ class MoELayer(nn.Module):
             )
         if not x.is_floating_point():
             raise ValueError(f"MoELayer expects a floating-point input, got dtype {x.dtype}")
+        if self.check_finite and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"MoELayer input of shape {tuple(x.shape)} holds NaN or inf values "
+                             f"({int((~torch.isfinite(x)).sum())} of {x.numel()})")
         num_sequences = x.shape[0] if x.dim() == 3 else 1
         x_TH = x.reshape(-1, cfg.hidden_size)
 

@@ -98,8 +98,10 @@ class Router(nn.Module):
         if self.training and cfg.bias_update_rate > 0:
             self.load_E += counts_E.float()
         zero = logits_TE.new_zeros(())
-        aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences) if cfg.aux_loss_coef > 0 else zero
-        z_loss = cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean() if cfg.z_loss_coef > 0 else zero
+        empty = logits_TE.shape[0] == 0  # no tokens (a rank's empty shard): no loss rather than 0 / 0
+        aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences) if cfg.aux_loss_coef > 0 and not empty else zero
+        z_loss = (cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
+                  if cfg.z_loss_coef > 0 and not empty else zero)
         return RouterOutput(weights_TK, ids_TK, scores_TK.detach(), aux_loss, z_loss, counts_E)
 
     def _balance_loss(self, scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int) -> torch.Tensor:

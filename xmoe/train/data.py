@@ -249,11 +249,10 @@ def load_tokens(path: str, dtype: Optional[str] = None, vocab_size: Optional[int
     vocab_size > 65536 and uint16 otherwise. A file whose size is not a multiple of the item size is
     rejected, and so is an inferred-uint16 file that reads like uint32 (every second value 0).
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"token file {path!r} not found")
+    _check_is_file(path, "token file")
     ext = os.path.splitext(path)[1].lower()
     if ext == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        tokens = _load_npy(path)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"{path!r} holds a {tokens.ndim}-D {tokens.dtype} array; expected 1-D integer "
                              "tokens (flatten it, or re-tokenize with tokenize_file)")
@@ -275,6 +274,29 @@ def load_tokens(path: str, dtype: Optional[str] = None, vocab_size: Optional[int
     if len(tokens) == 0:
         raise ValueError(f"token file {path!r} is empty")
     return tokens
+
+
+def _check_is_file(path: str, what: str) -> None:
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path!r} is a directory; pass a file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} {path!r} not found")
+
+
+def _load_npy(path: str) -> np.ndarray:
+    """Memory-map a .npy file; errors name the file and what is wrong with it (numpy's do neither: a file without
+    the header is reported as pickled data, an object array as a memory-mapping problem)."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        raise ValueError(f"{path!r} is not a .npy file (no NumPy header); write tokens with np.save, or name raw "
+                         "tokens .bin")
+    try:
+        return np.load(path, mmap_mode="r")
+    except ValueError as e:
+        if "Python objects" in str(e) or "pickle" in str(e):
+            raise ValueError(f"{path!r} holds Python objects, not tokens; save a 1-D integer array") from None
+        raise ValueError(f"{path!r} is not a readable .npy file: {e}") from None
 
 
 def _load_tokenizer(tokenizer: str):
@@ -371,6 +393,8 @@ def build_dataset(spec: str, seq_len: int, vocab_size: Optional[int] = None, see
         name = "markov(" + ", ".join(f"{k}={v}" for k, v in source.options.items()) + ")"
         return MarkovDataset(source, name, seq_len, vocab_size or source.vocab, seed)
     ext = os.path.splitext(spec)[1].lower()
+    if os.path.isdir(spec):
+        raise ValueError(f"data file {spec!r} is a directory; pass a .npy/.bin/.txt file or 'markov'")
     if not os.path.isfile(spec):
         raise FileNotFoundError(f"data file {spec!r} not found; pass an existing .npy/.bin/.txt path or "
                                 "'markov[:opt=value,...]' for the built-in source")
