@@ -76,6 +76,7 @@ class RunLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         for _ in range(5):  # retried only when a releasing holder unlinks the file between open and lock
+            created = not self.path.exists()
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,6 +89,8 @@ class RunLock:
                 os.close(fd)
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
+                if created:  # the empty file just made by the open above is nobody's lock
+                    self.path.unlink(missing_ok=True)
                 return self._acquire_exclusive_file(me)
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino

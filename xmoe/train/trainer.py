@@ -178,6 +178,9 @@ class Trainer:
 
     def _resume(self, resume_from: Optional[str], allow_changes: bool) -> None:
         found = Path(resume_from) if resume_from else ckpt.find_latest(self.out_dir)
+        if resume_from and not found.is_dir():
+            raise FileNotFoundError(f"--resume-from {found} does not exist; pass a checkpoint directory such as "
+                                    f"{self.out_dir}/checkpoints/step_000100")
         if found is None:
             if self.rank == 0:
                 print(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
