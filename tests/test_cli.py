@@ -1,0 +1,238 @@
+"""The CLI as a person sees it: one-line errors (exit 2) for every bad input, typed config values, flag
+precedence, help with defaults and examples, quick start-up, and the outputs named at the end of a run."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from xmoe.cli import _parser, main
+from xmoe.train import checkpoint as ckpt
+from xmoe.train.cli import build_run_config
+from xmoe.train.metrics import MetricsLogger, describe_outputs, fit_postfix, summary_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line_error(capsys, argv: list[str], command: str = "train") -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith(f"xmoe {command}: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("train.steps=true", "train.steps (True) must be an integer, not bool"),
+    ("moe.top_k=abc", "moe.top_k ('abc') must be an integer, not str"),
+    ("moe.top_k=2.5", "moe.top_k (2.5) must be an integer"),
+    ("moe.num_experts=16.0", "moe.num_experts (16.0) must be an integer"),
+    ("moe.top_k=[1]", "moe.top_k ([1]) must be an integer"),
+    ("moe.score_func=1", "moe.score_func (1) must be one of 'softmax', 'sigmoid'"),
+    ("moe.capacity_factor=abc", "moe.capacity_factor ('abc') must be a number or null"),
+    ("model.norm_eps=-1", "norm_eps (-1.0) must be finite and > 0"),
+    ("train.lr=NaN", "lr (nan) must be finite and > 0"),
+    ("train.lr=0", "lr (0.0) must be finite and > 0"),
+    ("train.beta2=1", "beta2 (1.0) must be in [0, 1)"),
+    ("parallel.sequence_parallel=1", "parallel.sequence_parallel (1) must be true or false"),
+])
+def test_config_values_are_type_and_range_checked(tmp_path, capsys, setting, expected):
+    err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--set", setting, "--dry-run"])
+    assert expected in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tp", "0"], "--tp (0) must be >= 1"),
+    (["--ep", "0"], "--ep (0) must be >= 1"),
+    (["--dp", "-1"], "--dp (-1) must be >= 1"),
+    (["--lr", "inf"], "lr (inf) must be finite and > 0"),
+    (["--lr", "-3"], "lr (-3.0) must be finite and > 0"),
+    (["--steps", "0"], "steps (0) must be finite and > 0"),
+    (["--out", ""], "--out ('') must name a run directory"),
+    (["--ep", "3"], "num_experts (16) must be divisible by ep (3)"),
+    (["--allow-changes"], "--allow-changes only applies with --resume"),
+])
+def test_bad_train_flags(tmp_path, capsys, argv, expected):
+    base = ["train", "--dry-run"] + ([] if "--out" in argv else ["--out", str(tmp_path / "r")])
+    assert expected in one_line_error(capsys, base + argv)
+
+
+def test_config_file_errors_name_the_file(tmp_path, capsys):
+    cases = {
+        "bin.toml": (bytes(range(256)), "is not text"),
+        "scalar.toml": (b"train = 5\n", "section train must be a table of fields"),
+        "broken.toml": (b"[train\n", "is not valid TOML"),
+        "broken.json": (b"{", "is not valid JSON"),
+        "list.json": (b"[1]", "must hold sections"),
+        "types.toml": (b"[moe]\ntop_k = 'four'\n", "moe.top_k ('four') must be an integer"),
+    }
+    for name, (content, expected) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        err = one_line_error(capsys, ["train", "--dry-run", "--config", str(tmp_path / name)])
+        assert expected in err and (name in err or "types" in name), err
+    (tmp_path / "dir.toml").mkdir()
+    assert "is a directory" in one_line_error(capsys, ["train", "--dry-run", "--config", str(tmp_path / "dir.toml")])
+
+
+def test_data_file_errors_name_the_file(tmp_path, capsys):
+    (tmp_path / "random.npy").write_bytes(os.urandom(700))
+    np.save(tmp_path / "objects.npy", np.array([1, "a", None], dtype=object))
+    (tmp_path / "dir.npy").mkdir()
+    expected = {"random.npy": "is not a .npy file", "objects.npy": "holds Python objects",
+                "dir.npy": "is a directory"}
+    for i, (name, message) in enumerate(expected.items()):
+        err = one_line_error(capsys, ["train", "--out", str(tmp_path / f"r{i}"), "--device", "cpu", "--steps", "1",
+                                      "--data", str(tmp_path / name)])
+        assert message in err and name in err, err
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser, _ = _parser()
+    return parser.parse_args(["train", *argv])
+
+
+def test_precedence_defaults_file_set_flags_and_dp_after_merge(tmp_path, monkeypatch):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[parallel]\nep = 4\n[train]\nsteps = 50\nlr = 1e-3\n")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    run = build_run_config(_args("--config", str(cfg)))
+    assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (4, 2, 50)  # dp from the file's ep
+    run = build_run_config(_args("--config", str(cfg), "--set", "train.steps=60", "--ep", "2", "--lr", "2e-3"))
+    assert (run.parallel.ep, run.parallel.dp, run.train.steps, run.train.lr) == (2, 4, 60, 2e-3)  # flags win
+    run = build_run_config(_args("--config", str(cfg), "--set", "parallel.ep=8", "--steps", "70"))
+    assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (8, 1, 70)
+
+
+def test_plan_and_bench_flags_are_checked(capsys):
+    assert "--gpu-mem (-1.0) must be a finite number > 0" in one_line_error(
+        capsys, ["plan", "memory", "--gpu-mem", "-1"], "plan")
+    assert "--gpus (0) must be >= 1" in one_line_error(capsys, ["plan", "comm", "--gpus", "0"], "plan")
+    assert "--inter-bw (0.0) must be a finite number > 0" in one_line_error(
+        capsys, ["plan", "comm", "--inter-bw", "0"], "plan")
+    assert "--repeats (0) must be >= 1" in one_line_error(capsys, ["bench", "--repeats", "0"], "bench")
+    assert "--device ('tpu') must be auto, cpu or cuda" in one_line_error(capsys, ["bench", "--device", "tpu"],
+                                                                          "bench")
+
+
+def test_plan_memory_says_which_gpu_it_assumes_and_comm_prints_each_row_once(capsys):
+    main(["plan", "memory", "--preset", "small"])
+    text = capsys.readouterr().out
+    assert "GPU memory: 64 GiB assumed" in text or "this machine's" in text
+    main(["plan", "comm", "--preset", "small", "--gpus", "64"])
+    rows = capsys.readouterr().out.split("scaling")[1].splitlines()[2:]
+    bodies = [row.split(None, 1)[1].removesuffix("  <-") for row in rows if row.strip()]
+    assert len(bodies) == len(set(bodies)) and any(row.split()[0] == "64-1024" for row in rows)
+
+
+def test_checkpoint_and_os_errors_are_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    err = one_line_error(capsys, ["train", "--out", str(blocker / "run"), "--device", "cpu", "--steps", "1"])
+    assert str(blocker) in err
+    err = one_line_error(capsys, ["train", "--out", str(blocker), "--device", "cpu", "--steps", "1"])
+    assert "is a file, not a directory" in err
+
+
+@pytest.mark.parametrize("failure", ["enospc", "stream_writer"])
+def test_disk_full_is_named(tmp_path, monkeypatch, failure):
+    import torch.nn as nn
+
+    def full(*args, **kwargs):
+        if failure == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(ckpt.torch, "save", full)
+    if failure == "stream_writer":  # torch.save does not say why; the free space does
+        usage = collections.namedtuple("usage", "total used free")(1 << 30, (1 << 30) - (1 << 20), 1 << 20)
+        monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage)
+    with pytest.raises(ckpt.CheckpointError, match="disk full on the filesystem of"):
+        ckpt.save_checkpoint(tmp_path, 1, nn.Linear(2, 2))
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_")]
+
+
+def test_help_defaults_examples_version_and_usage(capsys):
+    parser, subs = _parser()
+    train_help, bench_help = subs["train"].format_help(), subs["bench"].format_help()
+    for flag in ("--batch-size", "--lr", "--log-every", "--ckpt-every"):
+        assert "(default" in train_help.split(flag, 2)[-1].split("--", 1)[0], flag
+    assert "(default 5)" in bench_help and "default auto" in bench_help
+    plan_parsers = subs["plan"]._subparsers._group_actions[0].choices
+    mem_help, comm_help = plan_parsers["memory"].format_help(), plan_parsers["comm"].format_help()
+    assert "GPUs per node (default 8)" in mem_help and "(default 2)" in mem_help
+    assert "(default 64)" in comm_help and "(default ep_first)" in comm_help and "(default 0)" in comm_help
+    for text in (train_help, bench_help, mem_help, parser.format_help()):
+        assert text.rstrip().split("examples:")[1].count("xmoe") >= 2
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("xmoe 0.")
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("usage:") == 1
+
+
+def test_help_imports_neither_torch_nor_numpy():
+    code = "import sys; from xmoe.cli import _parser; _parser(); print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "xmoe", "--debug", "train", "--dry-run", "--tp", "0"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "--tp (0)" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- progress, outputs
+
+
+def test_postfix_fits_and_keeps_the_most_useful_fields():
+    record = {"loss": 3.21, "tokens_per_s": 12345.0, "tflops": 1.5, "mfu": 0.25, "grad_norm": 0.5, "lr": 1e-3,
+              "mem_bytes": 2**31}
+    assert fit_postfix(record, 200) == "loss 3.210, 12.3k tok/s, MFU 25.0%, gnorm 0.50, lr 1.0e-03, mem 2.0 GiB"
+    assert fit_postfix(record, 30) == "loss 3.210, 12.3k tok/s"
+    assert fit_postfix({**record, "mfu": None}, 40) == "loss 3.210, 12.3k tok/s, 1.50 TFLOP/s"
+    assert fit_postfix(record, 3) == "loss 3.210"
+
+
+def test_bar_starts_at_the_first_log_and_outputs_are_named(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, rank=0, total_steps=2, progress_bar=True)
+    assert capsys.readouterr().err == ""  # nothing drawn before the trainer's header lines
+    log.log(1, loss=2.0, tokens_per_s=1000.0, mem_bytes=3 * 2**30)
+    log.log(2, loss=1.5, tokens_per_s=3000.0, mem_bytes=3 * 2**30)
+    summary = log.finish(status="stopped by SIGTERM at step 2")
+    assert "2/2" in capsys.readouterr().err
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "stopped by SIGTERM at step 2"
+    text = summary_text(summary)
+    assert "final loss 1.5 nats/token" in text and "3.0k tokens/s" in text and "peak memory 3.00 GiB" in text
+    assert "minutes" in text and "(stopped by SIGTERM at step 2)" in text
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").write_bytes(b"x" * 3000)
+    listing = describe_outputs(tmp_path)
+    for name in ("metrics.jsonl", "summary.json", "loss.png", "checkpoints/step_000002/", "2.9 KiB"):
+        assert name in listing, listing
+
+
+def test_loss_plot_has_title_and_unit(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    log = MetricsLogger(tmp_path, rank=0, total_steps=1, progress_bar=False, stream=open(os.devnull, "w"))
+    log.log(1, loss=2.0)
+    log.finish(title="runs/a (preset tiny)")
+    ax = saved[0].axes[0]
+    assert ax.get_title() == "runs/a (preset tiny)" and ax.get_ylabel() == "loss (nats/token)"
