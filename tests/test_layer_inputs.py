@@ -45,3 +45,25 @@ def test_non_finite_input_check_is_opt_in():
     with pytest.raises(ValueError, match=r"holds NaN or inf values \(1 of 96\)"):
         layer(x)
     assert torch.isfinite(layer(torch.randn(6, 16))).all()
+
+
+def _expert_parallel_warnings_body(rank: int, world_size: int):
+    import warnings
+
+    from test_expert_parallel import _batches, _parallel_model
+
+    model, _ = _parallel_model(1, 2, "ep_first", world_size, seed=0)
+    inputs, targets = _batches(world_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(inputs[rank], targets[rank]).backward()
+    views = [str(w.message) for w in caught if "view tensor" in str(w.message)]
+    assert not views, views
+
+
+def test_expert_parallel_experts_return_no_view():
+    # the expert gradient scaling used to wrap the experts' output in an identity autograd.Function, whose output
+    # is a view: FSDP2 warned on every step, and an in-place op on that output would have skipped its hooks
+    from dist_utils import run_distributed
+
+    run_distributed(_expert_parallel_warnings_body, 2)
