@@ -59,8 +59,8 @@ def _message(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"disk full: {exc}"
     text = str(exc) or type(exc).__name__
-    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
-        text = f"{exc.strerror or type(exc).__name__}: {exc.filename or text}"
+    if isinstance(exc, OSError) and exc.strerror and exc.filename and text.startswith("[Errno"):
+        text = f"{exc.strerror}: {exc.filename}"  # not "[Errno 2] No such file or directory: 'x'"
     return " ".join(text.split())  # one line, however the message was built
 
 

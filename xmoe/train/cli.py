@@ -159,6 +159,9 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         if value is not None:
             sections["moe"][field] = value
 
+    if "moe" in sections["model"]:
+        raise ValueError("model.moe is its own section: set its fields as moe.FIELD (e.g. --set moe.top_k=2, or a "
+                         "[moe] table in --config)")
     if "hidden_size" in sections["model"]:  # the MoE block's width follows the model's unless set explicitly
         sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
     moe = _apply(model.moe, "moe", sections["moe"])
