@@ -43,9 +43,15 @@ def saved_activation_bytes(fn) -> int:
     return sum(seen.values())
 
 
-def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
+def _time_ms(fn, device: torch.device, warmup: int, repeats: int, label: str = "") -> float:
+    from tqdm import tqdm
+
+    # one CPU call of a paper-sized layer takes seconds: show each warm-up and timed call as it finishes
+    progress = tqdm(total=warmup + repeats, desc=label or "timing", unit="call", leave=False,
+                    disable=device.type == "cuda")
     for _ in range(warmup):
         fn()
+        progress.update()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -59,6 +65,8 @@ def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+        progress.update()
+    progress.close()
     return statistics.median(times)
 
 
@@ -90,7 +98,7 @@ def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.devi
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ms = _time_ms(step, device, warmup, repeats)
+        ms = _time_ms(step, device, warmup, repeats, label=f"{dispatcher} {shape} T={num_tokens}")
         if device.type == "cuda":
             result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
     except torch.OutOfMemoryError:
