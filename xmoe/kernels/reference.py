@@ -18,7 +18,6 @@ order, so no floating-point atomics (index_add_ / scatter_add_) are involved any
 
 from __future__ import annotations
 
-import functools
 import sys
 
 import torch
@@ -76,16 +75,9 @@ def combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK):
     return CombineRows.apply(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)
 
 
-@functools.lru_cache(maxsize=None)
-def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs for this device and dtype: on CUDA/ROCm its bf16 fast path; on CPU (torch
-    builds that have its CPU kernel) fp32 too, about 2x faster in backward than a per-expert loop, whose slices'
-    gradients must be stacked into (E, H, F) afterwards. Probed once with a tiny call, backward included."""
+def _probe_cpu_grouped_mm() -> bool:
+    """Whether this torch build runs torch._grouped_mm on CPU in fp32, backward included (a tiny call)."""
     if not hasattr(torch, "_grouped_mm"):
-        return False
-    if device_type == "cuda":
-        return dtype == torch.bfloat16
-    if device_type != "cpu" or dtype != torch.float32:
         return False
     try:
         x = torch.ones(3, 8, requires_grad=True)
@@ -94,6 +86,20 @@ def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
         return bool(torch.all(w.grad[1] == 2.0))
     except (RuntimeError, NotImplementedError):
         return False
+
+
+# Probed at import, not on first use: torch.compile traces the check below as plain constants.
+_CPU_GROUPED_MM = _probe_cpu_grouped_mm()
+
+
+def _grouped_mm_ok(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs for this device and dtype: on CUDA/ROCm its bf16 fast path; on CPU (torch
+    builds that have its CPU kernel) fp32 too, about 2x faster in backward than a per-expert loop, whose slices'
+    gradients must be stacked into (E, H, F) afterwards."""
+    if device_type == "cuda":
+        return dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    # torch.compile's fake kernel of _grouped_mm accepts bf16 only, so compiled CPU code takes the slice loop
+    return device_type == "cpu" and dtype == torch.float32 and _CPU_GROUPED_MM and not torch.compiler.is_compiling()
 
 
 class _ContiguousGrad(torch.autograd.Function):
