@@ -102,8 +102,8 @@ def check(shape: str, num_tokens: int, dims) -> list[dict]:
 
 
 def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
-    from xmoe.moe.routing import build_plan
-    from xmoe.parallel.comm import all_to_all_rows, exchange_counts, splits_to_host
+    from xmoe.dispatch.comm import all_to_all_rows, exchange_counts, splits_to_host
+    from xmoe.dispatch.routing import build_plan
 
     hidden, ffn, experts, top_k = SHAPES[shape]
     world = dist.get_world_size()

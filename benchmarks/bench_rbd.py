@@ -59,9 +59,9 @@ def _count_syncs(fn, device: torch.device) -> int:
 
 def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) -> dict:
     from xmoe.dispatch.alltoall import AllToAllDispatcher
-    from xmoe.dispatch.hierarchical import HierarchicalDispatcher
+    from xmoe.dispatch.routing import build_plan
     from xmoe.model.presets import get_preset
-    from xmoe.moe.routing import build_plan
+    from xmoe.parallel.expert_parallel import rbd_dispatcher
     from xmoe.plan.comm import Network, count_rows, estimate_comm
 
     hidden, num_experts, top_k = SHAPES[shape]
@@ -73,7 +73,7 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) ->
     w = torch.rand(num_tokens, top_k, device=device, generator=gen).requires_grad_(True)  # fp32, as the router's
     g = torch.randn(num_tokens, hidden, device=device, dtype=dtype, generator=gen)
     flat = AllToAllDispatcher(dims.group("ep"), num_experts)
-    rbd = HierarchicalDispatcher.from_dims(dims, num_experts)
+    rbd = rbd_dispatcher(dims, num_experts)
 
     def layer(disp):  # identity experts: the dispatch -> combine round trip alone
         rows, _, ctx = disp.dispatch(x, plan)

@@ -10,8 +10,8 @@ import torch
 
 from moe_reference import layer_params, reference_forward
 from xmoe.config import MoEConfig
+from xmoe.dispatch.routing import build_plan
 from xmoe.moe.layer import MoELayer
-from xmoe.moe.routing import build_plan
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

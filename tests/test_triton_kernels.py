@@ -18,8 +18,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="the Triton backend needs the triton package (pip install triton)")
 
 
+from xmoe.dispatch.routing import build_plan  # noqa: E402
 from xmoe.kernels import get_ops, reference  # noqa: E402
-from xmoe.moe.routing import build_plan  # noqa: E402
 
 tops = get_ops("triton", torch.device("cpu"))
 

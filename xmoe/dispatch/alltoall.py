@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from xmoe.dispatch.comm import all_to_all_rows, exchange_counts, splits_to_host
+from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan
-from xmoe.parallel.comm import all_to_all_rows, exchange_counts, splits_to_host
 
 
 @dataclass

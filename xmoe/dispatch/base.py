@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from xmoe.moe.routing import RoutingPlan
+from xmoe.dispatch.routing import RoutingPlan
 
 
 class Dispatcher(Protocol):

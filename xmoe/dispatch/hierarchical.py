@@ -42,9 +42,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from xmoe.dispatch.comm import all_to_all_plain, all_to_all_rows, exchange_counts
+from xmoe.dispatch.routing import RoutingPlan, count_ids
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan, count_ids
-from xmoe.parallel.comm import all_to_all_plain, all_to_all_rows, exchange_counts
 
 
 @dataclass
@@ -247,12 +247,6 @@ class HierarchicalDispatcher:
         self.stats = RBDStats()
         self.last_stats: dict[str, float] = {}
         self._last = RBDStats()
-
-    @classmethod
-    def from_dims(cls, dims, num_experts: int, kernel_backend: str = "auto") -> "HierarchicalDispatcher":
-        """Over the "ep" group of a built ``ParallelDims``, nodes from its node size (launcher numbering)."""
-        nodes = [dims.node_of(r) for r in dims.group_ranks("ep")]
-        return cls(dims.group("ep"), num_experts, nodes, kernel_backend)
 
     def _device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(node of each expert, node-local index of each rank) on ``device``, copied there once (a host-to-device

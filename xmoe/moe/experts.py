@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ from torch import nn
 from xmoe.config import MoEConfig
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.padded import PaddedDispatcher
+from xmoe.dispatch.routing import build_plan
 from xmoe.moe.experts import RoutedExperts, SwiGLU
 from xmoe.moe.router import Router
-from xmoe.moe.routing import build_plan
 
 
 class _AttachAuxLoss(torch.autograd.Function):

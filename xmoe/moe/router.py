@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from xmoe.config import MoEConfig
+from xmoe.dispatch.routing import count_ids
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import count_ids
 
 
 @dataclass

@@ -31,19 +31,6 @@ def all_to_all_plain(x_NH: torch.Tensor, output_splits: list[int], input_splits:
     return _all_to_all(x_NH, output_splits, input_splits, group)
 
 
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class AllToAllRows(torch.autograd.Function):
     """Rows [sum(input_splits[:p]), sum(input_splits[:p+1])) go to rank p; rows from rank p arrive in that order."""
 
