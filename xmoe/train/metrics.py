@@ -7,6 +7,7 @@ them beside ``mfu``. Per-GPU throughput: pass the global token and row counts of
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -18,6 +19,8 @@ from typing import Any, Optional, TextIO
 import torch
 
 from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FlopDims",
@@ -135,7 +138,8 @@ class MetricsLogger:
     Keys: ``step``, the values passed (canonical: loss, aux_loss, lr, grad_norm, tokens_per_s, tflops,
     paper_tflops, mfu, mem_bytes, imbalance; TFLOP/s per GPU) and ``elapsed_s`` (training wall time,
     cumulative across resumes). Each line is flushed, so a crash loses nothing already logged. Progress is
-    a tqdm bar when stderr is a TTY, else one plain line per ``log`` on ``stream`` (stdout). Other ranks do
+    a tqdm bar when stderr is a TTY, else one plain line per ``log`` on ``stream``, or through the "xmoe" logger
+    when no stream is given (``xmoe.log``; the CLI prints it on stdout). Other ranks do
     nothing. Values may be floats, ints, None, 0-d tensors (each costs a host sync) or numpy scalars.
 
     Resume: pass ``resume_step``; the file is rewritten atomically keeping only records with
@@ -213,7 +217,7 @@ class MetricsLogger:
             self._bar.update(max(0, step - self._bar.n))
             self._bar.set_postfix_str(line.split(" | ", 1)[-1], refresh=True)
         else:
-            print(line, file=self._stream or sys.stdout, flush=True)
+            self._emit(line)
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -258,8 +262,15 @@ class MetricsLogger:
         _atomic_write(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
         self._plot(losses, lines)
         shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if v is not None]
-        print("summary: " + ", ".join(shown), file=self._stream or sys.stdout, flush=True)
+        self._emit("summary: " + ", ".join(shown))
         return summary
+
+    def _emit(self, line: str) -> None:
+        """A console line: to ``stream`` when one was given, else to the "xmoe" log (the CLI prints it)."""
+        if self._stream is not None:
+            print(line, file=self._stream, flush=True)
+        else:
+            log.info(line)
 
     def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float]) -> None:
         # The object API with an explicit Agg canvas: no pyplot, so no global backend switch and no display.
