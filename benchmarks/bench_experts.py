@@ -11,7 +11,7 @@ Methods, all including their routing bookkeeping (plan / sort) inside the timed 
   triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad)
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
-  grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the GPU.md anchor)
+  grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the common torch MoE path)
   gshard_padded     xmoe/dispatch/padded.py at capacity factor 1.25 + bmm experts (drops tokens; a baseline)
   dense_equiv       one dense SwiGLU over T*K rows, same FLOPs, no routing: the ceiling
 TFLOP/s counts 2*T*K*H*3F per forward and 3x that for forward+backward. Peak memory: max_memory_allocated

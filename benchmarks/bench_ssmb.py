@@ -24,7 +24,7 @@ token counted once), tflops (useful training FLOPs per GPU, xmoe.model.flops for
 is not counted twice), act_peak_gib (peak allocated during a step above what is allocated before it: parameters and
 gradients excluded), pred_peak_gib (estimate_memory's activations + working for the same setting), moe_mib (bytes
 autograd saves for one MoE block, xmoe.bench.saved_activation_bytes) and pred_moe_mib (the plan's per-block terms).
-Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $OUT or benchmarks/results/.
+Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $XMOE_RESULTS_DIR or benchmarks/results/.
 """
 
 from __future__ import annotations

@@ -43,15 +43,11 @@ from torch import nn
 from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher
 from xmoe.dispatch.padded import PaddedAllToAllDispatcher
-from xmoe.moe.layer import MoELayer
+from xmoe.moe.layer import moe_layers
 from xmoe.parallel.dims import DENSE_AXIS, ParallelDims
 from xmoe.parallel.grads import scale_weight_grads
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
-
-
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
 def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernel_backend: str = "auto") -> HierarchicalDispatcher:

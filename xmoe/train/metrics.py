@@ -19,6 +19,7 @@ from typing import Any, Optional, TextIO
 import torch
 
 from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
+from xmoe.train.checkpoint import _write_text  # the one atomic file write (temp file, fsync, rename)
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +127,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class MetricsLogger:
     """Rank 0 appends one JSON line per ``log`` to ``out_dir/metrics.jsonl`` and shows progress.
 
@@ -175,7 +170,7 @@ class MetricsLogger:
             self.records = [r for r in self._read() if r["step"] <= resume_step]
             if self.records:
                 self._offset = float(self.records[-1].get("elapsed_s", 0.0))
-        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._first_new = len(self.records)
         self._file = open(self.path, "a")
         if progress_bar if progress_bar is not None else sys.stderr.isatty():
@@ -259,7 +254,7 @@ class MetricsLogger:
         }
         lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
         lines = {k: v for k, v in lines.items() if v is not None}
-        _atomic_write(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
+        _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
         self._plot(losses, lines)
         shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if v is not None]
         self._emit("summary: " + ", ".join(shown))
