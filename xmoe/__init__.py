@@ -1,6 +1,39 @@
-"""xmoe: train expert-specialized Mixture-of-Experts models, padding-free, from one CPU to many GPUs."""
+"""xmoe: train expert-specialized Mixture-of-Experts models, padding-free, from one CPU to many GPUs.
 
+The public API; everything else is reachable by its module path (``xmoe.parallel.dims.ParallelDims``, ...).
+``MoELayer``, ``Transformer`` and ``Trainer`` are imported on first use, so that ``import xmoe`` (which every
+``xmoe.*`` import runs first) loads no torch: ``xmoe --help`` starts in a fraction of a second.
+"""
+
+from xmoe._version import __version__
 from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from xmoe.model.presets import get_preset
 
-__version__ = "0.1.0"
-__all__ = ["MoEConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig", "__version__"]
+__all__ = [
+    "MoEConfig",
+    "MoELayer",
+    "ModelConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "Trainer",
+    "Transformer",
+    "__version__",
+    "get_preset",
+]
+
+
+def __getattr__(name: str):
+    if name == "Trainer":
+        from xmoe.train.trainer import Trainer
+
+        return Trainer
+    if name == "Transformer":
+        from xmoe.model.transformer import Transformer
+
+        return Transformer
+    if name == "MoELayer":
+        from xmoe.moe.layer import MoELayer
+
+        return MoELayer
+    raise AttributeError(f"module 'xmoe' has no attribute {name!r}")

@@ -22,7 +22,8 @@ EXAMPLES = """examples:
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    from xmoe import __version__, bench
+    from xmoe import __version__
+    from xmoe import bench_cli as bench
     from xmoe.plan import cli as plan_cli
     from xmoe.train import cli as train_cli
 
@@ -67,6 +68,9 @@ def _message(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser, subs = _parser()
     args = parser.parse_args(argv)
+    from xmoe.log import configure_logging
+
+    configure_logging()
     if args.command is None:
         parser.print_usage(sys.stderr)
         print("xmoe: error: choose a command: train, bench or plan (xmoe --help explains them)", file=sys.stderr)
@@ -77,9 +81,9 @@ def main(argv: list[str] | None = None) -> None:
 
             train_cli.run(args)
         elif args.command == "bench":
-            from xmoe import bench
+            from xmoe import bench_cli
 
-            bench.run(args)
+            bench_cli.run(args)
         elif args.command == "plan":
             from xmoe.plan import cli as plan_cli
 

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from xmoe.config import ModelConfig
 from xmoe.moe.experts import SwiGLU
-from xmoe.moe.layer import MoELayer
+from xmoe.moe.layer import MoELayer, moe_layers
 
 IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
 
@@ -243,8 +243,7 @@ class Transformer(nn.Module):
 
     def moe_layers(self) -> list[nn.Module]:
         """The MoELayer of every MoE block, in layer order (e.g. for the trainer's expert-bias updates)."""
-        # modules(), not self.layers: it also finds blocks that a parallelism wrapper has wrapped.
-        return [m.ffn for m in self.modules() if isinstance(m, Block) and m.is_moe]
+        return moe_layers(self)
 
     @torch.no_grad()
     def moe_stats(self) -> dict[str, torch.Tensor]:

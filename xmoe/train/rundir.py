@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 LOCK = "xmoe.lock"
 OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "checkpoints", "tensorboard")
@@ -201,7 +204,7 @@ def open_run_dir(out_dir: str | os.PathLike, *, rank: int, resume: bool, overwri
         try:
             lock, notes = _prepare(out_dir, resume, overwrite)
             for line in notes:
-                print(line, flush=True)
+                log.info(line)
         except (OSError, RunDirError) as e:
             error = e if isinstance(e, RunDirError) else RunDirError(f"cannot use --out {out_dir}: {e}")
     if dist.is_initialized():
@@ -275,6 +278,6 @@ def check_resume(ckpt_path: Path, meta: dict[str, Any], run: Any, data: dict[str
             f"checkpoint {ckpt_path} was saved by a different run ({len(differ)} field(s) differ: "
             f"{'; '.join(differ[:8])}); resume with the same settings, or pass --allow-changes to continue from "
             "it anyway (fine-tuning on new data or with a new schedule)")
-    if differ and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"--allow-changes: continuing from {ckpt_path} with {len(differ)} changed field(s): "
-              f"{'; '.join(differ[:8])}", flush=True)
+    if differ:
+        log.info(f"--allow-changes: continuing from {ckpt_path} with {len(differ)} changed field(s): "
+                 f"{'; '.join(differ[:8])}")

@@ -16,6 +16,7 @@ the logging / checkpoint cadence only; one process checks the signal flag at eve
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -23,6 +24,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
 
@@ -94,8 +97,8 @@ class RunGuard:
         if self.exhausted:
             self._first_bad.fill_(step - self.skipped_in_row + 1)
             return True
-        print(f"step {step}: non-finite loss or gradient norm, update skipped "
-              f"({self.skipped_in_row} of {self.skips_allowed} allowed in a row)", flush=True)
+        log.warning(f"step {step}: non-finite loss or gradient norm, update skipped "
+                    f"({self.skipped_in_row} of {self.skips_allowed} allowed in a row)")
         return True
 
     @property

@@ -14,6 +14,7 @@ everywhere), metrics every ``log_every`` steps, an atomic checkpoint every ``ckp
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -35,6 +36,8 @@ from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
+
+log = logging.getLogger(__name__)
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -183,7 +186,7 @@ class Trainer:
                                     f"{self.out_dir}/checkpoints/step_000100")
         if found is None:
             if self.rank == 0:
-                print(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
+                log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
             return
         meta = ckpt.read_meta(found)
         rundir.check_resume(found, meta, self.run, self.data_info, allow_changes)
@@ -196,17 +199,17 @@ class Trainer:
             # streams restart, so the continuation is equivalent but not bit-identical.
             extra = ckpt.read_extra(found, rank=0)
             if self.rank == 0:
-                print(f"resuming a {saved_world}-process checkpoint on {self.world} processes")
+                log.info(f"resuming a {saved_world}-process checkpoint on {self.world} processes")
         self.step = int(extra["step"])
         self.loader.load_state_dict(extra["loader"])
         for layer, bias in zip(self.model.moe_layers(), extra.get("expert_bias", [])):
             layer.router.expert_bias.copy_(bias)
         if self.rank == 0:
-            print(f"resumed from {found} at step {self.step}")
+            log.info(f"resumed from {found} at step {self.step}")
             if resume_from:  # later checkpoints of this directory belong to the timeline being replaced
                 for path in ckpt.set_aside_newer(self.out_dir, self.step):
-                    print(f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) as "
-                          f"{path.name}")
+                    log.info(f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) "
+                             f"as {path.name}")
 
     def save(self) -> Path:
         extra = {
@@ -327,9 +330,9 @@ class Trainer:
                                      status=status, title=f"{self.out_dir} ({self._preset_text()})")
         if self.rank == 0:
             if floor is not None and isinstance(summary.get("final_loss"), float):
-                print(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above "
-                      f"the source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f})")
-            print(metrics.describe_outputs(self.out_dir), flush=True)
+                log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above "
+                         f"the source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f})")
+            log.info(metrics.describe_outputs(self.out_dir))
         return summary
 
     def _preset_text(self) -> str:
@@ -427,4 +430,4 @@ class Trainer:
         if self.step:
             lines.append(f"continuing from step {self.step} to {t.steps}")
         lines.append(f"writing to {self.out_dir}/ (Ctrl-C or SIGTERM: save a checkpoint and stop)")
-        print("\n".join(lines), flush=True)
+        log.info("\n".join(lines))
