@@ -266,8 +266,8 @@ def find_latest(out_dir: str | os.PathLike) -> Optional[Path]:
             problems.append(str(e).split(". ")[0])
             continue
         if problems:
-            warnings.warn(f"skipped {len(problems)} newer checkpoint(s) that fail verification ({'; '.join(problems)}); "
-                          f"using {path}")
+            warnings.warn(f"skipped {len(problems)} newer checkpoint(s) that fail verification "
+                          f"({'; '.join(problems)}); using {path}")
         return path
     if problems:
         raise CheckpointError(f"no usable checkpoint under {root}: {'; '.join(problems)}. Start again with "

@@ -83,12 +83,14 @@ class RunGuard:
 
     # ----------------------------------------------------------------------------------------- non-finite
 
-    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, world: int = 1) -> bool:
         """Record this step's loss and gradient norm; True means: skip the optimizer step (skip policy only)."""
         finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
         if self.skips_allowed == 0:  # no host sync: remember the first bad step on the device
             self._first_bad = torch.where(~finite & (self._first_bad == 0), step, self._first_bad)
             return False
+        if world > 1:  # every rank must skip the same steps: decide on the clipped norm, the same on all of them
+            finite = torch.isfinite(grad_norm)
         if bool(finite):  # one host sync per step, the price of the skip policy
             self.skipped_in_row = 0
             return False

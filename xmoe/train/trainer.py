@@ -286,7 +286,7 @@ class Trainer:
                 group["lr"] = lr
             loss, stats = self._forward_backward(accum)
             grad_norm = clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
-            if guard.observe(self.step, loss, grad_norm):  # skip policy: a non-finite step updates nothing
+            if guard.observe(self.step, loss, grad_norm, self.world):  # skip policy: a non-finite step updates nothing
                 self.optimizer.zero_grad(set_to_none=True)
                 if guard.exhausted:
                     self._stop_nonfinite(guard.check(self.world)[1])
@@ -330,14 +330,15 @@ class Trainer:
                                      status=status, title=f"{self.out_dir} ({self._preset_text()})")
         if self.rank == 0:
             if floor is not None and isinstance(summary.get("final_loss"), float):
-                log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above "
-                         f"the source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f})")
+                log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token "
+                         f"above the source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f})")
             log.info(metrics.describe_outputs(self.out_dir))
         return summary
 
     def _preset_text(self) -> str:
         m = self.run.model
-        return ((f"preset {self.preset}, " if self.preset else "") + f"{m.num_layers} layers, H {m.hidden_size}, {m.moe.num_experts} experts top-{m.moe.top_k}, "
+        preset = f"preset {self.preset}, " if self.preset else ""
+        return (f"{preset}{m.num_layers} layers, H {m.hidden_size}, {m.moe.num_experts} experts top-{m.moe.top_k}, "
                 f"data {self.dataset.name.split('(')[0]}")
 
     def _last_good_checkpoint(self, before: int) -> Optional[Path]:
@@ -348,8 +349,8 @@ class Trainer:
         last = self._last_good_checkpoint(first_bad)
         where = (f"the last good checkpoint is {last} (continue from it with --resume-from {last})" if last
                  else "no checkpoint was saved before it")
-        message = (f"the loss or gradient norm became non-finite at step {first_bad} (lr {lr_at(first_bad, self.run):.3g}); "
-                   f"nothing after it was saved and {where}. Lower --lr, check the data, or let up to N bad steps "
+        message = (f"the loss or gradient norm became non-finite at step {first_bad} "
+                   f"(lr {lr_at(first_bad, self.run):.3g}); nothing after it was saved and {where}. Lower --lr, check the data, or let up to N bad steps "
                    "be skipped with --set train.nonfinite_skips=N")
         self._finish(status=f"stopped: non-finite loss or gradient norm at step {first_bad}")
         raise safety.NonFiniteError(message)
