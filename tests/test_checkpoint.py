@@ -274,3 +274,15 @@ def test_cuda_round_trip_restores_cuda_rng(tmp_path):
     model2, opt2, sched2 = _model(seed=3, device="cuda")
     sched2.load_state_dict(load_checkpoint(tmp_path, model2, opt2)["sched"])
     assert _train(model2, opt2, sched2, 3) == expected
+
+
+def test_find_latest_skips_a_damaged_newest_checkpoint(tmp_path):
+    model, opt, sched = _model()
+    good = _save(tmp_path, 1, model, opt, sched)
+    bad = _save(tmp_path, 2, model, opt, sched)
+    _corrupt_truncate(bad)  # complete-looking, but a shard lost its tail (e.g. the disk filled after COMPLETE)
+    with pytest.warns(UserWarning, match="skipped 1 newer checkpoint"):
+        assert find_latest(tmp_path) == good
+    _corrupt_truncate(good)
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        find_latest(tmp_path)
