@@ -163,7 +163,7 @@ def describe_outputs(out_dir: str | os.PathLike) -> str:
 
 def summary_text(summary: dict[str, Any]) -> str:
     """The summary in units a person reads: nats/token, tokens/s, GiB, minutes."""
-    parts = [f"{summary['steps']} steps"]
+    parts = [f"steps {summary['steps']}"]
     if summary.get("final_loss") is not None:
         parts.append(f"final loss {summary['final_loss']:.4g} nats/token (best {summary['best_loss']:.4g})"
                      if summary.get("best_loss") is not None else f"final loss {summary['final_loss']:.4g}")
