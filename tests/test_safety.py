@@ -222,25 +222,34 @@ def test_signal_mid_step_stops_at_the_boundary_and_resumes(tmp_path, capsys, mon
     assert losses(out) == losses(full)  # nothing lost, bit-identical
 
 
+def _signal_rank0_body(rank: int, world_size: int, out: str):
+    from xmoe.cli import _parser
+    from xmoe.train import safety
+    from xmoe.train.cli import build_run_config
+
+    args = _parser()[0].parse_args(["train", "--out", out, *SMALL, "--dp", "2", "--steps", "100",
+                                    "--log-every", "2", "--ckpt-every", "100"])
+    original = trainer.Trainer._forward_backward
+
+    def forward_backward(self, accum):
+        if self.step == 3 and self.rank == 0:  # rank 1 never sees a signal: it learns of it at the next log step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, accum)
+
+    trainer.Trainer._forward_backward = forward_backward
+    run = trainer.Trainer(build_run_config(args), out, device="cpu")
+    with pytest.raises(safety.RunStopped) as stopped:
+        run.train()
+    assert stopped.value.exit_code == 143 and run.step == 4, (rank, run.step)
+    assert [s for s, _ in complete_checkpoints(out)] == [4]
+    assert json.loads((Path(out) / "checkpoints" / "step_000004" / "meta.json").read_text())["world_size"] == 2
+
+
 def test_signal_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
-    out = tmp_path / "r"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "xmoe",
-           "train", "--out", str(out), "--device", "cpu", *SMALL, "--dp", "2", "--steps", "100000",
-           "--log-every", "2", "--ckpt-every", "100000"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    try:
-        wait_for_line(proc, "step 2/")
-        rank0 = json.loads((out / rundir.LOCK).read_text())["pid"]  # the lock names rank 0's process
-        os.kill(rank0, signal.SIGTERM)  # rank 1 never sees a signal: it learns of it at the next log step
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    saved = complete_checkpoints(out)
-    assert len(saved) == 1, err[-3000:]
-    meta = json.loads((saved[0][1] / "meta.json").read_text())
-    assert meta["world_size"] == 2 and saved[0][0] % 2 == 0  # both ranks wrote it, at a log step
-    assert "stopped by SIGTERM" in json.loads((out / "summary.json").read_text())["status"]
+    from dist_utils import run_distributed
+
+    run_distributed(_signal_rank0_body, 2, str(tmp_path / "r"))
+    assert "stopped by SIGTERM at step 4" in json.loads((tmp_path / "r" / "summary.json").read_text())["status"]
 
 
 # ------------------------------------------------------------------------------------------------- resume
