@@ -237,7 +237,6 @@ class MetricsLogger:
         # the bar is created at the first log, after the trainer's header lines (created here, it would draw
         # itself first and the header would overwrite it)
         self._want_bar = progress_bar if progress_bar is not None else sys.stderr.isatty()
-        self._bar_start = resume_step or 0
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -272,7 +271,9 @@ class MetricsLogger:
         if self._want_bar and self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total_steps, initial=self._bar_start, unit="step", dynamic_ncols=True)
+            # starting at this step: its rate and ETA come from the steps after it (from _bar_start, the first
+            # window's start-up time would read as thousands of steps per second)
+            self._bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
         if self._bar is not None:
             self._bar.update(max(0, step - self._bar.n))
             # ~45 columns go to tqdm's own counter, bar and times; the postfix gets the rest
