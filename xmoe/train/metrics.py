@@ -271,8 +271,8 @@ class MetricsLogger:
         if self._want_bar and self._bar is None:
             from tqdm import tqdm
 
-            # starting at this step: its rate and ETA come from the steps after it (counted from the run's start, the first
-            # window's start-up time would read as thousands of steps per second)
+            # starting at this step: its rate and ETA come from the steps after it (counted from the run's start,
+            # the first window's start-up time would read as thousands of steps per second)
             self._bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
         if self._bar is not None:
             self._bar.update(max(0, step - self._bar.n))
