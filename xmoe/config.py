@@ -206,8 +206,14 @@ class TrainConfig:
     ckpt_every: int = 100  # 0: no checkpoints (benchmark runs)
     keep_last: int = 2
     tensorboard: bool = False
+    compile: str = "auto"  # torch.compile regions: "auto" (GPU without EP/TP), "on", "off"
+    recompute: str = "none"  # activation recompute: "none", "moe" (MoE FFN branches), "full" (whole blocks)
 
     def __post_init__(self) -> None:
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"train.compile ({self.compile!r}) must be 'auto', 'on' or 'off'")
+        if self.recompute not in ("none", "moe", "full"):
+            raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))
         if self.ckpt_every < 0:
