@@ -257,6 +257,8 @@ class TrainConfig:
     ckpt_every: int = 100  # 0: no checkpoints (benchmark runs)
     keep_last: int = 2
     tensorboard: bool = False
+    compile: str = "auto"  # torch.compile regions: "auto" (GPU without EP/TP), "on", "off"
+    recompute: str = "none"  # activation recompute: "none", "moe" (MoE FFN branches), "full" (whole blocks)
     # a step whose loss or gradient norm is not finite: 0 stops the run at once (the check rides on the logging
     # and checkpoint steps' existing host syncs); N > 0 skips up to N such steps in a row without updating the
     # weights (this needs one host sync per step) and stops at the (N+1)-th
@@ -265,6 +267,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"train.compile ({self.compile!r}) must be 'auto', 'on' or 'off'")
+        if self.recompute not in ("none", "moe", "full"):
+            raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))
         if self.seed < 0:

@@ -354,3 +354,101 @@ def search_layouts(cfg: ModelConfig, gpus: int, gpu_mem_gib: float, *, gpus_per_
     feasible = sorted((m for m in results if m.fits(gpu_mem_gib)), key=_preference)
     infeasible = sorted((m for m in results if not m.fits(gpu_mem_gib)), key=lambda m: m.total)
     return feasible + infeasible
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Peak bytes of `xmoe train` on one GPU (see estimate_trainer_memory); ``total`` is the predicted peak."""
+
+    states: float  # fp32 parameters, AdamW moments, bf16 expert weight copies held for the step
+    grads: float  # fp32 gradients alive at the peak
+    activations: float  # saved activations alive at the peak
+    working: float  # the backward's transient at the peak (recomputed block, bf16 weight gradients, loss chunk)
+    blocks_done: int  # blocks whose backward has run at the peak (0: the peak is at the start of backward)
+
+    @property
+    def total(self) -> float:
+        return self.states + self.grads + self.activations + self.working
+
+
+def block_activations(cfg: ModelConfig, T: int, i: int, *, compiled: bool = True, fused: bool = True,
+                      b: int = 2) -> tuple[float, float]:
+    """(attention branch, FFN branch) bytes block ``i`` of `xmoe train`'s model saves for T tokens, autocast bf16.
+
+    Each branch keeps its fp32 residual input (RMSNorm's backward reads it) and the bf16 weight copies autocast
+    made for its matmuls; compiled regions keep RMSNorm's fp32 1/rms only beyond that (the compiler rebuilds the
+    normalised tensor), eager RMSNorm its fp32 copies (norm_activations). ``fused``: the one-rank Triton path
+    (gather, experts and combine in one op) keeps no dispatch or combine buffer, only the bf16 tokens it reads."""
+    H, moe = cfg.hidden_size, cfg.moe
+    norm = 4 * T if compiled else norm_activations(T, H)
+    attn = dict(attention_activations(T, H, cfg.num_heads, 1, b), norm=norm)
+    attn_bytes = sum(attn.values()) + b * 4 * H * H + 4 * T * H
+    if i < cfg.first_k_dense:
+        ffn = dict(dense_ffn_activations(T, H, cfg.ffn_hidden_size, 1, b), norm=norm)
+        return attn_bytes, sum(ffn.values()) + b * 3 * H * cfg.ffn_hidden_size + 4 * T * H
+    ffn = dict(moe_activations(moe, T, kernel="triton" if fused else "torch", b=b), norm=norm)
+    if fused:
+        ffn["dispatch_buffer"], ffn["combine_buffer"] = b * T * H, 0.0
+    shared_w = moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    return attn_bytes, sum(ffn.values()) + b * shared_w + 4 * T * H
+
+
+def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Optional[int] = None,
+                            recompute: str = "none", accumulation: int = 1, compiled: bool = True,
+                            fused: bool = True) -> TrainerMemory:
+    """The peak of one `xmoe train` step on one GPU, in the trainer's own precision layout (not ZeRO-3's):
+
+    * states: fp32 parameters (4 B), AdamW's two fp32 moments (8 B), and the bf16 copies of the routed experts made
+      once per step (2 B per expert weight);
+    * the last micro-batch's backward walks the blocks top-down: the LM head's fp32 gradient first, then each
+      block frees its saved activations while its fp32 parameter gradients appear (with ``accumulation`` > 1
+      every gradient exists from the first micro-batch on). The peak is the largest sum of gradients plus
+      activations of the blocks left plus the transient of the block in hand: its bf16 weight gradients before
+      they are added into fp32, and with recompute its activations rebuilt; or the loss chunk's logits at the
+      start of backward;
+    * saved activations per block: block_activations. "moe" keeps the MoE branch's fp32 input instead of its
+      activations, "full" only each block's fp32 input.
+    benchmarks/memory_fit.py measures the peaks this predicts (docs/training-speed.md has the table).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE}")
+    if micro_batch < 1 or accumulation < 1:
+        raise ValueError(f"micro_batch ({micro_batch}) and accumulation ({accumulation}) must be >= 1")
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    H, L, V, moe = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.moe
+    T, b = micro_batch * seq_len, 2
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    total_params = sum(parts.values())
+    states = 12 * total_params + 2 * parts["routed_experts"]
+
+    attn_w = 4 * H * H + 2 * H
+    moe_w = moe.num_experts * (3 * H * moe.ffn_hidden_size + H) + moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    blocks = []  # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
+    for i in range(L):
+        is_moe = i >= cfg.first_k_dense
+        attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
+        if recompute == "full":
+            saved, regen = 4 * T * H, attn + ffn
+        elif recompute == "moe" and is_moe:
+            saved, regen = attn + 4 * T * H, ffn
+        else:
+            saved, regen = attn + ffn, 0.0
+        weights = attn_w + (moe_w if is_moe else 3 * H * cfg.ffn_hidden_size)
+        blocks.append((saved, regen, 4 * weights, b * weights))
+
+    all_grads = 4 * total_params
+    head_grads = 4 * (parts["head"] or parts["embedding"])
+    start_grads = all_grads if accumulation > 1 else head_grads
+    tail = 4 * T * H + b * T * H  # final norm's input and the head's input
+    saved_left = sum(saved for saved, *_ in blocks)
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V  # bf16 logits, fp32 log-softmax and their gradients
+    best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
+    grads = start_grads
+    for j, (saved, regen, grad_bytes, transient) in enumerate(reversed(blocks), 1):
+        made = 0.0 if accumulation > 1 else grad_bytes  # this block's fp32 gradients appear as it runs
+        here = TrainerMemory(states, grads + made, saved_left, regen + transient, j)
+        if here.total > best.total:
+            best = here
+        grads += made
+        saved_left -= saved
+    return best

@@ -34,7 +34,7 @@ from xmoe.parallel.expert_parallel import apply_expert_parallel, clip_grad_norm_
 from xmoe.parallel.ssmb import apply_ssmb
 from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import metrics, rundir, safety
+from xmoe.train import metrics, regions, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
 
 log = logging.getLogger(__name__)
@@ -141,10 +141,16 @@ class Trainer:
         model.init_weights(seed=t.seed)
         self.model = model
         self.wrapped = self._parallelize(model)
+        # 3. recompute and compiled regions, from outside, on the parallelised blocks
+        regions.apply_recompute(model, t.recompute)
+        self.compiled = regions.should_compile(t.compile, self.device, run.parallel.ep, run.parallel.tp)
+        if self.compiled:
+            regions.apply_compile(model, self.device)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.wrapped, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
             fused=self.device.type == "cuda",
         )
+        self._params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.step = 0
         if resume:
             self._resume(resume_from, allow_changes)
@@ -231,7 +237,8 @@ class Trainer:
         # one autocast region and one set of expert-weight casts for all micro-batches of the step: the weights do
         # not change within it, so autocast's cast cache and reuse_weight_casts cast each weight once per step
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
-                reuse_weight_casts(self.model):
+                reuse_weight_casts(self.model, torch.bfloat16 if self.autocast else None,
+                                   detach=self.world == 1):
             for micro in range(accum):
                 inputs, targets = next(self.loader)
                 inputs = inputs.to(self.device, non_blocking=True)
@@ -259,6 +266,35 @@ class Trainer:
         for layer, load_E in zip(layers, load_LE):
             layer.update_expert_bias(load_E)
 
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank; also sets the MoE layers' aux-loss scale to match."""
+        accum = self.local_batch // self.micro_batch
+        for layer in self.model.moe_layers():
+            layer.aux_loss_scale = 1.0 / accum  # the LM loss is backpropagated as loss / accum too
+        return accum
+
+    def train_step(self, accum: int, guard: Optional[safety.RunGuard] = None
+                   ) -> tuple[torch.Tensor, dict, torch.Tensor, float]:
+        """One optimizer step: forward and backward over ``accum`` micro-batches, clip, AdamW, expert-bias update.
+        Returns (mean loss, stats, grad norm, lr) as device tensors: nothing here reads them on the host. ``guard``
+        records a non-finite loss or gradient norm (and, under its skip policy, skips the update)."""
+        t = self.run.train
+        self.step += 1
+        lr = lr_at(self.step, self.run)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, stats = self._forward_backward(accum)
+        grad_norm = clip_grad_norm_(self._params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
+        if guard is not None and guard.observe(self.step, loss, grad_norm, self.world):  # skip: update nothing
+            self.optimizer.zero_grad(set_to_none=True)
+            if guard.exhausted:
+                self._stop_nonfinite(guard.check(self.world)[1])
+            return loss, stats, grad_norm, lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._update_expert_bias(stats["load"])
+        return loss, stats, grad_norm, lr
+
     def train(self) -> dict:
         """Run to ``train.steps``; raises safety.RunStopped after a stop signal (a checkpoint saved first) and
         safety.NonFiniteError on a NaN / inf loss or gradient norm (nothing saved after it)."""
@@ -270,30 +306,14 @@ class Trainer:
 
     def _train(self, guard: safety.RunGuard) -> dict:
         t = self.run.train
-        accum = self.local_batch // self.micro_batch
-        for layer in self.model.moe_layers():
-            layer.aux_loss_scale = 1.0 / accum  # the LM loss is backpropagated as loss / accum too
+        accum = self.accumulation_steps()
         if self.rank == 0:
             self._announce(accum)
-        params = [p for p in self.wrapped.parameters() if p.requires_grad]
         window_start, window_steps = time.perf_counter(), 0
         window_rows = torch.zeros((), dtype=torch.long, device=self.device)
         window_load = None
         while self.step < t.steps:
-            self.step += 1
-            lr = lr_at(self.step, self.run)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            loss, stats = self._forward_backward(accum)
-            grad_norm = clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
-            if guard.observe(self.step, loss, grad_norm, self.world):  # skip policy: a non-finite step updates nothing
-                self.optimizer.zero_grad(set_to_none=True)
-                if guard.exhausted:
-                    self._stop_nonfinite(guard.check(self.world)[1])
-            else:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self._update_expert_bias(stats["load"])
+            loss, stats, grad_norm, lr = self.train_step(accum, guard)
             window_steps += 1
             window_rows += stats["rows"]
             if stats["load"] is not None:
@@ -350,8 +370,8 @@ class Trainer:
         where = (f"the last good checkpoint is {last} (continue from it with --resume-from {last})" if last
                  else "no checkpoint was saved before it")
         message = (f"the loss or gradient norm became non-finite at step {first_bad} "
-                   f"(lr {lr_at(first_bad, self.run):.3g}); nothing after it was saved and {where}. Lower --lr, check the data, or let up to N bad steps "
-                   "be skipped with --set train.nonfinite_skips=N")
+                   f"(lr {lr_at(first_bad, self.run):.3g}); nothing after it was saved and {where}. Lower --lr, "
+                   "check the data, or let up to N bad steps be skipped with --set train.nonfinite_skips=N")
         self._finish(status=f"stopped: non-finite loss or gradient norm at step {first_bad}")
         raise safety.NonFiniteError(message)
 
@@ -422,7 +442,8 @@ class Trainer:
             f"({m.num_layers - m.first_k_dense} MoE: {m.moe.num_experts} experts, top-{m.moe.top_k}, "
             f"{m.moe.num_shared_experts} shared), device {self.device}, {self.world} process(es)",
             f"data {self.data_spec}: vocab {self.dataset.vocab_size}, seq {t.seq_len}, global batch "
-            f"{t.global_batch_size} ({self.micro_batch} x {accum} micro-batches x {self.dp_size} ranks)",
+            f"{t.global_batch_size} ({self.micro_batch} x {accum} micro-batches x {self.dp_size} ranks), "
+            f"compiled regions {'on' if self.compiled else 'off'}, recompute {t.recompute}",
         ]
         floor = getattr(self.dataset, "loss_floor", None)
         if floor is not None:
