@@ -1,14 +1,14 @@
 """RBD, redundancy-bypassing hierarchical dispatch: one pilot row per (token, remote node) crosses the network.
 
 # T tokens, H hidden, K top-k, E experts, P ranks in the EP group, E_local = E / P experts per rank (contiguous),
-# L most EP ranks on one node, U rows this rank sends in stage 1, M1 rows it receives there, U2 / M2 the same for
+# Q most EP ranks on one node, U rows this rank sends in stage 1, M1 rows it receives there, U2 / M2 the same for
 # stage 2, M = M1 + M2, N rows its local experts compute. docs/rbd.md walks through the algorithm.
 
 dispatch:
   1. each token's kept slots are sorted by (node, expert). A "unit" is a run on one remote node (a pilot) or on
      one GPU of this rank's own node (a direct row). PILOT RULE: a pilot lands on the GPU hosting the token's
      lowest-numbered expert on that node. A unit carries the token's row once, with its K expert ids masked to it.
-  2. ONE count exchange (equal-split all-to-all of P x (E_local + 1 + 2L) ints: per destination, the flat
+  2. ONE count exchange (equal-split all-to-all of P x (E_local + 1 + 2Q) ints: per destination, the flat
      per-expert counts, the stage-1 rows, and the stage-2 rows each pilot's GPU will forward / receive, which the
      source knows), then ONE host sync of every split size.
   3. stage 1, all-to-all-v over the EP group: pilots cross nodes, direct rows stay inside, rows to self are copied.
@@ -25,7 +25,7 @@ combine, the reverse, every sum in a fixed order (ops.combine_rows: k in order, 
 
 Collectives per layer call: forward 9 (counts; rows + ids in stages 1 and 2; weights in stages 1 and 2; partial
 sums back in stages 2 and 1), backward 6; with one stage 5 and 3 (flat: 3 and 2). Host syncs: ONE, in step 2
-(2P + 2L + 6 ints: all split sizes, the expanded-row count, the counters); combine and backward reuse them. No
+(2P + 2Q + 6 ints: all split sizes, the expanded-row count, the counters); combine and backward reuse them. No
 (tokens x experts) structure: metadata is O(T K + M K) ints, deduplicated by sorting each token's K keys and
 marking run heads, which needs no host sync (torch.unique would).
 
@@ -226,7 +226,7 @@ class HierarchicalDispatcher:
         self.node_of_rank = [labels.index(n) for n in node_of_rank]  # compact node ids 0 .. nodes - 1
         self.ranks_of_node = [[p for p, n in enumerate(self.node_of_rank) if n == m] for m in range(len(labels))]
         self.my_node = self.node_of_rank[self.ep_rank]
-        self.width = max(len(r) for r in self.ranks_of_node)  # L
+        self.width = max(len(r) for r in self.ranks_of_node)  # Q
         self.local_index = [self.ranks_of_node[n].index(p) for p, n in enumerate(self.node_of_rank)]
         # replicas exist only if some node holds two ranks AND some node is remote
         self.two_stage = len(labels) > 1 and self.width > 1
@@ -249,7 +249,7 @@ class HierarchicalDispatcher:
             raise ValueError(
                 f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}")
         ops = get_ops(self.kernel_backend, x_TH.device)
-        dev, P, L, E_loc, me = x_TH.device, self.num_ranks, self.width, self.num_local_experts, self.ep_rank
+        dev, P, Q, E_loc, me = x_TH.device, self.num_ranks, self.width, self.num_local_experts, self.ep_rank
         num_tokens, top_k = plan.row_of_slot_TK.shape
 
         # 1. units of this rank's tokens, from the plan's flat arrays (kept slots only)
@@ -265,8 +265,8 @@ class HierarchicalDispatcher:
         if self.two_stage:
             pilot, target = u.pilot_TK.clamp(min=0), u.rank_TK.clamp(min=0)
             for a, b in ((pilot, target), (target, pilot)):  # (pilot q, its peer r): to q, then to r
-                key = torch.where(u.replica_TK, a * L + local_idx[b], P * L).view(-1)
-                parts.append(count_ids(key, P * L + 1)[:P * L].view(P, L))
+                key = torch.where(u.replica_TK, a * Q + local_idx[b], P * Q).view(-1)
+                parts.append(count_ids(key, P * Q + 1)[:P * Q].view(P, Q))
         send_PC = torch.cat(parts, dim=1)
         recv_PC = exchange_counts(send_PC, self.group)
         tokens_per_expert_local = recv_PC[:, :E_loc].sum(0)
@@ -276,7 +276,7 @@ class HierarchicalDispatcher:
                                (v & ~own).sum(), tokens_per_expert_local.sum()])
         host_parts = [send_PC[:, E_loc], recv_PC[:, E_loc]]
         if self.two_stage:
-            host_parts += [recv_PC[:, E_loc + 1:E_loc + 1 + L].sum(0), recv_PC[:, E_loc + 1 + L:].sum(0)]
+            host_parts += [recv_PC[:, E_loc + 1:E_loc + 1 + Q].sum(0), recv_PC[:, E_loc + 1 + Q:].sum(0)]
         host = torch.cat(host_parts + [scalars]).tolist()  # THE host sync of the layer
         send1, recv1 = host[:P], host[P:2 * P]
         slots, token_nodes, caused, flat_intra, flat_inter, num_rows = host[-6:]
@@ -284,7 +284,7 @@ class HierarchicalDispatcher:
         if self.two_stage:
             send2, recv2 = [0] * P, [0] * P
             for j, peer in enumerate(self.ranks_of_node[self.my_node]):
-                send2[peer], recv2[peer] = host[2 * P + j], host[2 * P + L + j]
+                send2[peer], recv2[peer] = host[2 * P + j], host[2 * P + Q + j]
             splits2 = (send2, recv2)
 
         # 3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit

@@ -2,9 +2,9 @@
 
 FLOP accounting (the one place it is defined)
 ---------------------------------------------
-# B sequences, s seq len, N = B*s tokens, H hidden, L layers (L_moe MoE + L_dense dense), V vocab,
-# n_h heads, n_kv key/value heads, d_h head dim, E experts, k top-k, F expert ffn, F_d dense ffn,
-# S shared experts, R token-expert rows the routed experts actually processed (all MoE layers summed).
+# B sequences, S seq len, T = B*S tokens, H hidden, L layers (L_moe MoE + L_dense dense), V vocab,
+# n_h heads, n_kv key/value heads, d_h head dim, E experts, K top-k, F expert ffn, F_d dense ffn,
+# n_s shared experts, N token-expert rows the routed experts actually processed (all MoE layers summed).
 
 One multiply-accumulate (MAC) is 2 FLOPs; a training step is 3 x the forward FLOPs (the backward pass costs
 2 x forward: gradients w.r.t. activations and w.r.t. weights). Only matmuls count: norms, softmax,
@@ -12,18 +12,18 @@ activations, RoPE, top-k selection and the optimizer are ignored, and activation
 counted (model FLOPs, the MFU convention).
 
 (a) xmoe's formula, forward MACs of one step:
-    attention projections  N * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H)
-    attention QK^T and PV  L * B * n_h * 2 d_h * s (s + 1) / 2     causal: only the s(s+1)/2 (query, key) pairs
-                                                                   with key <= query are counted, not s^2
-    dense FFN (SwiGLU)     N * L_dense * 3 H F_d                   gate, up and down matrices
-    router                 N * L_moe * H E
-    shared experts         N * L_moe * S * 3 H F
-    routed experts         R * 3 H F                               R excludes dropped slots; dropless R = N L_moe k
-    LM head                N * V H                                 the embedding lookup is free
+    attention projections  T * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H)
+    attention QK^T and PV  L * B * n_h * 2 d_h * S (S + 1) / 2     causal: only the S(S+1)/2 (query, key) pairs
+                                                                   with key <= query are counted, not S^2
+    dense FFN (SwiGLU)     T * L_dense * 3 H F_d                   gate, up and down matrices
+    router                 T * L_moe * H E
+    shared experts         T * L_moe * n_s * 3 H F
+    routed experts         N * 3 H F                               N excludes dropped slots; dropless N = T L_moe K
+    LM head                T * V H                                 the embedding lookup is free
     training FLOPs = 2 * 3 * MACs
 
 (b) the paper's formula, kept only to compare with its reported numbers:
-    forward MACs = L * B s (4 H^2 + 2 d_h n_h s + 2 F H k) + B V H s
+    forward MACs = L * B S (4 H^2 + 2 d_h n_h S + 2 F H K) + B V H S
     TFLOP/s      = 2 * 3 * MACs / (time * GPUs) / 1e12
     It counts full (non-causal) attention, two expert matrices instead of SwiGLU's three, every layer as
     a top-k MoE layer, and no router / shared experts / dense layers / drops, so (a) and (b) differ.
@@ -85,18 +85,18 @@ class FlopDims:
 
 def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> dict[str, int]:
     """Forward multiply-accumulates of one step by component, formula (a) above. Integers, exact."""
-    H, s, n = d.hidden_size, d.seq_len, num_sequences * d.seq_len
+    H, S, T = d.hidden_size, d.seq_len, num_sequences * d.seq_len
     num_dense = d.num_layers - d.num_moe_layers
-    if routed_rows is None:  # dropless: every token reaches its k experts in every MoE layer
-        routed_rows = n * d.num_moe_layers * d.top_k
+    if routed_rows is None:  # dropless: every token reaches its K experts in every MoE layer
+        routed_rows = T * d.num_moe_layers * d.top_k
     return {
-        "attn_proj": n * d.num_layers * H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads),
-        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
-        "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
-        "router": n * d.num_moe_layers * H * d.num_experts,
-        "shared_experts": n * d.num_moe_layers * d.num_shared_experts * 3 * H * d.expert_ffn_size,
+        "attn_proj": T * d.num_layers * H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads),
+        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (S * (S + 1) // 2),
+        "dense_ffn": T * num_dense * 3 * H * d.dense_ffn_size,
+        "router": T * d.num_moe_layers * H * d.num_experts,
+        "shared_experts": T * d.num_moe_layers * d.num_shared_experts * 3 * H * d.expert_ffn_size,
         "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
-        "lm_head": n * d.vocab_size * H,
+        "lm_head": T * d.vocab_size * H,
     }
 
 
@@ -107,6 +107,6 @@ def train_flops(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = No
 
 def paper_train_flops(d: FlopDims, num_sequences: int) -> int:
     """Training FLOPs of one step under the paper's formula (b); divide by time * GPUs for TFLOP/s."""
-    H, s, B = d.hidden_size, d.seq_len, num_sequences
-    per_layer = B * s * (4 * H * H + 2 * d.head_dim * d.num_heads * s + 2 * d.expert_ffn_size * H * d.top_k)
-    return 2 * 3 * (d.num_layers * per_layer + B * d.vocab_size * H * s)
+    H, S, B = d.hidden_size, d.seq_len, num_sequences
+    per_layer = B * S * (4 * H * H + 2 * d.head_dim * d.num_heads * S + 2 * d.expert_ffn_size * H * d.top_k)
+    return 2 * 3 * (d.num_layers * per_layer + B * d.vocab_size * H * S)
