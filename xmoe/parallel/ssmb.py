@@ -28,8 +28,8 @@ Gradients of replicated parameters. The ffn norm, router, shared experts and rou
 peers, but each peer now sees only its tokens, so its gradient is a partial sum: left alone the peers' weights drift
 apart after the first optimizer step (the original X-MoE code forgot this reduction). Here every such parameter gets a
 gradient hook that all-reduces its gradient over "tp" before autograd accumulates it; whatever wraps the model
-(nothing, or FSDP2 over "dp" / "dp_ep") then sees the reduced gradient, and gradient accumulation stays exact. The hooks
-are registered at forward time on the tensors the forward really uses (FSDP2 swaps in unsharded parameters), once each.
+(nothing, or FSDP2 over "dp" / "dp_ep") then sees the reduced gradient, and gradient accumulation stays exact
+(``grads.TensorParallelGradAverage``; ``grads.py`` tabulates every scale a gradient receives).
 Cost: 2*(tp-1)/tp times the gradient bytes of router, shared and local experts per backward, on intra-node links.
 
 The hook averages, and the gather's backward multiplies the gradient entering the block by tp (the scatter's backward
@@ -46,7 +46,6 @@ what ``xmoe.plan.memory`` assumes; their gradients are averaged over "tp" like t
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -54,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xmoe.parallel.dims import ParallelDims
-from xmoe.parallel.grads import ScaleGrad
+from xmoe.parallel.grads import ScaleGrad, TensorParallelGradAverage
 
 # recent torch renamed all_gather_into_tensor (keeping it as a deprecated alias); older versions have only that name
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -112,9 +111,8 @@ class SSMBRegion:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.sequence_parallel = sequence_parallel
-        self.num_grad_reductions = 0  # gradients averaged over "tp" so far (tests and benchmarks read it)
+        self.grad_average = TensorParallelGradAverage(group)
         self._shape: Optional[torch.Size] = None
-        self._hooked: dict[int, weakref.ref] = {}  # by id: tensors compare elementwise, so no WeakSet
 
     def enter(self, module: nn.Module, args: tuple):
         h = args[0]
@@ -145,28 +143,15 @@ class SSMBRegion:
         return y_TH.view(shape)
 
     # gradient reduction: forward pre-hook of the MoE layer and of every module inside the region that owns
-    # parameters. Hooks go on whatever parameter objects are registered when a module runs: FSDP2 swaps in unsharded
-    # ones in its own pre-forward (which always runs first), and a fused dispatcher reads the experts' weights
-    # without calling their forward, so both the layer's and each module's view are hooked (once each).
+    # parameters. A fused dispatcher reads the experts' weights without calling their forward, so both the layer's
+    # and each module's view are hooked (once each; grads.TensorParallelGradAverage).
     def hook_params(self, module: nn.Module, args: tuple) -> None:
-        for p in module.parameters():
-            ref = self._hooked.get(id(p))
-            if p.requires_grad and (ref is None or ref() is not p):
-                p.register_hook(self._average_over_tp)
-                self._hooked[id(p)] = weakref.ref(p)
+        self.grad_average.hook_params(module, args)
 
-    def _average_over_tp(self, grad: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        self.num_grad_reductions += 1
-        if isinstance(grad, DTensor):  # expert stacks under EP: the local experts, the same on every TP peer
-            local = grad.to_local() / self.size
-            dist.all_reduce(local, group=self.group)
-            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
-                                      shape=grad.shape, stride=grad.stride())
-        out = grad / self.size  # a new tensor: never modify the buffer autograd handed in
-        dist.all_reduce(out, group=self.group)
-        return out
+    @property
+    def num_grad_reductions(self) -> int:
+        """Gradients averaged over "tp" so far (tests and benchmarks read it)."""
+        return self.grad_average.num_reductions
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
