@@ -50,7 +50,10 @@ def scale_weight_grads(module: nn.Module, scale: float) -> None:
         return (ScaleGrad.apply(args[0], 1.0 / scale), *args[1:])
 
     def scale_output(mod, args, out):
-        return ScaleGrad.apply(out, scale)
+        # a tensor hook, not ScaleGrad: an autograd.Function's identity output is a view, and FSDP2 warns about
+        # (and an in-place op on it would break) a module that returns a view
+        if out.requires_grad:
+            out.register_hook(lambda grad: grad * scale)
 
     module.register_forward_pre_hook(scale_input)
     module.register_forward_hook(scale_output)
