@@ -2,7 +2,8 @@
 
 # T tokens, H hidden, K top-k, E experts, P ranks in the EP group, E_local = E / P experts per rank (contiguous),
 # Q most EP ranks on one node, U rows this rank sends in stage 1, M1 rows it receives there, U2 / M2 the same for
-# stage 2, M = M1 + M2, N rows its local experts compute. docs/rbd.md walks through the algorithm.
+# stage 2, M = M1 + M2, N rows its local experts compute. docs/rbd.md walks through the algorithm; step 1 (units,
+# pilots, replicas) is pure tensor code in rbd_units.py.
 
 dispatch:
   1. each token's kept slots are sorted by (node, expert). A "unit" is a run on one remote node (a pilot) or on
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from xmoe.dispatch.base import TrafficStats, experts_per_rank
 from xmoe.dispatch.comm import all_to_all_plain, all_to_all_rows, exchange_counts
+from xmoe.dispatch.rbd_units import SourceUnits, index_table, rows_by_key, shift_right, source_units
 from xmoe.dispatch.routing import RoutingPlan, count_ids
 from xmoe.kernels import get_ops
 
@@ -77,71 +79,6 @@ class RBDStats(TrafficStats):
 
     def derived(self) -> dict[str, float]:
         return {"rows_intra": self.rows_intra, "redundancy_rate": self.redundancy_rate}
-
-
-@dataclass
-class SourceUnits:
-    """Step 1 for one rank's tokens, in each token's slots sorted by (node, expert) ("sorted layout", (T, K))."""
-
-    perm_TK: torch.Tensor  # sorted position k -> original slot index of the token
-    ids_TK: torch.Tensor  # expert id, -1 for a dropped slot (sorted last)
-    rank_TK: torch.Tensor  # owning EP rank, -1 if dropped
-    valid_TK: torch.Tensor  # kept slot
-    own_TK: torch.Tensor  # the expert is on this rank's node
-    node_head_TK: torch.Tensor  # first slot of a (token, node) run: count = distinct (token, node) pairs
-    unit_head_TK: torch.Tensor  # first slot of a unit: a stage-1 row to rank_TK
-    unit_head_k_TK: torch.Tensor  # k of the head of the slot's unit
-    replica_TK: torch.Tensor  # first slot of a (token, GPU) run on a remote node that is not the pilot's GPU
-    pilot_TK: torch.Tensor  # rank of the pilot of the slot's node run
-
-
-def source_units(expert_ids_TK: torch.Tensor, node_of_expert_E: torch.Tensor, num_nodes: int,
-                 num_local_experts: int, my_node: int) -> SourceUnits:
-    """Units, pilots and replicas of a routing (pure; -1 marks a dropped slot; nodes numbered 0 .. num_nodes - 1).
-    Sorting by node * E + expert makes a node's slots contiguous with its lowest expert first (the pilot rule),
-    whatever the rank-to-node map."""
-    num_tokens, top_k = expert_ids_TK.shape
-    num_experts = node_of_expert_E.numel()
-    valid = expert_ids_TK >= 0
-    ids = expert_ids_TK.clamp(min=0)
-    sentinel = num_nodes * num_experts  # sorts after every kept slot
-    key_TK = torch.where(valid, node_of_expert_E[ids] * num_experts + ids, sentinel)
-    key_TK, perm_TK = torch.sort(key_TK, dim=1, stable=True)
-    valid = key_TK < sentinel
-    ids_TK = torch.where(valid, key_TK % num_experts, -1)
-    rank_TK = torch.where(valid, ids_TK // num_local_experts, -1)
-    node_TK = torch.where(valid, key_TK // num_experts, -1)
-    node_head = valid & (node_TK != _shift_right(node_TK))
-    rank_head = valid & (rank_TK != _shift_right(rank_TK))
-    own = valid & (node_TK == my_node)
-    unit_head = torch.where(own, rank_head, node_head)
-    arange_K = torch.arange(top_k, device=ids.device).expand(num_tokens, top_k)
-    pilot_k = torch.where(node_head, arange_K, -1).cummax(dim=1).values.clamp(min=0)
-    return SourceUnits(
-        perm_TK=perm_TK, ids_TK=ids_TK, rank_TK=rank_TK, valid_TK=valid, own_TK=own, node_head_TK=node_head,
-        unit_head_TK=unit_head,
-        unit_head_k_TK=torch.where(unit_head, arange_K, -1).cummax(dim=1).values.clamp(min=0),
-        replica_TK=rank_head & ~own & ~node_head,
-        pilot_TK=rank_TK.gather(1, pilot_k),
-    )
-
-
-def _shift_right(x_TK: torch.Tensor) -> torch.Tensor:
-    """x shifted one slot right with -2 in front: compared with x it marks the heads of equal-value runs."""
-    return torch.cat([torch.full_like(x_TK[:, :1], -2), x_TK[:, :-1]], dim=1)
-
-
-def _rows_by_key(key_flat: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Flat positions of the first ``num_rows`` entries in stable key order: the entries whose key is below the
-    sentinel, ordered (key, position). ``num_rows`` comes from the host sync, so no nonzero() sync here."""
-    return torch.argsort(key_flat, stable=True)[:num_rows]
-
-
-def _index_table(positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """(rows, K) table: table.flat[positions[i]] = i, -1 elsewhere (positions are distinct: no accumulation)."""
-    table = torch.full((shape[0] * shape[1],), -1, dtype=torch.long, device=positions.device)
-    table[positions] = torch.arange(positions.numel(), device=positions.device)
-    return table.view(shape)
 
 
 @dataclass
@@ -349,9 +286,9 @@ class HierarchicalDispatcher:
         """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit."""
         send, recv = splits
         num_tokens, top_k = units.ids_TK.shape
-        unit_slot = _rows_by_key(key1, sum(send))
+        unit_slot = rows_by_key(key1, sum(send))
         token_of_unit = unit_slot // top_k
-        table_src = _index_table(unit_slot, (num_tokens, top_k))
+        table_src = index_table(unit_slot, (num_tokens, top_k))
         unit_of_slot = torch.where(units.valid_TK, table_src.gather(1, units.unit_head_k_TK), -1)
         in_unit = unit_of_slot[token_of_unit] == torch.arange(unit_slot.numel(), device=x_TH.device)[:, None]
         ids_send = torch.where(in_unit, units.ids_TK[token_of_unit], -1).to(torch.int32)
@@ -369,11 +306,11 @@ class HierarchicalDispatcher:
         device, num_local, ep_rank = x1.device, self.num_local_experts, self.ep_rank
         valid1 = ids1 >= 0
         rank1 = torch.where(valid1, ids1 // num_local, -1)
-        head1 = valid1 & (rank1 != _shift_right(rank1))
+        head1 = valid1 & (rank1 != shift_right(rank1))
         own_head = head1 & (rank1 == ep_rank)  # exactly one per row: the pilot rule puts the row on a host
-        rep_slot = _rows_by_key(torch.where(head1 & ~own_head, rank1, self.num_ranks).view(-1), sum(send))
+        rep_slot = rows_by_key(torch.where(head1 & ~own_head, rank1, self.num_ranks).view(-1), sum(send))
         rep_src = rep_slot // top_k
-        table_rep = _index_table(rep_slot, (num_recv1, top_k))
+        table_rep = index_table(rep_slot, (num_recv1, top_k))
         rep_mask = rank1[rep_src] == rank1.view(-1)[rep_slot][:, None]
         ids2_send = torch.where(rep_mask, ids1[rep_src], -1).to(torch.int32)
         x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), recv, send, self.group)
@@ -394,8 +331,8 @@ class HierarchicalDispatcher:
         """5. expand to local experts, expert-major: the same (key, position) sort, keys = local expert ids."""
         num_local, ep_rank, top_k = self.num_local_experts, self.ep_rank, ids_MK.shape[1]
         local = (ids_MK >= 0) & (ids_MK // num_local == ep_rank)
-        slot_ids = _rows_by_key(torch.where(local, ids_MK - ep_rank * num_local, num_local).view(-1), num_rows)
-        table_loc = _index_table(slot_ids, tuple(ids_MK.shape))
+        slot_ids = rows_by_key(torch.where(local, ids_MK - ep_rank * num_local, num_local).view(-1), num_rows)
+        table_loc = index_table(slot_ids, tuple(ids_MK.shape))
         x_NH = ops.gather_rows(x_MH, slot_ids // top_k, table_loc)
         return x_NH, _LocalRows(token_ids_N=slot_ids // top_k, slot_ids_N=slot_ids, table_loc_MK=table_loc)
 
