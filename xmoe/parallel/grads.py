@@ -6,13 +6,23 @@ The target: each parameter's gradient is that of the GLOBAL loss, the mean over 
 their per-token losses, averaged over the A micro-batches of a step. Each rank backpropagates loss / A of its own
 micro-batch (the trainer), and the rest follows from where a parameter lives:
 
-| parameter | its local gradient | scale applied here / by the wrapper | result |
-|---|---|---|---|
-| dense (attention, norms, embedding, head, dense FFN) | this rank's tokens | FSDP2 / DDP average over "dp_ep" (dp x ep ranks) | global mean |
-| TP-split dense weights (DTensors on "tp") | partial sums, reduced by DTensor over "tp" | none | as dense |
-| routed experts under EP | SUM over the ep ranks of the EP group (the dispatch all-to-all's backward brings every rank's rows home) | x 1/ep (``scale_weight_grads``), then FSDP2 averages over "dp" | global mean |
-| MoE block under SSMB (ffn norm, router, shared and routed experts) | this TP slice's tokens only | the block's input / output gradients x tp / x 1/tp (``ScaleGrad``, or SSMB's scatter and gather), then the average over "tp" (``TensorParallelGradAverage``) | the full micro-batch's sum over the slices, as without SSMB |
-| auxiliary losses (balance, z) attached by MoELayer | fixed gradient ``aux_loss_scale`` | 1 / A (``set_accumulation_scale``), like the LM loss | the mean over micro-batches |
+  dense weights (attention, norms, embedding, head, dense FFN)
+      local gradient: from this rank's tokens
+      scaled by: the wrapper's average over "dp_ep" (FSDP2, or DDP at ep = tp = 1)        -> the global mean
+  TP-split dense weights (DTensors on "tp")
+      local gradient: partial sums that DTensor reduces over "tp"; then as dense weights  -> the global mean
+  routed experts under EP
+      local gradient: the SUM over the ep ranks of the EP group (the dispatch all-to-all's backward brings every
+      rank's rows home)
+      scaled by: 1 / ep (``scale_weight_grads``), then FSDP2's average over "dp"          -> the global mean
+  the MoE block under SSMB (ffn norm, router, shared and routed experts)
+      local gradient: this TP slice's tokens only
+      scaled by: tp into the block's output gradient and 1 / tp out of its input gradient (SSMB's gather and
+      scatter, or ``ScaleGrad``), then the average over "tp" (``TensorParallelGradAverage``)
+                                                              -> the full micro-batch's, as without SSMB
+  auxiliary losses (balance, z) attached by MoELayer
+      fixed gradient ``aux_loss_scale`` = 1 / A (``set_accumulation_scale``), as the LM loss's
+                                                              -> the mean over the step's micro-batches
 
 FSDP2's ``set_gradient_divide_factor`` could fold the 1/ep into its reduction, but with dp == 1 (no reduce-scatter)
 its handling differs across torch versions and dtypes (torch 2.13 divides twice in float64), so the expert scale is
