@@ -85,18 +85,18 @@ class FlopDims:
 
 def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> dict[str, int]:
     """Forward multiply-accumulates of one step by component, formula (a) above. Integers, exact."""
-    H, S, T = d.hidden_size, d.seq_len, num_sequences * d.seq_len
+    H, s, n = d.hidden_size, d.seq_len, num_sequences * d.seq_len
     num_dense = d.num_layers - d.num_moe_layers
-    if routed_rows is None:  # dropless: every token reaches its K experts in every MoE layer
-        routed_rows = T * d.num_moe_layers * d.top_k
+    if routed_rows is None:  # dropless: every token reaches its k experts in every MoE layer
+        routed_rows = n * d.num_moe_layers * d.top_k
     return {
-        "attn_proj": T * d.num_layers * H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads),
-        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (S * (S + 1) // 2),
-        "dense_ffn": T * num_dense * 3 * H * d.dense_ffn_size,
-        "router": T * d.num_moe_layers * H * d.num_experts,
-        "shared_experts": T * d.num_moe_layers * d.num_shared_experts * 3 * H * d.expert_ffn_size,
+        "attn_proj": n * d.num_layers * H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads),
+        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
+        "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
+        "router": n * d.num_moe_layers * H * d.num_experts,
+        "shared_experts": n * d.num_moe_layers * d.num_shared_experts * 3 * H * d.expert_ffn_size,
         "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
-        "lm_head": T * d.vocab_size * H,
+        "lm_head": n * d.vocab_size * H,
     }
 
 
@@ -107,6 +107,6 @@ def train_flops(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = No
 
 def paper_train_flops(d: FlopDims, num_sequences: int) -> int:
     """Training FLOPs of one step under the paper's formula (b); divide by time * GPUs for TFLOP/s."""
-    H, S, B = d.hidden_size, d.seq_len, num_sequences
-    per_layer = B * S * (4 * H * H + 2 * d.head_dim * d.num_heads * S + 2 * d.expert_ffn_size * H * d.top_k)
-    return 2 * 3 * (d.num_layers * per_layer + B * d.vocab_size * H * S)
+    H, s, B = d.hidden_size, d.seq_len, num_sequences
+    per_layer = B * s * (4 * H * H + 2 * d.head_dim * d.num_heads * s + 2 * d.expert_ffn_size * H * d.top_k)
+    return 2 * 3 * (d.num_layers * per_layer + B * d.vocab_size * H * s)
