@@ -2,23 +2,23 @@
 
 # T tokens per rank per micro-batch (micro_batch * seq), H hidden, F expert ffn, E experts, K top-k,
 # N routed rows a rank computes (T_moe * K when dropless), C capacity per expert (padded baseline), V vocab
-# W world (GPUs), D data-parallel degree, P expert-parallel degree, S tensor-parallel degree (W = D * P * S)
+# W world (GPUs), dp / ep / tp the data-, expert- and tensor-parallel degrees (W = dp * ep * tp)
 
 Conventions (docs/planning.md gives the reasons and the comparison with the paper):
   * Mixed precision, ZeRO-3 / FSDP full sharding: bf16 parameters (2 B) and gradients (2 B), AdamW state in
     fp32 (master copy, exp_avg, exp_avg_sq: 12 B), all three sharded. Dense parameters (attention, embedding,
     head, norms, router, shared experts) are first split by TP where Megatron splits them (attention, dense
-    FFN, vocab-parallel embedding and head) and then sharded over the "dp_ep" axis (D * P ranks). Routed
-    experts are split by EP (E / P per rank) and sharded over the "dp" axis (D ranks), the expert
-    data-parallel group of xmoe/parallel/dims.py; the S ranks of a TP group hold copies of the same experts.
+    FFN, vocab-parallel embedding and head) and then sharded over the "dp_ep" axis (dp * ep ranks). Routed
+    experts are split by EP (E / ep per rank) and sharded over the "dp" axis (dp ranks), the expert
+    data-parallel group of xmoe/parallel/dims.py; the tp ranks of a TP group hold copies of the same experts.
     Sharding costs a working set: two layers' unsharded bf16 weights (the one computing and the prefetched
     one) plus one layer's unsharded bf16 gradient before its reduce-scatter.
   * Activations are what autograd saves in xmoe's own code (xmoe/model/transformer.py, xmoe/moe/, the Triton
     kernels), counted tensor by tensor in the functions below; b = bytes per activation element (2, bf16).
     TP (without sequence parallelism) replicates the residual stream: norms and the inputs of the
     column-parallel projections are full size on every TP rank, the head-parallel parts (q, k, v, attention
-    output, log-sum-exp) are 1/S. The MoE block (ffn norm, router, buffers, experts, shared experts) is
-    replicated over TP without SSMB and runs on T/S tokens with SSMB.
+    output, log-sum-exp) are 1/tp. The MoE block (ffn norm, router, buffers, experts, shared experts) is
+    replicated over TP without SSMB and runs on T/tp tokens with SSMB.
   * Recompute: "none" keeps everything; "moe" checkpoints every MoE block (keeps its b*T_moe*H input);
     "full" checkpoints every block (keeps its b*T*H input). Peak = saved activations of all layers +
     max(one layer's activations again as gradients in flight (+ the recomputed layer), the loss chunk).
@@ -82,7 +82,7 @@ def capacity(moe: MoEConfig, num_tokens: int, capacity_factor: Optional[float] =
 def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False,
                     capacity_factor: Optional[float] = None, imbalance: float = 1.0, kernel: str = "triton",
                     b: int = 2) -> dict[str, float]:
-    """Bytes one MoE block saves for T tokens (T is already T/S under SSMB).
+    """Bytes one MoE block saves for T tokens (T is already T/tp under SSMB).
 
     PFT: the dispatch and combine buffers are N*H each with N = T*K routed rows (the paper's
     A_dispatch = A_combine = s*k*h*m), capped at E*C kept rows with a capacity factor; ``imbalance`` scales the
@@ -139,7 +139,7 @@ class MemoryBreakdown:
     capacity_factor: Optional[float]
     ssmb: bool
     tokens: int  # T: tokens per rank per micro-batch
-    moe_tokens: int  # tokens the MoE block of this rank processes (T / S under SSMB)
+    moe_tokens: int  # tokens the MoE block of this rank processes (T / tp under SSMB)
     dense_params: float  # parameters of this GPU's shard (counts, not bytes)
     expert_params: float
     params: float
@@ -210,38 +210,84 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
         raise ValueError(f"imbalance ({imbalance}) is max/mean rows per rank and must be >= 1")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     _validate(cfg, parallel, micro_batch, seq_len, ssmb)
-    S, P, D, b = parallel.tp, parallel.ep, parallel.dp, act_bytes
-    H, L, V, moe = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.moe
-    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
+    tp, b = parallel.tp, act_bytes
+    params = _parameter_shards(cfg, parallel)
+    T = micro_batch * seq_len
+    T_moe = T // tp if ssmb and tp > 1 else T
+    act = _activations(cfg, parallel, T, T_moe, recompute, padded, capacity_factor, imbalance, kernel, b)
+    rows = act.moe_layer.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
+    notes = []
+    if tp > 1 and not ssmb:
+        notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {T} tokens")
+    if imbalance == 1.0 and not padded:
+        notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
+    local = params.dense + params.experts
+    return MemoryBreakdown(
+        name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+        padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and tp > 1, tokens=T, moe_tokens=T_moe,
+        dense_params=params.dense, expert_params=params.experts, params=PARAM_BYTES * local,
+        grads=GRAD_BYTES * local, optimizer=ADAM_BYTES * local, gathered=params.gathered,
+        activations=act.saved, working=act.working, reserve=reserve_gib * GIB,
+        traffic=_traffic(cfg, parallel, params, rows, b), attention_layer=act.attention_layer,
+        ffn_layer=act.moe_layer or act.dense_layer, notes=tuple(notes),
+    )
 
-    # 1. parameters: TP split, then ZeRO-3 sharding (dense over dp_ep, experts over dp)
+
+@dataclass(frozen=True)
+class _ParamShards:
+    dense_unsharded: float  # dense parameters after the TP split, before ZeRO-3 sharding
+    dense: float  # this GPU's shard of the dense parameters
+    experts: float  # this GPU's shard of the routed experts
+    gathered: float  # bytes of the unsharded working set (weights in flight, one layer's gradient)
+
+
+def _parameter_shards(cfg: ModelConfig, parallel: ParallelConfig) -> _ParamShards:
+    """1. parameters: TP split, then ZeRO-3 sharding (dense over dp_ep, experts over dp)."""
+    tp, ep, dp = parallel.tp, parallel.ep, parallel.dp
+    H, V, moe = cfg.hidden_size, cfg.vocab_size, cfg.moe
+    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
     parts = count_params(cfg, expert_matrices=3).total_by_part
     tp_split = parts["attention"] + parts["dense_ffn"] + parts["embedding"] + parts["head"]
     replicated = parts["norms"] + parts["router"] + parts["shared_experts"]
-    dense_unsharded = tp_split / S + replicated
-    dense = dense_unsharded / (D * P)
-    experts = parts["routed_experts"] / P / D
-    local = dense + experts
+    dense_unsharded = tp_split / tp + replicated
     # unsharded working set: this rank's biggest layer (dense part gathered over dp_ep, experts over dp), or
     # the vocab-parallel embedding / head, whichever is larger
-    expert_layer = (moe.num_experts // P) * 3 * H * moe.ffn_hidden_size if D > 1 else 0
-    sharded_dense = D * P > 1
-    moe_layer = 4 * H * H / S + 2 * H + moe.num_experts * H + moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
-    dense_layer = 4 * H * H / S + 2 * H + 3 * H * cfg.ffn_hidden_size / S
+    expert_layer = (moe.num_experts // ep) * 3 * H * moe.ffn_hidden_size if dp > 1 else 0
+    sharded_dense = dp * ep > 1
+    moe_layer = 4 * H * H / tp + 2 * H + moe.num_experts * H + moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    dense_layer = 4 * H * H / tp + 2 * H + 3 * H * cfg.ffn_hidden_size / tp
     biggest = max(
         (moe_layer * sharded_dense + expert_layer) if n_moe else 0,
         dense_layer * sharded_dense if n_dense else 0,
-        V * H / S * sharded_dense,
+        V * H / tp * sharded_dense,
     )
-    gathered = 3 * PARAM_BYTES * biggest  # two layers' weights in flight + one layer's unsharded gradient
+    return _ParamShards(
+        dense_unsharded=dense_unsharded,
+        dense=dense_unsharded / (dp * ep),
+        experts=parts["routed_experts"] / ep / dp,
+        gathered=3 * PARAM_BYTES * biggest,  # two layers' weights in flight + one layer's unsharded gradient
+    )
 
-    # 2. activations per layer
-    T = micro_batch * seq_len
-    T_moe = T // S if ssmb and S > 1 else T
-    attn = attention_activations(T, H, cfg.num_heads, S, b)
-    moe_act = moe_activations(moe, T_moe, ep=P, padded=padded, capacity_factor=capacity_factor,
+
+@dataclass(frozen=True)
+class _Activations:
+    attention_layer: dict[str, float]
+    moe_layer: dict[str, float]
+    dense_layer: dict[str, float]
+    saved: float  # over all layers, plus the final norm and the head's input
+    working: float  # transient peak on top of ``saved``
+
+
+def _activations(cfg: ModelConfig, parallel: ParallelConfig, T: int, T_moe: int, recompute: str, padded: bool,
+                 capacity_factor: Optional[float], imbalance: float, kernel: str, b: int) -> _Activations:
+    """2. activations per layer, saved over all layers under ``recompute``, and the transient working peak."""
+    tp, ep = parallel.tp, parallel.ep
+    H, V, moe = cfg.hidden_size, cfg.vocab_size, cfg.moe
+    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
+    attn = attention_activations(T, H, cfg.num_heads, tp, b)
+    moe_act = moe_activations(moe, T_moe, ep=ep, padded=padded, capacity_factor=capacity_factor,
                               imbalance=imbalance, kernel=kernel, b=b) if n_moe else {}
-    dense_act = dense_ffn_activations(T, H, cfg.ffn_hidden_size, S, b) if n_dense else {}
+    dense_act = dense_ffn_activations(T, H, cfg.ffn_hidden_size, tp, b) if n_dense else {}
     attn_sum, moe_sum, dense_sum = sum(attn.values()), sum(moe_act.values()), sum(dense_act.values())
     if recompute == "none":
         saved = n_moe * (attn_sum + moe_sum) + n_dense * (attn_sum + dense_sum)
@@ -250,33 +296,27 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
         saved = n_moe * (attn_sum + b * T_moe * H) + n_dense * (attn_sum + dense_sum)
         regen = moe_sum
     else:
-        saved = L * b * T * H
+        saved = cfg.num_layers * b * T * H
         regen = attn_sum + max(moe_sum, dense_sum)
     saved += norm_activations(T, H) + b * T * H  # final norm, head input
     layer_max = attn_sum + max(moe_sum, dense_sum)
-    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V / S  # bf16 logits, fp32 log-softmax, their gradients
-    working = max(layer_max + regen, loss_chunk)
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V / tp  # bf16 logits, fp32 log-softmax, their gradients
+    return _Activations(attention_layer=attn, moe_layer=moe_act, dense_layer=dense_act, saved=saved,
+                        working=max(layer_max + regen, loss_chunk))
 
-    rows = moe_act.get("dispatch_buffer", 0.0) / b / H  # rows a rank computes (E*C when padded)
-    traffic = {
-        "zero3_dense": _zero3_bytes(dense_unsharded, D * P),
-        "zero3_experts": _zero3_bytes(parts["routed_experts"] / P, D),
-        # dispatch + combine, forward and backward; (P-1)/P of the rows leave the GPU
-        "all_to_all": 4 * n_moe * rows * H * b * (P - 1) / P,
+
+def _traffic(cfg: ModelConfig, parallel: ParallelConfig, params: _ParamShards, rows: float,
+             b: int) -> dict[str, float]:
+    """3. bytes each GPU sends per micro-batch: ZeRO-3 collectives and the expert all-to-alls."""
+    ep, dp = parallel.ep, parallel.dp
+    n_moe = cfg.num_layers - cfg.first_k_dense
+    routed = count_params(cfg, expert_matrices=3).total_by_part["routed_experts"]
+    return {
+        "zero3_dense": _zero3_bytes(params.dense_unsharded, dp * ep),
+        "zero3_experts": _zero3_bytes(routed / ep, dp),
+        # dispatch + combine, forward and backward; (ep-1)/ep of the rows leave the GPU
+        "all_to_all": 4 * n_moe * rows * cfg.hidden_size * b * (ep - 1) / ep,
     }
-    notes = []
-    if S > 1 and not ssmb:
-        notes.append(f"without SSMB all {S} TP ranks run the MoE block on the same {T} tokens")
-    if imbalance == 1.0 and not padded:
-        notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
-    return MemoryBreakdown(
-        name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-        padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and S > 1, tokens=T, moe_tokens=T_moe,
-        dense_params=dense, expert_params=experts, params=PARAM_BYTES * local, grads=GRAD_BYTES * local,
-        optimizer=ADAM_BYTES * local, gathered=gathered, activations=saved, working=working,
-        reserve=reserve_gib * GIB, traffic=traffic, attention_layer=attn, ffn_layer=moe_act or dense_act,
-        notes=tuple(notes),
-    )
 
 
 def ep_group_nodes(parallel: ParallelConfig) -> int:

@@ -31,6 +31,7 @@ from xmoe.model.transformer import Transformer
 from xmoe.moe.experts import reuse_weight_casts
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import apply_expert_parallel, clip_grad_norm_
+from xmoe.parallel.grads import set_accumulation_scale
 from xmoe.parallel.ssmb import apply_ssmb
 from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
@@ -269,8 +270,7 @@ class Trainer:
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step on each rank; also sets the MoE layers' aux-loss scale to match."""
         accum = self.local_batch // self.micro_batch
-        for layer in self.model.moe_layers():
-            layer.aux_loss_scale = 1.0 / accum  # the LM loss is backpropagated as loss / accum too
+        set_accumulation_scale(self.model, accum)  # the LM loss is backpropagated as loss / accum too
         return accum
 
     def train_step(self, accum: int, guard: Optional[safety.RunGuard] = None
