@@ -45,8 +45,10 @@ CASES = {
     "moe8_b64_eager": _case(8, 64, 8, "--compile", "off"),
     "moe8_b64_compiled": _case(8, 64, 8, "--compile", "on"),
     "moe8_b64_compiled_mb16": _case(8, 64, 16, "--compile", "on"),
+    "moe8_b64_compiled_mb32": _case(8, 64, 32, "--compile", "on"),
     "moe8_b64_compiled_torch": _case(8, 64, 8, "--compile", "on", "--kernel-backend", "torch"),
     "moe8_b64_compiled_moe_recompute": _case(8, 64, 8, "--compile", "on", "--recompute", "moe"),
+    "moe8_b64_compiled_full_recompute": _case(8, 64, 8, "--compile", "on", "--recompute", "full"),
     "moe8_b64_compiled_full_recompute_mb16": _case(8, 64, 16, "--compile", "on", "--recompute", "full"),
     "dense8_b64_eager": _case(8, 64, 8, "--compile", "off", *DENSE),
     "dense8_b64_compiled": _case(8, 64, 8, "--compile", "on", *DENSE),
@@ -85,6 +87,7 @@ def main() -> None:
                    help=f"which cases (default all): {', '.join(CASES)}")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per case (default 12)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    p.add_argument("--stem", default="bench_train", help="results file name without extension (default bench_train)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_train: skipped, no CUDA GPU")
@@ -96,7 +99,7 @@ def main() -> None:
     columns = ["case", "layers", "batch", "micro", "tokens_per_s", "tflops", "mfu_pct", "peak_mem_gib", "loss",
                "wall_s", "error"]
     os.environ[RESULTS_ENV] = args.out
-    write_results("bench_train", rows, columns, environment(),
+    write_results(args.stem, rows, columns, environment(),
                   "xmoe train on one GPU, small preset shape, seq 2048",
                   notes="Per row: the command in bench_train.json; tflops: xmoe's formula; averages over the logged "
                         "windows after the first.")
