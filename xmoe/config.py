@@ -15,6 +15,8 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
 DispatcherName = Literal["pft", "padded", "rbd"]
 AuxLossType = Literal["batch", "seq"]
+AttentionKind = Literal["mha", "mla"]
+QKNorm = Literal["none", "head", "proj"]
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -145,7 +147,18 @@ class ParallelConfig:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer whose FFNs after the first ``first_k_dense`` layers are MoE blocks."""
+    """A decoder-only transformer whose FFNs after the first ``first_k_dense`` layers are MoE blocks.
+
+    Attention (xmoe/model/attention.py), ``attention``:
+      "mha"  multi-head attention with ``num_kv_heads`` key/value heads (grouped-query when fewer than
+             ``num_heads``; 0 = num_heads) of width ``attn_head_dim`` (0 = hidden_size / num_heads). ``qk_norm``:
+             "head" RMS-normalises each head of q and k (Qwen3), "proj" the whole q and k projections (OLMoE).
+      "mla"  multi-head latent attention (DeepSeek-V2/V3): q through a rank-``q_lora_rank`` bottleneck (0: one
+             projection), keys and values from a rank-``kv_lora_rank`` latent, each head's query/key made of
+             ``qk_nope_head_dim`` features without positions and ``qk_rope_head_dim`` rotary features (the rotary
+             key shared by all heads), values ``v_head_dim`` wide. The latents are RMS-normalised with
+             ``latent_norm_eps``.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -159,18 +172,26 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    attention: AttentionKind = "mha"
+    num_kv_heads: int = 0
+    attn_head_dim: int = 0
+    qk_norm: QKNorm = "none"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    latent_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
             _positive(name, getattr(self, name))
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
-            )
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(
-                f"head_dim ({self.hidden_size // self.num_heads}) must be even for rotary embeddings"
-            )
+        if self.attention == "mla":
+            self._check_mla()
+        elif self.attention == "mha":
+            self._check_mha()
+        else:
+            raise ValueError(f"attention ({self.attention!r}) must be 'mha' or 'mla'")
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"first_k_dense ({self.first_k_dense}) must be in [0, num_layers={self.num_layers}]")
         if self.moe.hidden_size != self.hidden_size:
@@ -181,9 +202,63 @@ class ModelConfig:
             self.ffn_hidden_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
         _positive("ffn_hidden_size", self.ffn_hidden_size)
 
+    def _check_mha(self) -> None:
+        for name in ("num_kv_heads", "attn_head_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0 (0: the default)")
+        if self.attn_head_dim == 0 and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}), "
+                "or set attn_head_dim"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}): each key/value "
+                "head serves an equal group of query heads"
+            )
+        if self.qk_norm not in ("none", "head", "proj"):
+            raise ValueError(f"qk_norm ({self.qk_norm!r}) must be 'none', 'head' (Qwen3) or 'proj' (OLMoE)")
+        mla_only = [n for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                    if getattr(self, n)]
+        if mla_only:
+            raise ValueError(f"{', '.join(mla_only)} only apply with attention='mla'; set attention='mla' or leave "
+                             "them 0")
+
+    def _check_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            _positive(name, getattr(self, name))
+        for name in ("q_lora_rank", "qk_nope_head_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for rotary embeddings")
+        if self.num_kv_heads or self.attn_head_dim or self.qk_norm != "none":
+            raise ValueError(
+                "num_kv_heads, attn_head_dim and qk_norm do not apply to attention='mla' (its widths are "
+                "qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave them at 0 / 'none'"
+            )
+        _positive("latent_norm_eps", self.latent_norm_eps)
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Width of one query/key head (nope + rope features under MLA)."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.attn_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (num_kv_heads, or num_heads when 0; MLA expands its latent to every head)."""
+        if self.attention == "mla":
+            return self.num_heads
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Features of a head that the rotary embedding turns."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
 
 @dataclass

@@ -56,6 +56,21 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """The model-shape conditions of TP degree ``tp`` (ValueError naming the value and the fix)."""
     if tp < 1:
         raise ValueError(f"tp ({tp}) must be >= 1")
+    if cfg.attention == "mla":
+        raise ValueError(
+            "attention='mla' has no tensor-parallel plan yet (its latent projections are not split by heads); "
+            "use tp=1 with expert and data parallelism"
+        )
+    if cfg.qk_norm == "proj" and tp > 1:
+        raise ValueError(
+            "qk_norm='proj' normalises the whole q and k projections, which tp splits over ranks; use tp=1 or "
+            "qk_norm='head'"
+        )
+    if cfg.kv_heads % tp:
+        raise ValueError(
+            f"num_kv_heads ({cfg.kv_heads}) must be divisible by tp ({tp}): each TP rank holds kv_heads / tp "
+            "key/value heads; lower tp"
+        )
     if cfg.num_heads % tp:
         divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
         raise ValueError(

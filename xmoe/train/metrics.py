@@ -76,6 +76,7 @@ class FlopDims:
     num_shared_experts: int = 0
     head_dim: int = 0
     num_kv_heads: int = 0
+    attn_proj_params: int = 0  # one layer's attention matrix parameters (0: from heads; MLA sets it)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
@@ -98,7 +99,21 @@ class FlopDims:
             expert_ffn_size=model.moe.ffn_hidden_size,
             dense_ffn_size=model.ffn_hidden_size,
             num_shared_experts=model.moe.num_shared_experts,
+            head_dim=model.head_dim,
+            num_kv_heads=model.kv_heads,
+            attn_proj_params=attention_matrix_params(model) if model.attention == "mla" else 0,
         )
+
+
+def attention_matrix_params(model: Any) -> int:
+    """Matrix parameters of one layer's attention (= its projection MACs per token), from a ModelConfig."""
+    H, N, D = model.hidden_size, model.num_heads, model.head_dim
+    if model.attention != "mla":
+        return H * D * (2 * N + 2 * model.kv_heads)
+    q_rank, kv_rank, R = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+    q = H * q_rank + q_rank * N * D if q_rank else H * N * D
+    kv = H * (kv_rank + R) + kv_rank * N * (model.qk_nope_head_dim + model.v_head_dim)
+    return q + kv + N * model.v_head_dim * H
 
 
 def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> dict[str, int]:
@@ -108,7 +123,7 @@ def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = N
     if routed_rows is None:  # dropless: every token reaches its k experts in every MoE layer
         routed_rows = n * d.num_moe_layers * d.top_k
     return {
-        "attn_proj": n * d.num_layers * H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads),
+        "attn_proj": n * d.num_layers * (d.attn_proj_params or H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)),
         "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
         "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
         "router": n * d.num_moe_layers * H * d.num_experts,
