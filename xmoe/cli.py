@@ -1,4 +1,4 @@
-"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`."""
+"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`, `xmoe export | eval | generate`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     if plan_cli is not None:
         plan_cli.add_arguments(sub.add_parser("plan", help="memory and communication models (no GPU needed)"))
 
+    from xmoe.hf import cli as hf_cli
+
+    hf_cli.add_export_arguments(sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory"))
+    hf_cli.add_eval_arguments(sub.add_parser("eval", help="loss, perplexity and bits per byte on a data file"))
+    hf_cli.add_generate_arguments(sub.add_parser("generate", help="KV-cached greedy / temperature / top-p sampling"))
+
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
@@ -34,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
             bench.run(args)
         elif args.command == "plan":
             plan_cli.run(args)
+        else:
+            {"export": hf_cli.run_export, "eval": hf_cli.run_eval, "generate": hf_cli.run_generate}[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"xmoe {args.command}: error: {exc}", file=sys.stderr)
         sys.exit(2)
