@@ -109,7 +109,7 @@ def test_bf16_import_keeps_weights_close(tmp_path) -> None:
 
 
 def test_xmoe_never_imports_transformers() -> None:
-    code = ("import sys, xmoe, xmoe.hf, xmoe.cli, xmoe.model.generate; "
+    code = ("import sys, xmoe, xmoe.hf, xmoe.cli, xmoe.infer, xmoe.model.generate, xmoe.train.trainer; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

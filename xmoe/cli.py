@@ -26,11 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     if plan_cli is not None:
         plan_cli.add_arguments(sub.add_parser("plan", help="memory and communication models (no GPU needed)"))
 
-    from xmoe.hf import cli as hf_cli
+    from xmoe import infer as infer_cli
 
-    hf_cli.add_export_arguments(sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory"))
-    hf_cli.add_eval_arguments(sub.add_parser("eval", help="loss, perplexity and bits per byte on a data file"))
-    hf_cli.add_generate_arguments(sub.add_parser("generate", help="KV-cached greedy / temperature / top-p sampling"))
+    infer_cli.add_export_arguments(sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory"))
+    infer_cli.add_eval_arguments(sub.add_parser("eval", help="loss, perplexity and bits per byte on a data file"))
+    infer_cli.add_generate_arguments(sub.add_parser("generate", help="KV-cached greedy / temperature / top-p sampling"))
 
     args = parser.parse_args(argv)
     try:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "plan":
             plan_cli.run(args)
         else:
-            {"export": hf_cli.run_export, "eval": hf_cli.run_eval, "generate": hf_cli.run_generate}[args.command](args)
+            {"export": infer_cli.run_export, "eval": infer_cli.run_eval, "generate": infer_cli.run_generate}[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"xmoe {args.command}: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -281,6 +281,9 @@ class TrainConfig:
     ckpt_every: int = 100  # 0: no checkpoints (benchmark runs)
     keep_last: int = 2
     tensorboard: bool = False
+    eval_every: int = 0  # validation loss every N steps (0: at the end only), when there is validation data
+    val_fraction: float = 0.0  # hold out this fraction of the data for validation (0: none, unless --val-data)
+    val_windows: int = 64  # validation windows of seq_len tokens evaluated each time (0: all)
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
@@ -293,6 +296,10 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be >= 0")
+        if self.eval_every < 0 or self.val_windows < 0:
+            raise ValueError(f"eval_every ({self.eval_every}) and val_windows ({self.val_windows}) must be >= 0")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction ({self.val_fraction}) must be in [0, 1) (0: no held-out data)")
         if self.grad_clip < 0:
             raise ValueError(f"grad_clip ({self.grad_clip}) must be >= 0 (0 disables clipping)")
 

@@ -33,6 +33,8 @@ from xmoe.model.transformer import Transformer
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+RUN_HF_CONFIG = "hf_config.json"  # in a run directory: the config.json it was imported from (export reuses it)
+RUN_TOKENIZER = "tokenizer.json"  # in a run or HF directory: the tokenizer text goes through
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 

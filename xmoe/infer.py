@@ -1,4 +1,4 @@
-"""`xmoe export`, `xmoe eval` and `xmoe generate`: models from a run directory or a Hugging Face directory.
+"""`xmoe export`, `xmoe eval` and `xmoe generate`: using a model from a run directory or a Hugging Face directory.
 
 A SOURCE is either a Hugging Face model directory (config.json + safetensors) or an xmoe run directory (its
 latest checkpoint, or the one ``--step`` names). Text goes through the source's ``tokenizer.json`` when it has
@@ -16,9 +16,8 @@ from typing import Optional
 import torch
 
 from xmoe.config import ModelConfig, MoEConfig
+from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
 
-RUN_HF_CONFIG = "hf_config.json"  # the config.json a run imported (--init-from), reused by export
-RUN_TOKENIZER = "tokenizer.json"
 
 
 def model_config_from_dict(values: dict) -> ModelConfig:
