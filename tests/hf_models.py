@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 VOCAB, HIDDEN = 61, 32
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
 
 
 def hf_config(family: str):
@@ -38,6 +38,13 @@ def hf_config(family: str):
                                              n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=20,
                                              kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
                                              routed_scaling_factor=2.5, norm_topk_prob=True, **common)
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2Config(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+                                             moe_intermediate_size=12, intermediate_size=40, n_shared_experts=2,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
+                                             routed_scaling_factor=1.5, **common)
     raise ValueError(family)
 
 

@@ -129,3 +129,11 @@ def test_tied_embeddings_round_trip(tmp_path) -> None:
     x = tokens(seed=4)
     with torch.no_grad():
         assert rel_err(load_reference(tmp_path / "out")(x).logits, ref(x).logits) < 1e-5
+
+
+def test_export_refuses_a_score_bias_the_family_cannot_store(tmp_path) -> None:
+    saved_reference("olmoe", tmp_path / "o")
+    model = load_pretrained(tmp_path / "o")
+    model.moe_layers()[0].router.expert_bias[1] = 0.25
+    with pytest.raises(ValueError, match="expert_bias"):
+        save_pretrained(model, tmp_path / "out")

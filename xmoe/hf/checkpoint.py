@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from xmoe.hf.families import (expert_index, hf_config_from_model, infer_family, mla_rope_rows, model_config_from_hf,
-                              tensor_names)
+from xmoe.hf.families import (DEEPSEEK, SCORE_BIAS_FAMILIES, expert_index, hf_config_from_model, infer_family,
+                              mla_rope_rows, model_config_from_hf, tensor_names)
 from xmoe.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -68,7 +68,7 @@ def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optiona
     path = Path(path)
     hf = hf_config if hf_config is not None else read_config(path)
     family, cfg = hf["model_type"], model.cfg
-    deinterleave = family == "deepseek_v3" and hf.get("rope_interleave", True)
+    deinterleave = family == "deepseek_v2" or (family == "deepseek_v3" and hf.get("rope_interleave", True))
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     wanted: dict[str, tuple[str, Optional[str]]] = {}
     skipped: set[str] = set()
@@ -131,7 +131,7 @@ def _hf_tensors(model: Transformer, family: str):
         tensor = targets[ours].detach()
         if matrix is not None:
             tensor = tensor[expert_index(theirs)].T
-        elif family == "deepseek_v3" and (rows := mla_rope_rows(cfg, ours)) is not None:
+        elif family in DEEPSEEK and (rows := mla_rope_rows(cfg, ours)) is not None:
             tensor = tensor[torch.argsort(rows)]  # halves -> interleaved, the published layout
         yield theirs, tensor
 
@@ -154,6 +154,9 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: Opti
     if out_dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype ({out_dtype}) must be one of {list(_DTYPE_NAMES)}")
     hf["dtype"] = _DTYPE_NAMES[out_dtype]
+    if family not in SCORE_BIAS_FAMILIES and any(bool(m.router.expert_bias.any()) for m in model.moe_layers()):
+        raise ValueError(f"the routers hold a non-zero expert_bias (loss-free balancing), which {family} checkpoints "
+                         "cannot store; export as deepseek_v3 or train with moe.bias_update_rate=0")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 

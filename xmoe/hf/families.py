@@ -2,7 +2,7 @@
 
 # E experts, H hidden, F expert ffn, R rotary features
 
-Supported ``model_type``s: qwen3_moe, mixtral, olmoe, deepseek_v3. What each one fixes:
+Supported ``model_type``s: qwen3_moe, mixtral, olmoe, deepseek_v3, deepseek_v2. What each one fixes:
 
   family       attention                router                                    other
   qwen3_moe    GQA, per-head q/k norm   softmax top-k, renormalised if norm_topk  dense layers: mlp_only_layers
@@ -10,6 +10,9 @@ Supported ``model_type``s: qwen3_moe, mixtral, olmoe, deepseek_v3. What each one
   olmoe        GQA, q/k norm over proj  softmax top-k, renormalised if norm_topk
   deepseek_v3  MLA, interleaved rotary  sigmoid + score bias, group-limited,      shared experts, first_k_dense
                                         renormalised, x routed_scaling_factor
+  deepseek_v2  MLA, interleaved rotary  softmax, group-limited (group max) or     shared experts, first_k_dense
+                                        greedy, x routed_scaling_factor, never
+                                        renormalised
 
 A field xmoe cannot honour (a rope scaling type, biases in attention, sliding windows, clip_qkv, MoE layers
 that are not a prefix-free run...) is refused with a ValueError naming it: an import is exact or it fails.
@@ -23,9 +26,12 @@ import torch
 
 from xmoe.config import ModelConfig, MoEConfig
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM"}
+DEEPSEEK = ("deepseek_v3", "deepseek_v2")
+SCORE_BIAS_FAMILIES = ("deepseek_v3",)  # the ones whose checkpoints hold the router's score-correction bias
 
 
 def _refuse(family: str, field: str, value: Any, why: str) -> ValueError:
@@ -70,18 +76,24 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   init_std=float(hf.get("initializer_range", 0.02)))
     moe_common = dict(hidden_size=H, top_k=hf["num_experts_per_tok"], init_std=common["init_std"])
-    if family == "deepseek_v3":
-        if hf.get("scoring_func", "sigmoid") != "sigmoid":
+    if family in DEEPSEEK:
+        v3 = family == "deepseek_v3"
+        if v3 and hf.get("scoring_func", "sigmoid") != "sigmoid":
             raise _refuse(family, "scoring_func", hf["scoring_func"], "DeepSeek-V3 routing scores are sigmoids")
-        if hf.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise _refuse(family, "topk_method", hf["topk_method"], "only 'noaux_tc' (DeepSeek-V3) is implemented")
+        method = hf.get("topk_method", "noaux_tc" if v3 else "greedy")
+        if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
+            raise _refuse(family, "topk_method", method, "DeepSeek-V3 routes by 'noaux_tc', DeepSeek-V2 by "
+                                                         "'greedy' or 'group_limited_greedy'")
         if not hf.get("n_shared_experts"):
-            raise _refuse(family, "n_shared_experts", hf.get("n_shared_experts"), "DeepSeek-V3 has shared experts")
+            raise _refuse(family, "n_shared_experts", hf.get("n_shared_experts"), "DeepSeek models have shared "
+                                                                                 "experts")
+        grouped = v3 or method == "group_limited_greedy"
         moe = MoEConfig(ffn_hidden_size=hf["moe_intermediate_size"], num_experts=hf["n_routed_experts"],
-                        num_shared_experts=hf["n_shared_experts"], score_func="sigmoid",
-                        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                        num_shared_experts=hf["n_shared_experts"], score_func="sigmoid" if v3 else "softmax",
+                        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                        num_expert_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1, **moe_common)
+                        num_expert_groups=(hf.get("n_group") or 1) if grouped else 1,
+                        topk_groups=(hf.get("topk_group") or 1) if grouped else 1, **moe_common)
         return ModelConfig(moe=moe, ffn_hidden_size=hf["intermediate_size"],
                            first_k_dense=hf.get("first_k_dense_replace", 0), attention="mla",
                            q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
@@ -108,10 +120,10 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
 
 
 def infer_family(cfg: ModelConfig) -> str:
-    """The family whose layout expresses ``cfg`` (MLA: deepseek_v3; q/k norm per head: qwen3_moe, per
-    projection: olmoe; otherwise mixtral)."""
+    """The family whose layout expresses ``cfg`` (MLA: deepseek_v3 with sigmoid scores, else deepseek_v2; q/k norm
+    per head: qwen3_moe, per projection: olmoe; otherwise mixtral)."""
     if cfg.attention == "mla":
-        return "deepseek_v3"
+        return "deepseek_v3" if cfg.moe.score_func == "sigmoid" else "deepseek_v2"
     return {"head": "qwen3_moe", "proj": "olmoe"}.get(cfg.qk_norm, "mixtral")
 
 
@@ -121,7 +133,7 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
     if family not in FAMILIES:
         raise ValueError(f"family {family!r} is not supported; choose one of {', '.join(FAMILIES)}")
     moe = cfg.moe
-    want_attention = "mla" if family == "deepseek_v3" else "mha"
+    want_attention = "mla" if family in DEEPSEEK else "mha"
     want_qk_norm = {"qwen3_moe": "head", "olmoe": "proj"}.get(family, "none")
     problems = []
     if cfg.attention != want_attention:
@@ -131,6 +143,9 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
     if family == "deepseek_v3":
         if moe.score_func != "sigmoid" or moe.num_shared_experts == 0:
             problems.append("moe.score_func must be 'sigmoid' with num_shared_experts >= 1")
+    elif family == "deepseek_v2":
+        if moe.score_func != "softmax" or moe.num_shared_experts == 0 or moe.norm_topk_prob:
+            problems.append("moe.score_func must be 'softmax' with num_shared_experts >= 1 and norm_topk_prob False")
     else:
         if moe.score_func != "softmax" or moe.num_shared_experts or moe.num_expert_groups > 1:
             problems.append("moe.score_func must be 'softmax' with no shared experts and no expert groups")
@@ -152,7 +167,7 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
                rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False,
                initializer_range=cfg.init_std, num_experts_per_tok=moe.top_k)
-    if family == "deepseek_v3":
+    if family in DEEPSEEK:
         out.update(n_routed_experts=moe.num_experts, n_shared_experts=moe.num_shared_experts,
                    moe_intermediate_size=moe.ffn_hidden_size, intermediate_size=cfg.ffn_hidden_size,
                    first_k_dense_replace=cfg.first_k_dense, n_group=moe.num_expert_groups,
@@ -161,7 +176,13 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
                    kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
                    qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=True,
                    head_dim=cfg.qk_rope_head_dim, qk_head_dim=cfg.head_dim)
-        out.setdefault("num_nextn_predict_layers", 0)
+        if family == "deepseek_v2":
+            out.pop("rope_interleave")  # V2's rotary is always interleaved
+            out.update(topk_method="group_limited_greedy" if moe.num_expert_groups > 1 else "greedy",
+                       n_group=moe.num_expert_groups if moe.num_expert_groups > 1 else None,
+                       topk_group=moe.topk_groups if moe.num_expert_groups > 1 else None)
+        else:
+            out.setdefault("num_nextn_predict_layers", 0)
         return out
     out.update(head_dim=cfg.head_dim)
     if family == "mixtral":
@@ -233,7 +254,7 @@ def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, Opti
             continue
         moe = h + ("block_sparse_moe." if mixtral else "mlp.")
         yield x + "ffn.router.weight", moe + "gate.weight", None
-        if family == "deepseek_v3":
+        if family in SCORE_BIAS_FAMILIES:
             yield x + "ffn.router.expert_bias", moe + "gate.e_score_correction_bias", None
         for e in range(cfg.moe.num_experts):
             for ours, theirs in ffn.items():
