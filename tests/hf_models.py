@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 VOCAB, HIDDEN = 61, 32
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "qwen2_moe")
 
 
 def hf_config(family: str):
@@ -45,6 +45,11 @@ def hf_config(family: str):
                                              first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
                                              qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10,
                                              routed_scaling_factor=1.5, **common)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+                                           moe_intermediate_size=16, shared_expert_intermediate_size=28,
+                                           intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[0],
+                                           qkv_bias=True, **common)
     raise ValueError(family)
 
 

@@ -20,6 +20,7 @@ VARIANTS = {
     "head_dim_mqa": dict(num_heads=4, num_kv_heads=1, attn_head_dim=12),
     "qk_norm_head": dict(num_heads=4, num_kv_heads=2, attn_head_dim=16, qk_norm="head"),
     "qk_norm_proj": dict(num_heads=4, num_kv_heads=2, qk_norm="proj"),
+    "qkv_bias": dict(num_heads=4, num_kv_heads=2, qkv_bias=True),
     "mla_q_lora": dict(num_heads=4, attention="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
                        qk_rope_head_dim=4, v_head_dim=5),
     "mla_no_q_lora": dict(num_heads=2, attention="mla", kv_lora_rank=8, qk_nope_head_dim=0, qk_rope_head_dim=8,
@@ -68,7 +69,7 @@ def reference_attention(attn, cfg: ModelConfig, x_SH: torch.Tensor) -> torch.Ten
             heads.append(_softmax_av(qn, kn, vn))
         return torch.cat(heads, -1) @ W["wo.weight"].T
     D, G = cfg.head_dim, cfg.kv_heads
-    q, k, v = (x_SH @ W[f"{n}.weight"].T for n in ("wq", "wk", "wv"))
+    q, k, v = (x_SH @ W[f"{n}.weight"].T + W.get(f"{n}.bias", 0) for n in ("wq", "wk", "wv"))
     if cfg.qk_norm == "proj":
         q, k = _rms(q, W["q_norm.weight"], cfg.norm_eps), _rms(k, W["k_norm.weight"], cfg.norm_eps)
     heads = []
@@ -93,10 +94,12 @@ def test_attention_matches_float64_reference(variant: str) -> None:
     torch.manual_seed(0)
     model = Transformer(cfg)
     attn = model.layers[1].attn
-    with torch.no_grad():  # norms away from ones so a wrongly applied norm shows
+    with torch.no_grad():  # norms away from ones, biases away from zero, so a wrongly applied one shows
         for name, p in attn.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
     x = torch.randn(2, 11, H)
     got = attn(x, model.rope_cos[:11], model.rope_sin[:11])
     for b in range(2):
@@ -108,6 +111,15 @@ def test_attention_matches_float64_reference(variant: str) -> None:
 def test_count_params_equals_numel(variant: str) -> None:
     cfg = cfg_of(variant)
     assert count_params(cfg).total == sum(p.numel() for p in Transformer(cfg).parameters())
+
+
+def test_count_params_with_a_gated_shared_expert_of_its_own_width() -> None:
+    moe = MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2, num_shared_experts=1,
+                    shared_ffn_hidden_size=20, shared_expert_gate=True)
+    cfg = ModelConfig(vocab_size=37, hidden_size=H, num_layers=2, num_heads=4, moe=moe, qkv_bias=True)
+    model = Transformer(cfg)
+    assert model.layers[0].ffn.shared_experts.w1.weight.shape == (20, H)
+    assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("variant", ["gqa", "qk_norm_head", "mla_q_lora"])

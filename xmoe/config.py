@@ -59,6 +59,8 @@ class MoEConfig:
     kernel_backend: KernelBackend = "auto"
     dispatcher: DispatcherName = "pft"
     init_std: float = 0.02
+    shared_ffn_hidden_size: int = 0  # shared experts' total width (0: num_shared_experts * ffn_hidden_size)
+    shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w_gate) (Qwen2-MoE)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
@@ -107,6 +109,16 @@ class MoEConfig:
                 f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless routing"
             )
         _positive("init_std", self.init_std)
+        if self.shared_ffn_hidden_size < 0:
+            raise ValueError(f"shared_ffn_hidden_size ({self.shared_ffn_hidden_size}) must be >= 0 (0: "
+                             "num_shared_experts * ffn_hidden_size)")
+        if (self.shared_ffn_hidden_size or self.shared_expert_gate) and not self.num_shared_experts:
+            raise ValueError("shared_ffn_hidden_size and shared_expert_gate need num_shared_experts >= 1")
+
+    @property
+    def shared_width(self) -> int:
+        """Total hidden width of the shared experts (one dense SwiGLU); 0 without shared experts."""
+        return self.shared_ffn_hidden_size or self.num_shared_experts * self.ffn_hidden_size
 
     def capacity(self, num_tokens: int) -> int:
         """Slots each expert keeps for ``num_tokens`` tokens (all of them when dropless)."""
@@ -182,6 +194,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     latent_norm_eps: float = 1e-6
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2-MoE); attention="mha" only
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -222,6 +235,8 @@ class ModelConfig:
             raise ValueError(f"qk_norm ({self.qk_norm!r}) must be 'none', 'head' (Qwen3) or 'proj' (OLMoE)")
         mla_only = [n for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
                     if getattr(self, n)]
+        if self.qkv_bias and self.qk_norm != "none":
+            raise ValueError("qkv_bias with qk_norm is not a known architecture; use one of them")
         if mla_only:
             raise ValueError(f"{', '.join(mla_only)} only apply with attention='mla'; set attention='mla' or leave "
                              "them 0")
@@ -234,9 +249,9 @@ class ModelConfig:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for rotary embeddings")
-        if self.num_kv_heads or self.attn_head_dim or self.qk_norm != "none":
+        if self.num_kv_heads or self.attn_head_dim or self.qk_norm != "none" or self.qkv_bias:
             raise ValueError(
-                "num_kv_heads, attn_head_dim and qk_norm do not apply to attention='mla' (its widths are "
+                "num_kv_heads, attn_head_dim, qk_norm and qkv_bias do not apply to attention='mla' (its widths are "
                 "qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave them at 0 / 'none'"
             )
         _positive("latent_norm_eps", self.latent_norm_eps)

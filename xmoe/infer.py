@@ -90,7 +90,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="xmoe run directory (its checkpoints/)")
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="Hugging Face directory to write")
     p.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
-    p.add_argument("--family", help="qwen3_moe, mixtral, olmoe, deepseek_v3 or deepseek_v2 (default: the imported one, else "
+    p.add_argument("--family", help="qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3 or deepseek_v2 (default: the imported one, else "
                                     "inferred from the architecture)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB (index past it)")

@@ -2,10 +2,12 @@
 
 # E experts, H hidden, F expert ffn, R rotary features
 
-Supported ``model_type``s: qwen3_moe, mixtral, olmoe, deepseek_v3, deepseek_v2. What each one fixes:
+Supported ``model_type``s: qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3, deepseek_v2. What each one fixes:
 
   family       attention                router                                    other
   qwen3_moe    GQA, per-head q/k norm   softmax top-k, renormalised if norm_topk  dense layers: mlp_only_layers
+  qwen2_moe    GQA, q/k/v biases        softmax top-k, renormalised if norm_topk  one shared expert of its own
+                                                                                  width, sigmoid-gated
   mixtral      GQA                      softmax top-k, always renormalised        experts named w1/w2/w3
   olmoe        GQA, q/k norm over proj  softmax top-k, renormalised if norm_topk
   deepseek_v3  MLA, interleaved rotary  sigmoid + score bias, group-limited,      shared experts, first_k_dense
@@ -26,8 +28,9 @@ import torch
 
 from xmoe.config import ModelConfig, MoEConfig
 
-FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
-ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "qwen2_moe")
+QWEN = ("qwen3_moe", "qwen2_moe")
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                  "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                  "deepseek_v2": "DeepseekV2ForCausalLM"}
 DEEPSEEK = ("deepseek_v3", "deepseek_v2")
@@ -57,8 +60,8 @@ def _check_common(hf: dict, family: str) -> None:
               ("decoder_sparse_step", 1, "every layer after the dense prefix is MoE")]
     for field, ok, why in checks:
         value = hf.get(field, ok)
-        if field == "sliding_window" and family == "qwen3_moe" and not hf.get("use_sliding_window"):
-            continue  # Qwen3 stores a window size but uses it only with use_sliding_window
+        if field == "sliding_window" and family in QWEN and not hf.get("use_sliding_window"):
+            continue  # Qwen stores a window size but uses it only with use_sliding_window
         if value != ok:
             raise _refuse(family, field, value, why)
 
@@ -104,7 +107,11 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
     expert_ffn = hf["intermediate_size"] if family in ("mixtral", "olmoe") else hf["moe_intermediate_size"]
     norm_topk = True if family == "mixtral" else bool(hf.get("norm_topk_prob", False))
     first_k_dense = 0
-    if family == "qwen3_moe":
+    shared = {}
+    if family == "qwen2_moe":
+        shared = dict(num_shared_experts=1, shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
+                      shared_expert_gate=True)
+    if family in QWEN:
         dense = sorted(hf.get("mlp_only_layers") or [])
         if dense != list(range(len(dense))):
             raise _refuse(family, "mlp_only_layers", dense, "dense layers must be the first ones (0, 1, ..., k-1)")
@@ -112,8 +119,10 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
     head_dim = hf.get("head_dim") or 0
     if head_dim == H // hf["num_attention_heads"]:
         head_dim = 0
-    moe = MoEConfig(ffn_hidden_size=expert_ffn, num_experts=num_experts, norm_topk_prob=norm_topk, **moe_common)
+    moe = MoEConfig(ffn_hidden_size=expert_ffn, num_experts=num_experts, norm_topk_prob=norm_topk, **shared,
+                    **moe_common)
     return ModelConfig(moe=moe, ffn_hidden_size=hf.get("intermediate_size", 0) if first_k_dense else 0,
+                       qkv_bias=family == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
                        first_k_dense=first_k_dense, num_kv_heads=hf.get("num_key_value_heads") or 0,
                        attn_head_dim=head_dim,
                        qk_norm={"qwen3_moe": "head", "olmoe": "proj"}.get(family, "none"), **common)
@@ -121,9 +130,11 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
 
 def infer_family(cfg: ModelConfig) -> str:
     """The family whose layout expresses ``cfg`` (MLA: deepseek_v3 with sigmoid scores, else deepseek_v2; q/k norm
-    per head: qwen3_moe, per projection: olmoe; otherwise mixtral)."""
+    per head: qwen3_moe, per projection: olmoe; a gated shared expert: qwen2_moe; otherwise mixtral)."""
     if cfg.attention == "mla":
         return "deepseek_v3" if cfg.moe.score_func == "sigmoid" else "deepseek_v2"
+    if cfg.moe.shared_expert_gate:
+        return "qwen2_moe"
     return {"head": "qwen3_moe", "proj": "olmoe"}.get(cfg.qk_norm, "mixtral")
 
 
@@ -140,15 +151,23 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
         problems.append(f"attention={cfg.attention!r} (the family needs {want_attention!r})")
     if cfg.attention == "mha" and cfg.qk_norm != want_qk_norm:
         problems.append(f"qk_norm={cfg.qk_norm!r} (the family needs {want_qk_norm!r})")
+    if cfg.qkv_bias and family != "qwen2_moe":
+        problems.append("qkv_bias=True (the family has no attention biases)")
     if family == "deepseek_v3":
         if moe.score_func != "sigmoid" or moe.num_shared_experts == 0:
             problems.append("moe.score_func must be 'sigmoid' with num_shared_experts >= 1")
     elif family == "deepseek_v2":
         if moe.score_func != "softmax" or moe.num_shared_experts == 0 or moe.norm_topk_prob:
             problems.append("moe.score_func must be 'softmax' with num_shared_experts >= 1 and norm_topk_prob False")
+    elif family == "qwen2_moe":
+        if moe.score_func != "softmax" or moe.num_expert_groups > 1 or not moe.shared_expert_gate:
+            problems.append("moe.score_func must be 'softmax' with no expert groups and one gated shared expert "
+                            "(moe.shared_expert_gate)")
     else:
         if moe.score_func != "softmax" or moe.num_shared_experts or moe.num_expert_groups > 1:
             problems.append("moe.score_func must be 'softmax' with no shared experts and no expert groups")
+        if moe.shared_expert_gate and family != "qwen2_moe":
+            problems.append("moe.shared_expert_gate=True (only qwen2_moe gates its shared expert)")
         if moe.routed_scaling_factor != 1.0:
             problems.append(f"moe.routed_scaling_factor={moe.routed_scaling_factor} (the family has none)")
         if family == "mixtral" and not moe.norm_topk_prob:
@@ -191,6 +210,9 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
         out.update(num_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size,
                    norm_topk_prob=moe.norm_topk_prob)
     else:
+        if family == "qwen2_moe":
+            out.update(shared_expert_intermediate_size=moe.shared_width, qkv_bias=cfg.qkv_bias,
+                       use_sliding_window=False)
         out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size,
                    intermediate_size=cfg.ffn_hidden_size if cfg.first_k_dense else out.get("intermediate_size",
                                                                                            cfg.ffn_hidden_size),
@@ -247,6 +269,9 @@ def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, Opti
                 attn.update(q_norm="q_norm", k_norm="k_norm")
         for ours, theirs in attn.items():
             yield f"{x}attn.{ours}.weight", f"{h}self_attn.{theirs}.weight", None
+        if cfg.qkv_bias:
+            for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
+                yield f"{x}attn.{ours}.bias", f"{h}self_attn.{theirs}.bias", None
         ffn = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
         if i < cfg.first_k_dense:
             for ours, theirs in ffn.items():
@@ -260,8 +285,11 @@ def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, Opti
             for ours, theirs in ffn.items():
                 yield x + f"ffn.experts.{ours}", moe + f"experts.{e}." + (ours if mixtral else theirs) + ".weight", ours
         if cfg.moe.num_shared_experts:
+            shared = "shared_expert" if family == "qwen2_moe" else "shared_experts"
             for ours, theirs in ffn.items():
-                yield f"{x}ffn.shared_experts.{ours}.weight", f"{moe}shared_experts.{theirs}.weight", None
+                yield f"{x}ffn.shared_experts.{ours}.weight", f"{moe}{shared}.{theirs}.weight", None
+        if cfg.moe.shared_expert_gate:
+            yield x + "ffn.shared_gate.weight", moe + "shared_expert_gate.weight", None
 
 
 def expert_index(hf_name: str) -> int:

@@ -65,7 +65,7 @@ def causal_attention(q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.T
 class Attention(nn.Module):
     """Multi-head attention with G <= N key/value heads (grouped-query when G < N) and rotary positions.
 
-    ``qk_norm``: "head" RMS-normalises every head of q and k over its D features (Qwen3); "proj" the whole q
+    ``qkv_bias`` adds biases to the q, k and v projections (Qwen2-MoE). ``qk_norm``: "head" RMS-normalises every head of q and k over its D features (Qwen3); "proj" the whole q
     (N*D) and k (G*D) projections before they split into heads (OLMoE). SDPA picks the fused kernel.
     """
 
@@ -74,9 +74,9 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = D = cfg.head_dim
         h, n, g = cfg.hidden_size, cfg.num_heads, cfg.kv_heads
-        self.wq = nn.Linear(h, n * D, bias=False)
-        self.wk = nn.Linear(h, g * D, bias=False)
-        self.wv = nn.Linear(h, g * D, bias=False)
+        self.wq = nn.Linear(h, n * D, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(h, g * D, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(h, g * D, bias=cfg.qkv_bias)
         self.wo = nn.Linear(n * D, h, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm != "none":

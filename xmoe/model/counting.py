@@ -6,7 +6,7 @@ Parameter parts (per-layer quantities times the number of layers they occur in; 
                   width D: H*D*(2N + 2G); MLA: its low-rank projections and latent norms
   dense_ffn       first_k_dense * m*H*F_dense
   routed_experts  n_moe * E * m*H*F         (active: top_k of the E experts)
-  shared_experts  n_moe * n_shared * m*H*F
+  shared_experts  n_moe * m*H*F_shared (+ H with the shared-expert gate); F_shared = n_shared * F unless set
   router          n_moe * E*H
   norms           (2*L + 1) * H
   head            V*H, or 0 when tied to the embedding
@@ -83,7 +83,8 @@ def _attention_norm_params(cfg: ModelConfig) -> int:
     if cfg.attention == "mla":
         return cfg.q_lora_rank + cfg.kv_lora_rank
     D = cfg.head_dim
-    return {"none": 0, "head": 2 * D, "proj": (cfg.num_heads + cfg.kv_heads) * D}[cfg.qk_norm]
+    biases = (cfg.num_heads + 2 * cfg.kv_heads) * D if cfg.qkv_bias else 0
+    return biases + {"none": 0, "head": 2 * D, "proj": (cfg.num_heads + cfg.kv_heads) * D}[cfg.qk_norm]
 
 
 def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
@@ -97,7 +98,7 @@ def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
         "attention": L * (attention_matrix_params(cfg) + _attention_norm_params(cfg)),
         "dense_ffn": cfg.first_k_dense * m * H * cfg.ffn_hidden_size,
         "routed_experts": n_moe * moe.num_experts * expert,
-        "shared_experts": n_moe * moe.num_shared_experts * expert,
+        "shared_experts": n_moe * (m * H * moe.shared_width + H * moe.shared_expert_gate),
         "router": n_moe * moe.num_experts * H,
         "norms": (2 * L + 1) * H,
         "head": 0 if cfg.tie_embeddings else V * H,

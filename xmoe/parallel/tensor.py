@@ -66,16 +66,16 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
             "qk_norm='proj' normalises the whole q and k projections, which tp splits over ranks; use tp=1 or "
             "qk_norm='head'"
         )
-    if cfg.kv_heads % tp:
-        raise ValueError(
-            f"num_kv_heads ({cfg.kv_heads}) must be divisible by tp ({tp}): each TP rank holds kv_heads / tp "
-            "key/value heads; lower tp"
-        )
     if cfg.num_heads % tp:
         divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
         raise ValueError(
             f"num_heads ({cfg.num_heads}) must be divisible by tp ({tp}): each TP rank computes num_heads / tp "
             f"heads; choose tp among {divisors}"
+        )
+    if cfg.kv_heads % tp:
+        raise ValueError(
+            f"num_kv_heads ({cfg.kv_heads}) must be divisible by tp ({tp}): each TP rank holds kv_heads / tp "
+            "key/value heads; lower tp"
         )
     if cfg.first_k_dense and cfg.ffn_hidden_size % tp:
         raise ValueError(

@@ -119,7 +119,7 @@ def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False
         # row_of_slot (T, K) and weights (T, K); token and slot id per row; the EP regroup permutations
         out["routing_indices"] = (INDEX_BYTES + 4) * T * K + 2 * INDEX_BYTES * rows + regroup
     if moe.num_shared_experts:
-        Fs = moe.num_shared_experts * F
+        Fs = moe.shared_width
         # input (one storage with the router's fp32 copy when activations are fp32) + 4 hidden tensors
         out["shared_experts"] = (b * T * H if b != 4 else 0) + 4 * b * T * Fs
     return out
@@ -226,7 +226,7 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
     # the vocab-parallel embedding / head, whichever is larger
     expert_layer = (moe.num_experts // P) * 3 * H * moe.ffn_hidden_size if D > 1 else 0
     sharded_dense = D * P > 1
-    moe_layer = 4 * H * H / S + 2 * H + moe.num_experts * H + moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    moe_layer = 4 * H * H / S + 2 * H + moe.num_experts * H + 3 * H * moe.shared_width
     dense_layer = 4 * H * H / S + 2 * H + 3 * H * cfg.ffn_hidden_size / S
     biggest = max(
         (moe_layer * sharded_dense + expert_layer) if n_moe else 0,

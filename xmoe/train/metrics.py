@@ -77,6 +77,7 @@ class FlopDims:
     head_dim: int = 0
     num_kv_heads: int = 0
     attn_proj_params: int = 0  # one layer's attention matrix parameters (0: from heads; MLA sets it)
+    shared_ffn_size: int = 0  # total shared-expert width (0: num_shared_experts * expert_ffn_size)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
@@ -99,6 +100,7 @@ class FlopDims:
             expert_ffn_size=model.moe.ffn_hidden_size,
             dense_ffn_size=model.ffn_hidden_size,
             num_shared_experts=model.moe.num_shared_experts,
+            shared_ffn_size=model.moe.shared_width,
             head_dim=model.head_dim,
             num_kv_heads=model.kv_heads,
             attn_proj_params=attention_matrix_params(model) if model.attention == "mla" else 0,
@@ -127,7 +129,7 @@ def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = N
         "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
         "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
         "router": n * d.num_moe_layers * H * d.num_experts,
-        "shared_experts": n * d.num_moe_layers * d.num_shared_experts * 3 * H * d.expert_ffn_size,
+        "shared_experts": n * d.num_moe_layers * 3 * H * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
         "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
         "lm_head": n * d.vocab_size * H,
     }
