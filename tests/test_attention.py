@@ -162,9 +162,46 @@ def test_bad_attention_configs_raise(kw: dict, match: str) -> None:
 
 
 @pytest.mark.parametrize("variant, tp, match", [
-    ("mla_q_lora", 2, "mla"), ("qk_norm_proj", 2, "qk_norm"), ("head_dim_mqa", 2, "num_kv_heads"),
+    ("mla_q_lora", 2, "mla"), ("qk_norm_proj", 2, "qk_norm"), ("qk_norm_head", 2, "qk_norm"),
+    ("head_dim_mqa", 2, "num_kv_heads"),
 ])
 def test_tensor_parallel_refuses_unsupported_attention(variant: str, tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         check_tensor_parallel(cfg_of(variant), tp)
     check_tensor_parallel(cfg_of("gqa"), 2)  # kv heads split over tp: supported
+
+
+def _gqa_tp_cfg(**kw) -> ModelConfig:
+    moe = MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, kernel_backend="torch")
+    return ModelConfig(vocab_size=37, hidden_size=H, num_layers=2, num_heads=4, moe=moe, first_k_dense=1,
+                       ffn_hidden_size=16, max_seq_len=16, **kw)
+
+
+def _gqa_tp_body(rank: int, world_size: int, kw: dict) -> None:
+    from xmoe.config import ParallelConfig
+    from xmoe.parallel.dims import ParallelDims
+    from xmoe.parallel.tensor import apply_tensor_parallel
+
+    def build():
+        torch.manual_seed(0)
+        return Transformer(_gqa_tp_cfg(**kw), loss_chunk_tokens=0)
+
+    tokens = torch.randint(0, 37, (2, 13), generator=torch.Generator().manual_seed(1))
+    ref = build()
+    ref(tokens[:, :-1], tokens[:, 1:]).backward()
+    dims = ParallelDims.from_config(ParallelConfig(tp=world_size), world_size).build_mesh("cpu")
+    model = apply_tensor_parallel(build(), dims)
+    assert model.layers[0].attn.wk.weight.to_local().shape[0] == 2 * 12 // world_size  # kv heads split too
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        assert (grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm(), (rank, name)
+
+
+@pytest.mark.parametrize("kw", [dict(num_kv_heads=2, attn_head_dim=12), dict(num_kv_heads=2, qkv_bias=True,
+                                                                           attn_head_dim=12)])
+def test_grouped_query_attention_under_tensor_parallelism_matches_one_process(kw: dict) -> None:
+    from dist_utils import run_distributed
+
+    run_distributed(_gqa_tp_body, 2, kw)

@@ -61,10 +61,12 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
             "attention='mla' has no tensor-parallel plan yet (its latent projections are not split by heads); "
             "use tp=1 with expert and data parallelism"
         )
-    if cfg.qk_norm == "proj" and tp > 1:
+    if cfg.qk_norm != "none" and tp > 1:
+        # "proj" normalises whole projections that tp splits; "head" norms' weights would see only this rank's
+        # heads and need a gradient all-reduce over tp that the plan does not install
         raise ValueError(
-            "qk_norm='proj' normalises the whole q and k projections, which tp splits over ranks; use tp=1 or "
-            "qk_norm='head'"
+            f"qk_norm={cfg.qk_norm!r} has no tensor-parallel plan yet (its norm weights are shared by heads that tp "
+            "splits over ranks); use tp=1 with expert and data parallelism"
         )
     if cfg.num_heads % tp:
         divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
