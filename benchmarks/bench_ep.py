@@ -22,7 +22,7 @@ on CPU processes over gloo (host timers, tiny shape by default): a smoke test of
      experts_ms    grouped experts on the rows this rank received, forward + backward, alone
    plus tokens/s over all ranks, MB sent + received per rank per layer call (forward; backward moves as much
    again) and the all-to-all's achieved GB/s per rank.
-Results: rank 0 writes bench_ep.json / bench_ep.md under $OUT or benchmarks/results/.
+Results: rank 0 writes bench_ep.json / bench_ep.md under $XMOE_RESULTS_DIR or benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
 from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err  # noqa: E402
+from xmoe.bench import LAYER_SHAPES, layer_shape  # noqa: E402
 
 DEVICE = torch.device("cuda")  # set in main()
-SHAPES = {"tiny": (256, 128, 16, 4), "small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6)}
 
 
 def _layer(shape: str, dims, bias: torch.Tensor | None, dtype, seed: int = 0):
@@ -49,7 +49,7 @@ def _layer(shape: str, dims, bias: torch.Tensor | None, dtype, seed: int = 0):
     from xmoe.moe.layer import MoELayer
     from xmoe.parallel.expert_parallel import shard_experts
 
-    hidden, ffn, experts, top_k = SHAPES[shape]
+    hidden, ffn, experts, top_k = layer_shape(shape)
     torch.manual_seed(seed)
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k, num_shared_experts=1)
     local = MoELayer(cfg).to(DEVICE, dtype)
@@ -62,7 +62,7 @@ def _layer(shape: str, dims, bias: torch.Tensor | None, dtype, seed: int = 0):
 def check(shape: str, num_tokens: int, dims) -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     rank, world = dist.get_rank(), dist.get_world_size()
-    experts = SHAPES[shape][2]
+    experts = layer_shape(shape)[2]
     local_e = experts // world
     mine = slice(rank * local_e, (rank + 1) * local_e)
     skew = torch.linspace(0.02, 0.0, experts)  # popular low-numbered experts (rank 0's)
@@ -72,7 +72,7 @@ def check(shape: str, num_tokens: int, dims) -> list[dict]:
     for name, bias in [("uniform", None), ("skewed", skew), ("all_to_rank0", to_rank0)]:
         ep_layer, ref = _layer(shape, dims, bias.to(DEVICE) if bias is not None else None, torch.float32)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
-        x_R = torch.randn(world, num_tokens, SHAPES[shape][0], device=DEVICE, generator=gen)
+        x_R = torch.randn(world, num_tokens, layer_shape(shape)[0], device=DEVICE, generator=gen)
         g_R = torch.randn(x_R.shape, device=DEVICE, generator=gen)
         ref_x, ref_router, ref_experts = [], [], None
         for r in range(world):
@@ -102,10 +102,10 @@ def check(shape: str, num_tokens: int, dims) -> list[dict]:
 
 
 def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
-    from xmoe.moe.routing import build_plan
-    from xmoe.parallel.comm import all_to_all_rows, exchange_counts, splits_to_host
+    from xmoe.dispatch.comm import all_to_all_rows, exchange_counts, splits_to_host
+    from xmoe.dispatch.routing import build_plan
 
-    hidden, ffn, experts, top_k = SHAPES[shape]
+    hidden, ffn, experts, top_k = layer_shape(shape)
     world = dist.get_world_size()
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     ep_layer, local = _layer(shape, dims, None, dtype)
@@ -165,7 +165,8 @@ def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=list(SHAPES), default=None, help="default: small (tiny with --cpu)")
+    parser.add_argument("--shape", choices=LAYER_SHAPES, default=None,
+                        help="a preset's MoE layer; default: small (tiny with --cpu)")
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="per rank; default 8192 (256 with --cpu)")
     parser.add_argument("--check-tokens", type=int, default=512)
     parser.add_argument("--iters", type=int, default=10)

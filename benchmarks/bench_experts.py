@@ -11,7 +11,7 @@ Methods, all including their routing bookkeeping (plan / sort) inside the timed 
   triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad)
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
-  grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the GPU.md anchor)
+  grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the common torch MoE path)
   gshard_padded     xmoe/dispatch/padded.py at capacity factor 1.25 + bmm experts (drops tokens; a baseline)
   dense_equiv       one dense SwiGLU over T*K rows, same FLOPs, no routing: the ceiling
 TFLOP/s counts 2*T*K*H*3F per forward and 3x that for forward+backward. Peak memory: max_memory_allocated
@@ -58,8 +58,8 @@ def make_inputs(H, Fd, E, K, T, routing, seed=0):
 def forward_fn(method, inp, E):
     """A zero-argument forward returning (output, leaves) for one method."""
     from xmoe.dispatch.padded import PaddedDispatcher
+    from xmoe.dispatch.routing import build_plan
     from xmoe.kernels import reference, triton_ops
-    from xmoe.moe.routing import build_plan
 
     x, w, w1, w3, w2, ids = inp["x"], inp["w"], inp["w1"], inp["w3"], inp["w2"], inp["ids"]
     T, K = ids.shape
@@ -145,8 +145,8 @@ SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages): candidates; H20
 
 def _kernel_calls(H, Fd, E, K, T):
     """One zero-argument call per swept kernel, each in its fused-path use, on fresh inputs of one config."""
+    from xmoe.dispatch.routing import build_plan
     from xmoe.kernels import grouped_gemm as gg
-    from xmoe.moe.routing import build_plan
 
     inp = make_inputs(H, Fd, E, K, T, "uniform")
     p = build_plan(inp["ids"], inp["scores"], E)

@@ -20,7 +20,7 @@ dispatch and combine are timed:
      topology with its default network (25 GB/s per GPU between nodes) and with "nodes" joined by the intra-node
      link, which is what GPUs of one host standing in for nodes really have (then RBD's saving is bookkeeping-
      bound: it removes rows but adds a stage).
-Results: rank 0 writes bench_rbd.json / bench_rbd.md under $OUT or benchmarks/results/.
+Results: rank 0 writes bench_rbd.json / bench_rbd.md under $XMOE_RESULTS_DIR or benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
 from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err  # noqa: E402
+from xmoe.bench import LAYER_SHAPES, layer_shape  # noqa: E402
 
-SHAPES = {"tiny": (128, 16, 4), "small": (2048, 64, 6), "medium": (5120, 128, 6)}  # H, E, K of the presets
 
 
 def _count_syncs(fn, device: torch.device) -> int:
@@ -59,12 +59,12 @@ def _count_syncs(fn, device: torch.device) -> int:
 
 def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) -> dict:
     from xmoe.dispatch.alltoall import AllToAllDispatcher
-    from xmoe.dispatch.hierarchical import HierarchicalDispatcher
+    from xmoe.dispatch.routing import build_plan
     from xmoe.model.presets import get_preset
-    from xmoe.moe.routing import build_plan
+    from xmoe.parallel.expert_parallel import rbd_dispatcher
     from xmoe.plan.comm import Network, count_rows, estimate_comm
 
-    hidden, num_experts, top_k = SHAPES[shape]
+    hidden, _, num_experts, top_k = layer_shape(shape)
     world, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
     ids_TK = torch.rand(num_tokens, num_experts, device=device, generator=gen).topk(top_k, dim=-1).indices
@@ -73,7 +73,7 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) ->
     w = torch.rand(num_tokens, top_k, device=device, generator=gen).requires_grad_(True)  # fp32, as the router's
     g = torch.randn(num_tokens, hidden, device=device, dtype=dtype, generator=gen)
     flat = AllToAllDispatcher(dims.group("ep"), num_experts)
-    rbd = HierarchicalDispatcher.from_dims(dims, num_experts)
+    rbd = rbd_dispatcher(dims, num_experts)
 
     def layer(disp):  # identity experts: the dispatch -> combine round trip alone
         rows, _, ctx = disp.dispatch(x, plan)
@@ -142,7 +142,7 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) ->
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+    parser.add_argument("--shapes", nargs="+", choices=LAYER_SHAPES, default=None,
                         help="default: small medium (tiny with --cpu)")
     parser.add_argument("--tokens", type=int, default=None, help="per rank; default 4096 (256 with --cpu)")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="ranks per (virtual) node; default 1")

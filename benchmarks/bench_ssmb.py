@@ -20,11 +20,11 @@ in every setting). Settings:
                       input and recomputing it in backward (dispatch included)
   tp+ssmb+recompute   both
 Columns: step_ms (median over trials of CUDA-event time / iterations, ranks in lockstep), tokens/s (all ranks, each
-token counted once), tflops (useful training FLOPs per GPU, xmoe.train.metrics formula (a): replicated MoE compute
+token counted once), tflops (useful training FLOPs per GPU, xmoe.model.flops formula (a): replicated MoE compute
 is not counted twice), act_peak_gib (peak allocated during a step above what is allocated before it: parameters and
 gradients excluded), pred_peak_gib (estimate_memory's activations + working for the same setting), moe_mib (bytes
 autograd saves for one MoE block, xmoe.bench.saved_activation_bytes) and pred_moe_mib (the plan's per-block terms).
-Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $OUT or benchmarks/results/.
+Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $XMOE_RESULTS_DIR or benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def predicted(cfg, world: int, micro_batch: int, seq: int, ssmb: bool, recompute
 def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
     from xmoe.bench import saved_activation_bytes
     from xmoe.kernels import get_ops
-    from xmoe.train import metrics
+    from xmoe.model.flops import FlopDims, train_flops
 
     ssmb, recompute = SETTINGS[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -129,9 +129,9 @@ def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
         if device.type == "cuda":
             row["act_peak_gib"] = peak_extra_bytes(step) / GIB
         ms = collective_time_ms(step, device, args.iters, args.trials, warmup=False)
-        flops = metrics.train_flops(metrics.FlopDims.from_model_config(cfg, args.seq), micro_batch)
+        step_flops = train_flops(FlopDims.from_model_config(cfg, args.seq), micro_batch)
         row.update(loss=losses[0].float().item(), step_ms=ms, tokens_per_s=T / (ms / 1e3),
-                   tflops=flops / (ms / 1e3) / world / 1e12)
+                   tflops=step_flops / (ms / 1e3) / world / 1e12)
     except torch.OutOfMemoryError:  # every rank runs the same shapes, so all of them land here together
         row["error"] = "out of memory"
     model = step = None  # the closure holds the model too

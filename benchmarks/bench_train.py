@@ -6,7 +6,7 @@
 Each backend runs as its own `xmoe train` process (fresh allocator, no checkpoints) on the embedded corpus;
 the numbers are the trainer's own metrics (xmoe's FLOP formula, MFU against the device's bf16 peak), averaged
 over the logged windows after the first (which holds compilation and warm-up). Writes bench_train.json / .md
-under $OUT (else benchmarks/results/). Skips without a GPU.
+under $XMOE_RESULTS_DIR (else benchmarks/results/). Skips without a GPU.
 """
 
 from __future__ import annotations

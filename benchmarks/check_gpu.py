@@ -72,8 +72,8 @@ def _rel(got, ref):
 
 
 def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
+    from xmoe.dispatch.routing import build_plan
     from xmoe.kernels import reference, triton_ops
-    from xmoe.moe.routing import build_plan
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ids = _routing(T, E, K, routing, gen)

@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -68,9 +68,13 @@ def _launcher() -> str:
     return "python"
 
 
+RESULTS_ENV = "XMOE_RESULTS_DIR"
+
+
 def out_dir(default: str = "benchmarks/results") -> Path:
-    """$OUT when set (the GPU machine's result folder), else the repository's results folder."""
-    path = Path(os.environ.get("OUT") or default)
+    """Where results go: $XMOE_RESULTS_DIR when set (run_multi_gpu.sh sets it from its --out), else
+    benchmarks/results."""
+    path = Path(os.environ.get(RESULTS_ENV) or default)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -113,17 +117,19 @@ def distributed_skip_reason(script: str, cpu: bool) -> str | None:
     return None
 
 
-def init_distributed(cpu: bool) -> torch.device:
-    """Join torchrun's process group: gloo on CPU processes, else NCCL with this rank's GPU."""
+def init_distributed(cpu: bool, timeout_s: Optional[float] = None) -> torch.device:
+    """Join torchrun's process group: gloo on CPU processes, else NCCL with this rank's GPU. ``timeout_s`` bounds
+    every collective (a rank left waiting for a peer that died ends the run instead of hanging)."""
     import torch.distributed as dist
 
-    if cpu:
-        dist.init_process_group("gloo")
-        return torch.device("cpu")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # GPU.md: NVLink multicast stays off on these machines
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+    device = torch.device("cpu")
+    if not cpu:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if cpu else "nccl", **kwargs)
     return device
 
 
@@ -132,27 +138,10 @@ def collective_time_ms(fn: Callable[[], object], device: torch.device, iters: in
     """Median over trials of (time of ``iters`` back-to-back calls) / iters, for code with collectives: every rank
     runs the same fixed count (do_bench's adaptive repeats would desynchronise them) and barriers before each
     trial. CUDA events on GPUs; a host timer on CPU processes (the --cpu smoke runs)."""
-    import statistics
-    import time
-
     import torch.distributed as dist
+
+    from xmoe.bench import time_ms as timed
 
     if warmup:
         fn()
-    times = []
-    for _ in range(trials):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(times)
+    return timed(fn, device, trials, calls=iters, before=dist.barrier)

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from xmoe.dispatch.alltoall import AllToAllDispatcher, regroup_indices
 from xmoe.dispatch.local import LocalDispatcher
+from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import reference as ops
-from xmoe.moe.routing import build_plan
 
 TOL = 1e-10
 

@@ -184,7 +184,7 @@ def test_text_round_trips(tmp_path):
 
 
 def test_hf_tokenizer_text_matches_whole_file_encoding(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # a declared test dependency: missing, this test fails rather than skips
     words = [f"w{i}" for i in range(300)]
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]"] + words)}, "[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

@@ -10,16 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from xmoe.model import flops
+from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
 from xmoe.train import metrics
-from xmoe.train.metrics import (
-    FlopDims,
-    MetricsLogger,
-    format_progress,
-    load_imbalance,
-    paper_train_flops,
-    peak_memory_bytes,
-    train_flops,
-)
+from xmoe.train.metrics import MetricsLogger, format_progress, load_imbalance, peak_memory_bytes
 
 # B sequences, S seq len, T = B*S tokens, H hidden, E experts, K top-k, F expert ffn, V vocab
 
@@ -100,7 +94,7 @@ def test_train_flops_match_flop_counter(capacity):
 
 def test_forward_macs_by_hand():
     # H=8, 3 layers (1 dense), 2 heads of 4, 1 kv head, T = 2*5 = 10 tokens, V=11, E=4, K=2, F=6, S=1.
-    macs = metrics.forward_macs(_tiny_dims(), num_sequences=2, routed_rows=30)
+    macs = flops.forward_macs(_tiny_dims(), num_sequences=2, routed_rows=30)
     assert macs == {
         "attn_proj": 10 * 3 * 8 * 4 * (2 * 2 + 2 * 1),  # q and o: 2 heads; k and v: 1 kv head
         "attn_scores": 3 * 2 * 2 * (2 * 4) * 15,  # 15 = 5*6/2 causal (query, key) pairs per sequence

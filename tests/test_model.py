@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 
 import pytest
@@ -14,12 +13,6 @@ from xmoe.config import ModelConfig, MoEConfig
 from xmoe.model.counting import count_params
 from xmoe.model.presets import tiny
 from xmoe.model.transformer import IGNORE_INDEX, Transformer, apply_rotary, rope_tables
-
-# Tests that build MoE blocks need the MoE stack; they are skipped (not passed) until it exists.
-needs_moe = pytest.mark.skipif(
-    importlib.util.find_spec("xmoe.moe.layer") is None, reason="xmoe.moe.layer.MoELayer not available yet"
-)
-
 
 def small_cfg(
     *, layers: int = 2, dense: int | None = None, shared: int = 0, tied: bool = False
@@ -53,20 +46,13 @@ COUNT_CASES = {
 }
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(name, marks=[] if kw.get("dense") is None else [needs_moe])
-        for name, kw in COUNT_CASES.items()
-    ],
-)
+@pytest.mark.parametrize("case", list(COUNT_CASES))
 def test_count_params_equals_numel(case: str) -> None:
     cfg = small_cfg(**COUNT_CASES[case])
     model = Transformer(cfg)
     assert model.num_params() == count_params(cfg, expert_matrices=3).total
 
 
-@needs_moe
 def test_count_params_equals_numel_tiny_preset() -> None:
     cfg = tiny()
     with torch.device("meta"):  # shapes only; nothing allocated
@@ -145,7 +131,7 @@ def test_rotary_depends_only_on_relative_position() -> None:
     torch.testing.assert_close(q_rot.norm(dim=-1), q_D.norm().expand(S), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dense", [None, pytest.param(1, marks=needs_moe)])
+@pytest.mark.parametrize("dense", [None, 1])
 def test_causal_masking(dense: int | None) -> None:
     cfg = small_cfg(layers=2, dense=dense)
     model = Transformer(cfg).eval()
@@ -163,7 +149,7 @@ def test_causal_masking(dense: int | None) -> None:
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(layers=2, tied=True), pytest.param(dict(layers=3, dense=1, shared=1), marks=needs_moe)]
+    "kw", [dict(layers=2, tied=True), dict(layers=3, dense=1, shared=1)]
 )
 def test_meta_build_then_init_is_deterministic(kw: dict) -> None:
     cfg = small_cfg(**kw)
@@ -209,7 +195,6 @@ def test_init_follows_stated_rule() -> None:
     assert model.embed.weight.std().item() == pytest.approx(cfg.init_std, rel=0.03)
 
 
-@needs_moe
 def test_init_scales_expert_down_projections() -> None:
     cfg = dataclasses.replace(
         small_cfg(layers=2, dense=0),
@@ -253,7 +238,7 @@ def test_chunked_loss_matches_unchunked_value_and_gradients() -> None:
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("dense", [None, pytest.param(1, marks=needs_moe)])
+@pytest.mark.parametrize("dense", [None, 1])
 def test_autocast_bf16_loss_is_fp32_and_close(dense: int | None) -> None:
     cfg = small_cfg(layers=2, dense=dense)
     model = Transformer(cfg)
@@ -265,7 +250,7 @@ def test_autocast_bf16_loss_is_fp32_and_close(dense: int | None) -> None:
     assert abs(loss.item() - ref.item()) < 0.05
 
 
-@pytest.mark.parametrize("dense", [None, pytest.param(1, marks=needs_moe)])
+@pytest.mark.parametrize("dense", [None, 1])
 def test_a_few_adamw_steps_reduce_the_loss(dense: int | None) -> None:
     torch.manual_seed(0)
     cfg = small_cfg(layers=2, dense=dense)
@@ -284,7 +269,6 @@ def test_a_few_adamw_steps_reduce_the_loss(dense: int | None) -> None:
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-@needs_moe
 def test_moe_stats_collects_every_moe_layer() -> None:
     cfg = small_cfg(layers=3, dense=1, shared=1)
     model = Transformer(cfg)

@@ -20,8 +20,8 @@ from dist_utils import run_distributed
 from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher, source_units
 from xmoe.dispatch.local import LocalDispatcher
+from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import reference as ops
-from xmoe.moe.routing import build_plan
 from xmoe.plan.comm import count_rows
 
 # fp64 data, but ops.combine_rows accumulates in fp32 on every path; RBD sums in another order: ~1e-8 observed

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from xmoe.cli import main
+from xmoe.model.counting import paper_params
+from xmoe.model.presets import get_preset
 
 # A smaller-than-tiny model keeps these runs to seconds; the default preset itself runs in the README command.
 SMALL = ["--set", "model.hidden_size=64", "--set", "moe.hidden_size=64", "--set", "model.num_layers=2",
@@ -26,15 +28,13 @@ def train(out: Path, *extra: str) -> None:
     main(["train", "--out", str(out), "--device", "cpu", *SMALL, *extra])
 
 
-def test_tiny_training_learns_toward_entropy_floor(tmp_path, capsys):
+def test_tiny_training_learns_toward_entropy_floor(tmp_path):
     out = tmp_path / "run"
     main(["train", "--out", str(out), "--device", "cpu", "--steps", "120", "--log-every", "20",
           "--ckpt-every", "1000"])
-    text = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
-    floor_line = next(line for line in text.splitlines() if "loss floor" in line)
-    floor = float(floor_line.split("seq_len)")[1].split()[0])
-    unigram = float(floor_line.split("unigram baseline")[1].split()[0])
+    floor = summary["references"]["floor (entropy rate)"]
+    unigram = summary["references"]["baseline (unigram entropy)"]
     final = losses(out)[120]
     # well below what token frequencies alone give, and most of the way to the floor
     assert final < unigram - 0.5 * (unigram - floor), (final, unigram, floor)
@@ -91,7 +91,11 @@ def test_dry_run_paper_presets(capsys, preset, total, active):
     main(["train", "--preset", preset, "--dry-run"])
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("paper convention"))
     got_total, got_active = (float(v.strip().split("B")[0]) for v in line.split(":")[1].split(","))
-    assert abs(got_total - total) < 0.1 * total and abs(got_active - active) < 0.1 * active, line
+    # the dry run prints paper_params (to 4 digits); those round to the paper's printed digit
+    # (test_presets.py says which one number does not)
+    assert (got_total, got_active) == pytest.approx(paper_params(get_preset(preset)), rel=1e-3), line
+    assert abs(got_total - total) <= 0.05, line
+    assert abs(got_active - active) <= (0.35 if preset == "super" else 0.05), line
 
 
 def test_bad_data_path_is_a_clear_error(tmp_path, capsys):

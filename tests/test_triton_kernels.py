@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton", reason="the Triton backend needs the triton package (pip install triton)")
+import triton  # noqa: E402,F401  a declared test dependency (pip install -e ".[test]"): missing, this file fails
 
 
+from xmoe.dispatch.routing import build_plan  # noqa: E402
 from xmoe.kernels import get_ops, reference  # noqa: E402
-from xmoe.moe.routing import build_plan  # noqa: E402
 
 tops = get_ops("triton", torch.device("cpu"))
 

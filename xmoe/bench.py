@@ -13,18 +13,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable, Optional
 
 import torch
 
 from xmoe.config import MoEConfig
+from xmoe.model.presets import PRESETS, get_preset
 
-# name -> (hidden, expert ffn, experts, top-k): the X-MoE paper's presets' layer shapes, plus a CPU-sized one
-LAYER_SHAPES = {
-    "tiny": (256, 128, 16, 4),
-    "small": (2048, 1408, 64, 6),
-    "medium": (5120, 1536, 128, 6),
-    "large": (7168, 2048, 256, 8),
-}
+# the layer shapes `xmoe bench` and the benchmarks time: each preset's MoE layer (tiny for CPUs, then the paper's)
+LAYER_SHAPES = tuple(PRESETS)
+
+
+def layer_shape(preset: str) -> tuple[int, int, int, int]:
+    """(hidden, expert ffn, experts, top-k) of the MoE layer of preset ``preset``."""
+    moe = get_preset(preset).moe
+    return moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k
 
 
 def saved_activation_bytes(fn) -> int:
@@ -43,22 +46,28 @@ def saved_activation_bytes(fn) -> int:
     return sum(seen.values())
 
 
-def _time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
+def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, calls: int = 1,
+            before: Optional[Callable[[], object]] = None) -> float:
+    """Median over ``repeats`` of the milliseconds per call of ``calls`` back-to-back ``fn()``: CUDA events on a GPU,
+    the host clock on a CPU. ``before`` runs ahead of each repeat, untimed (a barrier, for code with collectives).
+    The one timing loop of xmoe's benchmarks; warm-up is the caller's."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(calls):
+                fn()
             end.record()
             torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / calls)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(times)
 
 
@@ -66,7 +75,7 @@ def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.devi
                 backend: str = "auto", warmup: int = 2, repeats: int = 5, seed: int = 0) -> dict:
     from xmoe.moe.layer import MoELayer
 
-    hidden, ffn, experts, top_k = LAYER_SHAPES[shape]
+    hidden, ffn, experts, top_k = layer_shape(shape)
     # the padded baseline runs as GShard / DeepSpeed-MoE are used, with capacity factor 1.25 (C = T would need a
     # T x E x T mask); PFT runs dropless, so it computes every routed row the baseline computes and more
     cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
@@ -90,7 +99,20 @@ def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.devi
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ms = _time_ms(step, device, warmup, repeats)
+        from tqdm import tqdm
+
+        # one CPU call of a paper-sized layer takes seconds: show each warm-up and timed call as it finishes
+        progress = tqdm(total=warmup + repeats, desc=f"{dispatcher} {shape} T={num_tokens}", unit="call",
+                        leave=False, disable=device.type == "cuda")
+
+        def counted():
+            step()
+            progress.update()
+
+        for _ in range(warmup):
+            counted()
+        ms = time_ms(counted, device, repeats)
+        progress.close()
         if device.type == "cuda":
             result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
     except torch.OutOfMemoryError:
@@ -115,7 +137,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="tiny", choices=sorted(LAYER_SHAPES), help="layer shape (default tiny)")
+    parser.add_argument("--shape", default="tiny", choices=LAYER_SHAPES,
+                        help="the MoE layer of this preset (default tiny)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per call (default 2048)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

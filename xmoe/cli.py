@@ -13,18 +13,15 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from xmoe import bench
+    from xmoe.log import configure_logging
+    from xmoe.plan import cli as plan_cli
     from xmoe.train import cli as train_cli
 
     train_parser = sub.add_parser("train", help="train a model (default: the tiny preset on the embedded corpus)")
     train_cli.add_arguments(train_parser)
     bench_parser = sub.add_parser("bench", help="time one MoE layer, padding-free vs the padded baseline")
     bench.add_arguments(bench_parser)
-    try:
-        from xmoe.plan import cli as plan_cli
-    except ImportError:
-        plan_cli = None
-    if plan_cli is not None:
-        plan_cli.add_arguments(sub.add_parser("plan", help="memory and communication models (no GPU needed)"))
+    plan_cli.add_arguments(sub.add_parser("plan", help="memory and communication models (no GPU needed)"))
 
     from xmoe import infer as infer_cli
 
@@ -33,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     infer_cli.add_generate_arguments(sub.add_parser("generate", help="KV-cached greedy / temperature / top-p sampling"))
 
     args = parser.parse_args(argv)
+    configure_logging()
     try:
         if args.command == "train":
             train_cli.run(args)

@@ -22,19 +22,20 @@ with empty buffers; nothing is padded.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from xmoe.dispatch.base import TrafficStats, experts_per_rank
+from xmoe.dispatch.comm import all_to_all_rows, exchange_counts, splits_to_host
+from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan
-from xmoe.parallel.comm import all_to_all_rows, exchange_counts, splits_to_host
 
 
 @dataclass
-class AllToAllStats:
+class AllToAllStats(TrafficStats):
     """Traffic of the forward passes since the last reset (backward moves the same volume again, in reverse).
 
     rows_*: dispatch direction only; rows a rank sends to itself are ``rows_kept`` and count in neither sent nor
@@ -47,13 +48,6 @@ class AllToAllStats:
     rows_kept: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass
@@ -110,12 +104,8 @@ class AllToAllDispatcher:
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
-        if num_experts % self.num_ranks:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the EP group size ({self.num_ranks})"
-            )
+        self.num_local_experts = experts_per_rank(num_experts, self.num_ranks)
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.num_ranks
         self.kernel_backend = kernel_backend
         self.stats = AllToAllStats()
 

@@ -17,11 +17,12 @@ experts in one call, which lets a kernel backend fuse gather -> experts -> combi
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
 
-from xmoe.moe.routing import RoutingPlan
+from xmoe.dispatch.routing import RoutingPlan
 
 
 class Dispatcher(Protocol):
@@ -30,3 +31,34 @@ class Dispatcher(Protocol):
     def combine(
         self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any
     ) -> torch.Tensor: ...
+
+
+def experts_per_rank(num_experts: int, ep: int) -> int:
+    """Experts each of ``ep`` expert-parallel ranks owns: rank e owns [e * E_local, (e + 1) * E_local). The one
+    place xmoe checks that the experts split evenly over the EP ranks."""
+    if ep < 1 or num_experts % ep:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by the expert-parallel degree ep ({ep}); "
+            f"pick ep among the divisors of {num_experts}"
+        )
+    return num_experts // ep
+
+
+@dataclass
+class TrafficStats:
+    """Base of a dispatcher's traffic counters: integer fields that count from zero, summed across calls.
+    ``as_dict`` adds the ``derived`` quantities (none here) to the fields, as Python numbers for a metrics log."""
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+    def add(self, other: "TrafficStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def derived(self) -> dict[str, float]:
+        return {}
+
+    def as_dict(self) -> dict[str, float]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, **self.derived()}

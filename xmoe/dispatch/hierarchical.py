@@ -36,19 +36,20 @@ autograd must then run it before the dispatch all-to-alls' backward, on every ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from xmoe.dispatch.base import TrafficStats, experts_per_rank
+from xmoe.dispatch.comm import all_to_all_plain, all_to_all_rows, exchange_counts
+from xmoe.dispatch.routing import RoutingPlan, count_ids
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan, count_ids
-from xmoe.parallel.comm import all_to_all_plain, all_to_all_rows, exchange_counts
 
 
 @dataclass
-class RBDStats:
+class RBDStats(TrafficStats):
     """Traffic this rank SENT in forward passes since reset() (backward moves as much again, reversed); the
     meaning of each field is in docs/rbd.md ("Counters"). Python numbers, from dispatch's one host sync."""
 
@@ -74,19 +75,8 @@ class RBDStats:
         """R = redundant slots / dispatched slots = 1 - distinct (token, node) / slots (the paper's R)."""
         return 1.0 - self.token_nodes / self.slots if self.slots else 0.0
 
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
-
-    def add(self, other: "RBDStats") -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def as_dict(self) -> dict[str, float]:
-        """Python numbers only (filled from the layer's one host sync): ready for a metrics logger."""
-        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(rows_intra=self.rows_intra, redundancy_rate=self.redundancy_rate)
-        return out
+    def derived(self) -> dict[str, float]:
+        return {"rows_intra": self.rows_intra, "redundancy_rate": self.redundancy_rate}
 
 
 @dataclass
@@ -227,13 +217,10 @@ class HierarchicalDispatcher:
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
-        if num_experts % self.num_ranks:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the EP group size ({self.num_ranks})")
         if len(node_of_rank) != self.num_ranks:
             raise ValueError(f"node_of_rank has {len(node_of_rank)} entries for an EP group of {self.num_ranks}")
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // self.num_ranks
+        self.num_local_experts = experts_per_rank(num_experts, self.num_ranks)
         self.kernel_backend = kernel_backend
         labels = sorted(set(node_of_rank))
         self.node_of_rank = [labels.index(n) for n in node_of_rank]  # compact node ids 0 .. nodes - 1
@@ -247,12 +234,6 @@ class HierarchicalDispatcher:
         self.stats = RBDStats()
         self.last_stats: dict[str, float] = {}
         self._last = RBDStats()
-
-    @classmethod
-    def from_dims(cls, dims, num_experts: int, kernel_backend: str = "auto") -> "HierarchicalDispatcher":
-        """Over the "ep" group of a built ``ParallelDims``, nodes from its node size (launcher numbering)."""
-        nodes = [dims.node_of(r) for r in dims.group_ranks("ep")]
-        return cls(dims.group("ep"), num_experts, nodes, kernel_backend)
 
     def _device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(node of each expert, node-local index of each rank) on ``device``, copied there once (a host-to-device

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
+from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan
 
 
 class LocalDispatcher:

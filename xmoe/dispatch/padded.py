@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from xmoe.moe.routing import RoutingPlan
-from xmoe.parallel.comm import all_to_all_rows
+from xmoe.dispatch.comm import all_to_all_rows
+from xmoe.dispatch.routing import RoutingPlan
 
 
 class PaddedDispatcher:

@@ -31,8 +31,20 @@ def triton_available() -> bool:  # asked on every layer call: look once
     return True
 
 
+# (backend, device type) -> ops module, filled by get_ops. A plain dict lookup is what torch.compile traces on a
+# hit (it cannot trace the import machinery behind a miss), so call get_ops once eagerly before compiling.
+_RESOLVED: dict[tuple[str, str], ModuleType] = {}
+
+
 def get_ops(backend: str, device: torch.device) -> ModuleType:
     """The module implementing the ops for ``backend`` on ``device``."""
+    ops = _RESOLVED.get((backend, device.type))
+    if ops is None:
+        ops = _RESOLVED[(backend, device.type)] = _resolve(backend, device)
+    return ops
+
+
+def _resolve(backend: str, device: torch.device) -> ModuleType:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "torch":

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xmoe.config import ModelConfig
-from xmoe.train.metrics import FlopDims, attention_matrix_params, forward_macs, paper_train_flops
+from xmoe.model.flops import FlopDims, attention_matrix_params, forward_macs, paper_train_flops
 
 PARTS = ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "head")
 
@@ -120,7 +120,7 @@ def paper_params(cfg: ModelConfig) -> tuple[float, float]:
 def flops_per_token(cfg: ModelConfig, seq_len: int, expert_matrices: int = 3) -> FlopCount:
     """Forward FLOPs per token at ``seq_len`` by part; ``.training`` is 3x that.
 
-    The formula is xmoe's one FLOP definition, ``xmoe.train.metrics.forward_macs`` (causal attention counts
+    The formula is xmoe's one FLOP definition, ``xmoe.model.flops.forward_macs`` (causal attention counts
     the s(s+1)/2 visible pairs), divided over the tokens of one sequence. ``expert_matrices=2`` rescales the
     FFN parts to the paper's two-matrix (GELU) experts.
     """
@@ -144,7 +144,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, expert_matrices: int = 3) ->
 
 
 def paper_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token by the paper's formula (``xmoe.train.metrics.paper_train_flops``).
+    """Training FLOPs per token by the paper's formula (``xmoe.model.flops.paper_train_flops``).
 
     Full (not causal) attention, two-matrix experts, no router, every layer an MoE layer, shared experts
     ignored: use it only to compare TFLOP/s with the paper's tables.

@@ -41,7 +41,7 @@ from xmoe.config import ModelConfig
 from xmoe.model.attention import KVCache, make_attention
 from xmoe.model.layers import RMSNorm, apply_rotary, rope_tables  # noqa: F401  (apply_rotary: re-exported)
 from xmoe.moe.experts import SwiGLU
-from xmoe.moe.layer import MoELayer
+from xmoe.moe.layer import MoELayer, moe_layers
 
 IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
 
@@ -197,8 +197,7 @@ class Transformer(nn.Module):
 
     def moe_layers(self) -> list[nn.Module]:
         """The MoELayer of every MoE block, in layer order (e.g. for the trainer's expert-bias updates)."""
-        # modules(), not self.layers: it also finds blocks that a parallelism wrapper has wrapped.
-        return [m.ffn for m in self.modules() if isinstance(m, Block) and m.is_moe]
+        return moe_layers(self)
 
     @torch.no_grad()
     def moe_stats(self) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import RoutingPlan
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -71,8 +71,8 @@ def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
     """Within: each RoutedExperts of ``model`` casts its weights to the compute dtype once, not once per forward.
 
     For one optimizer step's micro-batches, whose weights do not change: with fp32 parameters and bf16 compute
-    each cast reads 4 and writes 2 bytes per expert weight (H200, `python benchmarks/bench_train.py --steps 24`,
-    2 micro-batches per step: 224.6 -> 227.2 TFLOP/s, bench_train.md). The casts are dropped on exit, so nothing
+    each cast reads 4 and writes 2 bytes per expert weight (measured: docs/architecture.md, "Measured reasons").
+    The casts are dropped on exit, so nothing
     stale outlives the step. Experts whose weights are DTensors (expert parallelism, FSDP2, which swaps in other
     tensors around each forward) are left out and cast per forward."""
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)

@@ -13,9 +13,9 @@ from torch import nn
 from xmoe.config import MoEConfig
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.padded import PaddedDispatcher
+from xmoe.dispatch.routing import build_plan
 from xmoe.moe.experts import RoutedExperts, SwiGLU
 from xmoe.moe.router import Router
-from xmoe.moe.routing import build_plan
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -43,6 +43,11 @@ def make_dispatcher(cfg: MoEConfig):
     if cfg.dispatcher == "padded":
         return PaddedDispatcher()
     return LocalDispatcher(cfg.kernel_backend)
+
+
+def moe_layers(model: nn.Module) -> list["MoELayer"]:
+    """Every MoELayer inside ``model``, in registration (layer) order; wrapped ones (FSDP, DDP) included."""
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
 class MoELayer(nn.Module):
@@ -89,8 +94,7 @@ class MoELayer(nn.Module):
         plan = build_plan(route.expert_ids_TK, route.scores_TK, cfg.num_experts, capacity)
         # 3. rows to their experts, grouped SwiGLU, weighted sum back per token. Under autocast the rows move
         # and multiply in the autocast dtype: an fp32 residual stream would otherwise drag the grouped GEMMs
-        # (which autocast does not see) into fp32 (H200, `benchmarks/bench_train.py`: 43.2 TFLOP/s for the model
-        # before this cast, 225.2 after; bench_train.md).
+        # (which autocast does not see) into fp32 (measured: docs/architecture.md, "Measured reasons").
         if torch.is_autocast_enabled(x.device.type):
             x_TH = x_TH.to(torch.get_autocast_dtype(x.device.type))
         if getattr(self.dispatcher, "fuses_experts", False):  # one rank: the backend may fuse the three steps

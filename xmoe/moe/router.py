@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from xmoe.config import MoEConfig
+from xmoe.dispatch.routing import count_ids
 from xmoe.kernels import get_ops
-from xmoe.moe.routing import count_ids
 
 
 @dataclass
@@ -76,8 +76,7 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
         # The Triton backend ("triton", or "auto" on a GPU) fuses scores, selection and weights in one kernel each
         # way (kernels/router_topk.py) within its limits (router_topk_supports); the torch path below is the
-        # reference and the fallback. H200, fwd+bwd at T = 16384: 1.0-3.4x the torch path
-        # (benchmarks/results/bench_router.md).
+        # reference and the fallback (its speed against the torch path: benchmarks/results/bench_router.md).
         ops = get_ops(cfg.kernel_backend, logits_TE.device)
         if hasattr(ops, "router_topk") and ops.router_topk_supports(cfg.num_experts, cfg.top_k, cfg.num_expert_groups):
             weights_TK, ids_TK, scores_TK = ops.router_topk(logits_TE, self.expert_bias, cfg.top_k, cfg.score_func,

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from xmoe.config import ParallelConfig
+from xmoe.dispatch.base import experts_per_rank
 
 AXES = ("dp", "ep", "tp")
 DENSE_AXIS = "dp_ep"  # all dp * ep ranks of one TP coordinate: data parallelism of dense parameters
@@ -170,12 +171,7 @@ class ParallelDims:
 
     def check_experts(self, num_experts: int) -> int:
         """Experts per EP rank; rank with EP coordinate e owns experts [e * E_local, (e + 1) * E_local)."""
-        if num_experts % self.ep:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the expert-parallel degree ep ({self.ep}); "
-                f"pick ep among the divisors of {num_experts}"
-            )
-        return num_experts // self.ep
+        return experts_per_rank(num_experts, self.ep)
 
     def _warn_on_node_straddling(self) -> None:
         if self.tp > 1 and len(self.nodes_of_group("tp", 0)) > 1:

@@ -43,15 +43,17 @@ from torch import nn
 from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher
 from xmoe.dispatch.padded import PaddedAllToAllDispatcher
-from xmoe.moe.layer import MoELayer
-from xmoe.parallel.comm import ScaleGrad
+from xmoe.moe.layer import moe_layers
 from xmoe.parallel.dims import DENSE_AXIS, ParallelDims
+from xmoe.parallel.grads import scale_weight_grads
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernel_backend: str = "auto") -> HierarchicalDispatcher:
+    """RBD over the "ep" group of a built ``ParallelDims``, nodes from its node size (launcher numbering)."""
+    nodes = [dims.node_of(r) for r in dims.group_ranks("ep")]
+    return HierarchicalDispatcher(dims.group("ep"), num_experts, nodes, kernel_backend)
 
 
 def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
@@ -80,27 +82,13 @@ def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         if cfg.dispatcher == "rbd":  # two-stage hierarchical dispatch over the nodes the EP group spans
-            layer.dispatcher = HierarchicalDispatcher.from_dims(dims, cfg.num_experts, cfg.kernel_backend)
+            layer.dispatcher = rbd_dispatcher(dims, cfg.num_experts, cfg.kernel_backend)
         elif cfg.dispatcher == "padded":  # the capacity-buffer baseline, DeepSpeed-MoE style
             layer.dispatcher = PaddedAllToAllDispatcher(dims.group("ep"))
         else:
             layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend)
-        _scale_weight_grads(layer.experts, 1.0 / dims.ep)
+        scale_weight_grads(layer.experts, 1.0 / dims.ep)
     return model
-
-
-def _scale_weight_grads(experts: nn.Module, scale: float) -> None:
-    """Scale the gradients of ``experts``' weights by ``scale`` and leave the gradient of its input unchanged:
-    the output gradient is scaled by ``scale`` on the way in, the input gradient by 1 / scale on the way out."""
-
-    def scale_input(module, args):
-        return (ScaleGrad.apply(args[0], 1.0 / scale), *args[1:])
-
-    def scale_output(module, args, out):
-        return ScaleGrad.apply(out, scale)
-
-    experts.register_forward_pre_hook(scale_input)
-    experts.register_forward_hook(scale_output)
 
 
 def apply_expert_parallel(

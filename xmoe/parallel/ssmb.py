@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xmoe.parallel.comm import ScaleGrad
 from xmoe.parallel.dims import ParallelDims
+from xmoe.parallel.grads import ScaleGrad
 
 # recent torch renamed all_gather_into_tensor (keeping it as a deprecated alias); older versions have only that name
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -14,9 +14,9 @@ ColwiseParallel all-reduces in backward. Replicated parameters computed on repli
 identical gradients on all TP peers and need no reduction over "tp".
 
 Collectives per layer (bytes each rank sends, ring algorithm): forward one all-reduce of the attention output and one
-of the dense FFN output, 2*b*T*H*(S-1)/S each; backward the same two, on the input gradients. No sequence
-parallelism: norms and the inputs of the colwise projections are full size on every rank, which is what
-``xmoe.plan.memory`` models (``attention_activations``: qkv_input full, q/k/v and the attention output 1/S).
+of the dense FFN output, 2*b*T*H*(S-1)/S each; backward the same two, on the input gradients. Without sequence
+parallelism (the default; the layout below is opt-in) norms and the inputs of the colwise projections are full size
+on every rank, which is what ``xmoe.plan.memory`` models (``attention_activations``: qkv_input full, q/k/v and the attention output 1/S).
 
 Mesh. The "tp" axis of ``dims.dense_mesh`` ("dp_ep", "tp"), not of ``dims.mesh``: FSDP2 shards TP weights over the
 "dp_ep" axis of the same mesh and requires both axes to share a parent mesh (the ranks are the same either way).

@@ -36,6 +36,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from xmoe.config import ModelConfig
+from xmoe.dispatch.base import experts_per_rank
 from xmoe.parallel.dims import node_of, rank_grid
 
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -188,8 +189,7 @@ def routing_probs(spec: str, num_experts: int, top_k: int, seed: int = 0) -> Opt
 def ep_layout(num_experts: int, gpus: int, ep: int, gpus_per_node: int, placement: str = "ep_first",
               tp: int = 1) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(expert_to_rank_E, rank_to_node_W, group) of the EP group holding global rank 0 (xmoe's rank grid)."""
-    if ep < 1 or num_experts % ep:
-        raise ValueError(f"ep ({ep}) must divide num_experts ({num_experts})")
+    experts_per_rank(num_experts, ep)
     if gpus % (ep * tp):
         raise ValueError(f"ep * tp ({ep * tp}) must divide gpus ({gpus})")
     if gpus > gpus_per_node and gpus % gpus_per_node:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from xmoe.config import ModelConfig, MoEConfig, ParallelConfig
+from xmoe.dispatch.base import experts_per_rank
 from xmoe.model.counting import count_params
 from xmoe.parallel.dims import ParallelDims
 
@@ -185,8 +186,7 @@ def _validate(cfg: ModelConfig, par: ParallelConfig, micro_batch: int, seq_len: 
         raise ValueError(f"tp ({par.tp}) must be <= gpus per node ({node}): TP needs the intra-node links")
     if world > node and world % node:
         raise ValueError(f"gpus ({world}) must be a multiple of gpus per node ({node}); use whole nodes")
-    if cfg.moe.num_experts % par.ep:
-        raise ValueError(f"ep ({par.ep}) must divide num_experts ({cfg.moe.num_experts})")
+    experts_per_rank(cfg.moe.num_experts, par.ep)
     if cfg.num_heads % par.tp:
         raise ValueError(f"tp ({par.tp}) must divide num_heads ({cfg.num_heads})")
     if micro_batch < 1:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from xmoe import __version__
+from xmoe._version import __version__
 
 CKPT_SUBDIR = "checkpoints"
 LATEST = "latest"

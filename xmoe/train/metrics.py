@@ -1,54 +1,31 @@
-"""Training metrics: FLOP accounting, MFU, memory, expert load imbalance, and the run logger.
+"""Training metrics: MFU, memory, expert load imbalance, and the run logger.
 
-FLOP accounting (the one place it is defined)
----------------------------------------------
-# B sequences, s seq len, N = B*s tokens, H hidden, L layers (L_moe MoE + L_dense dense), V vocab,
-# n_h heads, n_kv key/value heads, d_h head dim, E experts, k top-k, F expert ffn, F_d dense ffn,
-# S shared experts, R token-expert rows the routed experts actually processed (all MoE layers summed).
-
-One multiply-accumulate (MAC) is 2 FLOPs; a training step is 3 x the forward FLOPs (the backward pass costs
-2 x forward: gradients w.r.t. activations and w.r.t. weights). Only matmuls count: norms, softmax,
-activations, RoPE, top-k selection and the optimizer are ignored, and activation recomputation is not
-counted (model FLOPs, the MFU convention).
-
-(a) xmoe's formula, forward MACs of one step:
-    attention projections  N * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H)
-    attention QK^T and PV  L * B * n_h * 2 d_h * s (s + 1) / 2     causal: only the s(s+1)/2 (query, key) pairs
-                                                                   with key <= query are counted, not s^2
-    dense FFN (SwiGLU)     N * L_dense * 3 H F_d                   gate, up and down matrices
-    router                 N * L_moe * H E
-    shared experts         N * L_moe * S * 3 H F
-    routed experts         R * 3 H F                               R excludes dropped slots; dropless R = N L_moe k
-    LM head                N * V H                                 the embedding lookup is free
-    training FLOPs = 2 * 3 * MACs
-
-(b) the paper's formula, kept only to compare with its reported numbers:
-    forward MACs = L * B s (4 H^2 + 2 d_h n_h s + 2 F H k) + B V H s
-    TFLOP/s      = 2 * 3 * MACs / (time * GPUs) / 1e12
-    It counts full (non-causal) attention, two expert matrices instead of SwiGLU's three, every layer as
-    a top-k MoE layer, and no router / shared experts / dense layers / drops, so (a) and (b) differ.
-
-Per-GPU throughput: pass the global token and row counts of the step and divide by time * GPUs.
+FLOPs are defined once, in ``xmoe.model.flops``; the step formulas are imported here so that the trainer finds
+them beside ``mfu``. Per-GPU throughput: pass the global token and row counts of the step and divide by time * GPUs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
 import torch
 
+from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
+from xmoe.train.checkpoint import _write_text  # the one atomic file write (temp file, fsync, rename)
+
+log = logging.getLogger(__name__)
+
 __all__ = [
     "FlopDims",
     "MetricsLogger",
-    "forward_macs",
     "format_progress",
     "load_imbalance",
     "mfu",
@@ -57,94 +34,6 @@ __all__ = [
     "peak_memory_bytes",
     "train_flops",
 ]
-
-
-@dataclass
-class FlopDims:
-    """Model dimensions the FLOP formulas need; ``head_dim`` 0 means H / n_h, ``num_kv_heads`` 0 means n_h."""
-
-    hidden_size: int
-    num_layers: int
-    num_moe_layers: int
-    num_heads: int
-    vocab_size: int
-    seq_len: int
-    num_experts: int
-    top_k: int
-    expert_ffn_size: int
-    dense_ffn_size: int
-    num_shared_experts: int = 0
-    head_dim: int = 0
-    num_kv_heads: int = 0
-    attn_proj_params: int = 0  # one layer's attention matrix parameters (0: from heads; MLA sets it)
-    shared_ffn_size: int = 0  # total shared-expert width (0: num_shared_experts * expert_ffn_size)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.num_moe_layers <= self.num_layers:
-            raise ValueError(f"num_moe_layers ({self.num_moe_layers}) must be in [0, num_layers={self.num_layers}]")
-        self.head_dim = self.head_dim or self.hidden_size // self.num_heads
-        self.num_kv_heads = self.num_kv_heads or self.num_heads
-
-    @classmethod
-    def from_model_config(cls, model: Any, seq_len: int) -> "FlopDims":
-        """From an ``xmoe.config.ModelConfig`` (duck-typed, so this module imports no model code)."""
-        return cls(
-            hidden_size=model.hidden_size,
-            num_layers=model.num_layers,
-            num_moe_layers=model.num_layers - model.first_k_dense,
-            num_heads=model.num_heads,
-            vocab_size=model.vocab_size,
-            seq_len=seq_len,
-            num_experts=model.moe.num_experts,
-            top_k=model.moe.top_k,
-            expert_ffn_size=model.moe.ffn_hidden_size,
-            dense_ffn_size=model.ffn_hidden_size,
-            num_shared_experts=model.moe.num_shared_experts,
-            shared_ffn_size=model.moe.shared_width,
-            head_dim=model.head_dim,
-            num_kv_heads=model.kv_heads,
-            attn_proj_params=attention_matrix_params(model) if model.attention == "mla" else 0,
-        )
-
-
-def attention_matrix_params(model: Any) -> int:
-    """Matrix parameters of one layer's attention (= its projection MACs per token), from a ModelConfig."""
-    H, N, D = model.hidden_size, model.num_heads, model.head_dim
-    if model.attention != "mla":
-        return H * D * (2 * N + 2 * model.kv_heads)
-    q_rank, kv_rank, R = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
-    q = H * q_rank + q_rank * N * D if q_rank else H * N * D
-    kv = H * (kv_rank + R) + kv_rank * N * (model.qk_nope_head_dim + model.v_head_dim)
-    return q + kv + N * model.v_head_dim * H
-
-
-def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> dict[str, int]:
-    """Forward multiply-accumulates of one step by component, formula (a) above. Integers, exact."""
-    H, s, n = d.hidden_size, d.seq_len, num_sequences * d.seq_len
-    num_dense = d.num_layers - d.num_moe_layers
-    if routed_rows is None:  # dropless: every token reaches its k experts in every MoE layer
-        routed_rows = n * d.num_moe_layers * d.top_k
-    return {
-        "attn_proj": n * d.num_layers * (d.attn_proj_params or H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)),
-        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
-        "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
-        "router": n * d.num_moe_layers * H * d.num_experts,
-        "shared_experts": n * d.num_moe_layers * 3 * H * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
-        "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
-        "lm_head": n * d.vocab_size * H,
-    }
-
-
-def train_flops(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> int:
-    """Training FLOPs of one step (forward + backward), xmoe's formula (a)."""
-    return 2 * 3 * sum(forward_macs(d, num_sequences, routed_rows).values())
-
-
-def paper_train_flops(d: FlopDims, num_sequences: int) -> int:
-    """Training FLOPs of one step under the paper's formula (b); divide by time * GPUs for TFLOP/s."""
-    H, s, B = d.hidden_size, d.seq_len, num_sequences
-    per_layer = B * s * (4 * H * H + 2 * d.head_dim * d.num_heads * s + 2 * d.expert_ffn_size * H * d.top_k)
-    return 2 * 3 * (d.num_layers * per_layer + B * d.vocab_size * H * s)
 
 
 # Dense bf16 tensor-core peaks in TFLOP/s (no sparsity). First case-insensitive substring match of
@@ -238,19 +127,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class MetricsLogger:
     """Rank 0 appends one JSON line per ``log`` to ``out_dir/metrics.jsonl`` and shows progress.
 
     Keys: ``step``, the values passed (canonical: loss, aux_loss, lr, grad_norm, tokens_per_s, tflops,
     paper_tflops, mfu, mem_bytes, imbalance; TFLOP/s per GPU) and ``elapsed_s`` (training wall time,
     cumulative across resumes). Each line is flushed, so a crash loses nothing already logged. Progress is
-    a tqdm bar when stderr is a TTY, else one plain line per ``log`` on ``stream`` (stdout). Other ranks do
+    a tqdm bar when stderr is a TTY, else one plain line per ``log`` on ``stream``, or through the "xmoe" logger
+    when no stream is given (``xmoe.log``; the CLI prints it on stdout). Other ranks do
     nothing. Values may be floats, ints, None, 0-d tensors (each costs a host sync) or numpy scalars.
 
     Resume: pass ``resume_step``; the file is rewritten atomically keeping only records with
@@ -286,7 +170,7 @@ class MetricsLogger:
             self.records = [r for r in self._read() if r["step"] <= resume_step]
             if self.records:
                 self._offset = float(self.records[-1].get("elapsed_s", 0.0))
-        _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._first_new = len(self.records)
         self._file = open(self.path, "a")
         if progress_bar if progress_bar is not None else sys.stderr.isatty():
@@ -328,7 +212,7 @@ class MetricsLogger:
             self._bar.update(max(0, step - self._bar.n))
             self._bar.set_postfix_str(line.split(" | ", 1)[-1], refresh=True)
         else:
-            print(line, file=self._stream or sys.stdout, flush=True)
+            self._emit(line)
         if self._tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -373,11 +257,18 @@ class MetricsLogger:
             summary.update(final_val_loss=val[-1][1], best_val_loss=min(v for _, v in val))
         lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
         lines = {k: v for k, v in lines.items() if v is not None}
-        _atomic_write(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
+        _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
         self._plot(losses, lines, val)
         shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if v is not None]
-        print("summary: " + ", ".join(shown), file=self._stream or sys.stdout, flush=True)
+        self._emit("summary: " + ", ".join(shown))
         return summary
+
+    def _emit(self, line: str) -> None:
+        """A console line: to ``stream`` when one was given, else to the "xmoe" log (the CLI prints it)."""
+        if self._stream is not None:
+            print(line, file=self._stream, flush=True)
+        else:
+            log.info(line)
 
     def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float],
               val: Optional[list[tuple[int, float]]] = None) -> None:

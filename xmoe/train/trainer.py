@@ -14,6 +14,7 @@ everywhere), metrics every ``log_every`` steps, an atomic checkpoint every ``ckp
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -36,6 +37,8 @@ from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
+
+log = logging.getLogger(__name__)
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -189,7 +192,7 @@ class Trainer:
         found = ckpt.find_latest(self.out_dir)
         if found is None:
             if self.rank == 0:
-                print(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
+                log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
             return
         saved_world = ckpt.read_meta(found)["world_size"]
         same_world = saved_world == self.world
@@ -200,13 +203,13 @@ class Trainer:
             # streams restart, so the continuation is equivalent but not bit-identical.
             extra = ckpt.read_extra(found, rank=0)
             if self.rank == 0:
-                print(f"resuming a {saved_world}-process checkpoint on {self.world} processes")
+                log.info(f"resuming a {saved_world}-process checkpoint on {self.world} processes")
         self.step = int(extra["step"])
         self.loader.load_state_dict(extra["loader"])
         for layer, bias in zip(self.model.moe_layers(), extra.get("expert_bias", [])):
             layer.router.expert_bias.copy_(bias)
         if self.rank == 0:
-            print(f"resumed from {found} at step {self.step}")
+            log.info(f"resumed from {found} at step {self.step}")
 
     def save(self) -> Path:
         extra = {
@@ -302,9 +305,9 @@ class Trainer:
         floor = getattr(self.dataset, "loss_floor", None)
         summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None))
         if self.rank == 0 and floor is not None and "final_loss" in summary:
-            print(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above the "
-                  f"source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f}); "
-                  f"plot {self.out_dir / 'loss.png'}")
+            log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token above the "
+                     f"source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f}); "
+                     f"plot {self.out_dir / 'loss.png'}")
         if dist.is_initialized():
             dist.barrier()
         return summary
@@ -379,4 +382,4 @@ class Trainer:
                          f"{self.dataset.unigram_entropy:.3f}")
         if self.step:
             lines.append(f"continuing from step {self.step} to {t.steps}")
-        print("\n".join(lines), flush=True)
+        log.info("\n".join(lines))

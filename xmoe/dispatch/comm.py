@@ -31,19 +31,6 @@ def all_to_all_plain(x_NH: torch.Tensor, output_splits: list[int], input_splits:
     return _all_to_all(x_NH, output_splits, input_splits, group)
 
 
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 class AllToAllRows(torch.autograd.Function):
     """Rows [sum(input_splits[:p]), sum(input_splits[:p+1])) go to rank p; rows from rank p arrive in that order."""
 
@@ -91,9 +78,9 @@ def exchange_counts(send_counts_PE: torch.Tensor, group: Optional[dist.ProcessGr
 def splits_to_host(send_counts_PE: torch.Tensor, recv_counts_PE: torch.Tensor) -> tuple[list[int], list[int]]:
     """(input_splits, output_splits) of the row all-to-all as host lists: ONE device-to-host copy.
 
-    This is the host synchronisation of expert-parallel dispatch (counts exchange included: 0.11 ms per layer
-    beside a 9.13 ms layer, 2 H200s, `torchrun --nproc-per-node 2 benchmarks/bench_ep.py`, bench_ep.md): the
-    collective needs the split sizes on the host, and the receive buffer's size is data dependent.
+    This is the host synchronisation of expert-parallel dispatch (its measured cost: docs/architecture.md,
+    "Measured reasons"): the collective needs the split sizes on the host, and the receive buffer's size is data
+    dependent.
     """
     num_ranks = send_counts_PE.shape[0]
     both = torch.cat([send_counts_PE.sum(1), recv_counts_PE.sum(1)]).tolist()

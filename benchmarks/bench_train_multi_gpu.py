@@ -1,8 +1,9 @@
-"""Issue 8: the X-MoE paper's 8-GPU table (Small preset and reduced variants) and SSMB under TP=2 x EP, whole model.
+"""Whole-model training throughput on several GPUs: the X-MoE paper's 8-GPU table (Small preset and reduced
+variants, xmoe vs the padded baseline) and SSMB under TP=2 x EP.
 
-    torchrun --nproc-per-node 8 benchmarks/bench_paper8.py                       # the table: xmoe vs padded
-    torchrun --nproc-per-node 8 benchmarks/bench_paper8.py --mode ssmb           # TP=2 x EP=4, SSMB on / off
-    torchrun --nproc-per-node 4 benchmarks/bench_paper8.py --cpu --variants 32x2 # gloo smoke test, tiny preset
+    torchrun --nproc-per-node 8 benchmarks/bench_train_multi_gpu.py                    # the table: xmoe vs padded
+    torchrun --nproc-per-node 8 benchmarks/bench_train_multi_gpu.py --mode ssmb        # TP=2 x EP=4, SSMB on / off
+    torchrun --nproc-per-node 4 benchmarks/bench_train_multi_gpu.py --cpu --variants 32x2  # gloo smoke test, tiny
 
 # W world size, mb micro-batch (sequences per rank per step), SEQxLAYERS a variant of the base preset
 
@@ -24,18 +25,17 @@ memory freed. Caveat: a rank that runs out of memory alone INSIDE a collective l
 collective; the process group timeout (--pg-timeout-s) then ends the run, and the rows written so far (results are
 rewritten after every size) survive. Timing: CUDA events around a fixed number of steps after warm-up on every rank;
 rank 0's ms/step, the max over ranks too, and peak allocated / reserved memory as the max over ranks.
-TFLOP/s per GPU: xmoe's formula (xmoe.train.metrics.train_flops, with the routed rows actually kept: padded drops)
+TFLOP/s per GPU: xmoe's formula (xmoe.model.flops.train_flops, with the routed rows actually kept: padded drops)
 and the paper's (paper_train_flops), both over global sequences per step / (time x W).
-Results: rank 0 writes paper8_<mode>.json / .md under $OUT or benchmarks/results/ after every micro-batch.
+Results: rank 0 writes train_multi_gpu_<mode>.json / .md under $XMOE_RESULTS_DIR or benchmarks/results/ after every
+micro-batch. docs/benchmarks-multi-gpu.md describes the whole multi-GPU run (benchmarks/run_multi_gpu.sh).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import distributed_skip_reason  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
 
 GIB = 2**30
 METHODS = {  # name -> (dispatcher, capacity factor, ep is the world (else 1), tp, ssmb)
@@ -62,21 +62,6 @@ MODES = {  # mode -> default (variants, methods); table variants: the paper's Sm
 }
 COLUMNS = ["variant", "method", "ep", "tp", "dp", "micro_batch", "status", "ms_step", "ms_step_max", "tflops",
            "paper_tflops", "tokens_per_s", "peak_alloc_gib", "peak_reserved_gib", "kept_rows_frac", "loss"]
-
-
-def init(cpu: bool, timeout_s: float) -> torch.device:
-    """harness.init_distributed plus a collective timeout: a rank stuck after a lone OOM must end the run, not hang."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if cpu:
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timeout)
-        return torch.device("cpu")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    return device
 
 
 def model_config(base: str, variant: str, dispatcher: str, capacity):
@@ -175,19 +160,9 @@ def measure(model, opt, dims, cfg, seq: int, mb: int, warmup: int, args, device)
         # every rank must run the same number of steps: agree on the slowest rank's warm-up time
         warm_s = _agree([warm_s], device)[0]
         iters = max(2, min(args.iters, int(args.target_s / max(warm_s, 1e-6))))
-        dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            loss = step(True)
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / iters
-        else:
-            ms = (time.perf_counter() - t0) * 1e3 / iters
+        losses = []
+        ms = collective_time_ms(lambda: losses.append(step(True)), device, iters, trials=1, warmup=False)
+        loss = losses[-1]
         if args.fake_oom and args.fake_oom == (rank, mb):  # test hook: one rank alone, after the step's collectives
             raise torch.OutOfMemoryError("fake OOM (--fake-oom)")
         out = {"ms": ms, "iters": iters, "loss": loss.float().item()}
@@ -210,12 +185,12 @@ def measure(model, opt, dims, cfg, seq: int, mb: int, warmup: int, args, device)
 
 def run_case(variant: str, method: str, args, device):
     """One (variant, method): build once, then the micro-batch search. Yields one row per size tried."""
-    from xmoe.train import metrics
+    from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
 
     world = dist.get_world_size()
     dispatcher, capacity, _, _, _ = METHODS[method]
     cfg, seq = model_config(args.base, variant, dispatcher, capacity)
-    flop_dims = metrics.FlopDims.from_model_config(cfg, seq)
+    flop_dims = FlopDims.from_model_config(cfg, seq)
     t_case = time.perf_counter()
     model, opt, (dp, ep, tp), dims = build(cfg, method, device, world)
     _free(device)
@@ -228,8 +203,8 @@ def run_case(variant: str, method: str, args, device):
             sequences, sec = mb * data_ranks, r["ms_step"] / 1e3
             dropless = sequences * seq * flop_dims.num_moe_layers * flop_dims.top_k
             routed = int(r["rows"]) // tp if tp > 1 and not METHODS[method][4] else int(r["rows"])
-            row.update(tflops=metrics.train_flops(flop_dims, sequences, routed_rows=routed) / sec / world / 1e12,
-                       paper_tflops=metrics.paper_train_flops(flop_dims, sequences) / sec / world / 1e12,
+            row.update(tflops=train_flops(flop_dims, sequences, routed_rows=routed) / sec / world / 1e12,
+                       paper_tflops=paper_train_flops(flop_dims, sequences) / sec / world / 1e12,
                        tokens_per_s=sequences * seq / sec, kept_rows_frac=routed / dropless if dropless else None)
         yield row
         if r["status"] != "ok":
@@ -268,7 +243,7 @@ def write(rows: list[dict], args, meta: dict, done: bool) -> None:
              + "\n\nEvery size tried:")
     title = {"table": "X-MoE 8-GPU table: xmoe vs padded baseline, whole model",
              "ssmb": "SSMB at TP=2 x EP, whole model"}[args.mode]
-    write_results(f"paper8_{args.mode}", rows, COLUMNS, {**meta, "args": vars(args) | {"fake_oom": None}}, title,
+    write_results(f"train_multi_gpu_{args.mode}", rows, COLUMNS, {**meta, "args": vars(args) | {"fake_oom": None}}, title,
                   notes)
 
 
@@ -298,11 +273,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list[dict] | None:
     args = parse_args(argv)
-    reason = None if dist.is_initialized() else distributed_skip_reason("benchmarks/bench_paper8.py", args.cpu)
+    reason = None if dist.is_initialized() else distributed_skip_reason("benchmarks/bench_train_multi_gpu.py", args.cpu)
     if reason:
-        print(f"bench_paper8: skipped: {reason}")
+        print(f"bench_train_multi_gpu: skipped: {reason}")
         return None
-    device = init(args.cpu, args.pg_timeout_s)
+    device = init_distributed(args.cpu, args.pg_timeout_s)
     from benchmarks.harness import environment, markdown_table
 
     world, rank = dist.get_world_size(), dist.get_rank()

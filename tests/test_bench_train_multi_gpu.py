@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_paper8.py (issue 8) on 4 gloo ranks, tiny preset: both modes run end to end,
+"""Smoke test of benchmarks/bench_train_multi_gpu.py on 4 gloo ranks, tiny preset: both modes run end to end,
 rows carry TFLOP/s under both formulas, and an OOM raised on ONE rank stops the micro-batch search on ALL ranks
 (the agreement the GPU run relies on; the fake OOM comes after the step's collectives, see --fake-oom)."""
 
@@ -15,14 +15,14 @@ FAST = ["--cpu", "--variants", "32x2", "--warmup", "1", "--iters", "2", "--targe
 
 def _body(rank, world_size, out, argv):
     sys.path.insert(0, str(ROOT))
-    os.environ["OUT"] = out  # rank 0 writes paper8_<mode>.json / .md here
-    from benchmarks import bench_paper8
+    os.environ["XMOE_RESULTS_DIR"] = out  # rank 0 writes train_multi_gpu_<mode>.json / .md here
+    from benchmarks import bench_train_multi_gpu
 
-    bench_paper8.main(argv)
+    bench_train_multi_gpu.main(argv)
 
 
 def _rows(out, mode):
-    return json.loads((Path(out) / f"paper8_{mode}.json").read_text())["rows"]
+    return json.loads((Path(out) / f"train_multi_gpu_{mode}.json").read_text())["rows"]
 
 
 def test_table_mode_agrees_on_a_one_rank_oom(tmp_path):
@@ -38,7 +38,7 @@ def test_table_mode_agrees_on_a_one_rank_oom(tmp_path):
         assert r["tflops"] > 0 and r["paper_tflops"] > 0 and r["ms_step_max"] >= r["ms_step"] > 0
     assert xmoe["kept_rows_frac"] == 1.0  # dropless
     assert 0 < padded["kept_rows_frac"] < 1.0  # capacity factor 1.25 drops slots
-    md = (tmp_path / "paper8_table.md").read_text()
+    md = (tmp_path / "train_multi_gpu_table.md").read_text()
     assert "| 32x2 | xmoe | 4 | 1 | 1 | 1 | ok |" in md and "OOM" in md
 
 

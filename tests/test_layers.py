@@ -1,0 +1,123 @@
+"""The package graph runs one way: no module of xmoe imports a module of a layer above its own.
+
+The allowed order is written once, in LAYERS below (docs/architecture.md shows it); a module may import its own
+layer and any layer below. Imports inside functions count too: a lazy import is still a dependency.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "xmoe"
+
+# Bottom first. Each entry names a module or a package (all its modules); "xmoe" is the package's own __init__.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("xmoe._version", "xmoe.config", "xmoe.log"),
+    ("xmoe.kernels",),
+    ("xmoe.dispatch",),
+    ("xmoe.moe",),
+    ("xmoe.model", "xmoe.hf"),
+    ("xmoe.parallel",),
+    ("xmoe.plan",),
+    ("xmoe.train", "xmoe.bench"),
+    ("xmoe.cli", "xmoe.infer", "xmoe.__main__", "xmoe"),
+)
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the longest entry naming ``module`` (the root entry "xmoe" names only xmoe/__init__)."""
+    best, best_len = -1, -1
+    for index, entries in enumerate(LAYERS):
+        for entry in entries:
+            hit = module == entry or (entry != "xmoe" and module.startswith(entry + "."))
+            if hit and len(entry) > best_len:
+                best, best_len = index, len(entry)
+    if best < 0:
+        raise AssertionError(f"module {module} is in no layer: add it (or its package) to LAYERS")
+    return best
+
+
+def module_sources(package: Path = PACKAGE) -> dict[str, str]:
+    """Dotted module name -> source text of every .py file under ``package``."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path.read_text()
+    return out
+
+
+def imported_modules(name: str, source: str, known: set[str]) -> set[str]:
+    """The xmoe modules ``name`` imports (``from pkg import sub`` resolves to pkg.sub when that is a module)."""
+    is_package = any(k.startswith(name + ".") for k in known) or name == "xmoe"
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: strip the module itself (unless a package) and level - 1 parents
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1) - (0 if is_package else 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in known else base)
+    return {m for m in out if m == "xmoe" or m.startswith("xmoe.")}
+
+
+def upward_imports(sources: dict[str, str]) -> list[str]:
+    known = set(sources)
+    bad = []
+    for name, source in sources.items():
+        for target in sorted(imported_modules(name, source, known)):
+            if layer_of(target) > layer_of(name):
+                bad.append(f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)})")
+    return bad
+
+
+def render_layers() -> str:
+    """The order as docs/architecture.md shows it, bottom first."""
+    return " < ".join(", ".join(f"`{e}`" for e in entries) for entries in LAYERS)
+
+
+def test_no_module_imports_a_layer_above_it():
+    sources = module_sources()
+    assert len(sources) > 30  # the walk found the package
+    assert upward_imports(sources) == []
+
+
+def test_every_layer_entry_exists():
+    # a stale entry would let a renamed package fall silently into another layer
+    names = set(module_sources())
+    for entries in LAYERS:
+        for entry in entries:
+            assert entry in names, f"LAYERS names {entry}, which is not a module or package of xmoe"
+
+
+def test_checker_catches_upward_and_lazy_imports():
+    fake = {
+        "xmoe": "",
+        "xmoe.config": "",
+        "xmoe.dispatch": "",
+        "xmoe.dispatch.routing": "from xmoe.config import MoEConfig\n",
+        "xmoe.moe": "",
+        "xmoe.moe.layer": "from xmoe.dispatch import routing\n",
+        "xmoe.model": "",
+        "xmoe.model.counting": "def f():\n    from xmoe.train.metrics import FlopDims\n",
+        "xmoe.train": "",
+        "xmoe.train.metrics": "",
+        "xmoe.train.checkpoint": "from xmoe import __version__\n",
+        "xmoe.dispatch.local": "from ..moe import layer\n",
+    }
+    assert upward_imports(fake) == [
+        "xmoe.model.counting (layer 4) imports xmoe.train.metrics (layer 7)",
+        "xmoe.train.checkpoint (layer 7) imports xmoe (layer 8)",
+        "xmoe.dispatch.local (layer 2) imports xmoe.moe.layer (layer 3)",
+    ]
+
+
+def test_architecture_doc_shows_the_layers():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert render_layers() in doc, f"docs/architecture.md should show the layer order:\n{render_layers()}"
