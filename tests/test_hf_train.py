@@ -124,3 +124,11 @@ def test_imported_model_under_expert_parallelism_gives_the_single_process_losses
         for key in ("loss", "val_loss"):
             if key in a:
                 assert abs(a[key] - b[key]) < 1e-5 * a[key], (key, a, b)
+
+
+def test_two_sources_of_validation_data_are_refused(tmp_path, capsys) -> None:
+    data = token_file(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--data", str(data), "--val-data",
+              str(data), "--val-fraction", "0.1", "--steps", "1", "--set", "model.vocab_size=61"])
+    assert "val_fraction (0.1)" in capsys.readouterr().err

@@ -178,12 +178,13 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
         raise ValueError(f"this model cannot be written as {family}: " + "; ".join(problems))
 
     out = dict(base or {})
-    for stale in ("rope_scaling", "rope_theta", "torch_dtype", "quantization_config"):
+    for stale in ("rope_scaling", "torch_dtype", "quantization_config"):
         out.pop(stale, None)
     out.update(architectures=[ARCHITECTURES[family]], model_type=family, vocab_size=cfg.vocab_size,
                hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
                rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+               rope_theta=cfg.rope_theta,  # where transformers < 5 reads it
                tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False,
                initializer_range=cfg.init_std, num_experts_per_tok=moe.top_k)
     if family in DEEPSEEK:

@@ -116,6 +116,9 @@ class Trainer:
         self.dataset = dataset = build_dataset(data, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed,
                                                tokenizer=tokenizer)
         self.val_windows = None
+        if val_data is not None and t.val_fraction > 0:
+            raise ValueError(f"--val-data ({val_data}) and val_fraction ({t.val_fraction}) both choose validation "
+                             "data; pass one of them")
         if val_data is not None:
             self.val_windows = validation_windows(val_data, t.seq_len, run.model.vocab_size, t.val_windows, t.seed,
                                                   tokenizer)
