@@ -82,8 +82,11 @@ def test_a_rank_reads_only_its_experts(tmp_path) -> None:
 
 @pytest.mark.parametrize("change, field", [
     (dict(model_type="llama"), "model_type"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters.rope_type"),
     (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "original_max_position"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 1.5,
+                           "original_max_position_embeddings": 16}), "attention_factor"),
     (dict(clip_qkv=8.0), "clip_qkv"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
@@ -137,3 +140,32 @@ def test_export_refuses_a_score_bias_the_family_cannot_store(tmp_path) -> None:
     model.moe_layers()[0].router.expert_bias[1] = 0.25
     with pytest.raises(ValueError, match="expert_bias"):
         save_pretrained(model, tmp_path / "out")
+
+
+@pytest.mark.parametrize("family, yarn", [
+    ("deepseek_v3", dict(factor=4.0, original_max_position_embeddings=8, beta_fast=32, beta_slow=1, mscale=1.0,
+                         mscale_all_dim=0.707)),  # DeepSeek-V2-Lite's mscale pair: cos/sin and softmax rescaled
+    ("deepseek_v2", dict(factor=4.0, original_max_position_embeddings=8, mscale=0.707, mscale_all_dim=0.707)),
+    ("qwen3_moe", dict(factor=3.0, original_max_position_embeddings=6)),  # magnitude 0.1 ln(factor) + 1
+])
+def test_yarn_rotary_matches_transformers_past_the_original_context(family: str, yarn: dict, tmp_path) -> None:
+    import transformers
+
+    from hf_models import hf_config
+
+    cfg = hf_config(family)
+    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.15) if p.ndim > 1 else p.copy_(1 + 0.3 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "ref")
+    model = load_pretrained(tmp_path / "ref")
+    assert model.cfg.rope_scaling == "yarn"
+    x = tokens(seq=40, seed=6)  # 5x the original context
+    with torch.no_grad():
+        want = ref(x).logits
+        assert rel_err(model(x), want) < 1e-5
+        save_pretrained(model, tmp_path / "out")
+        assert rel_err(load_reference(tmp_path / "out")(x).logits, want) < 1e-5

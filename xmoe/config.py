@@ -17,6 +17,7 @@ DispatcherName = Literal["pft", "padded", "rbd"]
 AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
+RopeScaling = Literal["none", "yarn"]
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -195,6 +196,14 @@ class ModelConfig:
     v_head_dim: int = 0
     latent_norm_eps: float = 1e-6
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2-MoE); attention="mha" only
+    # YaRN context extension (rope_scaling="yarn"; formulas in xmoe/model/layers.py, yarn_inv_freq)
+    rope_scaling: RopeScaling = "none"
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
@@ -205,6 +214,11 @@ class ModelConfig:
             self._check_mha()
         else:
             raise ValueError(f"attention ({self.attention!r}) must be 'mha' or 'mla'")
+        if self.rope_scaling not in ("none", "yarn"):
+            raise ValueError(f"rope_scaling ({self.rope_scaling!r}) must be 'none' or 'yarn'")
+        if self.rope_scaling == "yarn":
+            _positive("rope_factor", self.rope_factor)
+            _positive("rope_original_max_len", self.rope_original_max_len)
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"first_k_dense ({self.first_k_dense}) must be in [0, num_layers={self.num_layers}]")
         if self.moe.hidden_size != self.hidden_size:
@@ -271,9 +285,22 @@ class ModelConfig:
         return self.num_kv_heads or self.num_heads
 
     @property
+    def softmax_scale(self) -> Optional[float]:
+        """Attention's softmax scale when it is not 1/sqrt(head_dim): YaRN with mscale_all_dim under MLA multiplies
+        it by yarn_mscale(factor, mscale_all_dim)^2 (DeepSeek-V2/V3)."""
+        if self.rope_scaling == "yarn" and self.attention == "mla" and self.rope_mscale_all_dim:
+            return self.head_dim ** -0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+        return None
+
+    @property
     def rope_dim(self) -> int:
         """Features of a head that the rotary embedding turns."""
         return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass

@@ -41,15 +41,37 @@ def _refuse(family: str, field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{family}: config field {field}={value!r} is not supported: {why}")
 
 
-def _rope_theta(hf: dict, family: str) -> float:
-    """rope_theta from ``rope_parameters`` (transformers >= 5) or the older ``rope_theta`` / ``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        field = "rope_parameters.rope_type" if params else "rope_scaling"
-        raise _refuse(family, field, rope_type, "only plain rotary embeddings (rope_type 'default') are implemented")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope(hf: dict, family: str) -> dict:
+    """ModelConfig's rotary fields from ``rope_parameters`` (transformers >= 5) or the older ``rope_theta`` and
+    ``rope_scaling``: plain rotary embeddings or YaRN."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    where = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    out = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "default":
+        return out
+    if rope_type != "yarn":
+        raise _refuse(family, f"{where}.rope_type", rope_type, "rotary embeddings are plain ('default') or 'yarn'")
+    for field, ok in (("attention_factor", None), ("truncate", True), ("partial_rotary_factor", 1.0)):
+        if params.get(field, ok) != ok:
+            raise _refuse(family, f"{where}.{field}", params[field], "xmoe's YaRN derives it as transformers' "
+                                                                      "default does")
+    if not params.get("original_max_position_embeddings"):
+        raise _refuse(family, f"{where}.original_max_position_embeddings", None, "YaRN needs the pre-training "
+                                                                                "context length")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    return dict(out, rope_scaling="yarn", rope_factor=float(factor), rope_original_max_len=int(original),
+                rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                rope_mscale=float(params.get("mscale") or 0), rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    if cfg.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len, "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim}
 
 
 def _check_common(hf: dict, family: str) -> None:
@@ -75,7 +97,7 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
     H, layers = hf["hidden_size"], hf["num_hidden_layers"]
     common = dict(vocab_size=hf["vocab_size"], hidden_size=H, num_layers=layers, num_heads=hf["num_attention_heads"],
                   max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
-                  rope_theta=_rope_theta(hf, family), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                  **_rope(hf, family), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   init_std=float(hf.get("initializer_range", 0.02)))
     moe_common = dict(hidden_size=H, top_k=hf["num_experts_per_tok"], init_std=common["init_std"])
@@ -183,7 +205,7 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
     out.update(architectures=[ARCHITECTURES[family]], model_type=family, vocab_size=cfg.vocab_size,
                hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
-               rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+               rms_norm_eps=cfg.norm_eps, rope_parameters=_rope_parameters(cfg),
                rope_theta=cfg.rope_theta,  # where transformers < 5 reads it
                tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False,
                initializer_range=cfg.init_std, num_experts_per_tok=moe.top_k)

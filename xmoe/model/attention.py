@@ -45,8 +45,10 @@ class KVCache:
         return k_BGSD, v_BGSD
 
 
-def causal_attention(q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v over the visible positions; the S queries are the last S of the L keys.
+def causal_attention(q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor,
+                     scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the visible positions (scale None: 1/sqrt(D)); the S queries are the last S of
+    the L keys.
 
     Key/value heads are repeated to the query heads (head n reads kv head n // (N/G), as Hugging Face's repeat_kv).
     """
@@ -56,10 +58,10 @@ def causal_attention(q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.T
         v_BGLD = v_BGLD.repeat_interleave(num_heads // num_kv, dim=1)
     S, L = q_BNSD.shape[2], k_BGLD.shape[2]
     if S == L:
-        return F.scaled_dot_product_attention(q_BNSD, k_BGLD, v_BGLD, is_causal=True)
+        return F.scaled_dot_product_attention(q_BNSD, k_BGLD, v_BGLD, is_causal=True, scale=scale)
     # cached decoding: query i sits at position L - S + i and sees keys 0 .. L - S + i
     visible_SL = torch.ones(S, L, dtype=torch.bool, device=q_BNSD.device).tril(diagonal=L - S)
-    return F.scaled_dot_product_attention(q_BNSD, k_BGLD, v_BGLD, attn_mask=visible_SL)
+    return F.scaled_dot_product_attention(q_BNSD, k_BGLD, v_BGLD, attn_mask=visible_SL, scale=scale)
 
 
 class Attention(nn.Module):
@@ -110,7 +112,8 @@ class LatentAttention(nn.Module):
     1. q = wq_b(q_norm(wq_a x)) (or wq x without a q latent), split per head into D_nope and R features
     2. [c_kv, k_rope] = wkv_a x; c_kv (Ckv) is RMS-normalised, k_rope (R) is one rotary key shared by all heads
     3. [k_nope, v] = wkv_b c_kv per head; k = [k_nope, k_rope], q = [q_nope, rotary(q_rope)]
-    4. causal attention with scale 1/sqrt(D_nope + R), then wo over the N*Dv outputs
+    4. causal attention with scale 1/sqrt(D_nope + R) (times YaRN's mscale^2, ``cfg.softmax_scale``), then wo
+       over the N*Dv outputs
     The cache stores the expanded keys and values (simple; caching the latent would be smaller).
     """
 
@@ -120,6 +123,7 @@ class LatentAttention(nn.Module):
         h, n = cfg.hidden_size, cfg.num_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
         qk_dim = self.nope_dim + self.rope_dim
         if cfg.q_lora_rank:
             self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
@@ -146,7 +150,7 @@ class LatentAttention(nn.Module):
         k_BNSD = torch.cat((k_nope, k_rope_B1SR.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         if cache is not None:
             k_BNSD, v_BNSDv = cache.update(self.layer_id, k_BNSD, v_BNSDv)
-        out_BNSDv = causal_attention(q_BNSD, k_BNSD, v_BNSDv.contiguous())
+        out_BNSDv = causal_attention(q_BNSD, k_BNSD, v_BNSDv.contiguous(), self.scale)
         return self.wo(out_BNSDv.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -99,7 +99,7 @@ class Transformer(nn.Module):
         # Non-persistent: derived from the config, so checkpoints stay free of them and a meta-device build
         # recomputes them in init_weights().
         cos_SD2, sin_SD2 = rope_tables(
-            cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, self.embed.weight.device
+            cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, self.embed.weight.device, cfg
         )
         self.register_buffer("rope_cos", cos_SD2, persistent=False)
         self.register_buffer("rope_sin", sin_SD2, persistent=False)
@@ -118,7 +118,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             # to_empty() replaces each Parameter object separately, which unties them; tie again.
             self.head.weight = self.embed.weight
-        cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta)
+        cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, cfg=cfg)
         self.rope_cos.copy_(cos_SD2)
         self.rope_sin.copy_(sin_SD2)
         generators: dict[torch.device, torch.Generator] = {}
