@@ -205,3 +205,16 @@ def test_grouped_query_attention_under_tensor_parallelism_matches_one_process(kw
     from dist_utils import run_distributed
 
     run_distributed(_gqa_tp_body, 2, kw)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "head_dim_mqa", "mla_q_lora", "mla_no_q_lora"])
+def test_flops_count_the_attention_actually_built(variant: str) -> None:
+    from xmoe.model.flops import FlopDims, forward_macs
+
+    cfg, s = cfg_of(variant), 10
+    attn = Transformer(cfg).layers[0].attn
+    matrices = sum(p.numel() for p in attn.parameters() if p.ndim == 2)  # MACs per token of the projections
+    v_dim = cfg.v_head_dim if cfg.attention == "mla" else cfg.head_dim
+    macs = forward_macs(FlopDims.from_model_config(cfg, s), num_sequences=1)
+    assert macs["attn_proj"] == s * cfg.num_layers * matrices
+    assert macs["attn_scores"] == cfg.num_layers * cfg.num_heads * (cfg.head_dim + v_dim) * s * (s + 1) // 2

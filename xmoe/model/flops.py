@@ -12,9 +12,12 @@ activations, RoPE, top-k selection and the optimizer are ignored, and activation
 counted (model FLOPs, the MFU convention).
 
 (a) xmoe's formula, forward MACs of one step:
-    attention projections  N * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H)
-    attention QK^T and PV  L * B * n_h * 2 d_h * s (s + 1) / 2     causal: only the s(s+1)/2 (query, key) pairs
-                                                                   with key <= query are counted, not s^2
+    attention projections  N * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H;
+                                                                   MLA: its low-rank matrices' parameters)
+    attention QK^T and PV  L * B * n_h * (d_h + d_v) * s (s + 1) / 2   causal: only the s(s+1)/2 (query, key)
+                                                                   pairs with key <= query are counted, not s^2;
+                                                                   d_v = d_h except under MLA
+    shared experts width   S * F, or MoEConfig.shared_ffn_hidden_size when set
     dense FFN (SwiGLU)     N * L_dense * 3 H F_d                   gate, up and down matrices
     router                 N * L_moe * H E
     shared experts         N * L_moe * S * 3 H F
@@ -60,12 +63,14 @@ class FlopDims:
     num_kv_heads: int = 0
     attn_proj_params: int = 0  # one layer's attention matrix parameters (0: from heads; MLA sets it)
     shared_ffn_size: int = 0  # total shared-expert width (0: num_shared_experts * expert_ffn_size)
+    v_head_dim: int = 0  # value head dim (0: head_dim)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
             raise ValueError(f"num_moe_layers ({self.num_moe_layers}) must be in [0, num_layers={self.num_layers}]")
         self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         self.num_kv_heads = self.num_kv_heads or self.num_heads
+        self.v_head_dim = self.v_head_dim or self.head_dim
 
     @classmethod
     def from_model_config(cls, model: ModelConfig, seq_len: int) -> "FlopDims":
@@ -86,6 +91,7 @@ class FlopDims:
             head_dim=model.head_dim,
             num_kv_heads=model.kv_heads,
             attn_proj_params=attention_matrix_params(model) if model.attention == "mla" else 0,
+            v_head_dim=model.v_head_dim if model.attention == "mla" else 0,
         )
 
 
@@ -108,7 +114,7 @@ def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = N
         routed_rows = n * d.num_moe_layers * d.top_k
     return {
         "attn_proj": n * d.num_layers * (d.attn_proj_params or H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)),
-        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
+        "attn_scores": d.num_layers * num_sequences * d.num_heads * (d.head_dim + d.v_head_dim) * (s * (s + 1) // 2),
         "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
         "router": n * d.num_moe_layers * H * d.num_experts,
         "shared_experts": n * d.num_moe_layers * 3 * H * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
