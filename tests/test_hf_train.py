@@ -132,3 +132,34 @@ def test_two_sources_of_validation_data_are_refused(tmp_path, capsys) -> None:
         main(["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--data", str(data), "--val-data",
               str(data), "--val-fraction", "0.1", "--steps", "1", "--set", "model.vocab_size=61"])
     assert "val_fraction (0.1)" in capsys.readouterr().err
+
+
+def test_a_tokenizer_json_travels_from_import_to_generate_and_eval(tmp_path, capsys) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    words = [f"w{i}" for i in range(VOCAB - 1)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}},
+                                                           unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    saved_reference("mixtral", tmp_path / "hf")
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    rng = np.random.default_rng(1)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(rng.choice(words, 3000)) + "\n")
+    run = tmp_path / "run"
+    main(init_args(tmp_path / "hf", text, run, "--steps", "2", "--ckpt-every", "2"))
+    assert (run / "tokenizer.json").is_file() and (run / "hf_config.json").is_file()
+    capsys.readouterr()
+    main(["generate", str(run), "--prompt", "w3 w7 w1", "--max-new-tokens", "5", "--eos-id", "-1"])
+    out = capsys.readouterr().out.split()
+    assert out[:3] == ["w3", "w7", "w1"] and len(out) == 8 and all(w in words for w in out)
+    main(["export", str(run), "--hf", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    main(["eval", str(tmp_path / "out"), "--data", str(text), "--seq-len", str(SEQ), "--max-windows", "10"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = tok.encode(text.read_text()).ids
+    targets = [ids[i * SEQ + 1 : i * SEQ + SEQ + 1] for i in range(10)]
+    num_bytes = sum(len(tok.decode(t).encode()) for t in targets)
+    assert result["tokens"] == 10 * SEQ
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] * 10 * SEQ / math.log(2) / num_bytes, rel=1e-9)
