@@ -1,69 +1,107 @@
-"""Whole-model training throughput on one GPU: `xmoe train` on a small-shaped model, per kernel backend.
+"""Whole-model training throughput on one GPU: `xmoe train` cases side by side in one run.
 
-    python benchmarks/bench_train.py                       # small preset, 4 layers, seq 2048, 30 steps
-    python benchmarks/bench_train.py --layers 8 --steps 40
+    python benchmarks/bench_train.py --out results/            # the standard set of cases (below)
+    python benchmarks/bench_train.py --cases moe8_b64_compiled dense8_b64_compiled --steps 12
 
-Each backend runs as its own `xmoe train` process (fresh allocator, no checkpoints) on the embedded corpus;
-the numbers are the trainer's own metrics (xmoe's FLOP formula, MFU against the device's bf16 peak), averaged
-over the logged windows after the first (which holds compilation and warm-up). Writes bench_train.json / .md
-under $XMOE_RESULTS_DIR (else benchmarks/results/). Skips without a GPU.
+Each case runs as its own `xmoe train` process (fresh allocator, no checkpoints) on the embedded corpus, small
+preset shape (hidden 2048, 64 experts of width 1408, top-6, seq 2048). The numbers are the trainer's own metrics
+(xmoe's FLOP formula over the tokens actually routed, MFU against the device's bf16 peak), averaged over the
+logged windows after the first (which holds compilation and warm-up); the peak memory is the trainer's
+torch.cuda.max_memory_allocated. "dense" is the model of equal active FLOPs: every layer a dense SwiGLU of width
+top_k x 1408 = 8448. Writes bench_train.json / .md into --out. Skips without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.harness import RESULTS_ENV, environment, markdown_table, write_results  # noqa: E402
+
+DENSE = ["--set", "model.first_k_dense={layers}", "--set", "model.ffn_hidden_size=8448"]
 
 
-def run_backend(backend: str, args: argparse.Namespace) -> dict:
+def _case(layers: int, batch: int, micro: int, *extra: str) -> dict:
+    return {"layers": layers, "batch": batch, "micro": micro, "extra": list(extra)}
+
+
+CASES = {
+    # 4 layers, global batch 8
+    "moe4_b8_eager": _case(4, 8, 4, "--compile", "off"),
+    "moe4_b8_compiled": _case(4, 8, 4, "--compile", "on"),
+    "moe4_b8_compiled_mb8": _case(4, 8, 8, "--compile", "on"),
+    # 8 layers, global batch 32 and 64
+    "moe8_b32_compiled": _case(8, 32, 4, "--compile", "on"),
+    "moe8_b64_eager": _case(8, 64, 8, "--compile", "off"),
+    "moe8_b64_compiled": _case(8, 64, 8, "--compile", "on"),
+    "moe8_b64_compiled_mb16": _case(8, 64, 16, "--compile", "on"),
+    "moe8_b64_compiled_torch": _case(8, 64, 8, "--compile", "on", "--kernel-backend", "torch"),
+    "moe8_b64_compiled_moe_recompute": _case(8, 64, 8, "--compile", "on", "--recompute", "moe"),
+    "moe8_b64_compiled_full_recompute_mb16": _case(8, 64, 16, "--compile", "on", "--recompute", "full"),
+    "dense8_b64_eager": _case(8, 64, 8, "--compile", "off", *DENSE),
+    "dense8_b64_compiled": _case(8, 64, 8, "--compile", "on", *DENSE),
+    "dense8_b64_compiled_mb16": _case(8, 64, 16, "--compile", "on", *DENSE),
+}
+
+
+def run_case(name: str, args: argparse.Namespace) -> dict:
+    case = CASES[name]
+    extra = [e.format(layers=case["layers"]) for e in case["extra"]]
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "xmoe", "train", "--preset", "small", "--set", f"model.num_layers={args.layers}",
-               "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--micro-batch-size",
-               str(args.micro_batch_size), "--steps", str(args.steps), "--log-every", str(args.steps // 3),
-               "--ckpt-every", "0", "--kernel-backend", backend, "--out", out]
+        cmd = [sys.executable, "-m", "xmoe", "train", "--preset", "small", "--set", f"model.num_layers={case['layers']}",
+               "--seq-len", "2048", "--batch-size", str(case["batch"]), "--micro-batch-size", str(case["micro"]),
+               "--steps", str(args.steps), "--log-every", str(max(1, args.steps // 3)), "--ckpt-every", "0",
+               "--out", out, *extra]
+        start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        row = {"case": name, "layers": case["layers"], "batch": case["batch"], "micro": case["micro"],
+               "command": " ".join(["python"] + cmd[1:]).replace(out, "RUN_DIR"), "wall_s": wall}
         if proc.returncode:
-            return {"backend": backend, "error": proc.stderr[-2000:]}
-        records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
+            return {**row, "error": (proc.stderr or proc.stdout)[-1500:]}
+        records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    timed = records[1:] or records
+
     def mean(key):
-        return sum(r[key] for r in records) / len(records)
-    return {"backend": backend, "tokens_per_s": mean("tokens_per_s"), "tflops": mean("tflops"),
-            "paper_tflops": mean("paper_tflops"), "mfu": mean("mfu"), "peak_mem_gib": records[-1]["mem_bytes"] / 2**30,
-            "final_loss": records[-1]["loss"], "command": " ".join(cmd[1:])}
+        return sum(r[key] for r in timed) / len(timed)
+
+    return {**row, "tokens_per_s": mean("tokens_per_s"), "tflops": mean("tflops"), "mfu_pct": 100 * mean("mfu"),
+            "peak_mem_gib": max(r["mem_bytes"] for r in records) / 2**30, "loss": records[-1]["loss"]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--backends", nargs="+", default=["triton", "torch"])
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE",
+                   help=f"which cases (default all): {', '.join(CASES)}")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per case (default 12)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_train: skipped, no CUDA GPU")
         return
-    rows = [run_backend(b, args) for b in args.backends]
-    for r in rows:
-        if "mfu" in r:
-            r["mfu_pct"] = 100 * r["mfu"]
-    columns = ["backend", "tokens_per_s", "tflops", "paper_tflops", "mfu_pct", "peak_mem_gib", "final_loss", "error"]
+    rows = []
+    for name in args.cases:
+        rows.append(run_case(name, args))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"}), flush=True)
+    columns = ["case", "layers", "batch", "micro", "tokens_per_s", "tflops", "mfu_pct", "peak_mem_gib", "loss",
+               "wall_s", "error"]
+    os.environ[RESULTS_ENV] = args.out
     write_results("bench_train", rows, columns, environment(),
-                  f"xmoe train, small preset with {args.layers} layers, seq {args.seq_len}, batch {args.batch_size}",
-                  notes=f"Per row: `python {rows[0].get('command', '')}` (backend varies); tflops: xmoe's formula, "
-                        "paper_tflops: the paper's; averages over the logged windows after the first.")
+                  "xmoe train on one GPU, small preset shape, seq 2048",
+                  notes="Per row: the command in bench_train.json; tflops: xmoe's formula; averages over the logged "
+                        "windows after the first.")
     print(markdown_table(rows, columns))
+
 
 if __name__ == "__main__":
     main()

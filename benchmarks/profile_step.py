@@ -1,67 +1,121 @@
-"""Where one training step's time goes: torch.profiler over a few steps of a small-shaped model on one GPU.
+"""Where one training step's GPU time goes: torch.profiler over the real trainer's steps on one GPU.
 
-    python benchmarks/profile_step.py --layers 4 --backend triton
+    python benchmarks/profile_step.py --layers 8 --batch-size 64 --micro-batch-size 8 --compile on
+    python benchmarks/profile_step.py --out results/ --tag moe8_b64_compiled ...
 
-Prints the top operators by GPU time and by host time, and the step's wall time vs the GPU's busy time
-(a large gap means the host, not the GPU, sets the pace). Skips without a GPU.
+Builds `xmoe train`'s Trainer from the same flags (small preset shape, seq 2048), runs warm-up steps (compilation
+included), then profiles ``--steps`` optimizer steps. Kernels are grouped by name into GEMM, attention, MoE
+kernels (xmoe's Triton grouped GEMMs, router, gather/combine), optimizer, copies / casts, elementwise and
+reductions, other; "idle" is the step's wall time that no kernel covers (the host or a sync sets the pace
+there). Prints the table and the top kernels; with --out writes profile_<tag>.json / .md. Skips without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
+import os
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from xmoe.model.presets import small
-from xmoe.model.transformer import Transformer
-from xmoe.train.data import TokenLoader, build_dataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
+
+CATEGORIES = [  # first match wins; lower-case substrings of kernel names
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("moe kernels", ("_grouped", "swiglu", "_wgrad", "router_topk", "_gather", "_combine", "permute", "_mm_kernel")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm", "norm_kernel")),
+    ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "sgemm", "xmma")),
+    ("copies / casts", ("copy", "cast", "memcpy", "convert", "to_copy")),
+    ("elementwise + reductions", ("triton_", "elementwise", "reduce", "vectorized", "unrolled", "softmax", "cross_entropy",
+                                  "index", "scatter", "gather", "sort", "cumsum", "fill", "mul", "add", "silu", "rsqrt")),
+]
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    for category, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
 
 
 def main() -> None:
+    from xmoe.train.cli import add_arguments, build_run_config
+    from xmoe.train.trainer import Trainer
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--backend", default="triton")
-    args = p.parse_args()
+    add_arguments(p)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps before profiling (compilation happens here)")
+    p.add_argument("--profile-steps", type=int, default=2, help="optimizer steps profiled")
+    p.add_argument("--tag", default="step", help="results file name: profile_<tag>")
+    p.add_argument("--results", help="directory for profile_<tag>.json / .md (default: print only)")
+    args = p.parse_args(["--preset", "small", "--seq-len", "2048", "--ckpt-every", "0", *sys.argv[1:]])
     if not torch.cuda.is_available():
         print("profile_step: skipped, no CUDA GPU")
         return
-    cfg = small()
-    cfg = dataclasses.replace(cfg, num_layers=args.layers, moe=dataclasses.replace(cfg.moe, kernel_backend=args.backend))
-    model = Transformer(cfg).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    loader = TokenLoader(build_dataset("markov", args.seq_len), args.micro_batch_size)
-
-    def step():
-        x, y = next(loader)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x.cuda(), y.cuda())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) / 5 * 1e3
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
+    args.set = [f"model.num_layers={args.layers}", *args.set]
+    args.steps = args.warmup_steps + args.profile_steps + 2
+    run = build_run_config(args)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(run, out, device="cuda")
+        accum = trainer.accumulation_steps()
+        for _ in range(args.warmup_steps):
+            trainer.train_step(accum)
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / 2
-    print(f"step wall {wall_ms:.1f} ms, GPU busy {gpu_ms:.1f} ms per step (backend {args.backend})")
-    print(events.table(sort_by="self_device_time_total", row_limit=15))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+        # host synchronisations inside a (non-logging) step: CUDA's sync debug mode warns on each one
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.train_step(accum)
+                torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)]
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(args.profile_steps):
+                trainer.train_step(accum)
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - start) * 1e3 / args.profile_steps
+    totals: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            ms = e.device_time_total / 1e3 / args.profile_steps
+            totals[categorize(e.name)] = totals.get(categorize(e.name), 0.0) + ms
+            kernels[e.name] = kernels.get(e.name, 0.0) + ms
+    busy = sum(totals.values())
+    totals["idle"] = max(0.0, wall_ms - busy)
+    rows = [{"category": c, "ms": ms, "pct": 100 * ms / wall_ms} for c, ms in sorted(totals.items(), key=lambda kv: -kv[1])]
+    top = [{"kernel": k[:90], "ms": ms, "category": categorize(k)} for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]]
+    lines = [f"step wall {wall_ms:.1f} ms, GPU busy {busy:.1f} ms ({args.tag}: {args.layers} layers, batch "
+             f"{run.train.global_batch_size}, micro {run.train.micro_batch_size}, compile {run.train.compile}, "
+             f"recompute {run.train.recompute})", "", "| category | ms per step | % of wall |", "|---|---|---|"]
+    lines += [f"| {r['category']} | {r['ms']:.1f} | {r['pct']:.1f} |" for r in rows]
+    lines += ["", "| top kernels | ms per step | category |", "|---|---|---|"]
+    lines += [f"| `{t['kernel']}` | {t['ms']:.2f} | {t['category']} |" for t in top]
+    lines += ["", f"host synchronisations in one non-logging step: {len(syncs)}"] + [f"  {m}" for m in syncs[:10]]
+    text = "\n".join(lines)
+    print(text)
+    if args.results:
+        folder = Path(args.results)
+        folder.mkdir(parents=True, exist_ok=True)
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(0),
+                "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
+        (folder / f"profile_{args.tag}.json").write_text(json.dumps({"meta": meta, "wall_ms": wall_ms, "categories": rows,
+                                                                   "top": top, "syncs": syncs}, indent=1))
+        (folder / f"profile_{args.tag}.md").write_text(f"# profile {args.tag}\n\n{meta['date']}, {meta['gpu']}, torch "
+                                                      f"{meta['torch']}\n\n`{meta['command']}`\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -274,16 +274,16 @@ def test_bench_pft_saves_less_activation_memory_than_padded():
 
 def test_weight_casts_reused_across_micro_batches():
     # bf16 compute on fp32 weights, two micro-batches accumulating into .grad: inside reuse_weight_casts the
-    # experts cast once (the same tensors serve both) and the accumulated fp32 gradients are bitwise those of
+    # experts cast once, at entry (the same tensors serve both) and the accumulated fp32 gradients are bitwise those of
     # casting per micro-batch; outside the scope, and under no_grad, every call casts afresh
     from xmoe.moe.experts import reuse_weight_casts
 
     torch.manual_seed(0)
     xs = [torch.randn(12, 32).bfloat16() for _ in range(2)]
 
-    def run(scoped):
+    def run(scoped, detach=False):
         layer = make_layer(seed=3, hidden_size=32, ffn_hidden_size=24, num_experts=4, top_k=2)
-        with reuse_weight_casts(layer) if scoped else contextlib.nullcontext():
+        with reuse_weight_casts(layer, torch.bfloat16, detach) if scoped else contextlib.nullcontext():
             casts = []
             for x in xs:
                 casts.append(layer.experts.local_weights(torch.bfloat16))
@@ -296,5 +296,9 @@ def test_weight_casts_reused_across_micro_batches():
     assert all(a is b for a, b in zip(*casts_scoped)) and all(w.dtype == torch.bfloat16 for w in casts_scoped[0])
     assert not any(a is b for a, b in zip(*casts_plain))
     assert layer.experts._casts is None  # dropped on exit
-    with reuse_weight_casts(layer), torch.no_grad():
+    # detached casts: each backward adds its bf16 gradient into the fp32 .grad itself - bitwise the same sums
+    got_detached, casts_detached, _ = run(True, detach=True)
+    assert all(torch.equal(a, b) for a, b in zip(got_detached, want))
+    assert all(c.grad is None and c.is_leaf for c in casts_detached[0])
+    with reuse_weight_casts(layer, torch.bfloat16), torch.no_grad():
         assert layer.experts.local_weights(torch.bfloat16)[0] is not layer.experts.local_weights(torch.bfloat16)[0]

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from xmoe.dispatch.alltoall import AllToAllDispatcher
-from xmoe.dispatch.hierarchical import HierarchicalDispatcher, source_units
+from xmoe.dispatch.hierarchical import HierarchicalDispatcher
+from xmoe.dispatch.rbd_units import source_units
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import reference as ops

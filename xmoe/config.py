@@ -326,8 +326,14 @@ class TrainConfig:
     eval_every: int = 0  # validation loss every N steps (0: at the end only), when there is validation data
     val_fraction: float = 0.0  # hold out this fraction of the data for validation (0: none, unless --val-data)
     val_windows: int = 64  # validation windows of seq_len tokens evaluated each time (0: all)
+    compile: str = "auto"  # torch.compile regions: "auto" (GPU without EP/TP), "on", "off"
+    recompute: str = "none"  # activation recompute: "none", "moe" (MoE FFN branches), "full" (whole blocks)
 
     def __post_init__(self) -> None:
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"train.compile ({self.compile!r}) must be 'auto', 'on' or 'off'")
+        if self.recompute not in ("none", "moe", "full"):
+            raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))
         if self.ckpt_every < 0:

@@ -2,9 +2,9 @@
 
 FLOP accounting (the one place it is defined)
 ---------------------------------------------
-# B sequences, s seq len, N = B*s tokens, H hidden, L layers (L_moe MoE + L_dense dense), V vocab,
-# n_h heads, n_kv key/value heads, d_h head dim, E experts, k top-k, F expert ffn, F_d dense ffn,
-# S shared experts, R token-expert rows the routed experts actually processed (all MoE layers summed).
+# B sequences, S seq len, T = B*S tokens, H hidden, L layers (L_moe MoE + L_dense dense), V vocab,
+# n_h heads, n_kv key/value heads, d_h head dim, E experts, K top-k, F expert ffn, F_d dense ffn,
+# n_s shared experts, N token-expert rows the routed experts actually processed (all MoE layers summed).
 
 One multiply-accumulate (MAC) is 2 FLOPs; a training step is 3 x the forward FLOPs (the backward pass costs
 2 x forward: gradients w.r.t. activations and w.r.t. weights). Only matmuls count: norms, softmax,
@@ -12,21 +12,20 @@ activations, RoPE, top-k selection and the optimizer are ignored, and activation
 counted (model FLOPs, the MFU convention).
 
 (a) xmoe's formula, forward MACs of one step:
-    attention projections  N * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H;
+    attention projections  T * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H;
                                                                    MLA: its low-rank matrices' parameters)
-    attention QK^T and PV  L * B * n_h * (d_h + d_v) * s (s + 1) / 2   causal: only the s(s+1)/2 (query, key)
-                                                                   pairs with key <= query are counted, not s^2;
+    attention QK^T and PV  L * B * n_h * (d_h + d_v) * S (S + 1) / 2   causal: only the S(S+1)/2 (query, key)
+                                                                   pairs with key <= query are counted, not S^2;
                                                                    d_v = d_h except under MLA
-    shared experts width   S * F, or MoEConfig.shared_ffn_hidden_size when set
-    dense FFN (SwiGLU)     N * L_dense * 3 H F_d                   gate, up and down matrices
-    router                 N * L_moe * H E
-    shared experts         N * L_moe * S * 3 H F
-    routed experts         R * 3 H F                               R excludes dropped slots; dropless R = N L_moe k
-    LM head                N * V H                                 the embedding lookup is free
+    dense FFN (SwiGLU)     T * L_dense * 3 H F_d                   gate, up and down matrices
+    router                 T * L_moe * H E
+    shared experts         T * L_moe * n_s * 3 H F                 n_s F: MoEConfig.shared_ffn_hidden_size when set
+    routed experts         N * 3 H F                               N excludes dropped slots; dropless N = T L_moe K
+    LM head                T * V H                                 the embedding lookup is free
     training FLOPs = 2 * 3 * MACs
 
 (b) the paper's formula, kept only to compare with its reported numbers:
-    forward MACs = L * B s (4 H^2 + 2 d_h n_h s + 2 F H k) + B V H s
+    forward MACs = L * B S (4 H^2 + 2 d_h n_h S + 2 F H K) + B V H S
     TFLOP/s      = 2 * 3 * MACs / (time * GPUs) / 1e12
     It counts full (non-causal) attention, two expert matrices instead of SwiGLU's three, every layer as
     a top-k MoE layer, and no router / shared experts / dense layers / drops, so (a) and (b) differ.

@@ -46,8 +46,18 @@ from xmoe.moe.layer import MoELayer, moe_layers
 IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
 
 
+RECOMPUTE_MODES = ("none", "moe", "full")
+
+
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE.
+
+    The two residual branches are methods of their own (``attn_branch``, ``ffn_branch``) so that training code can
+    set, from outside, what to recompute in backward (``recompute``: "none"; "moe": the FFN branch of MoE blocks;
+    "full": the whole block) and compile each branch as a region (``torch.compile`` of the bound method): the
+    checkpoint stays outside the compiled code and the module's own call, hooks included, stays eager. With a
+    ``cache`` (generation: no gradients) the block runs plainly.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -59,13 +69,32 @@ class Block(nn.Module):
             self.ffn: nn.Module = MoELayer(cfg.moe)
         else:
             self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.recompute = "none"
+
+    def attn_branch(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor,
+                    cache: Optional[KVCache] = None) -> torch.Tensor:
+        if cache is None:
+            return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
+        return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2, cache=cache)
+
+    def ffn_branch(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return x_BSH + self.ffn(self.ffn_norm(x_BSH))
+
+    def _both(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
+        return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2))
 
     def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
-        attn_in = self.attn_norm(x_BSH)
-        x_BSH = x_BSH + (self.attn(attn_in, cos_SD2, sin_SD2) if cache is None else
-                         self.attn(attn_in, cos_SD2, sin_SD2, cache=cache))
-        return x_BSH + self.ffn(self.ffn_norm(x_BSH))
+        if cache is not None:
+            return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2, cache))
+        if self.recompute == "none" or not torch.is_grad_enabled():
+            return self._both(x_BSH, cos_SD2, sin_SD2)
+        if self.recompute == "full":
+            return checkpoint(self._both, x_BSH, cos_SD2, sin_SD2, use_reentrant=False)
+        x_BSH = self.attn_branch(x_BSH, cos_SD2, sin_SD2)
+        if self.is_moe:  # "moe": only the MoE branch's activations are dropped and rebuilt
+            return checkpoint(self.ffn_branch, x_BSH, use_reentrant=False)
+        return self.ffn_branch(x_BSH)
 
 
 class Transformer(nn.Module):

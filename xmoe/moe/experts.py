@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional
 
 import torch
@@ -32,7 +33,7 @@ class RoutedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
-        self._casts: Optional[dict] = None  # compute-dtype copies, kept while reuse_weight_casts() is active
+        self._casts: Optional[tuple] = None  # compute-dtype (w1, w3, w2), made by reuse_weight_casts() at entry
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -40,16 +41,13 @@ class RoutedExperts(nn.Module):
             nn.init.normal_(w, std=self.init_std)
 
     def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of the experts on this rank, in the compute dtype. Inside reuse_weight_casts() a cast is
-        made once and reused by every later call (the micro-batches of one step): the gradients of all of them
-        flow back through the one cast into the fp32 parameters."""
-        weights = (self.w1, self.w3, self.w2)
+        """(w1, w3, w2) of the experts on this rank, in the compute dtype. Inside reuse_weight_casts() the casts made
+        at its entry serve every call with gradients on (the micro-batches of one step): the gradients of all of
+        them flow back through the one cast into the fp32 parameters."""
         cache = self._casts
-        if cache is None or not torch.is_grad_enabled():
-            return tuple(_local(w).to(dtype) for w in weights)
-        if dtype not in cache:
-            cache[dtype] = tuple(w.to(dtype) for w in weights)
-        return cache[dtype]
+        if cache is not None and cache[0].dtype == dtype and torch.is_grad_enabled():
+            return cache
+        return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
 
     def forward(self, x: torch.Tensor, tokens_per_expert_E: torch.Tensor, plan: Optional[RoutingPlan] = None,
                 weights_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -66,19 +64,44 @@ class RoutedExperts(nn.Module):
         return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
 
 
+def _accumulate_fp32(param: torch.Tensor, cast: torch.Tensor) -> None:
+    """Add a compute-dtype copy's gradient into its fp32 parameter's .grad (one mixed-dtype pass) and drop it."""
+    if param.grad is None:
+        param.grad = cast.grad.to(param.dtype)
+    else:
+        param.grad.add_(cast.grad)
+    cast.grad = None
+
+
 @contextlib.contextmanager
-def reuse_weight_casts(model: nn.Module) -> Iterator[None]:
-    """Within: each RoutedExperts of ``model`` casts its weights to the compute dtype once, not once per forward.
+def reuse_weight_casts(model: nn.Module, dtype: Optional[torch.dtype], detach: bool = False) -> Iterator[None]:
+    """Within: each RoutedExperts of ``model`` computes with ``dtype`` copies of its weights made once, at entry,
+    not once per forward (``dtype`` None, or gradients off at entry: nothing is cast ahead).
 
     For one optimizer step's micro-batches, whose weights do not change: with fp32 parameters and bf16 compute
     each cast reads 4 and writes 2 bytes per expert weight (measured: docs/architecture.md, "Measured reasons").
-    The casts are dropped on exit, so nothing
-    stale outlives the step. Experts whose weights are DTensors (expert parallelism, FSDP2, which swaps in other
-    tensors around each forward) are left out and cast per forward."""
+    Made here, outside any compiled region, the casts reach torch.compile'd blocks as plain inputs. They are
+    dropped on exit, so nothing stale outlives the step. Experts whose weights are DTensors (expert parallelism,
+    FSDP2, which swaps in other tensors around each forward) are left out and cast per forward.
+
+    ``detach=True``: the copies are leaves of their own whose gradient each backward adds straight into the fp32
+    parameter's .grad (one mixed-dtype pass, 10 bytes per weight) instead of autograd's cast-back and fp32
+    accumulation (two passes, 18 bytes) - about 8% of a step at 4 micro-batches of the small preset
+    (docs/training-speed.md). The parameters then get their gradients outside autograd, so only for a model no
+    wrapper reduces through autograd hooks (one process; not DDP)."""
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)
                and not any(hasattr(w, "to_local") for w in (m.w1, m.w3, m.w2))]
-    for m in experts:
-        m._casts = {}
+    if dtype is not None and torch.is_grad_enabled():
+        for m in experts:
+            params = (m.w1, m.w3, m.w2)
+            if detach and dtype != m.w1.dtype:
+                casts = tuple(w.detach().to(dtype).requires_grad_(w.requires_grad) for w in params)
+                for w, c in zip(params, casts):
+                    if w.requires_grad:
+                        c.register_post_accumulate_grad_hook(functools.partial(_accumulate_fp32, w))
+                m._casts = casts
+            else:
+                m._casts = tuple(w.to(dtype) for w in params)
     try:
         yield
     finally:

@@ -1,6 +1,7 @@
 """Parallel degrees -> rank layout -> device meshes. The only place in xmoe that creates process groups.
 
-# W world size, D data-parallel degree, P expert-parallel degree, S tensor-parallel degree (world = D * P * S)
+# W world size; dp, ep, tp the data-, expert- and tensor-parallel degrees (W = dp * ep * tp); d, e, t a rank's
+# coordinates on those axes
 
 Two meshes, both built here once:
   mesh        ("dp", "ep", "tp"), always all three axes in this order (size-1 axes cost nothing). Expert weights
@@ -15,9 +16,9 @@ Every axis of both meshes therefore lists its ranks in ascending order (checked 
 
 Placement decides which global ranks form a group (``rank_grid`` below; TP is always innermost, it needs the
 fastest links):
-  ep_first: rank = (d * P + e) * S + t   an EP group is P*S consecutive ranks, inside one node when P*S fits
-  dp_first: rank = (e * D + d) * S + t   EP peers are D*S ranks apart: the EP group is strided across nodes,
-                                         while data-parallel replicas sit next to each other
+  ep_first: rank = (d * ep + e) * tp + t   an EP group is ep*tp consecutive ranks, inside one node when ep*tp fits
+  dp_first: rank = (e * dp + d) * tp + t   EP peers are dp*tp ranks apart: the EP group is strided across nodes,
+                                           while data-parallel replicas sit next to each other
 EP-first keeps the all-to-all on intra-node links (NVLink / Infinity Fabric); DP-first spreads an EP group over
 nodes (more network all-to-all, but gradient reduction stays in the node). X-MoE (SC'25, section on
 topology-aware placement) evaluates both.

@@ -11,14 +11,10 @@
      of each transformer block and of the root over "dp_ep" (every rank: dense weights are replicated
      across EP ranks too).
 
-Gradient scale. Each rank's loss is the mean over its own tokens, and the trainer wants the mean over all
-dp * ep ranks. FSDP averages dense gradients over "dp_ep" (dp * ep ranks): right. An expert's local gradient
-already SUMS the contributions of the ep ranks of its EP group (the backward all-to-all brings them home), and
-FSDP averages it over "dp" only, so it comes out ep times too large. ``shard_experts`` fixes that inside the
-autograd graph: the experts' output gradient is divided by ep and their input gradient multiplied back by ep,
-so only the weight gradients change (exactly, when ep is a power of two). FSDP2's
-``set_gradient_divide_factor`` would do the same in the reduction, but with dp == 1 (no reduce-scatter) its
-handling differs across torch versions and dtypes (torch 2.13 divides twice in float64), so it is not used.
+Gradient scale. An expert's local gradient already SUMS the contributions of the ep ranks of its EP group (the
+backward all-to-all brings them home) and FSDP averages it over "dp" only, so ``shard_experts`` scales the experts'
+weight gradients by 1 / ep inside the autograd graph (``grads.scale_weight_grads``; ``grads.py`` tabulates every
+scale a gradient receives and why FSDP2's divide factor is not used for this).
 
 Checkpoints. With DTensor parameters a state dict (``get_state_dict``) holds each expert stack under its usual
 key (``...experts.w1``) with its GLOBAL shape, each rank owning the rows of its shard. DCP saves by global

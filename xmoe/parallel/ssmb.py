@@ -1,51 +1,51 @@
 """SSMB, sequence-sharded MoE blocks (X-MoE, SC'25): under tensor parallelism each TP rank runs its MoE blocks on
-1/S of the tokens instead of all of them.
+1/tp of the tokens instead of all of them.
 
-# S tensor-parallel degree, T tokens of a micro-batch (B sequences x L positions), H hidden, b bytes per element
+# tp tensor-parallel degree, T tokens of a micro-batch (B sequences x S positions), R = T / tp rows of one slice,
+# H hidden, b bytes per element
 
-With TP (``tensor.py``) the residual stream is replicated over the S ranks of a TP group, so without SSMB every rank
-runs the MoE block (ffn norm, router, dispatch, experts, combine, shared experts) on the same T tokens: S-fold
+With TP (``tensor.py``) the residual stream is replicated over the tp ranks of a TP group, so without SSMB every rank
+runs the MoE block (ffn norm, router, dispatch, experts, combine, shared experts) on the same T tokens: tp-fold
 redundant compute, activation memory and all-to-all traffic. ``apply_ssmb(model, dims)`` shards the block:
 
-  h (B, L, H) replicated     1. scatter: rank t keeps its contiguous 1/S of the T token rows, as a copy (so nothing
-                                keeps the full h alive); no communication. Whole sequences, (B/S, L, H), when S
+  h (B, S, H) replicated     1. scatter: rank t keeps its contiguous 1/tp of the T token rows, as a copy (so nothing
+                                keeps the full h alive); no communication. Whole sequences, (B/tp, S, H), when tp
                                 divides B; otherwise (T/S, H)
   ffn_norm -> MoELayer       2. norm, router, experts (local or EP all-to-all within this rank's EP group, which
-                                shares its TP coordinate), shared experts: all on T/S tokens
-  y (B, L, H) replicated     3. gather: one all-gather over "tp" of the T/S output rows
+                                shares its TP coordinate), shared experts: all on T/tp tokens
+  y (B, S, H) replicated     3. gather: one all-gather over "tp" of the T/tp output rows
   h + y                         the residual add, unchanged
 
 Autograd. The residual stream's gradient is replicated too (ColwiseParallel all-reduces input gradients), so the
 gather's backward needs no communication: a rank keeps its own rows. The scatter's backward all-gathers the slices'
 input gradients, making the gradient into h full and identical again. Collectives added per MoE layer: one
-all-gather forward and one backward, b*T*H*(S-1)/S bytes sent per rank each, and the all-reduce of the block's
-parameter gradients below. Removed: (S-1)/S of the block's compute, activation memory and, under EP, all-to-all rows
+all-gather forward and one backward, b*T*H*(tp-1)/tp bytes sent per rank each, and the all-reduce of the block's
+parameter gradients below. Removed: (tp-1)/tp of the block's compute, activation memory and, under EP, all-to-all rows
 (each TP rank dispatches only its slice). Under sequence parallelism (``tensor.py``) the block's input is already this
 rank's tokens and the scatter / gather are not needed at all (docs/ssmb.md tabulates both layouts).
 
-Gradients of replicated parameters. The ffn norm, router, shared experts and routed experts are identical on the S TP
+Gradients of replicated parameters. The ffn norm, router, shared experts and routed experts are identical on the tp TP
 peers, but each peer now sees only its tokens, so its gradient is a partial sum: left alone the peers' weights drift
 apart after the first optimizer step (the original X-MoE code forgot this reduction). Here every such parameter gets a
 gradient hook that all-reduces its gradient over "tp" before autograd accumulates it; whatever wraps the model
-(nothing, or FSDP2 over "dp" / "dp_ep") then sees the reduced gradient, and gradient accumulation stays exact. The hooks
-are registered at forward time on the tensors the forward really uses (FSDP2 swaps in unsharded parameters), once each.
-Cost: 2*(S-1)/S times the gradient bytes of router, shared and local experts per backward, on intra-node links.
+(nothing, or FSDP2 over "dp" / "dp_ep") then sees the reduced gradient, and gradient accumulation stays exact
+(``grads.TensorParallelGradAverage``; ``grads.py`` tabulates every scale a gradient receives).
+Cost: 2*(tp-1)/tp times the gradient bytes of router, shared and local experts per backward, on intra-node links.
 
-The hook averages, and the gather's backward multiplies the gradient entering the block by S (the scatter's backward
-divides it back), so the block's parameters see S times their slice's gradient and the average over "tp" is the exact
+The hook averages, and the gather's backward multiplies the gradient entering the block by tp (the scatter's backward
+divides it back), so the block's parameters see tp times their slice's gradient and the average over "tp" is the exact
 sum of the slices' contributions to the LM loss. Why not plain sums: the auxiliary losses that MoELayer attaches (with
-the same fixed gradient on every rank) then enter as the MEAN over the S slices of each slice's loss, as data-parallel
-ranks' do (averaged gradients), rather than S times that. The z-loss and a per-sequence ("seq") balance loss over
+the same fixed gradient on every rank) then enter as the MEAN over the tp slices of each slice's loss, as data-parallel
+ranks' do (averaged gradients), rather than tp times that. The z-loss and a per-sequence ("seq") balance loss over
 whole sequences are means over tokens or sequences, so they equal the unsharded block's exactly; the batch-level
 balance loss is the mean of the slices' losses (as under data parallelism), and a capacity factor applies per slice.
 
-Expert weights are not split over TP: the S peers hold the same experts (sharded over "ep", FSDP over "dp"), which is
+Expert weights are not split over TP: the tp peers hold the same experts (sharded over "ep", FSDP over "dp"), which is
 what ``xmoe.plan.memory`` assumes; their gradients are averaged over "tp" like the router's.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xmoe.parallel.dims import ParallelDims
-from xmoe.parallel.grads import ScaleGrad
+from xmoe.parallel.grads import ScaleGrad, TensorParallelGradAverage
 
 # recent torch renamed all_gather_into_tensor (keeping it as a deprecated alias); older versions have only that name
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -103,7 +103,7 @@ class SSMBRegion:
     Replicated input (plain TP): ``enter`` is the ffn norm's forward pre-hook (1. scatter) and ``exit`` the MoE
     layer's forward hook (3. gather). Sequence-parallel input (``tensor.py`` with ``sequence_parallel=True``: the ffn
     norm already returns this rank's tokens): no collectives, ``enter`` / ``exit`` on the MoE layer only apply the
-    gradient scaling (1/S into the block's input, S into its output) that the gather and scatter would have applied.
+    gradient scaling (1/tp into the block's input, tp into its output) that the gather and scatter would have applied.
     """
 
     def __init__(self, group, sequence_parallel: bool):
@@ -111,9 +111,8 @@ class SSMBRegion:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.sequence_parallel = sequence_parallel
-        self.num_grad_reductions = 0  # gradients averaged over "tp" so far (tests and benchmarks read it)
+        self.grad_average = TensorParallelGradAverage(group)
         self._shape: Optional[torch.Size] = None
-        self._hooked: dict[int, weakref.ref] = {}  # by id: tensors compare elementwise, so no WeakSet
 
     def enter(self, module: nn.Module, args: tuple):
         h = args[0]
@@ -144,28 +143,15 @@ class SSMBRegion:
         return y_TH.view(shape)
 
     # gradient reduction: forward pre-hook of the MoE layer and of every module inside the region that owns
-    # parameters. Hooks go on whatever parameter objects are registered when a module runs: FSDP2 swaps in unsharded
-    # ones in its own pre-forward (which always runs first), and a fused dispatcher reads the experts' weights
-    # without calling their forward, so both the layer's and each module's view are hooked (once each).
+    # parameters. A fused dispatcher reads the experts' weights without calling their forward, so both the layer's
+    # and each module's view are hooked (once each; grads.TensorParallelGradAverage).
     def hook_params(self, module: nn.Module, args: tuple) -> None:
-        for p in module.parameters():
-            ref = self._hooked.get(id(p))
-            if p.requires_grad and (ref is None or ref() is not p):
-                p.register_hook(self._average_over_tp)
-                self._hooked[id(p)] = weakref.ref(p)
+        self.grad_average.hook_params(module, args)
 
-    def _average_over_tp(self, grad: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-
-        self.num_grad_reductions += 1
-        if isinstance(grad, DTensor):  # expert stacks under EP: the local experts, the same on every TP peer
-            local = grad.to_local() / self.size
-            dist.all_reduce(local, group=self.group)
-            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
-                                      shape=grad.shape, stride=grad.stride())
-        out = grad / self.size  # a new tensor: never modify the buffer autograd handed in
-        dist.all_reduce(out, group=self.group)
-        return out
+    @property
+    def num_grad_reductions(self) -> int:
+        """Gradients averaged over "tp" so far (tests and benchmarks read it)."""
+        return self.grad_average.num_reductions
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:

@@ -1,11 +1,12 @@
 """Tensor parallelism for attention and the dense FFN, through torch's DTensor tensor-parallel API.
 
-# S tensor-parallel degree, N heads, H hidden, F dense FFN width, T tokens of a micro-batch, b bytes per element
+# tp tensor-parallel degree, n_h heads, H hidden, F_d dense FFN width, T tokens of a micro-batch (B sequences of S
+# positions), b bytes per element
 
 ``apply_tensor_parallel(model, dims)`` splits, over the "tp" axis of ParallelDims (Megatron's layout):
-  attention   wq, wk, wv   ColwiseParallel: rank t holds heads [t*N/S, (t+1)*N/S) (rows of each (H, H) weight)
+  attention   wq, wk, wv   ColwiseParallel: rank t holds heads [t*n_h/tp, (t+1)*n_h/tp) (rows of each (H, H) weight)
               wo           RowwiseParallel: the matching input columns; the partial outputs are all-reduced
-  dense FFN   w1, w3       ColwiseParallel: F/S columns of the hidden layer
+  dense FFN   w1, w3       ColwiseParallel: F_d/tp columns of the hidden layer
               w2           RowwiseParallel: all-reduce of the partial outputs
 Everything else stays replicated over TP: embedding, norms, LM head and the MoE blocks (``ssmb.py`` shards the MoE
 blocks' tokens instead). The residual stream between those modules is a plain tensor, identical on every TP rank, and
@@ -14,15 +15,16 @@ ColwiseParallel all-reduces in backward. Replicated parameters computed on repli
 identical gradients on all TP peers and need no reduction over "tp".
 
 Collectives per layer (bytes each rank sends, ring algorithm): forward one all-reduce of the attention output and one
-of the dense FFN output, 2*b*T*H*(S-1)/S each; backward the same two, on the input gradients. Without sequence
+of the dense FFN output, 2*b*T*H*(tp-1)/tp each; backward the same two, on the input gradients. Without sequence
 parallelism (the default; the layout below is opt-in) norms and the inputs of the colwise projections are full size
-on every rank, which is what ``xmoe.plan.memory`` models (``attention_activations``: qkv_input full, q/k/v and the attention output 1/S).
+on every rank, which is what ``xmoe.plan.memory`` models (``attention_activations``: qkv_input full, q/k/v and
+the attention output 1/tp).
 
 Mesh. The "tp" axis of ``dims.dense_mesh`` ("dp_ep", "tp"), not of ``dims.mesh``: FSDP2 shards TP weights over the
 "dp_ep" axis of the same mesh and requires both axes to share a parent mesh (the ranks are the same either way).
 
 Sequence parallelism (``sequence_parallel=True``, Megatron-SP / torchtitan's layout). The residual stream is
-sharded over the sequence instead of replicated: each rank holds positions [t*L/S, (t+1)*L/S) of every sequence.
+sharded over the sequence instead of replicated: each rank holds positions [t*S/tp, (t+1)*S/tp) of every sequence.
   embedding        replicated lookup, output sliced to this rank's positions (backward: one all-gather)
   norms            SequenceParallel: on this rank's positions; weights are Replicate DTensors whose gradients
                    are Partial (sums over positions), reduced over "tp" by FSDP2 before its reduce-scatter
@@ -34,7 +36,7 @@ sharded over the sequence instead of replicated: each rank holds positions [t*L/
   final norm       SequenceParallel, then all-gathered: the LM head and loss run replicated on all tokens
 Collectives per layer: the all-reduce after wo (and after w2) becomes a reduce-scatter plus the next sub-block's
 all-gather, the same bytes; the MoE block's SSMB scatter / gather disappear. Norm activations and the residual
-stream fall S-fold too. Needs seq_len divisible by S; the balance loss then sees partial sequences (see ssmb.py).
+stream fall tp-fold too. Needs seq_len divisible by tp; the balance loss then sees partial sequences (see ssmb.py).
 ``xmoe.plan.memory`` models the layout without it.
 
 Checkpoints. TP weights are DTensors with their global shapes and names (``layers.0.attn.wq.weight`` (H, H)), so

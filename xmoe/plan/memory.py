@@ -2,23 +2,23 @@
 
 # T tokens per rank per micro-batch (micro_batch * seq), H hidden, F expert ffn, E experts, K top-k,
 # N routed rows a rank computes (T_moe * K when dropless), C capacity per expert (padded baseline), V vocab
-# W world (GPUs), D data-parallel degree, P expert-parallel degree, S tensor-parallel degree (W = D * P * S)
+# W world (GPUs), dp / ep / tp the data-, expert- and tensor-parallel degrees (W = dp * ep * tp)
 
 Conventions (docs/planning.md gives the reasons and the comparison with the paper):
   * Mixed precision, ZeRO-3 / FSDP full sharding: bf16 parameters (2 B) and gradients (2 B), AdamW state in
     fp32 (master copy, exp_avg, exp_avg_sq: 12 B), all three sharded. Dense parameters (attention, embedding,
     head, norms, router, shared experts) are first split by TP where Megatron splits them (attention, dense
-    FFN, vocab-parallel embedding and head) and then sharded over the "dp_ep" axis (D * P ranks). Routed
-    experts are split by EP (E / P per rank) and sharded over the "dp" axis (D ranks), the expert
-    data-parallel group of xmoe/parallel/dims.py; the S ranks of a TP group hold copies of the same experts.
+    FFN, vocab-parallel embedding and head) and then sharded over the "dp_ep" axis (dp * ep ranks). Routed
+    experts are split by EP (E / ep per rank) and sharded over the "dp" axis (dp ranks), the expert
+    data-parallel group of xmoe/parallel/dims.py; the tp ranks of a TP group hold copies of the same experts.
     Sharding costs a working set: two layers' unsharded bf16 weights (the one computing and the prefetched
     one) plus one layer's unsharded bf16 gradient before its reduce-scatter.
   * Activations are what autograd saves in xmoe's own code (xmoe/model/transformer.py, xmoe/moe/, the Triton
     kernels), counted tensor by tensor in the functions below; b = bytes per activation element (2, bf16).
     TP (without sequence parallelism) replicates the residual stream: norms and the inputs of the
     column-parallel projections are full size on every TP rank, the head-parallel parts (q, k, v, attention
-    output, log-sum-exp) are 1/S. The MoE block (ffn norm, router, buffers, experts, shared experts) is
-    replicated over TP without SSMB and runs on T/S tokens with SSMB.
+    output, log-sum-exp) are 1/tp. The MoE block (ffn norm, router, buffers, experts, shared experts) is
+    replicated over TP without SSMB and runs on T/tp tokens with SSMB.
   * Recompute: "none" keeps everything; "moe" checkpoints every MoE block (keeps its b*T_moe*H input);
     "full" checkpoints every block (keeps its b*T*H input). Peak = saved activations of all layers +
     max(one layer's activations again as gradients in flight (+ the recomputed layer), the loss chunk).
@@ -82,7 +82,7 @@ def capacity(moe: MoEConfig, num_tokens: int, capacity_factor: Optional[float] =
 def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False,
                     capacity_factor: Optional[float] = None, imbalance: float = 1.0, kernel: str = "triton",
                     b: int = 2) -> dict[str, float]:
-    """Bytes one MoE block saves for T tokens (T is already T/S under SSMB).
+    """Bytes one MoE block saves for T tokens (T is already T/tp under SSMB).
 
     PFT: the dispatch and combine buffers are N*H each with N = T*K routed rows (the paper's
     A_dispatch = A_combine = s*k*h*m), capped at E*C kept rows with a capacity factor; ``imbalance`` scales the
@@ -139,7 +139,7 @@ class MemoryBreakdown:
     capacity_factor: Optional[float]
     ssmb: bool
     tokens: int  # T: tokens per rank per micro-batch
-    moe_tokens: int  # tokens the MoE block of this rank processes (T / S under SSMB)
+    moe_tokens: int  # tokens the MoE block of this rank processes (T / tp under SSMB)
     dense_params: float  # parameters of this GPU's shard (counts, not bytes)
     expert_params: float
     params: float
@@ -210,38 +210,84 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
         raise ValueError(f"imbalance ({imbalance}) is max/mean rows per rank and must be >= 1")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     _validate(cfg, parallel, micro_batch, seq_len, ssmb)
-    S, P, D, b = parallel.tp, parallel.ep, parallel.dp, act_bytes
-    H, L, V, moe = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.moe
-    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
+    tp, b = parallel.tp, act_bytes
+    params = _parameter_shards(cfg, parallel)
+    T = micro_batch * seq_len
+    T_moe = T // tp if ssmb and tp > 1 else T
+    act = _activations(cfg, parallel, T, T_moe, recompute, padded, capacity_factor, imbalance, kernel, b)
+    rows = act.moe_layer.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
+    notes = []
+    if tp > 1 and not ssmb:
+        notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {T} tokens")
+    if imbalance == 1.0 and not padded:
+        notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
+    local = params.dense + params.experts
+    return MemoryBreakdown(
+        name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+        padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and tp > 1, tokens=T, moe_tokens=T_moe,
+        dense_params=params.dense, expert_params=params.experts, params=PARAM_BYTES * local,
+        grads=GRAD_BYTES * local, optimizer=ADAM_BYTES * local, gathered=params.gathered,
+        activations=act.saved, working=act.working, reserve=reserve_gib * GIB,
+        traffic=_traffic(cfg, parallel, params, rows, b), attention_layer=act.attention_layer,
+        ffn_layer=act.moe_layer or act.dense_layer, notes=tuple(notes),
+    )
 
-    # 1. parameters: TP split, then ZeRO-3 sharding (dense over dp_ep, experts over dp)
+
+@dataclass(frozen=True)
+class _ParamShards:
+    dense_unsharded: float  # dense parameters after the TP split, before ZeRO-3 sharding
+    dense: float  # this GPU's shard of the dense parameters
+    experts: float  # this GPU's shard of the routed experts
+    gathered: float  # bytes of the unsharded working set (weights in flight, one layer's gradient)
+
+
+def _parameter_shards(cfg: ModelConfig, parallel: ParallelConfig) -> _ParamShards:
+    """1. parameters: TP split, then ZeRO-3 sharding (dense over dp_ep, experts over dp)."""
+    tp, ep, dp = parallel.tp, parallel.ep, parallel.dp
+    H, V, moe = cfg.hidden_size, cfg.vocab_size, cfg.moe
+    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
     parts = count_params(cfg, expert_matrices=3).total_by_part
     tp_split = parts["attention"] + parts["dense_ffn"] + parts["embedding"] + parts["head"]
     replicated = parts["norms"] + parts["router"] + parts["shared_experts"]
-    dense_unsharded = tp_split / S + replicated
-    dense = dense_unsharded / (D * P)
-    experts = parts["routed_experts"] / P / D
-    local = dense + experts
+    dense_unsharded = tp_split / tp + replicated
     # unsharded working set: this rank's biggest layer (dense part gathered over dp_ep, experts over dp), or
     # the vocab-parallel embedding / head, whichever is larger
-    expert_layer = (moe.num_experts // P) * 3 * H * moe.ffn_hidden_size if D > 1 else 0
-    sharded_dense = D * P > 1
-    moe_layer = 4 * H * H / S + 2 * H + moe.num_experts * H + 3 * H * moe.shared_width
-    dense_layer = 4 * H * H / S + 2 * H + 3 * H * cfg.ffn_hidden_size / S
+    expert_layer = (moe.num_experts // ep) * 3 * H * moe.ffn_hidden_size if dp > 1 else 0
+    sharded_dense = dp * ep > 1
+    moe_layer = 4 * H * H / tp + 2 * H + moe.num_experts * H + 3 * H * moe.shared_width
+    dense_layer = 4 * H * H / tp + 2 * H + 3 * H * cfg.ffn_hidden_size / tp
     biggest = max(
         (moe_layer * sharded_dense + expert_layer) if n_moe else 0,
         dense_layer * sharded_dense if n_dense else 0,
-        V * H / S * sharded_dense,
+        V * H / tp * sharded_dense,
     )
-    gathered = 3 * PARAM_BYTES * biggest  # two layers' weights in flight + one layer's unsharded gradient
+    return _ParamShards(
+        dense_unsharded=dense_unsharded,
+        dense=dense_unsharded / (dp * ep),
+        experts=parts["routed_experts"] / ep / dp,
+        gathered=3 * PARAM_BYTES * biggest,  # two layers' weights in flight + one layer's unsharded gradient
+    )
 
-    # 2. activations per layer
-    T = micro_batch * seq_len
-    T_moe = T // S if ssmb and S > 1 else T
-    attn = attention_activations(T, H, cfg.num_heads, S, b)
-    moe_act = moe_activations(moe, T_moe, ep=P, padded=padded, capacity_factor=capacity_factor,
+
+@dataclass(frozen=True)
+class _Activations:
+    attention_layer: dict[str, float]
+    moe_layer: dict[str, float]
+    dense_layer: dict[str, float]
+    saved: float  # over all layers, plus the final norm and the head's input
+    working: float  # transient peak on top of ``saved``
+
+
+def _activations(cfg: ModelConfig, parallel: ParallelConfig, T: int, T_moe: int, recompute: str, padded: bool,
+                 capacity_factor: Optional[float], imbalance: float, kernel: str, b: int) -> _Activations:
+    """2. activations per layer, saved over all layers under ``recompute``, and the transient working peak."""
+    tp, ep = parallel.tp, parallel.ep
+    H, V, moe = cfg.hidden_size, cfg.vocab_size, cfg.moe
+    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
+    attn = attention_activations(T, H, cfg.num_heads, tp, b)
+    moe_act = moe_activations(moe, T_moe, ep=ep, padded=padded, capacity_factor=capacity_factor,
                               imbalance=imbalance, kernel=kernel, b=b) if n_moe else {}
-    dense_act = dense_ffn_activations(T, H, cfg.ffn_hidden_size, S, b) if n_dense else {}
+    dense_act = dense_ffn_activations(T, H, cfg.ffn_hidden_size, tp, b) if n_dense else {}
     attn_sum, moe_sum, dense_sum = sum(attn.values()), sum(moe_act.values()), sum(dense_act.values())
     if recompute == "none":
         saved = n_moe * (attn_sum + moe_sum) + n_dense * (attn_sum + dense_sum)
@@ -250,33 +296,27 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
         saved = n_moe * (attn_sum + b * T_moe * H) + n_dense * (attn_sum + dense_sum)
         regen = moe_sum
     else:
-        saved = L * b * T * H
+        saved = cfg.num_layers * b * T * H
         regen = attn_sum + max(moe_sum, dense_sum)
     saved += norm_activations(T, H) + b * T * H  # final norm, head input
     layer_max = attn_sum + max(moe_sum, dense_sum)
-    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V / S  # bf16 logits, fp32 log-softmax, their gradients
-    working = max(layer_max + regen, loss_chunk)
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V / tp  # bf16 logits, fp32 log-softmax, their gradients
+    return _Activations(attention_layer=attn, moe_layer=moe_act, dense_layer=dense_act, saved=saved,
+                        working=max(layer_max + regen, loss_chunk))
 
-    rows = moe_act.get("dispatch_buffer", 0.0) / b / H  # rows a rank computes (E*C when padded)
-    traffic = {
-        "zero3_dense": _zero3_bytes(dense_unsharded, D * P),
-        "zero3_experts": _zero3_bytes(parts["routed_experts"] / P, D),
-        # dispatch + combine, forward and backward; (P-1)/P of the rows leave the GPU
-        "all_to_all": 4 * n_moe * rows * H * b * (P - 1) / P,
+
+def _traffic(cfg: ModelConfig, parallel: ParallelConfig, params: _ParamShards, rows: float,
+             b: int) -> dict[str, float]:
+    """3. bytes each GPU sends per micro-batch: ZeRO-3 collectives and the expert all-to-alls."""
+    ep, dp = parallel.ep, parallel.dp
+    n_moe = cfg.num_layers - cfg.first_k_dense
+    routed = count_params(cfg, expert_matrices=3).total_by_part["routed_experts"]
+    return {
+        "zero3_dense": _zero3_bytes(params.dense_unsharded, dp * ep),
+        "zero3_experts": _zero3_bytes(routed / ep, dp),
+        # dispatch + combine, forward and backward; (ep-1)/ep of the rows leave the GPU
+        "all_to_all": 4 * n_moe * rows * cfg.hidden_size * b * (ep - 1) / ep,
     }
-    notes = []
-    if S > 1 and not ssmb:
-        notes.append(f"without SSMB all {S} TP ranks run the MoE block on the same {T} tokens")
-    if imbalance == 1.0 and not padded:
-        notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
-    return MemoryBreakdown(
-        name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-        padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and S > 1, tokens=T, moe_tokens=T_moe,
-        dense_params=dense, expert_params=experts, params=PARAM_BYTES * local, grads=GRAD_BYTES * local,
-        optimizer=ADAM_BYTES * local, gathered=gathered, activations=saved, working=working,
-        reserve=reserve_gib * GIB, traffic=traffic, attention_layer=attn, ffn_layer=moe_act or dense_act,
-        notes=tuple(notes),
-    )
 
 
 def ep_group_nodes(parallel: ParallelConfig) -> int:
@@ -354,3 +394,101 @@ def search_layouts(cfg: ModelConfig, gpus: int, gpu_mem_gib: float, *, gpus_per_
     feasible = sorted((m for m in results if m.fits(gpu_mem_gib)), key=_preference)
     infeasible = sorted((m for m in results if not m.fits(gpu_mem_gib)), key=lambda m: m.total)
     return feasible + infeasible
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Peak bytes of `xmoe train` on one GPU (see estimate_trainer_memory); ``total`` is the predicted peak."""
+
+    states: float  # fp32 parameters, AdamW moments, bf16 expert weight copies held for the step
+    grads: float  # fp32 gradients alive at the peak
+    activations: float  # saved activations alive at the peak
+    working: float  # the backward's transient at the peak (recomputed block, bf16 weight gradients, loss chunk)
+    blocks_done: int  # blocks whose backward has run at the peak (0: the peak is at the start of backward)
+
+    @property
+    def total(self) -> float:
+        return self.states + self.grads + self.activations + self.working
+
+
+def block_activations(cfg: ModelConfig, T: int, i: int, *, compiled: bool = True, fused: bool = True,
+                      b: int = 2) -> tuple[float, float]:
+    """(attention branch, FFN branch) bytes block ``i`` of `xmoe train`'s model saves for T tokens, autocast bf16.
+
+    Each branch keeps its fp32 residual input (RMSNorm's backward reads it) and the bf16 weight copies autocast
+    made for its matmuls; compiled regions keep RMSNorm's fp32 1/rms only beyond that (the compiler rebuilds the
+    normalised tensor), eager RMSNorm its fp32 copies (norm_activations). ``fused``: the one-rank Triton path
+    (gather, experts and combine in one op) keeps no dispatch or combine buffer, only the bf16 tokens it reads."""
+    H, moe = cfg.hidden_size, cfg.moe
+    norm = 4 * T if compiled else norm_activations(T, H)
+    attn = dict(attention_activations(T, H, cfg.num_heads, 1, b), norm=norm)
+    attn_bytes = sum(attn.values()) + b * 4 * H * H + 4 * T * H
+    if i < cfg.first_k_dense:
+        ffn = dict(dense_ffn_activations(T, H, cfg.ffn_hidden_size, 1, b), norm=norm)
+        return attn_bytes, sum(ffn.values()) + b * 3 * H * cfg.ffn_hidden_size + 4 * T * H
+    ffn = dict(moe_activations(moe, T, kernel="triton" if fused else "torch", b=b), norm=norm)
+    if fused:
+        ffn["dispatch_buffer"], ffn["combine_buffer"] = b * T * H, 0.0
+    shared_w = 3 * H * moe.shared_width
+    return attn_bytes, sum(ffn.values()) + b * shared_w + 4 * T * H
+
+
+def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Optional[int] = None,
+                            recompute: str = "none", accumulation: int = 1, compiled: bool = True,
+                            fused: bool = True) -> TrainerMemory:
+    """The peak of one `xmoe train` step on one GPU, in the trainer's own precision layout (not ZeRO-3's):
+
+    * states: fp32 parameters (4 B), AdamW's two fp32 moments (8 B), and the bf16 copies of the routed experts made
+      once per step (2 B per expert weight);
+    * the last micro-batch's backward walks the blocks top-down: the LM head's fp32 gradient first, then each
+      block frees its saved activations while its fp32 parameter gradients appear (with ``accumulation`` > 1
+      every gradient exists from the first micro-batch on). The peak is the largest sum of gradients plus
+      activations of the blocks left plus the transient of the block in hand: its bf16 weight gradients before
+      they are added into fp32, and with recompute its activations rebuilt; or the loss chunk's logits at the
+      start of backward;
+    * saved activations per block: block_activations. "moe" keeps the MoE branch's fp32 input instead of its
+      activations, "full" only each block's fp32 input.
+    benchmarks/memory_fit.py measures the peaks this predicts (docs/training-speed.md has the table).
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE}")
+    if micro_batch < 1 or accumulation < 1:
+        raise ValueError(f"micro_batch ({micro_batch}) and accumulation ({accumulation}) must be >= 1")
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    H, L, V, moe = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.moe
+    T, b = micro_batch * seq_len, 2
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    total_params = sum(parts.values())
+    states = 12 * total_params + 2 * parts["routed_experts"]
+
+    attn_w = 4 * H * H + 2 * H
+    moe_w = moe.num_experts * (3 * H * moe.ffn_hidden_size + H) + 3 * H * moe.shared_width
+    blocks = []  # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
+    for i in range(L):
+        is_moe = i >= cfg.first_k_dense
+        attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
+        if recompute == "full":
+            saved, regen = 4 * T * H, attn + ffn
+        elif recompute == "moe" and is_moe:
+            saved, regen = attn + 4 * T * H, ffn
+        else:
+            saved, regen = attn + ffn, 0.0
+        weights = attn_w + (moe_w if is_moe else 3 * H * cfg.ffn_hidden_size)
+        blocks.append((saved, regen, 4 * weights, b * weights))
+
+    all_grads = 4 * total_params
+    head_grads = 4 * (parts["head"] or parts["embedding"])
+    start_grads = all_grads if accumulation > 1 else head_grads
+    tail = 4 * T * H + b * T * H  # final norm's input and the head's input
+    saved_left = sum(saved for saved, *_ in blocks)
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V  # bf16 logits, fp32 log-softmax and their gradients
+    best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
+    grads = start_grads
+    for j, (saved, regen, grad_bytes, transient) in enumerate(reversed(blocks), 1):
+        made = 0.0 if accumulation > 1 else grad_bytes  # this block's fp32 gradients appear as it runs
+        here = TrainerMemory(states, grads + made, saved_left, regen + transient, j)
+        if here.total > best.total:
+            best = here
+        grads += made
+        saved_left -= saved
+    return best

@@ -43,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, help="log every N steps")
     p.add_argument("--ckpt-every", type=int, help="checkpoint every N steps and at the end (0: never)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to --out")
+    p.add_argument("--compile", choices=["auto", "on", "off"],
+                   help="torch.compile each block's two branches and the loss (default auto: on for one GPU or pure "
+                        "data parallelism on GPUs, off on CPU)")
+    p.add_argument("--recompute", choices=["none", "moe", "full"],
+                   help="activation recompute in backward: none (default), moe (MoE branches), full (every block)")
     p.add_argument("--device", default="auto", help="auto (GPU if present), cpu or cuda")
     p.add_argument("--config", help="JSON or TOML file of config sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -111,8 +116,9 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
 
     flags = {"steps": args.steps, "seed": args.seed, "global_batch_size": args.batch_size,
              "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "lr": args.lr,
-             "log_every": args.log_every, "ckpt_every": args.ckpt_every,
-             "val_fraction": getattr(args, "val_fraction", None), "eval_every": getattr(args, "eval_every", None)}
+             "log_every": args.log_every, "ckpt_every": args.ckpt_every, "compile": args.compile,
+             "recompute": args.recompute, "val_fraction": getattr(args, "val_fraction", None),
+             "eval_every": getattr(args, "eval_every", None)}
     sections["train"].update({k: v for k, v in flags.items() if v is not None})
     if args.tensorboard:
         sections["train"]["tensorboard"] = True

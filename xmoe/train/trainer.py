@@ -33,10 +33,11 @@ from xmoe.model.transformer import Transformer
 from xmoe.moe.experts import reuse_weight_casts
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import apply_expert_parallel, clip_grad_norm_
+from xmoe.parallel.grads import set_accumulation_scale
 from xmoe.parallel.ssmb import apply_ssmb
 from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import metrics
+from xmoe.train import metrics, regions
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
 
@@ -140,10 +141,16 @@ class Trainer:
             self._load_pretrained(model, init_from)
         self.model = model
         self.wrapped = self._parallelize(model)
+        # 3. recompute and compiled regions, from outside, on the parallelised blocks
+        regions.apply_recompute(model, t.recompute)
+        self.compiled = regions.should_compile(t.compile, self.device, run.parallel.ep, run.parallel.tp)
+        if self.compiled:
+            regions.apply_compile(model, self.device)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.wrapped, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
             fused=self.device.type == "cuda",
         )
+        self._params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.step = 0
         if resume:
             self._resume()
@@ -235,7 +242,8 @@ class Trainer:
         # one autocast region and one set of expert-weight casts for all micro-batches of the step: the weights do
         # not change within it, so autocast's cast cache and reuse_weight_casts cast each weight once per step
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
-                reuse_weight_casts(self.model):
+                reuse_weight_casts(self.model, torch.bfloat16 if self.autocast else None,
+                                   detach=self.world == 1):
             for micro in range(accum):
                 inputs, targets = next(self.loader)
                 inputs = inputs.to(self.device, non_blocking=True)
@@ -263,27 +271,37 @@ class Trainer:
         for layer, load_E in zip(layers, load_LE):
             layer.update_expert_bias(load_E)
 
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step on each rank; also sets the MoE layers' aux-loss scale to match."""
+        accum = self.local_batch // self.micro_batch
+        set_accumulation_scale(self.model, accum)  # the LM loss is backpropagated as loss / accum too
+        return accum
+
+    def train_step(self, accum: int) -> tuple[torch.Tensor, dict, torch.Tensor, float]:
+        """One optimizer step: forward and backward over ``accum`` micro-batches, clip, AdamW, expert-bias update.
+        Returns (mean loss, stats, grad norm, lr) as device tensors: nothing here reads them on the host."""
+        t = self.run.train
+        self.step += 1
+        lr = lr_at(self.step, self.run)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, stats = self._forward_backward(accum)
+        grad_norm = clip_grad_norm_(self._params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._update_expert_bias(stats["load"])
+        return loss, stats, grad_norm, lr
+
     def train(self) -> dict:
         t = self.run.train
-        accum = self.local_batch // self.micro_batch
-        for layer in self.model.moe_layers():
-            layer.aux_loss_scale = 1.0 / accum  # the LM loss is backpropagated as loss / accum too
+        accum = self.accumulation_steps()
         if self.rank == 0:
             self._announce(accum)
-        params = [p for p in self.wrapped.parameters() if p.requires_grad]
         window_start, window_steps = time.perf_counter(), 0
         window_rows = torch.zeros((), dtype=torch.long, device=self.device)
         window_load = None
         while self.step < t.steps:
-            self.step += 1
-            lr = lr_at(self.step, self.run)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            loss, stats = self._forward_backward(accum)
-            grad_norm = clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self._update_expert_bias(stats["load"])
+            loss, stats, grad_norm, lr = self.train_step(accum)
             window_steps += 1
             window_rows += stats["rows"]
             if stats["load"] is not None:
@@ -379,7 +397,8 @@ class Trainer:
             f"({m.num_layers - m.first_k_dense} MoE: {m.moe.num_experts} experts, top-{m.moe.top_k}, "
             f"{m.moe.num_shared_experts} shared), device {self.device}, {self.world} process(es)",
             f"data {self.data_spec}: vocab {self.dataset.vocab_size}, seq {t.seq_len}, global batch "
-            f"{t.global_batch_size} ({self.micro_batch} x {accum} micro-batches x {self.dp_size} ranks)",
+            f"{t.global_batch_size} ({self.micro_batch} x {accum} micro-batches x {self.dp_size} ranks), "
+            f"compiled regions {'on' if self.compiled else 'off'}, recompute {t.recompute}",
         ]
         floor = getattr(self.dataset, "loss_floor", None)
         if floor is not None:

@@ -1,0 +1,63 @@
+"""What the trainer applies to a built model from outside, after parallelism: activation recompute and regional
+compilation.
+
+Regions, not the whole model: each block's two residual branches (``Block.attn_branch``, ``Block.ffn_branch``) and
+the loss head (``Transformer._loss_sum``: head projection + fp32 cross-entropy of one token chunk) are compiled
+one by one. Blocks of one kind share the compiled code, so compile time does not grow with depth; module calls,
+parallelism hooks (DDP, FSDP2) and recompute checkpoints stay eager around the compiled regions. What the compiler
+gains is fusion of the elementwise work between the GEMMs: RMSNorm and its fp32 casts, rotary embedding, residual
+adds, the router's fp32 softmax / top-k / balance losses, the SwiGLU of dense and shared FFNs, the cast and
+log-sum-exp of the logits (docs/training-speed.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from xmoe.kernels import get_ops
+from xmoe.model.transformer import RECOMPUTE_MODES, Block, Transformer
+
+log = logging.getLogger(__name__)
+
+
+def blocks(model: nn.Module) -> list[Block]:
+    """Every transformer block of ``model`` (found by type: wrappers applied from outside rename modules)."""
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+def apply_recompute(model: nn.Module, mode: str) -> None:
+    """Recompute in backward what ``mode`` names instead of keeping it: "none", "moe" (the FFN branch of every MoE
+    block: router, experts, shared experts; the block's input is kept) or "full" (every block; its input is
+    kept). Losses and gradients are those of "none" (tests/test_regions.py)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute ({mode!r}) must be one of {', '.join(RECOMPUTE_MODES)}")
+    for block in blocks(model):
+        block.recompute = mode
+
+
+def should_compile(setting: str, device: torch.device, ep: int = 1, tp: int = 1) -> bool:
+    """``setting`` "on"/"off" as said; "auto": on for GPUs unless experts or heads are sharded (EP / TP add
+    collectives with host-read split sizes inside the MoE branch, which would split its graph)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"compile ({setting!r}) must be 'auto', 'on' or 'off'")
+    if setting != "auto":
+        return setting == "on"
+    return device.type == "cuda" and ep == 1 and tp == 1
+
+
+def apply_compile(model: Transformer, device: torch.device, fullgraph: bool = False) -> None:
+    """torch.compile each block's branches and the model's loss head, in place (bound methods replaced).
+
+    ``fullgraph=True`` makes a graph break an error (the tests use it; training leaves it off, so that an
+    unsupported combination such as the CPU torch backend's host-sized expert loop still runs, split in two)."""
+    for layer in model.moe_layers():
+        # resolve the kernel backends eagerly: a compiled region traces the resolved-table lookup only
+        get_ops(layer.cfg.kernel_backend, device)
+    for block in blocks(model):
+        block.attn_branch = torch.compile(block.attn_branch, fullgraph=fullgraph)
+        block.ffn_branch = torch.compile(block.ffn_branch, fullgraph=fullgraph)
+    model._loss_sum = torch.compile(model._loss_sum, fullgraph=fullgraph)
+    log.info("compiled %d blocks' attention and FFN branches and the loss head", len(blocks(model)))
