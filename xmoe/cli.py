@@ -1,4 +1,4 @@
-"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`."""
+"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`, `xmoe export | eval | generate`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_arguments(bench_parser)
     plan_cli.add_arguments(sub.add_parser("plan", help="memory and communication models (no GPU needed)"))
 
+    from xmoe import infer as infer_cli
+
+    infer_cli.add_export_arguments(sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory"))
+    infer_cli.add_eval_arguments(sub.add_parser("eval", help="loss, perplexity and bits per byte on a data file"))
+    infer_cli.add_generate_arguments(sub.add_parser("generate", help="KV-cached greedy / temperature / top-p sampling"))
+
     args = parser.parse_args(argv)
     configure_logging()
     try:
@@ -32,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
             bench.run(args)
         elif args.command == "plan":
             plan_cli.run(args)
+        else:
+            {"export": infer_cli.run_export, "eval": infer_cli.run_eval, "generate": infer_cli.run_generate}[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"xmoe {args.command}: error: {exc}", file=sys.stderr)
         sys.exit(2)

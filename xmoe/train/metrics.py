@@ -252,10 +252,13 @@ class MetricsLogger:
             "peak_mem_bytes": max(mems) if mems else None,
             "wall_time_s": round(self._offset + time.perf_counter() - self._t0, 3),
         }
+        val = [(r["step"], r["val_loss"]) for r in self.records if isinstance(r.get("val_loss"), (int, float))]
+        if val:  # held-out loss, when the run evaluates one (--val-data / val_fraction)
+            summary.update(final_val_loss=val[-1][1], best_val_loss=min(v for _, v in val))
         lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
         lines = {k: v for k, v in lines.items() if v is not None}
         _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
-        self._plot(losses, lines)
+        self._plot(losses, lines, val)
         shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items() if v is not None]
         self._emit("summary: " + ", ".join(shown))
         return summary
@@ -267,7 +270,8 @@ class MetricsLogger:
         else:
             log.info(line)
 
-    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float]) -> None:
+    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float],
+              val: Optional[list[tuple[int, float]]] = None) -> None:
         # The object API with an explicit Agg canvas: no pyplot, so no global backend switch and no display.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -277,6 +281,9 @@ class MetricsLogger:
         ax = fig.add_subplot()
         if losses:
             ax.plot([s for s, _ in losses], [v for _, v in losses], label="train loss", linewidth=1.2)
+        if val:
+            ax.plot([s for s, _ in val], [v for _, v in val], marker="o", markersize=3, color="C9",
+                    label="validation loss", linewidth=1.2)
         for i, (label, value) in enumerate(lines.items()):
             ax.axhline(value, linestyle="--", color=f"C{i + 1}", linewidth=1, label=f"{label}: {value:.3f}")
         ax.set_xlabel("step")
