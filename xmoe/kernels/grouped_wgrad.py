@@ -133,17 +133,18 @@ def _grouped_wgrad_flat_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     c_offs = offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :]
-    c_mask = (offs_m < M)[:, None] & (offs_n < NC)[None, :]
+    # a store happens under a scalar condition through its row bound (M or 0): one mask expression, no branch
+    in_n = (offs_n < NC)[None, :]
     e_last = tl.minimum(e0 + GROUP, E) - 1
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(GROUP):  # an expert with no rows owns no row tile: its gradient is written as 0 here
         e = tl.minimum(e0 + j, e_last)
         empty = (e0 + j <= e_last) & (tl.load(bounds_ptr + e) == tl.load(bounds_ptr + E + e))
-        tl.store(c1_ptr + e.to(tl.int64) * M * NC + c_offs, acc1.to(c1_ptr.dtype.element_ty), mask=c_mask & empty)
+        c_mask = (offs_m < tl.where(empty, M, 0))[:, None] & in_n
+        tl.store(c1_ptr + e.to(tl.int64) * M * NC + c_offs, acc1.to(c1_ptr.dtype.element_ty), mask=c_mask)
         if HAS_SECOND:
-            tl.store(c2_ptr + e.to(tl.int64) * M * NC + c_offs, acc2.to(c2_ptr.dtype.element_ty),
-                     mask=c_mask & empty)
+            tl.store(c2_ptr + e.to(tl.int64) * M * NC + c_offs, acc2.to(c2_ptr.dtype.element_ty), mask=c_mask)
     t0 = tl.load(bounds_ptr + 2 * E + e0)
     t1 = tl.load(bounds_ptr + 2 * E + e_last) + (
         tl.load(bounds_ptr + E + e_last) - tl.load(bounds_ptr + e_last) + BLOCK_K - 1) // BLOCK_K
@@ -190,10 +191,11 @@ def _grouped_wgrad_flat_kernel(
             acc2 = tl.dot(at, b2, acc2, input_precision=DOT_PRECISION)
         last = (t + 1 == t1) | (e_nxt != e_cur)  # this expert's last row tile: store, then start the next one
         c_e = e_cur.to(tl.int64) * M * NC + c_offs
-        tl.store(c1_ptr + c_e, acc1.to(c1_ptr.dtype.element_ty), mask=c_mask & last)
+        c_mask = (offs_m < tl.where(last, M, 0))[:, None] & in_n
+        tl.store(c1_ptr + c_e, acc1.to(c1_ptr.dtype.element_ty), mask=c_mask)
         acc1 = tl.where(last, 0.0, acc1)
         if HAS_SECOND:
-            tl.store(c2_ptr + c_e, acc2.to(c2_ptr.dtype.element_ty), mask=c_mask & last)
+            tl.store(c2_ptr + c_e, acc2.to(c2_ptr.dtype.element_ty), mask=c_mask)
             acc2 = tl.where(last, 0.0, acc2)
         e_cur = e_nxt
 

@@ -195,15 +195,21 @@ def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, widt
     return cfg
 
 
-def _tune(kernel: str, run: Callable[[TileConfig], object], max_shared: int) -> Optional[TileConfig]:
+def _bench_ms(fn: Callable[[], object]) -> float:
     import triton.testing
 
+    return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
+
+
+def _tune(kernel: str, run: Callable[[TileConfig], object], max_shared: int,
+          timer: Callable[[Callable[[], object]], float] = _bench_ms) -> Optional[TileConfig]:
+    """The fastest of the kernel's candidates that fit max_shared, timed by ``timer`` (median ms of a call)."""
     best = None
     for cand in CANDIDATES[kernel]:
         if smem_bytes(kernel, cand) > max_shared:
             continue
         try:
-            ms = triton.testing.do_bench(lambda: run(cand), warmup=5, rep=20, return_mode="median")
+            ms = timer(lambda: run(cand))
         except Exception:  # out of resources, or a compiler that cannot pipeline this form: not a candidate here
             continue
         if best is None or ms < best[0]:
