@@ -70,13 +70,12 @@ LEGACY: dict[str, TileConfig] = {
 # experts with few rows (E = 256, ~512 rows each on the large shape), where every output tile otherwise refills
 # its pipeline after 16 row blocks.
 CANDIDATES: dict[str, list[TileConfig]] = {
-    "up_fwd": [LEGACY["up_fwd"], TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 4),
-               TileConfig(128, 64, 64, 4, 4)],
-    "mm": [LEGACY["mm"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4), TileConfig(64, 256, 64, 8, 4)],
-    "dx": [LEGACY["dx"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4), TileConfig(64, 256, 64, 8, 4)],
+    "up_fwd": [LEGACY["up_fwd"], TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 4)],
+    "mm": [LEGACY["mm"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
+    "dx": [LEGACY["dx"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
     "down_bwd": [LEGACY["down_bwd"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
-    "wgrad": [LEGACY["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 4, 4),
-              TileConfig(128, 128, 32, 4, 6, 2), TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
+    "wgrad": [LEGACY["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 32, 4, 6, 2),
+              TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
     "wgrad2": [LEGACY["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
                TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
 }

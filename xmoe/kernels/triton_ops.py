@@ -66,6 +66,7 @@ def _chunked_mm_combine(a1, b1_EKN, a2, b2_EKN, counts_E, row_of_slot_TK, weight
         part = grouped_mm(a1, b1_EKN[:, :, c0:c1], a2, b2_EKN[:, :, c0:c1] if b2_EKN is not None else None,
                           counts_E)
         combine_into(part, row_of_slot_TK, weights_TK, out_TH[:, c0:c1])
+        del part  # freed before the next chunk's buffer is allocated: one chunk alive at a time
     return out_TH
 
 
