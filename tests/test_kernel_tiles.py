@@ -23,7 +23,7 @@ from test_triton_kernels import _inputs, _loop_reference, _rel, _routing  # noqa
 from xmoe.kernels import get_ops, tiles  # noqa: E402
 from xmoe.kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
 from xmoe.kernels.tiles import TileConfig  # noqa: E402
-from xmoe.moe.routing import build_plan  # noqa: E402
+from xmoe.dispatch.routing import build_plan  # noqa: E402
 
 tops = get_ops("triton", torch.device("cpu"))
 
