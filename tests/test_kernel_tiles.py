@@ -11,10 +11,13 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 
+import gc  # noqa: E402
 import json  # noqa: E402
+import weakref  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton backend needs the triton package (pip install triton)")
 
@@ -176,3 +179,56 @@ def test_autotune_keeps_the_fastest_candidate_that_runs(tmp_path):
     again = tiles._DiskCache(path)
     assert again.get("wgrad|k2048|n8192|r512") == best
     assert again.get("mm|k2048|n1024|r512") == TileConfig(128, 256, 64, 8, 4, 1)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage alive, counting the tensors ops return (views and in-place results excepted)
+    until they are freed, and leaving out tensors of the shapes in ``skip_shapes`` (the weight gradients)."""
+
+    def __init__(self, skip_shapes=()):
+        super().__init__()
+        self.tracked = {}  # storage data_ptr -> weak reference to the tensor that owns it
+        self.skip_shapes = set(skip_shapes)
+        self.peak = 0
+
+    def live(self):
+        for ptr, ref in list(self.tracked.items()):
+            if ref() is None:
+                del self.tracked[ptr]
+        return sum(ref().untyped_storage().nbytes() for ref in self.tracked.values()
+                   if tuple(ref().shape) not in self.skip_shapes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (func.is_view or func._schema.is_mutable):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                    self.tracked.setdefault(t.untyped_storage().data_ptr(), weakref.ref(t))
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def _backward_transient(legacy):
+    """Peak bytes the fused backward holds above what was alive when it started, weight gradients left out."""
+    T, H, Fd, E, K = 64, 128, 32, 4, 4
+    ids, scores = _routing(T, E, K, seed=13)
+    plan = build_plan(ids, scores, E)
+    leaves = [t.requires_grad_() for t in _inputs(T, H, Fd, E, K, seed=13)]
+    grad_out = torch.randn(T, H)
+    with tiles.use_options(legacy=legacy), _LiveBytes({(E, H, Fd), (E, Fd, H)}) as mem:
+        out = tops.moe_experts(leaves[0], leaves[1], plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
+                               plan.tokens_per_expert_E, *leaves[2:])
+        gc.collect()
+        mem.peak = start = mem.live()
+        torch.autograd.grad(out, leaves, grad_out)
+    return mem.peak - start, T * K, T, H, Fd
+
+
+def test_lean_backward_allocates_one_nf_buffer_and_one_column_chunk():
+    # fp32 bytes. lean: da (N, F), one dx column chunk (N, 32) and dx (T, H), plus per-row vectors; legacy:
+    # dh1, dh3, w*a (three (N, F)) and the whole (N, H) dx beside dx (T, H)
+    lean, N, T, H, Fd = _backward_transient(legacy=False)
+    legacy, *_ = _backward_transient(legacy=True)
+    expected = 4 * (N * Fd + N * 32 + T * H)
+    assert expected <= lean <= expected + 4 * 8 * N, (lean, expected)
+    assert legacy >= 4 * (3 * N * Fd + N * H + T * H), legacy
