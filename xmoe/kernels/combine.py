@@ -4,6 +4,8 @@
 
 Forward (``combine_fwd``) is a per-token loop over the K slots that reads each kept row once and accumulates in
 fp32; the same kernel without weights is gather_rows' backward (permute.py) and the fused experts' dx sum.
+``combine_into`` writes it into a column slice of a wider output: the fused experts sum y and dx one column
+chunk of H at a time (# C columns of the chunk).
 Backward (``combine_bwd``) walks the kept rows: grad_y[n] = w[slot[n]] * grad_out[token[n]] and
 grad_w[slot[n]] = <grad_out[token[n]], y[n]>; every slot is written by at most one row, so there are no
 atomics, and dropped slots keep the zero they were allocated with.
