@@ -23,8 +23,9 @@ TFLOP/s counts 2*T*K*H*3F per forward and 3x that for forward+backward. Memory, 
   peak_gib        peak over one forward+backward minus what was allocated before (inputs and weights excluded,
                   weight gradients included)
   held_gib        allocated after the forward minus before it, less the output: what a layer keeps for backward
-  bwd_transient_gib  peak during the backward minus what was allocated when it started, less the weight
-                  gradients (dW1, dW3, dW2): the backward's working memory, its input gradients included
+  bwd_transient_gib  peak_gib less the weight gradients (dW1, dW3, dW2): the peak extra memory a layer's
+                  forward+backward needs besides its weight gradients (held activations, the backward's
+                  buffers and input gradients)
 Routing: uniform (K distinct experts per token at random); skewed (expert 0 receives 4x the mean rows, 1/8 of
 the experts receive none, the rest uniform); zipf (expert popularity ~ rank^-1.2).
 """
@@ -147,17 +148,17 @@ def memory_split(fwd, leaves, grad):
     """(held, backward transient) bytes of one forward+backward; see the module docstring."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     out = fwd()
     torch.cuda.synchronize()
     after_fwd = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     grads = torch.autograd.grad(out, leaves, grad)
     torch.cuda.synchronize()
-    peak_bwd = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated()
     weight_grads = sum(g.numel() * g.element_size() for g in grads[-3:])
     held = after_fwd - base - out.numel() * out.element_size()
     del out, grads
-    return held, peak_bwd - after_fwd - weight_grads
+    return held, peak - base - weight_grads
 
 
 def measure(method, inp, E, flops_fwd):
