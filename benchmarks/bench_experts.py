@@ -43,7 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import environment, peak_extra_bytes, time_ms, write_results
+from benchmarks.harness import RESULTS_ENV, environment, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
 METHODS = ["triton_fused", "triton_fused_legacy", "triton_ops", "torch_backend", "grouped_mm_pipe", "gshard_padded",
@@ -338,7 +338,7 @@ def main() -> int:
     args = parser.parse_args()
     start = time.perf_counter()
     if args.out:
-        os.environ["OUT"] = args.out  # harness.out_dir and check_gpu write there
+        os.environ[RESULTS_ENV] = args.out  # harness.out_dir: this script's and check_gpu's files go there
         os.environ.setdefault("XMOE_CACHE_DIR", os.path.join(args.out, "tile_cache"))
     if not torch.cuda.is_available():
         print("bench_experts: skipped, no CUDA device")
