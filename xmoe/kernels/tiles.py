@@ -86,7 +86,7 @@ FP32_CONFIG = TileConfig(64, 64, 32, 4, 3)  # exact fp32 dots use no tensor core
 
 @dataclass
 class Options:
-    legacy: bool = False  # the LEGACY tiles and the backward that stores every buffer (for comparison)
+    legacy: bool = os.environ.get("XMOE_KERNELS_LEGACY") == "1"  # the LEGACY tiles and the backward that stores every buffer (for comparison)
     autotune: bool = os.environ.get("XMOE_AUTOTUNE") == "1"
 
 
