@@ -3,35 +3,51 @@
 # T tokens, H hidden, F expert ffn, E experts, K top-k
 
     PYTHONPATH=. python benchmarks/bench_experts.py                 # all configs, T = 8192 and 16384
-    PYTHONPATH=. python benchmarks/bench_experts.py --sweep         # first re-tune the kernels' tile configs
+    PYTHONPATH=. python benchmarks/bench_experts.py --sweep         # time every tile candidate per kernel first
     PYTHONPATH=. python benchmarks/bench_experts.py --profile       # and GPU time per kernel of the fused path
-    PYTHONPATH=. python benchmarks/bench_experts.py --sweep --check # check_gpu.py with the tiles chosen, then time
+    PYTHONPATH=. python benchmarks/bench_experts.py --check         # check_gpu.py's bf16 checks first
+    PYTHONPATH=. XMOE_AUTOTUNE=1 python benchmarks/bench_experts.py --check --out DIR \
+        --methods triton_fused,triton_fused_legacy,grouped_mm_pipe,dense_equiv   # tuned vs before, side by side
 
 Methods, all including their routing bookkeeping (plan / sort) inside the timed region:
-  triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad)
+  triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad),
+                    tiles per shape class (autotuned under XMOE_AUTOTUNE=1), lean backward
+  triton_fused_legacy  the same op with the one hand-picked tile table and the backward buffers of before
+                    (xmoe.kernels.tiles.use_options(legacy=True))
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
   grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the common torch MoE path)
   gshard_padded     xmoe/dispatch/padded.py at capacity factor 1.25 + bmm experts (drops tokens; a baseline)
   dense_equiv       one dense SwiGLU over T*K rows, same FLOPs, no routing: the ceiling
-TFLOP/s counts 2*T*K*H*3F per forward and 3x that for forward+backward. Peak memory: max_memory_allocated
-over one forward+backward minus what was allocated before (inputs and weights excluded, weight grads included).
+TFLOP/s counts 2*T*K*H*3F per forward and 3x that for forward+backward. Memory, from max_memory_allocated:
+  peak_gib        peak over one forward+backward minus what was allocated before (inputs and weights excluded,
+                  weight gradients included)
+  held_gib        allocated after the forward minus before it, less the output: what a layer keeps for backward
+  bwd_transient_gib  peak_gib less the weight gradients (dW1, dW3, dW2): the peak extra memory a layer's
+                  forward+backward needs besides its weight gradients (held activations, the backward's
+                  buffers and input gradients)
+Routing: uniform (K distinct experts per token at random); skewed (expert 0 receives 4x the mean rows, 1/8 of
+the experts receive none, the rest uniform); zipf (expert popularity ~ rank^-1.2).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
+import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import environment, peak_extra_bytes, time_ms, write_results
+from benchmarks.harness import RESULTS_ENV, environment, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
-METHODS = ["triton_fused", "triton_ops", "torch_backend", "grouped_mm_pipe", "gshard_padded", "dense_equiv"]
+METHODS = ["triton_fused", "triton_fused_legacy", "triton_ops", "torch_backend", "grouped_mm_pipe", "gshard_padded",
+           "dense_equiv"]
 
 
 def make_inputs(H, Fd, E, K, T, routing, seed=0):
@@ -39,9 +55,13 @@ def make_inputs(H, Fd, E, K, T, routing, seed=0):
     dev, bf = "cuda", torch.bfloat16
     if routing == "uniform":
         ids = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=-1).indices
-    else:  # skewed: Zipf(1.2) expert popularity, K distinct experts per token
+    elif routing == "skewed":
+        ids = skewed_ids(T, E, K, gen)
+    elif routing == "zipf":  # Zipf(1.2) expert popularity, K distinct experts per token
         p = (torch.arange(1, E + 1, device=dev, dtype=torch.float32) ** -1.2)
         ids = torch.multinomial(p.expand(T, E), K, replacement=False, generator=gen)
+    else:
+        raise ValueError(f"routing {routing!r} must be uniform, skewed or zipf")
     inp = {
         "ids": ids,
         "scores": torch.rand(T, K, device=dev, generator=gen),
@@ -55,6 +75,20 @@ def make_inputs(H, Fd, E, K, T, routing, seed=0):
     return inp
 
 
+def skewed_ids(T, E, K, gen):
+    """(T, K) distinct expert ids: expert 0 in 4*T*K/E tokens (4x the mean), experts E-E/8..E-1 in none, the
+    other slots uniform over experts 1..E-E/8-1."""
+    num_empty = E // 8
+    hot = min(T, round(4 * T * K / E))
+    scores = torch.rand(T, E, device="cuda", generator=gen)
+    scores[:, 0] = -1
+    scores[:, E - num_empty:] = -2
+    ids = scores.topk(K, dim=-1).indices
+    hot_tokens = torch.randperm(T, device="cuda", generator=gen)[:hot]
+    ids[hot_tokens, K - 1] = 0  # 0 was excluded above, so a token's K experts stay distinct
+    return ids
+
+
 def forward_fn(method, inp, E):
     """A zero-argument forward returning (output, leaves) for one method."""
     from xmoe.dispatch.padded import PaddedDispatcher
@@ -64,7 +98,7 @@ def forward_fn(method, inp, E):
     x, w, w1, w3, w2, ids = inp["x"], inp["w"], inp["w1"], inp["w3"], inp["w2"], inp["ids"]
     T, K = ids.shape
     leaves = [x, w, w1, w3, w2]
-    if method == "triton_fused":
+    if method in ("triton_fused", "triton_fused_legacy"):
         def fwd():
             p = build_plan(ids, inp["scores"], E)
             return triton_ops.moe_experts(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK,
@@ -110,19 +144,45 @@ def forward_fn(method, inp, E):
     return fwd, leaves
 
 
+def memory_split(fwd, leaves, grad):
+    """(held, backward transient) bytes of one forward+backward; see the module docstring."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fwd()
+    torch.cuda.synchronize()
+    after_fwd = torch.cuda.memory_allocated()
+    grads = torch.autograd.grad(out, leaves, grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    weight_grads = sum(g.numel() * g.element_size() for g in grads[-3:])
+    held = after_fwd - base - out.numel() * out.element_size()
+    del out, grads
+    return held, peak - base - weight_grads
+
+
 def measure(method, inp, E, flops_fwd):
     fwd, leaves = forward_fn(method, inp, E)
     grad = inp["grad_dense"] if method == "dense_equiv" else inp["grad"]
+    mode = tiles_legacy if method == "triton_fused_legacy" else contextlib.nullcontext
+
+    def fwd_only():
+        with mode(), torch.no_grad():
+            return fwd()
 
     def fwd_bwd():
-        return torch.autograd.grad(fwd(), leaves, grad)
+        with mode():
+            return torch.autograd.grad(fwd(), leaves, grad)
 
     row = {"method": method}
     try:
-        with torch.no_grad():
-            row["fwd_ms"] = time_ms(fwd)
+        fwd_bwd()  # compiles, and under XMOE_AUTOTUNE=1 tunes this shape class, before anything is measured
+        row["fwd_ms"] = time_ms(fwd_only)
         row["fwd_bwd_ms"] = time_ms(fwd_bwd)
         row["peak_gib"] = peak_extra_bytes(fwd_bwd) / 2**30
+        with mode():
+            held, transient = memory_split(fwd, leaves, grad)
+        row["held_gib"], row["bwd_transient_gib"] = held / 2**30, transient / 2**30
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] * 1e-9
         row["tflops"] = 3 * flops_fwd / row["fwd_bwd_ms"] * 1e-9
     except torch.OutOfMemoryError as exc:
@@ -134,63 +194,55 @@ def measure(method, inp, E, flops_fwd):
     return row
 
 
-SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages): candidates; H200 winners in grouped_gemm.CONFIGS
-    "up_fwd": [(128, 128, 64, 8, 4), (128, 128, 32, 8, 6)],
-    "mm": [(128, 256, 64, 8, 4), (128, 256, 32, 8, 6)],
-    "down_bwd": [(128, 256, 64, 8, 4), (128, 256, 32, 8, 6)],
-    "wgrad": [(128, 128, 32, 4, 5), (128, 256, 64, 8, 3), (128, 128, 32, 4, 6)],
-    "wgrad2": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 32, 8, 5), (128, 128, 32, 8, 4)],
-}
+def tiles_legacy():
+    from xmoe.kernels import tiles
+
+    return tiles.use_options(legacy=True)
 
 
 def _kernel_calls(H, Fd, E, K, T):
-    """One zero-argument call per swept kernel, each in its fused-path use, on fresh inputs of one config."""
+    """One zero-argument call per tiled kernel, each in its fused-path use (full width, no column chunks), on
+    fresh inputs of one config."""
     from xmoe.dispatch.routing import build_plan
     from xmoe.kernels import grouped_gemm as gg
+    from xmoe.kernels.grouped_wgrad import grouped_wgrad
 
     inp = make_inputs(H, Fd, E, K, T, "uniform")
     p = build_plan(inp["ids"], inp["scores"], E)
     x, g, counts, tok = inp["x"].detach(), inp["grad"], p.tokens_per_expert_E, p.token_ids_N
     w1, w3, w2 = (inp[k].detach() for k in ("w1", "w3", "w2"))
     h1, h3, a = gg.swiglu_up_fwd(x, tok, w1, w3, counts, True)
-    row_w = inp["w"].detach().reshape(-1)[p.slot_ids_N]
     return {
         "up_fwd": lambda: gg.swiglu_up_fwd(x, tok, w1, w3, counts, True),
-        "mm": lambda: (gg.grouped_mm(a, w2, None, None, counts),
-                       gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts)),
-        "down_bwd": lambda: gg.swiglu_down_bwd(g, tok, w2, h1, h3, row_w, counts),
-        "wgrad": lambda: gg.grouped_wgrad(a, None, g, None, tok, counts),
-        "wgrad2": lambda: gg.grouped_wgrad(x, tok, h1, h3, None, counts),
+        "mm": lambda: gg.grouped_mm(a, w2, None, None, counts),
+        "dx": lambda: gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts),
+        "down_bwd": lambda: gg._grouped_mm(g, w2.transpose(1, 2), None, None, counts, tok, "down_bwd"),
+        "wgrad": lambda: grouped_wgrad(a, None, g, None, tok, counts),
+        "wgrad2": lambda: grouped_wgrad(x, tok, h1, h3, None, counts),
     }
 
 
-def sweep(configs=("small", "medium"), T=16384):
-    """Time each kernel's candidate tiles in its fused-path use; keep the best total over ``configs``."""
-    from xmoe.kernels import grouped_gemm as gg
+def sweep(configs=("small", "medium", "large"), T=16384):
+    """Time every tile candidate of every kernel (tiles.CANDIDATES) in its fused-path use, per config."""
+    from xmoe.kernels import tiles
 
-    calls = {name: _kernel_calls(*CONFIGS[name], T) for name in configs}
     rows = []
-    for kernel, candidates in SWEEP.items():
-        best = None
-        for cand in candidates:
-            gg.CONFIGS[kernel] = gg.TileConfig(*cand)
-            total, row = 0.0, {"kernel": kernel, "config": str(cand)}
-            try:
-                for name in configs:
-                    row[name + "_ms"] = time_ms(calls[name][kernel], warmup_ms=10, rep_ms=40)
-                    total += row[name + "_ms"]
-            except Exception as exc:
-                row["error"], total = f"{type(exc).__name__}: {str(exc)[:100]}", float("inf")
-            rows.append(row)
-            print(f"sweep {kernel:9s} {cand}: " + " ".join(f"{k}={v:.3f}" for k, v in row.items()
-                                                          if k.endswith("_ms")) + (" " + row.get("error", "")))
-            if best is None or total < best[0]:
-                best = (total, cand)
-        gg.CONFIGS[kernel] = gg.TileConfig(*best[1])
-        print(f"sweep {kernel}: best {best[1]}")
-    del calls
-    gc.collect()
-    torch.cuda.empty_cache()
+    for name in configs:
+        calls = _kernel_calls(*CONFIGS[name], T)
+        for kernel, candidates in tiles.CANDIDATES.items():
+            for cand in candidates:
+                row = {"config": name, "kernel": kernel, "tile": str(tuple(vars(cand).values()))}
+                try:
+                    with tiles.force({kernel: cand}):
+                        row["ms"] = time_ms(calls[kernel], warmup_ms=10, rep_ms=40)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                rows.append(row)
+                print(f"sweep {name} {kernel:9s} {row['tile']}: {row.get('ms', float('nan')):.3f} ms "
+                      + row.get("error", ""), flush=True)
+        del calls
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -276,39 +328,50 @@ def main() -> int:
     parser.add_argument("--tokens", default="8192,16384")
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--sweep", action="store_true", help="re-tune the Triton tile configs first")
+    parser.add_argument("--sweep", action="store_true", help="time every tile candidate per kernel first")
     parser.add_argument("--profile", action="store_true", help="then profile the fused path's kernels")
     parser.add_argument("--check", action="store_true",
-                        help="run benchmarks/check_gpu.py's bf16 checks with the chosen tiles first; stop on failure")
+                        help="run benchmarks/check_gpu.py's bf16 checks (every tile candidate) first; stop on failure")
+    parser.add_argument("--out", help="write results (and, unless XMOE_CACHE_DIR is set, the tuned tiles) here")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new (config, T, routing) cell after this many seconds of the whole run")
     args = parser.parse_args()
+    start = time.perf_counter()
+    if args.out:
+        os.environ[RESULTS_ENV] = args.out  # harness.out_dir: this script's and check_gpu's files go there
+        os.environ.setdefault("XMOE_CACHE_DIR", os.path.join(args.out, "tile_cache"))
     if not torch.cuda.is_available():
         print("bench_experts: skipped, no CUDA device")
         return 0
-    meta = environment()
-    sweep_rows = sweep() if args.sweep else []
-    from xmoe.kernels import grouped_gemm as gg
+    from xmoe.kernels import tiles
 
-    meta["tile_configs"] = {k: vars(v) for k, v in gg.CONFIGS.items()}
+    meta = environment()
+    meta["autotune"] = tiles.OPTIONS.autotune
+    meta["tile_candidates"] = {k: [list(vars(c).values()) for c in v] for k, v in tiles.CANDIDATES.items()}
+    meta["legacy_tiles"] = {k: list(vars(v).values()) for k, v in tiles.LEGACY.items()}
     if args.check:
         from benchmarks import check_gpu
 
         if check_gpu.main() != 0:
-            print("bench_experts: stopped, the GPU check failed with these tiles", meta["tile_configs"])
+            print("bench_experts: stopped, the GPU check failed")
             return 1
-        meta["checked"] = "check_gpu.py passed with these tile configs"
-    if sweep_rows:
-        write_results("sweep_tiles", sweep_rows, ["kernel", "config", "small_ms", "medium_ms", "error"], meta,
-                      "Tile-config sweep of the Triton grouped-GEMM kernels (T=16384, uniform)")
+        meta["checked"] = "check_gpu.py passed (every tile candidate on the three model shapes)"
+    if args.sweep:
+        write_results("sweep_tiles", sweep(), ["config", "kernel", "tile", "ms", "error"], meta,
+                      "Tile candidates of the Triton grouped-GEMM kernels, each in its fused-path use (T=16384)")
     if args.profile:
         write_results("profile_experts", profile(), ["config", "kernel", "calls", "ms"], meta,
                       "GPU time per kernel of the fused path's forward+backward (T=16384, uniform)")
     rows = []
     columns = ["config", "T", "routing", "method", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "tflops", "peak_gib",
-               "vs_grouped_mm", "vs_dense", "error"]
+               "held_gib", "bwd_transient_gib", "vs_grouped_mm", "vs_dense", "transient_vs_grouped_mm", "error"]
     for cfg in args.configs.split(","):
         H, Fd, E, K = CONFIGS[cfg]
         for T in map(int, args.tokens.split(",")):
             for routing in args.routing.split(","):
+                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                    print(f"bench_experts: budget of {args.budget_s:.0f} s spent, skipped {cfg} T={T} {routing}")
+                    continue
                 inp = make_inputs(H, Fd, E, K, T, routing)
                 flops_fwd = 2 * T * K * H * 3 * Fd
                 cell = []
@@ -317,28 +380,35 @@ def main() -> int:
                         continue  # no routing: identical to the uniform cell
                     row = {"config": cfg, "T": T, "routing": routing, **measure(method, inp, E, flops_fwd)}
                     cell.append(row)
-                    print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                    print(f"[{time.perf_counter() - start:.0f} s] " + " ".join(
+                        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
-                ref = {r["method"]: r.get("fwd_bwd_ms") for r in cell}
+                ref = {r["method"]: r for r in cell}.get("grouped_mm_pipe", {})
                 dense = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
                               and r["method"] == "dense_equiv"), None)
                 for r in cell:
-                    if r.get("fwd_bwd_ms") and ref.get("grouped_mm_pipe"):
-                        r["vs_grouped_mm"] = ref["grouped_mm_pipe"] / r["fwd_bwd_ms"]
+                    if r.get("fwd_bwd_ms") and ref.get("fwd_bwd_ms"):
+                        r["vs_grouped_mm"] = ref["fwd_bwd_ms"] / r["fwd_bwd_ms"]
                     if r.get("fwd_bwd_ms") and dense:
                         r["vs_dense"] = dense / r["fwd_bwd_ms"]
+                    if r.get("bwd_transient_gib") is not None and ref.get("bwd_transient_gib"):
+                        r["transient_vs_grouped_mm"] = r["bwd_transient_gib"] / ref["bwd_transient_gib"]
                 rows += cell
                 del inp
                 gc.collect()
                 torch.cuda.empty_cache()
                 write_results("bench_experts", rows, columns, meta, "Routed SwiGLU experts, bf16",
                               notes="fwd_bwd_ms: median forward+backward; tflops = 3*2*T*K*H*3F / fwd_bwd time; "
-                                    "vs_*: speed relative to that method (>1 = faster).")
+                                    "vs_*: speed relative to that method (>1 = faster); held_gib, "
+                                    "bwd_transient_gib: see the script's docstring; transient_vs_grouped_mm: "
+                                    "backward transient relative to the pipeline's (<1 = less).")
     print()
     from benchmarks.harness import markdown_table
 
-    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "grouped_mm_pipe", "dense_equiv")],
-                         columns))
+    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "triton_fused_legacy",
+                                                             "grouped_mm_pipe", "dense_equiv")], columns))
+    if tiles.OPTIONS.autotune:
+        print("tuned tiles:", os.environ.get("XMOE_CACHE_DIR") or "~/.cache/xmoe")
     return 0
 
 

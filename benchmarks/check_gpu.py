@@ -9,12 +9,18 @@ run forward and backward in bf16; output and every gradient are compared with th
 (exact per-expert loop) by ||got - ref|| / ||ref|| < 1e-2. Freed memory is filled with NaN before each run, so an
 output element a kernel forgets to write shows up as NaN and fails. The fused path runs twice and must be
 bitwise identical (no atomics). The torch backend's own bf16 error is printed beside ours for scale.
+
+Tiles: the checks run with autotuning off, so with the heuristic's tiles (on an H200 candidate 0 of every kernel
+in xmoe/kernels/tiles.py). On the three model shapes the fused path then runs once more per further round of
+candidates (round r forces candidate r of every kernel), so that every candidate autotuning may pick, the
+multi-expert weight-gradient kernels included, is checked on each shape.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
@@ -33,7 +39,19 @@ CASES = {
     # four times over (inputs, their clones, the gradient buffer and a full-size gradient per expert from the
     # per-expert slice's backward): ~100 bytes per E*H*F element, ~45 GiB at E=32 but ~360 GiB at E=256
     "large_model": (1024, 7168, 2048, 32, 8, None, "uniform"),
+    "medium_model": (1024, 5120, 1536, 32, 6, None, "uniform"),  # the medium preset's H, F, K; E cut the same way
 }
+MODEL_CASES = ("small_model", "medium_model", "large_model")
+
+
+def tile_rounds():
+    """{label: context} for the extra fused runs on the model shapes: candidate rounds 1, 2, ... (shorter
+    candidate lists wrap around)."""
+    from xmoe.kernels import tiles
+
+    num_rounds = max(len(c) for c in tiles.CANDIDATES.values())
+    return {f"tiles{r}": (lambda r=r: tiles.force({k: c[r % len(c)] for k, c in tiles.CANDIDATES.items()}))
+            for r in range(1, num_rounds)}
 
 
 def _routing(T, E, K, kind, gen):
@@ -104,6 +122,19 @@ def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
     runs = [_run(triton_ops, True, xb, wf, w1b, w3b, w2b, plan, grad_out) for _ in range(2)]
     deterministic = all(torch.equal(a, b) for a, b in zip(*runs))
     ok &= deterministic
+    for label, context in (tile_rounds().items() if name in MODEL_CASES else ()):
+        try:
+            with context():
+                got = _run(triton_ops, True, xb, wf, w1b, w3b, w2b, plan, grad_out)
+        except Exception as exc:  # a candidate this compiler cannot build: autotuning skips it the same way
+            results[f"{label}.skipped"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"     {name} {label}: candidate skipped, {results[f'{label}.skipped']}")
+            continue
+        for n, g, r, tb in zip(names, got, ref, torch_bf16):
+            err = _rel(g, r)
+            passed = err == err and err < TOLERANCE if r.norm() > 0 else err == 0.0
+            ok &= passed
+            results[f"{label}.{n}"] = {"err": err, "torch_bf16_err": _rel(tb, r), "pass": passed}
     return ok, {"case": name, "shape": [T, H, Fd, E, K, capacity], "rows": plan.num_rows,
                 "deterministic": deterministic, "errors": results}
 
@@ -120,10 +151,14 @@ def main() -> int:
         return 0
     from benchmarks.harness import environment, out_dir
 
+    from xmoe.kernels import tiles
+
     all_ok, report = True, []
+    start = time.perf_counter()
     for name, case in CASES.items():
         try:
-            ok, info = check_case(name, *case)
+            with tiles.use_options(autotune=False):  # checks need no tuning; tile rounds cover the candidates
+                ok, info = check_case(name, *case)
         except Exception as exc:  # report every case, then fail
             ok, info = False, {"case": name, "error": f"{type(exc).__name__}: {exc}"}
         all_ok &= ok
@@ -131,13 +166,15 @@ def main() -> int:
         if "error" in info:
             print(f"FAIL {name}: {info['error']}")
             continue
-        worst = max(v["err"] for v in info["errors"].values())
-        worst_torch = max(v["torch_bf16_err"] for v in info["errors"].values())
+        errors = [v for v in info["errors"].values() if isinstance(v, dict)]
+        worst = max(v["err"] for v in errors)
+        worst_torch = max(v["torch_bf16_err"] for v in errors)
         print(f"{'ok  ' if ok else 'FAIL'} {name:14s} rows={info['rows']:6d} worst rel err {worst:.2e} "
-              f"(torch backend bf16: {worst_torch:.2e}) deterministic={info['deterministic']}")
+              f"(torch backend bf16: {worst_torch:.2e}) deterministic={info['deterministic']} "
+              f"[{time.perf_counter() - start:.0f} s]", flush=True)
         if not ok:
             for k, v in info["errors"].items():
-                if not v["pass"]:
+                if isinstance(v, dict) and not v["pass"]:
                     print(f"     {k}: {v['err']:.3e}")
     (out_dir() / "check_gpu.json").write_text(json.dumps({"meta": environment(), "ok": all_ok, "cases": report},
                                                          indent=1))

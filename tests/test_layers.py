@@ -16,11 +16,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("xmoe.kernels",),
     ("xmoe.dispatch",),
     ("xmoe.moe",),
-    ("xmoe.model",),
+    ("xmoe.model", "xmoe.hf"),
     ("xmoe.parallel",),
     ("xmoe.plan",),
     ("xmoe.train", "xmoe.bench", "xmoe.bench_cli"),
-    ("xmoe.cli", "xmoe.__main__", "xmoe"),
+    ("xmoe.cli", "xmoe.infer", "xmoe.__main__", "xmoe"),
 )
 
 

@@ -164,7 +164,7 @@ def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads():
 def test_grouped_wgrad_long_and_empty_groups(gather):
     # groups of 0, 1, 31, 32, 33 and 97 rows: several 32-row reduction steps per tile, exact multiples, empty
     # experts between full ones; M and NC not multiples of the tile; c2 shares the pass over a
-    from xmoe.kernels.grouped_gemm import grouped_wgrad
+    from xmoe.kernels.grouped_wgrad import grouped_wgrad
 
     counts = torch.tensor([33, 0, 97, 1, 0, 32, 31])
     N, T, M, NC = int(counts.sum()), 250, 40, 36

@@ -1,4 +1,4 @@
-"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`.
+"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`, `xmoe export | eval | generate`.
 
 Exit codes: 0 success; 2 a user error (one line ``xmoe <command>: error: ...``; ``--debug`` shows the
 traceback); 3 training stopped on a non-finite loss or gradient norm; 128 + signum when a signal stopped a
@@ -32,7 +32,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"xmoe {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="{train,bench,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,bench,plan,export,eval,generate}")
     subs = {}
     for name, module, help_text in (
         ("train", train_cli, "train a model (default: the tiny preset on the embedded corpus)"),
@@ -44,6 +44,17 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         subs[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                 help="show the full traceback of an error")
         module.add_arguments(subs[name])
+    from xmoe import infer
+
+    for name, add, help_text in (
+        ("export", infer.add_export_arguments, "write a run's checkpoint as a Hugging Face directory"),
+        ("eval", infer.add_eval_arguments, "loss, perplexity and bits per byte on a data file"),
+        ("generate", infer.add_generate_arguments, "KV-cached greedy / temperature / top-p sampling"),
+    ):
+        subs[name] = sub.add_parser(name, help=help_text, description=help_text)
+        subs[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                help="show the full traceback of an error")
+        add(subs[name])
     return parser, subs
 
 
@@ -73,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging()
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("xmoe: error: choose a command: train, bench or plan (xmoe --help explains them)", file=sys.stderr)
+        print("xmoe: error: choose a command: train, bench, plan, export, eval or generate (xmoe --help "
+              "explains them)", file=sys.stderr)
         sys.exit(2)
     try:
         if args.command == "train":
@@ -88,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
             from xmoe.plan import cli as plan_cli
 
             plan_cli.run(args)
+        else:
+            from xmoe import infer
+
+            {"export": infer.run_export, "eval": infer.run_eval, "generate": infer.run_generate}[args.command](args)
     except BrokenPipeError:  # the reader went away (`xmoe plan comm | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         sys.exit(1)

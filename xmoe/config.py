@@ -18,6 +18,9 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
 DispatcherName = Literal["pft", "padded", "rbd"]
 AuxLossType = Literal["batch", "seq"]
+AttentionKind = Literal["mha", "mla"]
+QKNorm = Literal["none", "head", "proj"]
+RopeScaling = Literal["none", "yarn"]
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -99,6 +102,8 @@ class MoEConfig:
     kernel_backend: KernelBackend = "auto"
     dispatcher: DispatcherName = "pft"
     init_std: float = 0.02
+    shared_ffn_hidden_size: int = 0  # shared experts' total width (0: num_shared_experts * ffn_hidden_size)
+    shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w_gate) (Qwen2-MoE)
     section: ClassVar[str] = "moe"
 
     def __post_init__(self) -> None:
@@ -149,6 +154,16 @@ class MoEConfig:
                 f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless routing"
             )
         _positive("init_std", self.init_std)
+        if self.shared_ffn_hidden_size < 0:
+            raise ValueError(f"shared_ffn_hidden_size ({self.shared_ffn_hidden_size}) must be >= 0 (0: "
+                             "num_shared_experts * ffn_hidden_size)")
+        if (self.shared_ffn_hidden_size or self.shared_expert_gate) and not self.num_shared_experts:
+            raise ValueError("shared_ffn_hidden_size and shared_expert_gate need num_shared_experts >= 1")
+
+    @property
+    def shared_width(self) -> int:
+        """Total hidden width of the shared experts (one dense SwiGLU); 0 without shared experts."""
+        return self.shared_ffn_hidden_size or self.num_shared_experts * self.ffn_hidden_size
 
     def capacity(self, num_tokens: int) -> int:
         """Slots each expert keeps for ``num_tokens`` tokens (all of them when dropless)."""
@@ -191,7 +206,18 @@ class ParallelConfig:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only transformer whose FFNs after the first ``first_k_dense`` layers are MoE blocks."""
+    """A decoder-only transformer whose FFNs after the first ``first_k_dense`` layers are MoE blocks.
+
+    Attention (xmoe/model/attention.py), ``attention``:
+      "mha"  multi-head attention with ``num_kv_heads`` key/value heads (grouped-query when fewer than
+             ``num_heads``; 0 = num_heads) of width ``attn_head_dim`` (0 = hidden_size / num_heads). ``qk_norm``:
+             "head" RMS-normalises each head of q and k (Qwen3), "proj" the whole q and k projections (OLMoE).
+      "mla"  multi-head latent attention (DeepSeek-V2/V3): q through a rank-``q_lora_rank`` bottleneck (0: one
+             projection), keys and values from a rank-``kv_lora_rank`` latent, each head's query/key made of
+             ``qk_nope_head_dim`` features without positions and ``qk_rope_head_dim`` rotary features (the rotary
+             key shared by all heads), values ``v_head_dim`` wide. The latents are RMS-normalised with
+             ``latent_norm_eps``.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -205,6 +231,25 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    attention: AttentionKind = "mha"
+    num_kv_heads: int = 0
+    attn_head_dim: int = 0
+    qk_norm: QKNorm = "none"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    latent_norm_eps: float = 1e-6
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2-MoE); attention="mha" only
+    # YaRN context extension (rope_scaling="yarn"; formulas in xmoe/model/layers.py, yarn_inv_freq)
+    rope_scaling: RopeScaling = "none"
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     section: ClassVar[str] = "model"
 
     def __post_init__(self) -> None:
@@ -214,14 +259,17 @@ class ModelConfig:
         # norm_eps <= 0 divides by zero in RMSNorm on an all-zero row (and a negative one takes a NaN sqrt)
         for name in ("norm_eps", "rope_theta", "init_std"):
             _positive(name, getattr(self, name))
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
-            )
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(
-                f"head_dim ({self.hidden_size // self.num_heads}) must be even for rotary embeddings"
-            )
+        if self.attention == "mla":
+            self._check_mla()
+        elif self.attention == "mha":
+            self._check_mha()
+        else:
+            raise ValueError(f"attention ({self.attention!r}) must be 'mha' or 'mla'")
+        if self.rope_scaling not in ("none", "yarn"):
+            raise ValueError(f"rope_scaling ({self.rope_scaling!r}) must be 'none' or 'yarn'")
+        if self.rope_scaling == "yarn":
+            _positive("rope_factor", self.rope_factor)
+            _positive("rope_original_max_len", self.rope_original_max_len)
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"first_k_dense ({self.first_k_dense}) must be in [0, num_layers={self.num_layers}]")
         if self.moe.hidden_size != self.hidden_size:
@@ -232,9 +280,78 @@ class ModelConfig:
             self.ffn_hidden_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
         _positive("ffn_hidden_size", self.ffn_hidden_size)
 
+    def _check_mha(self) -> None:
+        for name in ("num_kv_heads", "attn_head_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0 (0: the default)")
+        if self.attn_head_dim == 0 and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}), "
+                "or set attn_head_dim"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads}): each key/value "
+                "head serves an equal group of query heads"
+            )
+        if self.qk_norm not in ("none", "head", "proj"):
+            raise ValueError(f"qk_norm ({self.qk_norm!r}) must be 'none', 'head' (Qwen3) or 'proj' (OLMoE)")
+        mla_only = [n for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                    if getattr(self, n)]
+        if self.qkv_bias and self.qk_norm != "none":
+            raise ValueError("qkv_bias with qk_norm is not a known architecture; use one of them")
+        if mla_only:
+            raise ValueError(f"{', '.join(mla_only)} only apply with attention='mla'; set attention='mla' or leave "
+                             "them 0")
+
+    def _check_mla(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            _positive(name, getattr(self, name))
+        for name in ("q_lora_rank", "qk_nope_head_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for rotary embeddings")
+        if self.num_kv_heads or self.attn_head_dim or self.qk_norm != "none" or self.qkv_bias:
+            raise ValueError(
+                "num_kv_heads, attn_head_dim, qk_norm and qkv_bias do not apply to attention='mla' (its widths are "
+                "qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave them at 0 / 'none'"
+            )
+        _positive("latent_norm_eps", self.latent_norm_eps)
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Width of one query/key head (nope + rope features under MLA)."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.attn_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (num_kv_heads, or num_heads when 0; MLA expands its latent to every head)."""
+        if self.attention == "mla":
+            return self.num_heads
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def softmax_scale(self) -> Optional[float]:
+        """Attention's softmax scale when it is not 1/sqrt(head_dim): YaRN with mscale_all_dim under MLA multiplies
+        it by yarn_mscale(factor, mscale_all_dim)^2 (DeepSeek-V2/V3)."""
+        if self.rope_scaling == "yarn" and self.attention == "mla" and self.rope_mscale_all_dim:
+            return self.head_dim ** -0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+        return None
+
+    @property
+    def rope_dim(self) -> int:
+        """Features of a head that the rotary embedding turns."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass
@@ -257,6 +374,9 @@ class TrainConfig:
     ckpt_every: int = 100  # 0: no checkpoints (benchmark runs)
     keep_last: int = 2
     tensorboard: bool = False
+    eval_every: int = 0  # validation loss every N steps (0: at the end only), when there is validation data
+    val_fraction: float = 0.0  # hold out this fraction of the data for validation (0: none, unless --val-data)
+    val_windows: int = 64  # validation windows of seq_len tokens evaluated each time (0: all)
     compile: str = "auto"  # torch.compile regions: "auto" (GPU without EP/TP), "on", "off"
     recompute: str = "none"  # activation recompute: "none", "moe" (MoE FFN branches), "full" (whole blocks)
     # a step whose loss or gradient norm is not finite: 0 stops the run at once (the check rides on the logging
@@ -290,6 +410,10 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio ({self.min_lr_ratio}) must be in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be >= 0")
+        if self.eval_every < 0 or self.val_windows < 0:
+            raise ValueError(f"eval_every ({self.eval_every}) and val_windows ({self.val_windows}) must be >= 0")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction ({self.val_fraction}) must be in [0, 1) (0: no held-out data)")
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
             raise ValueError(f"grad_clip ({self.grad_clip}) must be finite and >= 0 (0 disables clipping)")
 

@@ -52,14 +52,14 @@ def check_device(*tensors: torch.Tensor) -> None:
         raise ValueError("the Triton kernels need GPU tensors, or TRITON_INTERPRET=1 for CPU tensors (fp32 only)")
 
 
-def kernel_op(name: str) -> Callable[[Callable], Callable]:
+def kernel_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Register the decorated launcher as the custom op ``xmoe::<name>`` (torch.compile then traces around it as
     an opaque call; attach its shape function with ``.register_fake``) and return a callable that, outside
     compilation, calls the launcher directly: the dispatcher round trip (schema binding, the autograd and
     dynamo-disable wrappers) costs ~40 µs of host time per call, several times a Triton launch's."""
 
     def wrap(fn: Callable) -> Callable:
-        op = torch.library.custom_op(f"xmoe::{name}", mutates_args=())(fn)
+        op = torch.library.custom_op(f"xmoe::{name}", mutates_args=mutates_args)(fn)
 
         @functools.wraps(fn)
         def call(*args):

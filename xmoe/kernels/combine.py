@@ -4,6 +4,8 @@
 
 Forward (``combine_fwd``) is a per-token loop over the K slots that reads each kept row once and accumulates in
 fp32; the same kernel without weights is gather_rows' backward (permute.py) and the fused experts' dx sum.
+``combine_into`` writes it into a column slice of a wider output: the fused experts sum y and dx one column
+chunk of H at a time (# C columns of the chunk).
 Backward (``combine_bwd``) walks the kept rows: grad_y[n] = w[slot[n]] * grad_out[token[n]] and
 grad_w[slot[n]] = <grad_out[token[n]], y[n]>; every slot is written by at most one row, so there are no
 atomics, and dropped slots keep the zero they were allocated with.
@@ -25,8 +27,8 @@ def _combine_fwd_kernel(
     rows_ptr,  # (N, H) fp32/bf16/fp16, row stride stride_rows, unit column stride
     row_of_slot_ptr,  # (T, K) int32/int64 contiguous: row of slot (t, k), -1 when dropped
     weights_ptr,  # (T, K) fp contiguous, read only when HAS_WEIGHTS
-    out_ptr,  # (T, H) dtype of rows, contiguous
-    T, H, K, stride_rows,
+    out_ptr,  # (T, H) dtype of rows, row stride stride_out, unit column stride
+    T, H, K, stride_rows, stride_out,
     HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -43,7 +45,7 @@ def _combine_fwd_kernel(
             w = tl.load(weights_ptr + offs_t.to(tl.int64) * K + k, mask=mask_t & kept, other=0.0).to(tl.float32)
             vals = vals * w[:, None]
         acc += vals
-    out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * H + offs_h[None, :]
+    out_ptrs = out_ptr + offs_t.to(tl.int64)[:, None] * stride_out + offs_h[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_h[None, :])
 
 
@@ -86,15 +88,45 @@ def combine_fwd(rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor,
                 weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
     """out[t] = sum_k (weights[t,k] or 1) * rows[row_of_slot[t,k]], k in order, fp32 accumulation."""
     check_float("rows_NH", rows_NH, 2)
+    out_TH = rows_NH.new_empty(row_of_slot_TK.shape[0], rows_NH.shape[1])
+    _combine(rows_NH, row_of_slot_TK, weights_TK, out_TH)
+    return out_TH
+
+
+@combine_fwd.register_fake
+def _(rows_NH, row_of_slot_TK, weights_TK):
+    return rows_NH.new_empty(row_of_slot_TK.shape[0], rows_NH.shape[1])
+
+
+@kernel_op("combine_into", mutates_args=("out_TC",))
+def combine_into(rows_NC: torch.Tensor, row_of_slot_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
+                 out_TC: torch.Tensor) -> None:
+    """combine_fwd written into out_TC, which may be a column slice of a wider (T, H) tensor: an (N, H) result
+    computed a column chunk at a time never exists whole."""
+    if out_TC.dim() != 2 or out_TC.shape != (row_of_slot_TK.shape[0], rows_NC.shape[-1]) or out_TC.stride(-1) != 1:
+        raise ValueError(f"out_TC {tuple(out_TC.shape)} must be ({row_of_slot_TK.shape[0]}, {rows_NC.shape[-1]}) "
+                         "with unit column stride")
+    if out_TC.dtype != rows_NC.dtype:
+        raise ValueError(f"out_TC ({out_TC.dtype}) and rows_NC ({rows_NC.dtype}) must share one dtype")
+    _combine(rows_NC, row_of_slot_TK, weights_TK, out_TC)
+
+
+@combine_into.register_fake
+def _(rows_NC, row_of_slot_TK, weights_TK, out_TC):
+    return None
+
+
+def _combine(rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
+             out_TH: torch.Tensor) -> None:
+    check_float("rows_NH", rows_NH, 2)
     check_index("row_of_slot_TK", row_of_slot_TK, 2)
-    check_device(rows_NH, row_of_slot_TK)
+    check_device(rows_NH, row_of_slot_TK, out_TH)
     if rows_NH.stride(-1) != 1:
         rows_NH = rows_NH.contiguous()
     num_tokens, top_k = row_of_slot_TK.shape
     hidden = rows_NH.shape[1]
-    out_TH = torch.empty(num_tokens, hidden, dtype=rows_NH.dtype, device=rows_NH.device)
     if num_tokens == 0 or hidden == 0:
-        return out_TH
+        return
     if weights_TK is not None:
         if weights_TK.shape != row_of_slot_TK.shape:
             raise ValueError(f"weights_TK shape {tuple(weights_TK.shape)} must match row_of_slot_TK's "
@@ -104,15 +136,9 @@ def combine_fwd(rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor,
     grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     _combine_fwd_kernel[grid](
         rows_NH, row_of_slot_TK.contiguous(), weights_TK if weights_TK is not None else rows_NH, out_TH,
-        num_tokens, hidden, top_k, rows_NH.stride(0),
+        num_tokens, hidden, top_k, rows_NH.stride(0), out_TH.stride(0),
         HAS_WEIGHTS=weights_TK is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
-    return out_TH
-
-
-@combine_fwd.register_fake
-def _(rows_NH, row_of_slot_TK, weights_TK):
-    return rows_NH.new_empty(row_of_slot_TK.shape[0], rows_NH.shape[1])
 
 
 @kernel_op("combine_bwd")

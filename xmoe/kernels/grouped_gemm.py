@@ -7,8 +7,8 @@ Per expert e:  h1 = x w1_e, h3 = x w3_e, a = silu(h1) * h3, y = a w2_e.   Kernel
   _swiglu_up_fwd_kernel    h1, h3 (both weights in one pass over x) and a = silu(h1)*h3 in the epilogue
   _grouped_mm_kernel       c = a1 b1_e (+ a2 b2_e): y = a w2_e, da = g w2_e^T, dx = dh1 w1_e^T + dh3 w3_e^T
   _swiglu_bwd_kernel       elementwise: a recomputed from (h1, h3); dh1, dh3, a (times the combine weight when
-                           fused) and the combine-weight gradient <da, a> per row
-  _grouped_wgrad_kernel    dW_e = A_e^T B_e summed over the expert's rows (dW1 and dW3 share one pass over x)
+                           fused) and the combine-weight gradient <da, a> per row, written over da, h3 and h1
+The weight gradients dW_e = A_e^T B_e are in grouped_wgrad.py; tile configs per shape class in tiles.py.
 Saved for backward: x (or x_TH when fused), h1 and h3 (2*N*F elements); a is recomputed in the backward rather
 than stored (an elementwise pass that reads h1, h3 anyway), y is not kept at all.
 
@@ -16,59 +16,28 @@ Tile scheduling with no host sync: a row-grouped launch has cdiv(N, BLOCK_M) + E
 sum_e cdiv(n_e, BLOCK_M)); one small kernel writes each tile's (expert, first row, end row) from the per-expert
 counts, the GEMM programs read their three ints and those past the last real tile return at once. Optional row
 gathers (``token_ids``) let the GEMMs read x_TH / grad_out rows directly, so the (N, H) dispatch buffer is never
-written; the wgrad kernels gather the same way, loading block i+1's row ids during block i. No atomics
+written; the wgrad kernels gather the same way. No atomics
 anywhere: every output element is written by one program, and each program sums its reduction in a fixed order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from xmoe.kernels import tiles
 from xmoe.kernels._common import cdiv, check_device, check_float, check_index, interpreting, kernel_op, next_pow2
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-# H200 bf16 winners of benchmarks/bench_experts.py --sweep (T=16384, ms per call small / medium; sweep_tiles.md):
-# up_fwd 1.91 / 5.38 (64-deep k steps, 4 stages: 2.13 / 5.54), mm 2.73 / 8.97 for y + dx (32-deep, 6 stages:
-# 2.87 / 9.46), down_bwd 1.54 / 3.14, wgrad 1.22 / 3.78 (128 x 256 x 64, 8 warps: 1.30 / 3.98), wgrad2 2.42 / 7.36
-# (64-deep, 3 stages: 2.38 / 7.53). Rejected on the way: 256-row tiles with 16 warps (ptxas runs out of
-# registers, or 3x slower), persistent flat-loop kernels (docs/kernels.md). Re-run the sweep on another GPU.
-CONFIGS: dict[str, TileConfig] = {
-    "up_fwd": TileConfig(128, 128, 32, 8, 6),  # two accumulators (w1, w3): a 128 x 256 output tile
-    "mm": TileConfig(128, 256, 64, 8, 4),
-    "down_bwd": TileConfig(128, 256, 64, 8, 4),  # da = g w2^T, rows of g gathered when fused
-    "wgrad": TileConfig(128, 128, 32, 4, 6),  # 4 warps, 96 KB of stages: two programs per multiprocessor
-    "wgrad2": TileConfig(128, 128, 32, 8, 4),  # dW1 and dW3 in one pass over x: two accumulators
-}
-_INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per op
-# fp32 on a GPU (exact "ieee" dots, no tensor cores) is a correctness path: small tiles keep it from spilling
-_FP32_CONFIG = TileConfig(64, 64, 32, 4, 3)
-
-
-def _config(name: str, dtype: torch.dtype) -> TileConfig:
-    if interpreting():
-        return _INTERPRETER_CONFIG
-    return _FP32_CONFIG if dtype == torch.float32 else CONFIGS[name]
+from xmoe.kernels.tiles import TileConfig
 
 
 @triton.jit
 def _tile_map_kernel(
     counts_ptr,  # (E,) int32/int64 rows per expert
     map_ptr,  # (3, num_tiles) int32 out: expert (E past the last tile), first row, end row of the expert
-    bounds_ptr,  # (2, E) int32 out: first row and end row of each expert
+    bounds_ptr,  # (3, E) int32 out: first row, end row and first row tile of each expert
     E, num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -81,6 +50,7 @@ def _tile_map_kernel(
     if tl.program_id(0) == 0:
         tl.store(bounds_ptr + offs_e, row_end - counts, mask=mask_e)
         tl.store(bounds_ptr + E + offs_e, row_end, mask=mask_e)
+        tl.store(bounds_ptr + 2 * E + offs_e, tile_end - tiles, mask=mask_e)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     # expert of tile t = number of experts whose tiles all end at or before t (empty experts included)
     before = (tile_end[None, :] <= offs_t[:, None]) & mask_e[None, :]
@@ -251,84 +221,6 @@ def _swiglu_bwd_kernel(
         tl.store(grad_w_ptr + offs_r, gw, mask=mask_r)
 
 
-@triton.jit
-def _grouped_wgrad_kernel(
-    a_ptr,  # (T or N, M) fp, row stride stride_a, unit column stride; row n read at a_idx[n] when A_GATHER
-    a_idx_ptr,  # (N,) int32/int64 (A_GATHER and B_GATHER are exclusive)
-    b1_ptr, b2_ptr,  # (T or N, NC) dtype of a, row stride stride_b; b2 read when HAS_SECOND
-    b_idx_ptr,  # (N,) int32/int64 (read when B_GATHER)
-    c1_ptr, c2_ptr,  # (E, M, NC) dtype of a, contiguous: c[e] = A_e^T B_e
-    bounds_ptr,  # (2, E) int32 from _tile_map_kernel: first row and end row of each expert
-    order_ptr,  # (E,) int64: experts by decreasing row count, so the longest reductions start first
-    E, M, NC, stride_a, stride_b,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, HAS_SECOND: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    e = tl.load(order_ptr + pid // (num_pid_m * num_pid_n)).to(tl.int32)
-    pid_mn = pid % (num_pid_m * num_pid_n)
-    pid_m = pid_mn // num_pid_n
-    pid_n = pid_mn % num_pid_n
-    row_start = tl.load(bounds_ptr + e)
-    row_end = tl.load(bounds_ptr + E + e)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # gathered rows: the row ids of block i+1 are loaded during block i, so the tile loads of the pipelined loop
-    # depend on a loop-carried value, not on a load of the same iteration. With the ids loaded in-iteration the
-    # sm_90 TTGIR waits for all copies every step (async_wait num=0: one tile in flight) and uses half the shared
-    # memory; carried, the full depth comes back (num=6 for dW1+dW3). H200, medium T=16384, 128x128x64, 3 stages:
-    # dW1+dW3 9.33 -> 7.57 ms, dW2 4.24 -> 4.18 ms.
-    idx_ptr = a_idx_ptr if A_GATHER else b_idx_ptr
-    if A_GATHER or B_GATHER:
-        src_next = tl.load(idx_ptr + row_start + offs_k, mask=row_start + offs_k < row_end, other=0)
-    else:
-        src_next = offs_k
-    for r0 in range(row_start, row_end, BLOCK_K):  # the reduction runs over the expert's rows, in order
-        rows = r0 + offs_k
-        in_group = rows < row_end
-        rows = tl.minimum(rows, row_end - 1)
-        src = src_next.to(tl.int64)
-        if A_GATHER or B_GATHER:
-            src_next = tl.load(idx_ptr + tl.minimum(rows + BLOCK_K, row_end - 1))
-        src_a = src if A_GATHER else rows.to(tl.int64)
-        src_b = src if B_GATHER else rows.to(tl.int64)
-        # rows past the group load a real row (finite) and are zeroed in A^T alone
-        if EVEN_M:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None], mask=in_group[None, :], other=0.0)
-        else:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None],
-                         mask=in_group[None, :] & (offs_m < M)[:, None], other=0.0)
-        if EVEN_N:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-        else:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :], other=0.0)
-        acc1 = tl.dot(at, b1, acc1, input_precision=DOT_PRECISION)
-        if HAS_SECOND:
-            if EVEN_N:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-            else:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :],
-                             other=0.0)
-            acc2 = tl.dot(at, b2, acc2, input_precision=DOT_PRECISION)
-    c_offs = e.to(tl.int64) * M * NC + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :]
-    if EVEN_M and EVEN_N:
-        tl.store(c1_ptr + c_offs, acc1.to(c1_ptr.dtype.element_ty))
-        if HAS_SECOND:
-            tl.store(c2_ptr + c_offs, acc2.to(c2_ptr.dtype.element_ty))
-    else:
-        mask = (offs_m < M)[:, None] & (offs_n < NC)[None, :]
-        tl.store(c1_ptr + c_offs, acc1.to(c1_ptr.dtype.element_ty), mask=mask)
-        if HAS_SECOND:
-            tl.store(c2_ptr + c_offs, acc2.to(c2_ptr.dtype.element_ty), mask=mask)
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact; 16-bit inputs ignore the setting
 
@@ -339,20 +231,20 @@ def _launch_kwargs(cfg: TileConfig, dtype: torch.dtype) -> dict:
 
 
 def tile_map(counts_E: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(map (3, num_tiles), bounds (2, E)) int32 for row-grouped launches, built on device (no host sync).
+    """(map (3, num_tiles), bounds (3, E)) int32 for row-grouped launches, built on device (no host sync).
 
     num_tiles = cdiv(num_rows, block_m) + E bounds sum_e cdiv(n_e, block_m); the programs past the real tiles
     read expert E and exit at once."""
     num_experts = counts_E.shape[0]
     num_tiles = cdiv(num_rows, block_m) + num_experts
     map_3T = torch.empty(3, num_tiles, dtype=torch.int32, device=counts_E.device)
-    bounds_2E = torch.empty(2, num_experts, dtype=torch.int32, device=counts_E.device)
+    bounds_3E = torch.empty(3, num_experts, dtype=torch.int32, device=counts_E.device)
     block_t = 64
     _tile_map_kernel[(cdiv(num_tiles, block_t),)](
-        counts_E, map_3T, bounds_2E, num_experts, num_tiles,
+        counts_E, map_3T, bounds_3E, num_experts, num_tiles,
         BLOCK_M=block_m, BLOCK_E=next_pow2(max(num_experts, 1)), BLOCK_T=block_t, num_warps=4,
     )
-    return map_3T, bounds_2E
+    return map_3T, bounds_3E
 
 
 def _check_experts(x: torch.Tensor, counts_E: torch.Tensor, *weights: torch.Tensor) -> None:
@@ -386,14 +278,17 @@ def swiglu_up_fwd(x: torch.Tensor, token_ids_N: Optional[torch.Tensor], w1_EHF: 
     h3 = x.new_empty(num_rows if store_h else 0, ffn)
     if num_rows == 0 or ffn == 0:
         return h1, h3, a
-    cfg = _config("up_fwd", x.dtype)
-    map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
-    _swiglu_up_fwd_kernel[(map_3T.shape[1] * cdiv(ffn, cfg.block_n),)](
-        x, token_ids_N if token_ids_N is not None else map_3T, w1_EHF, w3_EHF, h1, h3, a, map_3T,
-        num_experts, map_3T.shape[1], hidden, ffn, x.stride(0), *w1_EHF.stride(),
-        GATHER=token_ids_N is not None, STORE_H=store_h, EVEN_K=hidden % cfg.block_k == 0,
-        EVEN_N=ffn % cfg.block_n == 0, **_launch_kwargs(cfg, x.dtype),
-    )
+
+    def launch(cfg: TileConfig) -> None:
+        map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
+        _swiglu_up_fwd_kernel[(map_3T.shape[1] * cdiv(ffn, cfg.block_n),)](
+            x, token_ids_N if token_ids_N is not None else map_3T, w1_EHF, w3_EHF, h1, h3, a, map_3T,
+            num_experts, map_3T.shape[1], hidden, ffn, x.stride(0), *w1_EHF.stride(),
+            GATHER=token_ids_N is not None, STORE_H=store_h, EVEN_K=hidden % cfg.block_k == 0,
+            EVEN_N=ffn % cfg.block_n == 0, **_launch_kwargs(cfg, x.dtype),
+        )
+
+    launch(tiles.pick("up_fwd", x.dtype, x.device, hidden, ffn, num_rows, num_experts, launch))
     return h1, h3, a
 
 
@@ -405,7 +300,7 @@ def _(x, token_ids_N, w1_EHF, w3_EHF, tokens_per_expert_E, store_h):
     return x.new_empty(h_rows, ffn), x.new_empty(h_rows, ffn), x.new_empty(num_rows, ffn)
 
 
-def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, config: str) -> torch.Tensor:
+def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, kernel: str) -> torch.Tensor:
     check_float("a1", a1, 2)
     check_float("b1_EKN", b1_EKN, 3)
     _check_experts(a1, tokens_per_expert_E, b1_EKN, *([b2_EKN] if a2 is not None else []))
@@ -421,22 +316,26 @@ def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, config: str)
         return c
     if depth == 0:
         return c.zero_()
-    cfg = _config(config, a1.dtype)
-    map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
-    _grouped_mm_kernel[(map_3T.shape[1] * cdiv(width, cfg.block_n),)](
-        a1, a2 if a2 is not None else a1, idx_N if idx_N is not None else map_3T, b1_EKN,
-        b2_EKN if b2_EKN is not None else b1_EKN, c, map_3T, num_experts, map_3T.shape[1], depth, width,
-        a1.stride(0), *b1_EKN.stride(), GATHER=idx_N is not None, HAS_SECOND=a2 is not None,
-        EVEN_K=depth % cfg.block_k == 0, EVEN_N=width % cfg.block_n == 0, **_launch_kwargs(cfg, a1.dtype),
-    )
+
+    def launch(cfg: TileConfig) -> None:
+        map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
+        _grouped_mm_kernel[(map_3T.shape[1] * cdiv(width, cfg.block_n),)](
+            a1, a2 if a2 is not None else a1, idx_N if idx_N is not None else map_3T, b1_EKN,
+            b2_EKN if b2_EKN is not None else b1_EKN, c, map_3T, num_experts, map_3T.shape[1], depth, width,
+            a1.stride(0), *b1_EKN.stride(), GATHER=idx_N is not None, HAS_SECOND=a2 is not None,
+            EVEN_K=depth % cfg.block_k == 0, EVEN_N=width % cfg.block_n == 0, **_launch_kwargs(cfg, a1.dtype),
+        )
+
+    launch(tiles.pick(kernel, a1.dtype, a1.device, depth, width, num_rows, num_experts, launch))
     return c
 
 
 @kernel_op("grouped_mm")
 def grouped_mm(a1: torch.Tensor, b1_EKN: torch.Tensor, a2: Optional[torch.Tensor], b2_EKN: Optional[torch.Tensor],
                tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-    """c[rows of e] = a1[rows of e] @ b1_EKN[e] (+ a2[rows of e] @ b2_EKN[e]); b may be a strided (transposed) view."""
-    return _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, None, "mm")
+    """c[rows of e] = a1[rows of e] @ b1_EKN[e] (+ a2[rows of e] @ b2_EKN[e]); b may be a strided view (a
+    transpose, a column slice)."""
+    return _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, None, "mm" if a2 is None else "dx")
 
 
 @grouped_mm.register_fake
@@ -447,21 +346,29 @@ def _(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E):
 @kernel_op("swiglu_down_bwd")
 def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH: torch.Tensor, h1_NF: torch.Tensor,
                     h3_NF: torch.Tensor, row_weights_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    reuse_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh1, dh3, a_scaled, grad_row_weights) given the gradient g of y = (row_weights *) (silu(h1) * h3) w2.
 
     1. da = g[token_ids_N] w2_e^T (grouped GEMM reading g rows by token id when token_ids_N is given);
     2. one elementwise pass: a = silu(h1) * h3 recomputed, dh1, dh3 and a_scaled = row_weights * a (the wgrad
-       operand of w2), and grad_row_weights[n] = <da_n, a_n> (fp32; empty when row_weights_N is None)."""
+       operand of w2), and grad_row_weights[n] = <da_n, a_n> (fp32; empty when row_weights_N is None).
+    dh1 is written over da (one (N, F) buffer less). With reuse_h, a_scaled is written over h1 and dh3 over h3:
+    the backward then allocates one (N, F) buffer instead of four, and h1/h3 hold gradients afterwards (the
+    caller bumps their version, so a second backward through the same graph fails loudly)."""
+    if reuse_h and not (h1_NF.is_contiguous() and h3_NF.is_contiguous()):
+        raise ValueError("reuse_h writes over h1_NF and h3_NF, which must then be contiguous")
     h1_NF, h3_NF = h1_NF.contiguous(), h3_NF.contiguous()
     num_rows, ffn = h1_NF.shape
     has_w = row_weights_N is not None
     da = _grouped_mm(g, w2_EFH.transpose(1, 2), None, None, tokens_per_expert_E, token_ids_N, "down_bwd")
-    dh1, dh3, a = [torch.empty_like(h1_NF) for _ in range(3)]
+    dh1 = torch.empty_like(da) if tiles.OPTIONS.legacy else da  # legacy: the buffers of before, for comparison
+    dh3, a = (h3_NF, h1_NF) if reuse_h else (torch.empty_like(h1_NF), torch.empty_like(h1_NF))
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
     if num_rows == 0 or ffn == 0:
         return dh1, dh3, a, grad_w.zero_()
     block_r, block_f = (16, 32) if interpreting() else (8, min(512, next_pow2(ffn)))
+    # every element is read (da, h1, h3) and then written (dh1, dh3, a) by the same program in one step, so
+    # the outputs may alias the inputs
     _swiglu_bwd_kernel[(cdiv(num_rows, block_r),)](
         da, h1_NF, h3_NF, row_weights_N.float().contiguous() if has_w else da, dh1, dh3, a,
         grad_w if has_w else da, num_rows, ffn, HAS_W=has_w, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=4,
@@ -470,74 +377,13 @@ def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH
 
 
 @swiglu_down_bwd.register_fake
-def _(g, token_ids_N, w2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E):
+def _(g, token_ids_N, w2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, reuse_h):
     num_w = h1_NF.shape[0] if row_weights_N is not None else 0
     return (torch.empty_like(h1_NF), torch.empty_like(h1_NF), torch.empty_like(h1_NF),
             h1_NF.new_empty(num_w, dtype=torch.float32))
 
 
-@kernel_op("grouped_wgrad")
-def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Tensor, b2: Optional[torch.Tensor],
-                  b_idx_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(c1, c2): c[e] = A_e^T B_e over expert e's rows, A rows = a[a_idx_N] (or a), B rows = b[b_idx_N] (or b).
-    c2 is empty when b2 is None."""
-    if a_idx_N is not None and b_idx_N is not None:
-        raise ValueError("grouped_wgrad gathers the rows of a or of b, not both")
-    a, b1 = a.contiguous(), b1.contiguous()
-    b2 = b2.contiguous() if b2 is not None else None
-    check_index("tokens_per_expert_E", tokens_per_expert_E, 1)
-    check_device(a, b1, tokens_per_expert_E)
-    if b1.dtype != a.dtype or (b2 is not None and b2.dtype != a.dtype):
-        raise ValueError(f"wgrad operands must share one dtype, got {a.dtype} and {b1.dtype}")
-    num_experts = tokens_per_expert_E.shape[0]
-    width_a, width_b = a.shape[1], b1.shape[1]
-    num_rows = a_idx_N.shape[0] if a_idx_N is not None else a.shape[0]
-    c1 = a.new_empty(num_experts, width_a, width_b)
-    c2 = a.new_empty(num_experts if b2 is not None else 0, width_a, width_b)
-    if num_rows == 0 or num_experts == 0:
-        return c1.zero_(), c2.zero_()
-    if width_a == 0 or width_b == 0:
-        return c1, c2
-    cfg = _config("wgrad2" if b2 is not None else "wgrad", a.dtype)
-    _, bounds_2E = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
-    order_E = torch.argsort(tokens_per_expert_E, descending=True)  # longest-first: shorter tail when skewed
-    grid = (num_experts * cdiv(width_a, cfg.block_m) * cdiv(width_b, cfg.block_n),)
-    _grouped_wgrad_kernel[grid](
-        a, a_idx_N if a_idx_N is not None else order_E, b1, b2 if b2 is not None else b1,
-        b_idx_N if b_idx_N is not None else order_E, c1, c2 if b2 is not None else c1, bounds_2E,
-        order_E, num_experts, width_a, width_b, a.stride(0), b1.stride(0),
-        A_GATHER=a_idx_N is not None, B_GATHER=b_idx_N is not None, HAS_SECOND=b2 is not None,
-        EVEN_M=width_a % cfg.block_m == 0, EVEN_N=width_b % cfg.block_n == 0, **_launch_kwargs(cfg, a.dtype),
-    )
-    return c1, c2
-
-
-@grouped_wgrad.register_fake
-def _(a, a_idx_N, b1, b2, b_idx_N, tokens_per_expert_E):
-    num_experts = tokens_per_expert_E.shape[0]
-    return (a.new_empty(num_experts, a.shape[1], b1.shape[1]),
-            a.new_empty(num_experts if b2 is not None else 0, a.shape[1], b1.shape[1]))
-
-
-class GroupedSwiGLUFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
-        h1, h3, a = swiglu_up_fwd(x_NH, None, w1_EHF, w3_EHF, tokens_per_expert_E, any(ctx.needs_input_grad))
-        y_NH = grouped_mm(a, w2_EFH, None, None, tokens_per_expert_E)
-        ctx.save_for_backward(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E, h1, h3)
-        return y_NH
-
-    @staticmethod
-    def backward(ctx, grad_NH):
-        x_NH, w1_EHF, w3_EHF, w2_EFH, counts_E, h1, h3 = ctx.saved_tensors
-        dh1, dh3, a, _ = swiglu_down_bwd(grad_NH, None, w2_EFH, h1, h3, None, counts_E)
-        dx = grouped_mm(dh1, w1_EHF.transpose(1, 2), dh3, w3_EHF.transpose(1, 2), counts_E)
-        dw2 = grouped_wgrad(a, None, grad_NH, None, None, counts_E)[0]
-        del a
-        dw1, dw3 = grouped_wgrad(x_NH, None, dh1, dh3, None, counts_E)
-        return dx, dw1, dw3, dw2, None
-
-
-def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
-    return GroupedSwiGLUFn.apply(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E)
+def can_reuse_saved() -> bool:
+    """Whether a backward may write gradients over its saved h1/h3: not under torch.compile (the ops declare no
+    mutation) and not in the legacy mode kept for comparison."""
+    return not tiles.OPTIONS.legacy and not torch.compiler.is_compiling()

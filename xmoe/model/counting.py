@@ -2,10 +2,11 @@
 
 Parameter parts (per-layer quantities times the number of layers they occur in; n_moe = L - first_k_dense):
   embedding       V*H
-  attention       L * 4*H*H                 (wq, wk, wv, wo; no biases)
+  attention       L * (matrices + q/k norms) 4*H*H + 0 by default (wq, wk, wv, wo; no biases); with G kv heads of
+                  width D: H*D*(2N + 2G); MLA: its low-rank projections and latent norms
   dense_ffn       first_k_dense * m*H*F_dense
   routed_experts  n_moe * E * m*H*F         (active: top_k of the E experts)
-  shared_experts  n_moe * n_shared * m*H*F
+  shared_experts  n_moe * m*H*F_shared (+ H with the shared-expert gate); F_shared = n_shared * F unless set
   router          n_moe * E*H
   norms           (2*L + 1) * H
   head            V*H, or 0 when tied to the embedding
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xmoe.config import ModelConfig
-from xmoe.model.flops import FlopDims, forward_macs, paper_train_flops
+from xmoe.model.flops import FlopDims, attention_matrix_params, forward_macs, paper_train_flops
 
 PARTS = ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "head")
 
@@ -78,6 +79,14 @@ def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
         raise ValueError(f"seq_len ({seq_len}) must be in [1, max_seq_len={cfg.max_seq_len}]")
 
 
+def _attention_norm_params(cfg: ModelConfig) -> int:
+    if cfg.attention == "mla":
+        return cfg.q_lora_rank + cfg.kv_lora_rank
+    D = cfg.head_dim
+    biases = (cfg.num_heads + 2 * cfg.kv_heads) * D if cfg.qkv_bias else 0
+    return biases + {"none": 0, "head": 2 * D, "proj": (cfg.num_heads + cfg.kv_heads) * D}[cfg.qk_norm]
+
+
 def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
     """Exact parameter count of ``cfg`` with ``expert_matrices`` matrices per FFN (see module docstring)."""
     _check_matrices(expert_matrices)
@@ -86,10 +95,10 @@ def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
     expert = m * H * moe.ffn_hidden_size
     total = {
         "embedding": V * H,
-        "attention": L * 4 * H * H,
+        "attention": L * (attention_matrix_params(cfg) + _attention_norm_params(cfg)),
         "dense_ffn": cfg.first_k_dense * m * H * cfg.ffn_hidden_size,
         "routed_experts": n_moe * moe.num_experts * expert,
-        "shared_experts": n_moe * moe.num_shared_experts * expert,
+        "shared_experts": n_moe * (m * H * moe.shared_width + H * moe.shared_expert_gate),
         "router": n_moe * moe.num_experts * H,
         "norms": (2 * L + 1) * H,
         "head": 0 if cfg.tie_embeddings else V * H,

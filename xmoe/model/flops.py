@@ -12,12 +12,14 @@ activations, RoPE, top-k selection and the optimizer are ignored, and activation
 counted (model FLOPs, the MFU convention).
 
 (a) xmoe's formula, forward MACs of one step:
-    attention projections  T * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H)
-    attention QK^T and PV  L * B * n_h * 2 d_h * S (S + 1) / 2     causal: only the S(S+1)/2 (query, key) pairs
-                                                                   with key <= query are counted, not S^2
+    attention projections  T * L * H * d_h * (2 n_h + 2 n_kv)      (= 4 H^2 per token when n_kv = n_h, n_h d_h = H;
+                                                                   MLA: its low-rank matrices' parameters)
+    attention QK^T and PV  L * B * n_h * (d_h + d_v) * S (S + 1) / 2   causal: only the S(S+1)/2 (query, key)
+                                                                   pairs with key <= query are counted, not S^2;
+                                                                   d_v = d_h except under MLA
     dense FFN (SwiGLU)     T * L_dense * 3 H F_d                   gate, up and down matrices
     router                 T * L_moe * H E
-    shared experts         T * L_moe * n_s * 3 H F
+    shared experts         T * L_moe * n_s * 3 H F                 n_s F: MoEConfig.shared_ffn_hidden_size when set
     routed experts         N * 3 H F                               N excludes dropped slots; dropless N = T L_moe K
     LM head                T * V H                                 the embedding lookup is free
     training FLOPs = 2 * 3 * MACs
@@ -58,12 +60,16 @@ class FlopDims:
     num_shared_experts: int = 0
     head_dim: int = 0
     num_kv_heads: int = 0
+    attn_proj_params: int = 0  # one layer's attention matrix parameters (0: from heads; MLA sets it)
+    shared_ffn_size: int = 0  # total shared-expert width (0: num_shared_experts * expert_ffn_size)
+    v_head_dim: int = 0  # value head dim (0: head_dim)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
             raise ValueError(f"num_moe_layers ({self.num_moe_layers}) must be in [0, num_layers={self.num_layers}]")
         self.head_dim = self.head_dim or self.hidden_size // self.num_heads
         self.num_kv_heads = self.num_kv_heads or self.num_heads
+        self.v_head_dim = self.v_head_dim or self.head_dim
 
     @classmethod
     def from_model_config(cls, model: ModelConfig, seq_len: int) -> "FlopDims":
@@ -80,7 +86,23 @@ class FlopDims:
             expert_ffn_size=model.moe.ffn_hidden_size,
             dense_ffn_size=model.ffn_hidden_size,
             num_shared_experts=model.moe.num_shared_experts,
+            shared_ffn_size=model.moe.shared_width,
+            head_dim=model.head_dim,
+            num_kv_heads=model.kv_heads,
+            attn_proj_params=attention_matrix_params(model) if model.attention == "mla" else 0,
+            v_head_dim=model.v_head_dim if model.attention == "mla" else 0,
         )
+
+
+def attention_matrix_params(model: ModelConfig) -> int:
+    """Matrix parameters of one layer's attention (= its projection MACs per token)."""
+    H, N, D = model.hidden_size, model.num_heads, model.head_dim
+    if model.attention != "mla":
+        return H * D * (2 * N + 2 * model.kv_heads)
+    q_rank, kv_rank, R = model.q_lora_rank, model.kv_lora_rank, model.qk_rope_head_dim
+    q = H * q_rank + q_rank * N * D if q_rank else H * N * D
+    kv = H * (kv_rank + R) + kv_rank * N * (model.qk_nope_head_dim + model.v_head_dim)
+    return q + kv + N * model.v_head_dim * H
 
 
 def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> dict[str, int]:
@@ -90,11 +112,11 @@ def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = N
     if routed_rows is None:  # dropless: every token reaches its k experts in every MoE layer
         routed_rows = n * d.num_moe_layers * d.top_k
     return {
-        "attn_proj": n * d.num_layers * H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads),
-        "attn_scores": d.num_layers * num_sequences * d.num_heads * 2 * d.head_dim * (s * (s + 1) // 2),
+        "attn_proj": n * d.num_layers * (d.attn_proj_params or H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)),
+        "attn_scores": d.num_layers * num_sequences * d.num_heads * (d.head_dim + d.v_head_dim) * (s * (s + 1) // 2),
         "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
         "router": n * d.num_moe_layers * H * d.num_experts,
-        "shared_experts": n * d.num_moe_layers * d.num_shared_experts * 3 * H * d.expert_ffn_size,
+        "shared_experts": n * d.num_moe_layers * 3 * H * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
         "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
         "lm_head": n * d.vocab_size * H,
     }

@@ -3,7 +3,10 @@
 Layout (parameter names are part of the contract the parallel/ and checkpoint code rely on):
   embed.weight                                 (V, H)
   layers.{i}.attn_norm.weight                  (H,)
-  layers.{i}.attn.{wq,wk,wv,wo}.weight         (H, H)      separate projections: TP shards q/k/v colwise
+  layers.{i}.attn.{wq,wk,wv,wo}.weight         (N*D, H), (G*D, H) x2, (H, N*D): separate projections, TP shards
+                                               q/k/v colwise; .{q_norm,k_norm}.weight with qk_norm
+                                               (attention="mla": wq or wq_a/q_norm/wq_b, wkv_a, kv_norm, wkv_b, wo;
+                                               see xmoe/model/attention.py)
   layers.{i}.ffn_norm.weight                   (H,)
   layers.{i}.ffn.{w1,w3}.weight, .w2.weight    (F, H), (H, F)   dense SwiGLU, i < first_k_dense
   layers.{i}.ffn.*                             xmoe.moe.layer.MoELayer, i >= first_k_dense: router.weight
@@ -21,7 +24,7 @@ own init so that every weight follows one rule, depth scaling included):
   * embedding normal(0, cfg.init_std); RMSNorm weights ones; any other 1-D parameter zeros;
   * MoE buffers (load-balancing state: expert_bias, load_E) zeros; rotary tables recomputed.
 
-Legend: B batch, S sequence, H hidden, N heads, D head_dim, F ffn width, V vocab, T = B*S tokens.
+Legend: B batch, S sequence, H hidden, N heads, G key/value heads, D head_dim, F ffn width, V vocab, T = B*S tokens.
 """
 
 from __future__ import annotations
@@ -35,70 +38,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from xmoe.config import ModelConfig
+from xmoe.model.attention import KVCache, make_attention
+from xmoe.model.layers import RMSNorm, apply_rotary, rope_tables  # noqa: F401  (apply_rotary: re-exported)
 from xmoe.moe.experts import SwiGLU
 from xmoe.moe.layer import MoELayer, moe_layers
 
 IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (seq_len, head_dim // 2), fp32.
-
-    Angles are formed in float64 and rounded once to fp32: at position 4096 an fp32 product already errs by
-    ~2e-4 rad, float64 costs nothing for a one-off table.
-    """
-    inv_freq_D2 = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles_SD2 = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq_D2)
-    return angles_SD2.cos().to(device, torch.float32), angles_SD2.sin().to(device, torch.float32)
-
-
-def apply_rotary(x_BNSD: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
-    """Rotate feature pairs (j, j + D/2) of every position s by angle s * theta^(-2j/D).
-
-    Math runs in fp32 (or wider when the input is wider) whatever the activation dtype.
-    """
-    compute_dtype = torch.promote_types(x_BNSD.dtype, torch.float32)
-    x1, x2 = x_BNSD.to(compute_dtype).chunk(2, dim=-1)
-    cos, sin = cos_SD2.to(compute_dtype), sin_SD2.to(compute_dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_BNSD.dtype)
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, normalised in fp32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_f = x.float()
-        x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x_f * self.weight.float()).to(x.dtype)
-
-
-class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary positions; SDPA picks the fused kernel."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        h = cfg.hidden_size
-        self.wq = nn.Linear(h, h, bias=False)
-        self.wk = nn.Linear(h, h, bias=False)
-        self.wv = nn.Linear(h, h, bias=False)
-        self.wo = nn.Linear(h, h, bias=False)
-
-    def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x_BSH.shape
-        # -1 heads, not cfg.num_heads: under tensor parallelism each rank holds only its share of the heads.
-        q_BNSD = self.wq(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
-        k_BNSD = self.wk(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
-        v_BNSD = self.wv(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
-        q_BNSD = apply_rotary(q_BNSD, cos_SD2, sin_SD2)
-        k_BNSD = apply_rotary(k_BNSD, cos_SD2, sin_SD2)
-        out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
-        return self.wo(out_BNSD.transpose(1, 2).reshape(B, S, -1))
 
 
 RECOMPUTE_MODES = ("none", "moe", "full")
@@ -110,14 +55,15 @@ class Block(nn.Module):
     The two residual branches are methods of their own (``attn_branch``, ``ffn_branch``) so that training code can
     set, from outside, what to recompute in backward (``recompute``: "none"; "moe": the FFN branch of MoE blocks;
     "full": the whole block) and compile each branch as a region (``torch.compile`` of the bound method): the
-    checkpoint stays outside the compiled code and the module's own call, hooks included, stays eager.
+    checkpoint stays outside the compiled code and the module's own call, hooks included, stays eager. With a
+    ``cache`` (generation: no gradients) the block runs plainly.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.is_moe = layer_id >= cfg.first_k_dense
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = make_attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if self.is_moe:
             self.ffn: nn.Module = MoELayer(cfg.moe)
@@ -125,8 +71,11 @@ class Block(nn.Module):
             self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
         self.recompute = "none"
 
-    def attn_branch(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
-        return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
+    def attn_branch(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor,
+                    cache: Optional[KVCache] = None) -> torch.Tensor:
+        if cache is None:
+            return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
+        return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2, cache=cache)
 
     def ffn_branch(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return x_BSH + self.ffn(self.ffn_norm(x_BSH))
@@ -134,7 +83,10 @@ class Block(nn.Module):
     def _both(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
         return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2))
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        if cache is not None:
+            return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2, cache))
         if self.recompute == "none" or not torch.is_grad_enabled():
             return self._both(x_BSH, cos_SD2, sin_SD2)
         if self.recompute == "full":
@@ -176,7 +128,7 @@ class Transformer(nn.Module):
         # Non-persistent: derived from the config, so checkpoints stay free of them and a meta-device build
         # recomputes them in init_weights().
         cos_SD2, sin_SD2 = rope_tables(
-            cfg.max_seq_len, cfg.head_dim, cfg.rope_theta, self.embed.weight.device
+            cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, self.embed.weight.device, cfg
         )
         self.register_buffer("rope_cos", cos_SD2, persistent=False)
         self.register_buffer("rope_sin", sin_SD2, persistent=False)
@@ -195,7 +147,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             # to_empty() replaces each Parameter object separately, which unties them; tie again.
             self.head.weight = self.embed.weight
-        cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.head_dim, cfg.rope_theta)
+        cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, cfg=cfg)
         self.rope_cos.copy_(cos_SD2)
         self.rope_sin.copy_(sin_SD2)
         generators: dict[torch.device, torch.Generator] = {}
@@ -227,25 +179,31 @@ class Transformer(nn.Module):
         """Number of distinct parameters (a tied head is counted once); equals counting.count_params."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens_BS: torch.Tensor, targets_BS: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, targets_BS: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Logits, or the loss with ``targets_BS``. With ``cache`` (generation) the tokens continue the cached
+        positions: their keys and values are appended to it and its position advances."""
         if tokens_BS.ndim != 2 or tokens_BS.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"tokens must be an integer tensor of shape (batch, seq); got {tuple(tokens_BS.shape)} "
                 f"{tokens_BS.dtype}"
             )
         S = tokens_BS.shape[1]
-        if S > self.cfg.max_seq_len:
+        start = 0 if cache is None else cache.pos
+        if start + S > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence length ({S}) exceeds max_seq_len ({self.cfg.max_seq_len}); raise max_seq_len"
+                f"sequence length ({start + S}) exceeds max_seq_len ({self.cfg.max_seq_len}); raise max_seq_len"
             )
         if targets_BS is not None and targets_BS.shape != tokens_BS.shape:
             raise ValueError(
                 f"targets shape {tuple(targets_BS.shape)} must equal tokens shape {tuple(tokens_BS.shape)}"
             )
-        cos_SD2, sin_SD2 = self.rope_cos[:S], self.rope_sin[:S]
+        cos_SD2, sin_SD2 = self.rope_cos[start : start + S], self.rope_sin[start : start + S]
         h_BSH = self.embed(tokens_BS)
         for block in self.layers:
-            h_BSH = block(h_BSH, cos_SD2, sin_SD2)
+            h_BSH = block(h_BSH, cos_SD2, sin_SD2) if cache is None else block(h_BSH, cos_SD2, sin_SD2, cache)
+        if cache is not None:
+            cache.pos += S
         h_BSH = self.norm(h_BSH)
         if targets_BS is None:
             return self.head(h_BSH)

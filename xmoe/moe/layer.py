@@ -66,10 +66,10 @@ class MoELayer(nn.Module):
             cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.kernel_backend
         )
         self.shared_experts = (
-            SwiGLU(cfg.hidden_size, cfg.num_shared_experts * cfg.ffn_hidden_size, cfg.init_std)
-            if cfg.num_shared_experts > 0
-            else None
+            SwiGLU(cfg.hidden_size, cfg.shared_width, cfg.init_std) if cfg.num_shared_experts > 0 else None
         )
+        if cfg.shared_expert_gate:  # Qwen2-MoE: a per-token sigmoid gate on the shared experts' output
+            self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
         # Gradient the attached aux losses receive: the caller's loss scale. A trainer that backpropagates
         # loss / accum over accum micro-batches sets 1 / accum, so the losses keep their weight.
@@ -112,7 +112,10 @@ class MoELayer(nn.Module):
             out_TH = self.dispatcher.combine(y_NH, route.weights_TK, plan, ctx)
         # 4. shared experts see every token
         if self.shared_experts is not None:
-            out_TH = out_TH + self.shared_experts(x_TH)
+            shared_TH = self.shared_experts(x_TH)
+            if self.cfg.shared_expert_gate:
+                shared_TH = torch.sigmoid(self.shared_gate(x_TH)) * shared_TH
+            out_TH = out_TH + shared_TH
 
         aux_total = route.aux_loss + route.z_loss
         if torch.is_grad_enabled() and aux_total.requires_grad:

@@ -58,11 +58,28 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """The model-shape conditions of TP degree ``tp`` (ValueError naming the value and the fix)."""
     if tp < 1:
         raise ValueError(f"tp ({tp}) must be >= 1")
+    if cfg.attention == "mla":
+        raise ValueError(
+            "attention='mla' has no tensor-parallel plan yet (its latent projections are not split by heads); "
+            "use tp=1 with expert and data parallelism"
+        )
+    if cfg.qk_norm != "none" and tp > 1:
+        # "proj" normalises whole projections that tp splits; "head" norms' weights would see only this rank's
+        # heads and need a gradient all-reduce over tp that the plan does not install
+        raise ValueError(
+            f"qk_norm={cfg.qk_norm!r} has no tensor-parallel plan yet (its norm weights are shared by heads that tp "
+            "splits over ranks); use tp=1 with expert and data parallelism"
+        )
     if cfg.num_heads % tp:
         divisors = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
         raise ValueError(
             f"num_heads ({cfg.num_heads}) must be divisible by tp ({tp}): each TP rank computes num_heads / tp "
             f"heads; choose tp among {divisors}"
+        )
+    if cfg.kv_heads % tp:
+        raise ValueError(
+            f"num_kv_heads ({cfg.kv_heads}) must be divisible by tp ({tp}): each TP rank holds kv_heads / tp "
+            "key/value heads; lower tp"
         )
     if cfg.first_k_dense and cfg.ffn_hidden_size % tp:
         raise ValueError(

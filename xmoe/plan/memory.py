@@ -120,7 +120,7 @@ def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False
         # row_of_slot (T, K) and weights (T, K); token and slot id per row; the EP regroup permutations
         out["routing_indices"] = (INDEX_BYTES + 4) * T * K + 2 * INDEX_BYTES * rows + regroup
     if moe.num_shared_experts:
-        Fs = moe.num_shared_experts * F
+        Fs = moe.shared_width
         # input (one storage with the router's fp32 copy when activations are fp32) + 4 hidden tensors
         out["shared_experts"] = (b * T * H if b != 4 else 0) + 4 * b * T * Fs
     return out
@@ -254,7 +254,7 @@ def _parameter_shards(cfg: ModelConfig, parallel: ParallelConfig) -> _ParamShard
     # the vocab-parallel embedding / head, whichever is larger
     expert_layer = (moe.num_experts // ep) * 3 * H * moe.ffn_hidden_size if dp > 1 else 0
     sharded_dense = dp * ep > 1
-    moe_layer = 4 * H * H / tp + 2 * H + moe.num_experts * H + moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    moe_layer = 4 * H * H / tp + 2 * H + moe.num_experts * H + 3 * H * moe.shared_width
     dense_layer = 4 * H * H / tp + 2 * H + 3 * H * cfg.ffn_hidden_size / tp
     biggest = max(
         (moe_layer * sharded_dense + expert_layer) if n_moe else 0,
@@ -429,7 +429,7 @@ def block_activations(cfg: ModelConfig, T: int, i: int, *, compiled: bool = True
     ffn = dict(moe_activations(moe, T, kernel="triton" if fused else "torch", b=b), norm=norm)
     if fused:
         ffn["dispatch_buffer"], ffn["combine_buffer"] = b * T * H, 0.0
-    shared_w = moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    shared_w = 3 * H * moe.shared_width
     return attn_bytes, sum(ffn.values()) + b * shared_w + 4 * T * H
 
 
@@ -462,7 +462,7 @@ def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Opti
     states = 12 * total_params + 2 * parts["routed_experts"]
 
     attn_w = 4 * H * H + 2 * H
-    moe_w = moe.num_experts * (3 * H * moe.ffn_hidden_size + H) + moe.num_shared_experts * 3 * H * moe.ffn_hidden_size
+    moe_w = moe.num_experts * (3 * H * moe.ffn_hidden_size + H) + 3 * H * moe.shared_width
     blocks = []  # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
     for i in range(L):
         is_moe = i >= cfg.first_k_dense

@@ -74,6 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="JSON or TOML file of config sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set moe.top_k=2 (repeatable)")
+    p.add_argument("--init-from", metavar="HF_DIR",
+                   help="start from a Hugging Face directory: its architecture, weights and tokenizer.json")
+    p.add_argument("--val-data", help="validation data (.txt / .npy / .bin / markov); else --val-fraction of --data")
+    p.add_argument("--val-fraction", type=float, help="hold out this fraction of --data for validation")
+    p.add_argument("--eval-every", type=int, help="validation loss every N steps (and at the end)")
     p.add_argument("--dry-run", action="store_true",
                    help="print parameters and FLOPs of the configuration without allocating the model")
 
@@ -143,6 +148,11 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
 
     _check_flags(args)
     model = get_preset(args.preset)
+    if getattr(args, "init_from", None):
+        from xmoe.hf.checkpoint import read_config
+        from xmoe.hf.families import model_config_from_hf
+
+        model = model_config_from_hf(read_config(args.init_from))
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if args.config:
         for name, values in _load_file(args.config).items():
@@ -157,7 +167,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     flags = {"steps": args.steps, "seed": args.seed, "global_batch_size": args.batch_size,
              "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "lr": args.lr,
              "log_every": args.log_every, "ckpt_every": args.ckpt_every, "compile": args.compile,
-             "recompute": args.recompute}
+             "recompute": args.recompute, "val_fraction": getattr(args, "val_fraction", None),
+             "eval_every": getattr(args, "eval_every", None)}
     sections["train"].update({k: v for k, v in flags.items() if v is not None})
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
@@ -172,7 +183,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
     moe = _apply(model.moe, "moe", sections["moe"])
     model = _apply(model, "model", {**sections["model"], "moe": moe})
-    train = _apply(_default_train(args.preset, model), "train", sections["train"])
+    default_train = TrainConfig(lr=1e-4) if getattr(args, "init_from", None) else _default_train(args.preset, model)
+    train = _apply(default_train, "train", sections["train"])
 
     par_values = dict(sections["parallel"])
     flags = {"dp": args.dp, "ep": args.ep, "tp": args.tp, "gpus_per_node": args.gpus_per_node,
@@ -204,7 +216,29 @@ def run(args: argparse.Namespace) -> dict | None:
         return None
     from xmoe.train.trainer import Trainer
 
+    init_from = getattr(args, "init_from", None)
+    tokenizer = "bytes"
+    if init_from:
+        tokenizer = _keep_imported_files(init_from, args.out)
     trainer = Trainer(run_cfg, args.out, data=args.data, device=args.device, resume=args.resume,
+                      init_from=init_from, val_data=getattr(args, "val_data", None), tokenizer=tokenizer,
                       overwrite=args.overwrite, resume_from=args.resume_from, allow_changes=args.allow_changes,
                       preset=args.preset)
     return trainer.train()
+
+
+def _keep_imported_files(hf_dir: str, out_dir: str) -> str:
+    """Copy the imported config.json (export reuses its other fields) and tokenizer.json (text data, eval and
+    generate use it) into the run directory; return the tokenizer for the data ("bytes" without one)."""
+    import shutil
+
+    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
+
+    out = Path(out_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(hf_dir) / "config.json", out / RUN_HF_CONFIG)
+        if (Path(hf_dir) / RUN_TOKENIZER).is_file():
+            shutil.copy(Path(hf_dir) / RUN_TOKENIZER, out / RUN_TOKENIZER)
+    tokenizer = Path(hf_dir) / RUN_TOKENIZER
+    return str(tokenizer) if tokenizer.is_file() else "bytes"

@@ -167,6 +167,8 @@ def summary_text(summary: dict[str, Any]) -> str:
     if summary.get("final_loss") is not None:
         parts.append(f"final loss {summary['final_loss']:.4g} nats/token (best {summary['best_loss']:.4g})"
                      if summary.get("best_loss") is not None else f"final loss {summary['final_loss']:.4g}")
+    if summary.get("final_val_loss") is not None:
+        parts.append(f"validation loss {summary['final_val_loss']:.4g} (best {summary['best_val_loss']:.4g})")
     if summary.get("mean_tokens_per_s") is not None:
         parts.append(f"{_si(summary['mean_tokens_per_s'])} tokens/s")
     if summary.get("mean_tflops") is not None:
@@ -324,10 +326,13 @@ class MetricsLogger:
         }
         if status is not None:  # why the run ended before its last step
             summary["status"] = status
+        val = [(r["step"], r["val_loss"]) for r in self.records if isinstance(r.get("val_loss"), (int, float))]
+        if val:  # held-out loss, when the run evaluates one (--val-data / val_fraction)
+            summary.update(final_val_loss=val[-1][1], best_val_loss=min(v for _, v in val))
         lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
         lines = {k: v for k, v in lines.items() if v is not None}
         _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
-        self._plot(losses, lines, title or str(self.out_dir))
+        self._plot(losses, lines, title or str(self.out_dir), val)
         self._emit(summary_text(summary))
         return summary
 
@@ -338,7 +343,8 @@ class MetricsLogger:
         else:
             log.info(line)
 
-    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float], title: str) -> None:
+    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float], title: str,
+              val: Optional[list[tuple[int, float]]] = None) -> None:
         # The object API with an explicit Agg canvas: no pyplot, so no global backend switch and no display.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -348,6 +354,9 @@ class MetricsLogger:
         ax = fig.add_subplot()
         if losses:
             ax.plot([s for s, _ in losses], [v for _, v in losses], label="train loss", linewidth=1.2)
+        if val:
+            ax.plot([s for s, _ in val], [v for _, v in val], marker="o", markersize=3, color="C9",
+                    label="validation loss", linewidth=1.2)
         for i, (label, value) in enumerate(lines.items()):
             ax.axhline(value, linestyle="--", color=f"C{i + 1}", linewidth=1, label=f"{label}: {value:.3f}")
         ax.set_xlabel("step")

@@ -3,12 +3,14 @@
 Order of set-up (fixed, so every rank does the same thing):
   1. process group + device from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK)
   2. parallel dims -> one DeviceMesh (xmoe.parallel.dims); nothing else creates groups
-  3. model built for one device, initialised from the seed (identical on every rank)
+  3. model built for one device, initialised from the seed (identical on every rank), or, with ``init_from``, from
+     a Hugging Face directory (each rank reads only the experts it will own)
   4. parallelism applied from outside: expert parallelism (EP > 1), then data parallelism (DDP)
   5. optimizer, data loader (sharded over data-parallel ranks), resume from the latest checkpoint
 Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, each weight cast once per step), clip,
 AdamW step, auxiliary-loss-free bias update (loads summed over data-parallel ranks so the bias stays identical
-everywhere), metrics every ``log_every`` steps, an atomic checkpoint every ``ckpt_every`` steps and at the end.
+everywhere), metrics every ``log_every`` steps, the validation loss every ``eval_every`` steps and at the end when
+there is validation data (``xmoe.train.evaluate``), an atomic checkpoint every ``ckpt_every`` steps and at the end.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics, regions, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
+from xmoe.train.evaluate import evaluate, validation_split, validation_windows
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +82,21 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | os.PathLike, data: str = "markov",
-                 device: str = "auto", resume: bool = False, *, overwrite: bool = False,
+                 device: str = "auto", resume: bool = False, *, init_from: Optional[str] = None,
+                 val_data: Optional[str] = None, tokenizer: str = "bytes", overwrite: bool = False,
                  resume_from: Optional[str] = None, allow_changes: bool = False, preset: str = ""):
-        """``resume``: continue from the newest verified checkpoint in ``out_dir`` (``resume_from``: from that
-        checkpoint directory); a checkpoint whose model, data or schedule differ is refused unless
-        ``allow_changes``. ``overwrite``: replace a run already in ``out_dir`` (else that is an error)."""
+        """``init_from``: a Hugging Face directory whose weights replace the initialisation (``run.model`` must be
+        its architecture); ``val_data``: a validation data spec (else ``val_fraction`` of ``data`` is held out);
+        ``tokenizer``: for .txt data, "bytes" or a tokenizers JSON file. ``resume``: continue from the newest
+        verified checkpoint in ``out_dir`` (``resume_from``: from that checkpoint directory); a checkpoint whose
+        model, data or schedule differ is refused unless ``allow_changes``. ``overwrite``: replace a run already in
+        ``out_dir`` (else that is an error)."""
         self.run, self.out_dir, self.data_spec, self.preset = run, Path(out_dir), data, preset
         self.rank, self.world, self.device = init_distributed(device)
         resume = resume or resume_from is not None
         self.lock = rundir.open_run_dir(self.out_dir, rank=self.rank, resume=resume, overwrite=overwrite)
         try:
-            self._setup(run, data, resume, resume_from, allow_changes)
+            self._setup(run, data, resume, resume_from, allow_changes, init_from, val_data, tokenizer)
         except BaseException:
             self.close()
             raise
@@ -100,8 +107,8 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def _setup(self, run: RunConfig, data: str, resume: bool, resume_from: Optional[str],
-               allow_changes: bool) -> None:
+    def _setup(self, run: RunConfig, data: str, resume: bool, resume_from: Optional[str], allow_changes: bool,
+               init_from: Optional[str], val_data: Optional[str], tokenizer: str) -> None:
         par = run.parallel
         if par.world_size != self.world:
             raise ValueError(
@@ -129,8 +136,19 @@ class Trainer:
         self.autocast = self.device.type == "cuda"
 
         # 1. the data (checked against the model's vocabulary)
-        self.dataset = dataset = build_dataset(data, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed)
+        self.dataset = dataset = build_dataset(data, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed,
+                                               tokenizer=tokenizer)
         self.data_info = rundir.fingerprint(data, dataset)  # stored in checkpoints; a resume must match it
+        self.val_windows = None
+        if val_data is not None and t.val_fraction > 0:
+            raise ValueError(f"--val-data ({val_data}) and val_fraction ({t.val_fraction}) both choose validation "
+                             "data; pass one of them")
+        if val_data is not None:
+            self.val_windows = validation_windows(val_data, t.seq_len, run.model.vocab_size, t.val_windows, t.seed,
+                                                  tokenizer)
+        elif t.val_fraction > 0:
+            dataset, self.val_windows = validation_split(dataset, t.val_fraction, t.val_windows)
+            self.dataset = dataset
         # one loader step = one micro-batch on every data-parallel rank
         self.loader = TokenLoader(dataset, self.micro_batch * self.dp_size, rank=self.dp_rank,
                                   world_size=self.dp_size)
@@ -140,6 +158,8 @@ class Trainer:
         with torch.device(self.device):  # built where it trains: no host copy of a multi-GB model
             model = Transformer(run.model)
         model.init_weights(seed=t.seed)
+        if init_from is not None:
+            self._load_pretrained(model, init_from)
         self.model = model
         self.wrapped = self._parallelize(model)
         # 3. recompute and compiled regions, from outside, on the parallelised blocks
@@ -183,6 +203,21 @@ class Trainer:
         # broadcast_buffers=False: the router's load counters are per rank by design (summed explicitly)
         return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                    broadcast_buffers=False)
+
+    def _load_pretrained(self, model: Transformer, path: str) -> None:
+        """Weights from a Hugging Face directory; under expert parallelism each rank reads only its experts."""
+        from xmoe.hf.checkpoint import load_weights
+
+        experts = None
+        if self.dims is not None and self.run.parallel.ep > 1:
+            local = self.run.model.moe.num_experts // self.run.parallel.ep
+            first = self.dims.coord("ep") * local
+            experts = range(first, first + local)
+        load_weights(model, path, experts=experts)
+
+    def _validate(self) -> float:
+        return evaluate(self.wrapped, self.val_windows, self.micro_batch, self.device, self.dp_rank, self.dp_size,
+                        autocast=self.autocast)["loss"]
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -319,13 +354,22 @@ class Trainer:
             if stats["load"] is not None:
                 window_load = stats["load"] if window_load is None else window_load + stats["load"]
 
+            val_loss = None
+            if self.val_windows is not None and (self.step == t.steps or (t.eval_every and
+                                                                          self.step % t.eval_every == 0)):
+                evaluating = time.perf_counter()
+                val_loss = self._validate()
+                window_start += time.perf_counter() - evaluating  # evaluation time is not training time
             log_now = self.step % t.log_every == 0 or self.step == t.steps
             ckpt_now = bool(t.ckpt_every) and (self.step % t.ckpt_every == 0 or self.step == t.steps)
             if log_now:
-                self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load, window_start)
+                self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load, window_start,
+                          val_loss)
                 window_start, window_steps = time.perf_counter(), 0
                 window_rows = torch.zeros_like(window_rows)
                 window_load = None
+            elif val_loss is not None:
+                self.logger.log(self.step, val_loss=val_loss)
             # stop flags are agreed where the step already synchronises (one process: a signal at any step)
             signum = None
             if log_now or ckpt_now or (self.world == 1 and guard.signalled()):
@@ -382,7 +426,7 @@ class Trainer:
         raise safety.RunStopped(signum, f"stopped by {name} at step {self.step} of {self.run.train.steps}; " + (
             f"checkpoint {saved} saved: continue with --resume" if saved else "no checkpoint (--ckpt-every 0)"))
 
-    def _log(self, loss, aux, grad_norm, lr, steps, rows, load, window_start: float) -> None:
+    def _log(self, loss, aux, grad_norm, lr, steps, rows, load, window_start: float, val_loss=None) -> None:
         # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows and, when
         # there are MoE layers, the tokens per expert summed over layers (float64: counts stay exact)
         values = torch.stack([loss.double(), aux.double(), grad_norm.double(), rows.double()])
@@ -409,6 +453,8 @@ class Trainer:
         record.update(self._comm_metrics(steps))
         if load is not None:
             record["imbalance"] = metrics.load_imbalance(torch.tensor(load_v))
+        if val_loss is not None:
+            record["val_loss"] = val_loss
         self.logger.log(self.step, **record)
 
     def _comm_metrics(self, steps: int) -> dict[str, float]:

@@ -1,0 +1,234 @@
+"""Tile-config classes, the multi-expert weight-gradient kernel and the lean fused backward, against float64.
+
+# T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows
+
+CPU, Triton interpreter, fp32. Each tile-config class the GPU can pick (tiles.CANDIDATES: row tiles of 64 or 128,
+reduction steps that do or do not divide H and F, one or several experts per weight-gradient program) is run
+here scaled down to interpreter sizes through tiles.force, on odd T and with empty experts.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
+
+import gc  # noqa: E402
+import json  # noqa: E402
+import weakref  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton backend needs the triton package (pip install triton)")
+
+from test_triton_kernels import _inputs, _loop_reference, _rel, _routing  # noqa: E402
+
+from xmoe.kernels import get_ops, tiles  # noqa: E402
+from xmoe.kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
+from xmoe.kernels.tiles import TileConfig  # noqa: E402
+from xmoe.dispatch.routing import build_plan  # noqa: E402
+
+tops = get_ops("triton", torch.device("cpu"))
+
+# interpreter-sized stand-ins for the GPU classes: (row tile, column tile, reduction step, group)
+CLASSES = {
+    "base": {},  # tiles.INTERPRETER_CONFIG everywhere
+    "short_rows": {k: TileConfig(16, 32, 32, 4, 1) for k in ("up_fwd", "mm", "dx", "down_bwd")},
+    "odd_steps": {k: TileConfig(32, 16, 16, 4, 1) for k in tiles.KERNELS},  # 16-deep steps: H=72, F=40 ragged
+    "grouped_wgrad": {"wgrad": TileConfig(32, 32, 16, 4, 1, 2), "wgrad2": TileConfig(32, 32, 16, 4, 1, 3)},
+}
+
+
+def _fused(x, w, w1, w3, w2, plan, grad_out):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w1, w3, w2)]
+    out = tops.moe_experts(leaves[0], leaves[1], plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
+                           plan.tokens_per_expert_E, *leaves[2:])
+    return [out] + list(torch.autograd.grad(out, leaves, grad_out))
+
+
+@pytest.mark.parametrize("cls", sorted(CLASSES))
+def test_fused_layer_per_tile_class(cls):
+    # T odd (not a multiple of any tile); E=9 of which experts 1, 4 and 6 get no rows; H=72 spans three column
+    # chunks of the lean path (32, 32, 8) and F=40 a ragged column tile
+    T, H, Fd, E, K = 17, 72, 40, 9, 3
+    assert tops.column_chunks(H, T * K, T) == [(0, 32), (32, 64), (64, 72)]
+    ids, scores = _routing(T, 6, K, seed=21)
+    ids = torch.tensor([0, 2, 3, 5, 7, 8])[ids]
+    plan = build_plan(ids, scores, E)
+    assert plan.tokens_per_expert_E[[1, 4, 6]].tolist() == [0, 0, 0]
+    x, w, w1, w3, w2 = _inputs(T, H, Fd, E, K, seed=21)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(22))
+    ref_out, leaves64 = _loop_reference(x, w, w1, w3, w2, ids, plan.row_of_slot_TK)
+    ref = [ref_out] + list(torch.autograd.grad(ref_out, leaves64, grad_out.double()))
+    with tiles.force(CLASSES[cls]):
+        got = _fused(x, w, w1, w3, w2, plan, grad_out)
+    for name, g, r in zip(["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"], got, ref):
+        assert _rel(g, r) < 1e-5, (cls, name, _rel(g, r))
+
+
+def test_lean_backward_matches_legacy_and_is_deterministic():
+    T, H, Fd, E, K = 23, 72, 24, 5, 3
+    ids, scores = _routing(T, E, K, seed=5)
+    plan = build_plan(ids, scores, E, capacity=12)  # some slots dropped
+    assert int(plan.num_dropped) > 0
+    x, w, w1, w3, w2 = _inputs(T, H, Fd, E, K, seed=5)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(6))
+    lean = [_fused(x, w, w1, w3, w2, plan, grad_out) for _ in range(2)]
+    with tiles.use_options(legacy=True):
+        legacy = _fused(x, w, w1, w3, w2, plan, grad_out)
+    for a, b, c in zip(lean[0], lean[1], legacy):
+        assert torch.equal(a, b)  # bitwise, run to run
+        assert _rel(a, c) < 1e-6
+
+
+def test_second_backward_through_overwritten_saves_fails_loudly():
+    # the lean backward writes gradients over the saved h1/h3; retain_graph cannot reuse them silently
+    T, H, Fd, E, K = 7, 16, 16, 3, 2
+    ids, scores = _routing(T, E, K, seed=8)
+    plan = build_plan(ids, scores, E)
+    x, w, w1, w3, w2 = [t.requires_grad_() for t in _inputs(T, H, Fd, E, K, seed=8)]
+    out = tops.moe_experts(x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E,
+                           w1, w3, w2).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        out.backward()
+
+
+COUNTS_WITH_EMPTY_GROUPS = [0, 0, 33, 97, 1, 0, 0, 32, 31]  # groups of 2 and of 3 both hold an all-empty group
+
+
+@pytest.mark.parametrize("group", [2, 3])
+@pytest.mark.parametrize("gather", ["a", "b", "none"])
+def test_flat_wgrad_groups_with_empty_experts(gather, group):
+    # several experts per program: accumulators stored and reset at each expert's last row tile, experts with no
+    # rows (inside a group and whole groups) written as zeros, E not a multiple of the group, M and NC ragged
+    counts = torch.tensor(COUNTS_WITH_EMPTY_GROUPS)
+    N, T, M, NC = int(counts.sum()), 250, 40, 36
+    g = torch.Generator().manual_seed(12)
+    idx = torch.randperm(T, generator=g)[:N]
+    a = torch.randn(T if gather == "a" else N, M, generator=g)
+    b1, b2 = (torch.randn(T if gather == "b" else N, NC, generator=g) for _ in range(2))
+    cfg = TileConfig(32, 32, 32, 4, 1, group)
+    with tiles.force({"wgrad": cfg, "wgrad2": cfg}):
+        c1, c2 = grouped_wgrad(a, idx if gather == "a" else None, b1, b2, idx if gather == "b" else None, counts)
+        single, _ = grouped_wgrad(a, idx if gather == "a" else None, b1, None, idx if gather == "b" else None, counts)
+    rows_a = a[idx] if gather == "a" else a
+    rows_b1, rows_b2 = (b[idx] if gather == "b" else b for b in (b1, b2))
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        sl = slice(start, start + n)
+        for got, b in ((c1, rows_b1), (c2, rows_b2), (single, rows_b1)):
+            if n == 0:
+                assert torch.count_nonzero(got[e]) == 0, e
+            else:
+                assert _rel(got[e], rows_a[sl].double().T @ b[sl].double()) < 1e-5, e
+        start += n
+
+
+def test_shape_class_and_pick_order():
+    assert tiles.shape_class("wgrad2", 7168, 2048, 131072, 256) == "wgrad2|k8192|n2048|r512"
+    assert tiles.shape_class("mm", 1408, 1000, 5, 64) == "mm|k2048|n1024|r1"  # fewer rows than experts
+    forced = TileConfig(16, 16, 16, 4, 1)
+    with tiles.force({"mm": forced}):
+        assert tiles.pick("mm", torch.float32, torch.device("cpu"), 64, 64, 100, 4) == forced
+    assert tiles.pick("mm", torch.float32, torch.device("cpu"), 64, 64, 100, 4) == tiles.INTERPRETER_CONFIG
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with tiles.force({"nope": forced}):
+            pass
+    with pytest.raises(ValueError, match="unknown kernel option"):
+        with tiles.use_options(fast=True):
+            pass
+
+
+def test_heuristic_fits_the_gpu():
+    h200, a100, amd = 227 * 1024, 164 * 1024, 64 * 1024
+    # H200: the sweep winners; experts with < 64 rows each: 64-row tiles
+    assert tiles.heuristic("mm", 16384 * 6, 64, h200) == tiles.LEGACY["mm"]
+    assert tiles.heuristic("up_fwd", 1000, 64, h200).block_m == 64
+    for kernel in tiles.KERNELS:
+        for smem in (h200, a100, amd):
+            cfg = tiles.heuristic(kernel, 16384, 64, smem)
+            assert tiles.smem_bytes(kernel, cfg) <= smem, (kernel, smem, cfg)
+            assert cfg.num_stages >= 2
+    assert tiles.heuristic("mm", 16384, 64, a100).num_stages == 3  # 4 x 48 KB does not fit 164 KB
+    for kernel, cands in tiles.CANDIDATES.items():
+        assert cands[0] == tiles.LEGACY[kernel] and len(set(cands)) == len(cands)
+
+
+def test_autotune_keeps_the_fastest_candidate_that_runs(tmp_path):
+    times = {c: 3.0 - i for i, c in enumerate(tiles.CANDIDATES["wgrad"])}  # later candidates faster...
+    broken = tiles.CANDIDATES["wgrad"][-1]  # ...but the fastest fails to compile
+
+    def run(cfg):
+        if cfg == broken:
+            raise RuntimeError("PassManager::run failed")
+        return cfg
+
+    def timer(fn):
+        return times[fn()]
+
+    best = tiles._tune("wgrad", run, 227 * 1024, timer)
+    assert best == tiles.CANDIDATES["wgrad"][-2]
+    assert tiles._tune("wgrad", lambda cfg: 1 / 0, 227 * 1024, timer) is None  # nothing runs: caller keeps its pick
+    # the on-disk cache: one JSON per GPU and Triton version, merged with what other processes wrote meanwhile
+    path = tmp_path / "tiles-NVIDIA_H200-triton3.6.0.json"
+    cache = tiles._DiskCache(path)
+    assert cache.get("wgrad|k2048|n8192|r512") is None
+    path.write_text(json.dumps({"mm|k2048|n1024|r512": [128, 256, 64, 8, 4, 1]}))
+    cache.put("wgrad|k2048|n8192|r512", best)
+    again = tiles._DiskCache(path)
+    assert again.get("wgrad|k2048|n8192|r512") == best
+    assert again.get("mm|k2048|n1024|r512") == TileConfig(128, 256, 64, 8, 4, 1)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage alive, counting the tensors ops return (views and in-place results excepted)
+    until they are freed, and leaving out tensors of the shapes in ``skip_shapes`` (the weight gradients)."""
+
+    def __init__(self, skip_shapes=()):
+        super().__init__()
+        self.tracked = {}  # storage data_ptr -> weak reference to the tensor that owns it
+        self.skip_shapes = set(skip_shapes)
+        self.peak = 0
+
+    def live(self):
+        for ptr, ref in list(self.tracked.items()):
+            if ref() is None:
+                del self.tracked[ptr]
+        return sum(ref().untyped_storage().nbytes() for ref in self.tracked.values()
+                   if tuple(ref().shape) not in self.skip_shapes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not (func.is_view or func._schema.is_mutable):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+                    self.tracked.setdefault(t.untyped_storage().data_ptr(), weakref.ref(t))
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def _backward_transient(legacy):
+    """Peak bytes the fused backward holds above what was alive when it started, weight gradients left out."""
+    T, H, Fd, E, K = 64, 128, 32, 4, 4
+    ids, scores = _routing(T, E, K, seed=13)
+    plan = build_plan(ids, scores, E)
+    leaves = [t.requires_grad_() for t in _inputs(T, H, Fd, E, K, seed=13)]
+    grad_out = torch.randn(T, H)
+    with tiles.use_options(legacy=legacy), _LiveBytes({(E, H, Fd), (E, Fd, H)}) as mem:
+        out = tops.moe_experts(leaves[0], leaves[1], plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
+                               plan.tokens_per_expert_E, *leaves[2:])
+        gc.collect()
+        mem.peak = start = mem.live()
+        torch.autograd.grad(out, leaves, grad_out)
+    return mem.peak - start, T * K, T, H, Fd
+
+
+def test_lean_backward_allocates_one_nf_buffer_and_one_column_chunk():
+    # fp32 bytes. lean: da (N, F), one dx column chunk (N, 32) and dx (T, H), plus per-row vectors; legacy:
+    # dh1, dh3, w*a (three (N, F)) and the whole (N, H) dx beside dx (T, H)
+    lean, N, T, H, Fd = _backward_transient(legacy=False)
+    legacy, *_ = _backward_transient(legacy=True)
+    expected = 4 * (N * Fd + N * 32 + T * H)
+    assert expected <= lean <= expected + 4 * 8 * N, (lean, expected)
+    assert legacy >= 4 * (3 * N * Fd + N * H + T * H), legacy

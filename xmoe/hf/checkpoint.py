@@ -1,0 +1,193 @@
+"""Read and write Hugging Face checkpoint directories (config.json + safetensors shards).
+
+# E experts, H hidden, F expert ffn
+
+Reading streams shard by shard: each shard is opened once (memory-mapped by safetensors) and each tensor is
+copied into its parameter as soon as it is read, so the host never holds more than one tensor besides the model.
+``experts`` (a range of expert numbers) reads only those routed experts: under expert parallelism a rank reads
+the experts it will own and leaves the rest of the stacks at their initial values (they are dropped when the
+stacks are sharded).
+
+Writing uses the published layout: one tensor per expert matrix (``...experts.{e}.gate_proj.weight``, (F, H)),
+``model.safetensors`` when everything fits in ``max_shard_bytes``, else ``model-0000k-of-0000n.safetensors``
+plus ``model.safetensors.index.json`` (weight_map and total_size), as transformers writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from xmoe.hf.families import (DEEPSEEK, SCORE_BIAS_FAMILIES, expert_index, hf_config_from_model, infer_family,
+                              mla_rope_rows, model_config_from_hf, tensor_names)
+from xmoe.model.transformer import Transformer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+RUN_HF_CONFIG = "hf_config.json"  # in a run directory: the config.json it was imported from (export reuses it)
+RUN_TOKENIZER = "tokenizer.json"  # in a run or HF directory: the tokenizer text goes through
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: point at a Hugging Face model directory")
+    return json.loads(file.read_text())
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """HF tensor name -> the shard file holding it."""
+    if (path / INDEX_FILE).is_file():
+        return json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    if (path / SINGLE_FILE).is_file():
+        with safe_open(path / SINGLE_FILE, framework="pt") as f:
+            return {name: SINGLE_FILE for name in f.keys()}
+    raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def _beyond_model(name: str, num_layers: int) -> bool:
+    """Tensors of layers past num_hidden_layers: DeepSeek-V3's multi-token-prediction modules, unused here."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= num_layers
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optional[dict] = None,
+                 experts: Optional[range] = None) -> None:
+    """Copy the checkpoint at ``path`` into ``model`` (built for the same config), streaming shard by shard."""
+    path = Path(path)
+    hf = hf_config if hf_config is not None else read_config(path)
+    family, cfg = hf["model_type"], model.cfg
+    deinterleave = family == "deepseek_v2" or (family == "deepseek_v3" and hf.get("rope_interleave", True))
+    targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    wanted: dict[str, tuple[str, Optional[str]]] = {}
+    skipped: set[str] = set()
+    for ours, theirs, matrix in tensor_names(cfg, family):
+        if matrix is not None and experts is not None and expert_index(theirs) not in experts:
+            skipped.add(theirs)
+        else:
+            wanted[theirs] = (ours, matrix)
+    weight_map = _weight_map(path)
+    missing = [name for name in wanted if name not in weight_map]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors the {family} config implies are missing, e.g. {missing[:3]}")
+    unexpected = [n for n in weight_map if n not in wanted and n not in skipped and not _beyond_model(n, cfg.num_layers)]
+    if unexpected:
+        raise ValueError(f"{path}: tensors xmoe has no place for (unsupported options?), e.g. {unexpected[:3]}")
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in wanted:
+        by_file[weight_map[name]].append(name)
+    for file in sorted(by_file):
+        with safe_open(path / file, framework="pt", device="cpu") as f:
+            for name in by_file[file]:
+                ours, matrix = wanted[name]
+                tensor, dest = f.get_tensor(name), targets[ours]
+                if matrix is not None:  # one expert of a stack: HF (out, in), xmoe (in, out)
+                    tensor, dest = tensor.T, dest[expert_index(name)]
+                elif deinterleave and (rows := mla_rope_rows(cfg, ours)) is not None:
+                    tensor = tensor[rows]
+                if tensor.shape != dest.shape:
+                    raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies "
+                                     f"{tuple(dest.shape)}")
+                dest.copy_(tensor)
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    *, max_seq_len: Optional[int] = None, experts: Optional[range] = None) -> Transformer:
+    """An xmoe Transformer (eval mode) with the architecture and weights of a Hugging Face directory.
+
+    ``model(tokens)`` returns logits. ``max_seq_len`` caps the rotary tables (default: the config's
+    max_position_embeddings). The imported config.json stays on the model as ``model.hf_config``.
+    """
+    hf = read_config(path)
+    cfg = model_config_from_hf(hf, max_seq_len)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed=0)  # rotary tables, buffers, and values for experts this call does not read
+    load_weights(model, path, hf, experts)
+    if dtype != torch.float32:
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    model.hf_config = hf
+    return model.eval()
+
+
+def _hf_tensors(model: Transformer, family: str):
+    """(HF name, tensor) in write order; expert matrices transposed to HF's (out, in) and made contiguous."""
+    cfg = model.cfg
+    targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    for ours, theirs, matrix in tensor_names(cfg, family):
+        tensor = targets[ours].detach()
+        if matrix is not None:
+            tensor = tensor[expert_index(theirs)].T
+        elif family in DEEPSEEK and (rows := mla_rope_rows(cfg, ours)) is not None:
+            tensor = tensor[torch.argsort(rows)]  # halves -> interleaved, the published layout
+        yield theirs, tensor
+
+
+@torch.no_grad()
+def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: Optional[str] = None,
+                    base_config: Optional[dict] = None, dtype: Optional[torch.dtype] = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write ``model`` as a Hugging Face checkpoint directory loadable by AutoModelForCausalLM.from_pretrained.
+
+    ``family`` defaults to ``infer_family(model.cfg)``; ``base_config`` (default: the ``hf_config`` an import left
+    on the model) supplies the config fields xmoe does not model (token ids and the like).
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes ({max_shard_bytes}) must be > 0")
+    cfg = model.cfg
+    family = family or infer_family(cfg)
+    hf = hf_config_from_model(cfg, family, base_config if base_config is not None else getattr(model, "hf_config", None))
+    out_dtype = dtype or model.embed.weight.dtype
+    if out_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype ({out_dtype}) must be one of {list(_DTYPE_NAMES)}")
+    hf["dtype"] = _DTYPE_NAMES[out_dtype]
+    if family not in SCORE_BIAS_FAMILIES and any(bool(m.router.expert_bias.any()) for m in model.moe_layers()):
+        raise ValueError(f"the routers hold a non-zero expert_bias (loss-free balancing), which {family} checkpoints "
+                         "cannot store; export as deepseek_v3 or train with moe.bias_update_rate=0")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    # 1. plan shards from sizes alone (nothing is copied yet)
+    shards: list[list[str]] = [[]]
+    shard_bytes, total = 0, 0
+    sizes = {name: t.numel() * out_dtype.itemsize for name, t in _hf_tensors(model, family)}
+    for name, size in sizes.items():
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+        total += size
+    files = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    file_of = {name: files[i] for i, names in enumerate(shards) for name in names}
+    # 2. write one shard at a time
+    pending: dict[str, torch.Tensor] = {}
+    current = files[0]
+    for name, tensor in _hf_tensors(model, family):
+        if file_of[name] != current:
+            save_file(pending, str(path / current), metadata={"format": "pt"})
+            pending, current = {}, file_of[name]
+        pending[name] = tensor.to("cpu", out_dtype).contiguous()
+    save_file(pending, str(path / current), metadata={"format": "pt"})
+    if len(shards) > 1:  # a reader prefers the index: drop a single file an earlier save left
+        (path / SINGLE_FILE).unlink(missing_ok=True)
+        index = {"metadata": {"total_size": total}, "weight_map": file_of}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    else:
+        (path / INDEX_FILE).unlink(missing_ok=True)
+    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return path

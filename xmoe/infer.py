@@ -1,0 +1,196 @@
+"""`xmoe export`, `xmoe eval` and `xmoe generate`: using a model from a run directory or a Hugging Face directory.
+
+A SOURCE is either a Hugging Face model directory (config.json + safetensors) or an xmoe run directory (its
+latest checkpoint, or the one ``--step`` names). Text goes through the source's ``tokenizer.json`` when it has
+one (a run started with ``--init-from`` keeps the imported one), else it is byte-level (one token per byte).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from xmoe.config import ModelConfig, MoEConfig
+
+# torch and the checkpoint readers are imported inside the commands: `xmoe --help` builds these parsers without them
+
+
+
+def model_config_from_dict(values: dict) -> ModelConfig:
+    """A ModelConfig from its asdict() form (as a run's checkpoint meta.json stores it)."""
+    return ModelConfig(**{**values, "moe": MoEConfig(**values["moe"])})
+
+
+def _run_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
+    from xmoe.train import checkpoint as ckpt
+
+    if step is None:
+        found = ckpt.find_latest(run_dir)
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
+        return found
+    matches = [p for p in (run_dir / "checkpoints").glob("step_*") if p.name.split("_")[-1].isdigit()
+               and int(p.name.split("_")[-1]) == step]
+    if not matches:
+        raise FileNotFoundError(f"no checkpoint of step {step} under {run_dir}/checkpoints")
+    return matches[0]
+
+
+def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
+    """(model in eval mode, tokenizer path or None, imported HF config or None) of a SOURCE."""
+    import torch
+
+    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
+
+    path = Path(source)
+    if (path / "config.json").is_file():
+        from xmoe.hf.checkpoint import load_pretrained
+
+        if step is not None:
+            raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
+        model = load_pretrained(path, device=device)
+        tokenizer = path / RUN_TOKENIZER
+        return model, str(tokenizer) if tokenizer.is_file() else None, model.hf_config
+    if not (path / "checkpoints").is_dir():
+        raise FileNotFoundError(f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run "
+                                "directory (checkpoints/)")
+    from xmoe.model.transformer import Transformer
+    from xmoe.train import checkpoint as ckpt
+
+    found = _run_checkpoint(path, step)
+    cfg = model_config_from_dict(ckpt.read_meta(found)["config"]["model"])
+    with torch.device(device):
+        model = Transformer(cfg)
+    ckpt.load_checkpoint(found, model, restore_rng=False, restore_extra=False)
+    hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
+    hf = json.loads(hf_file.read_text()) if hf_file.is_file() else None
+    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
+
+
+def _encode(text: str, tokenizer: Optional[str]) -> list[int]:
+    if tokenizer is None:
+        return list(text.encode("utf-8"))
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tokenizer).encode(text).ids
+
+
+def _decode(ids: list[int], tokenizer: Optional[str]) -> str:
+    if tokenizer is None:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tokenizer).decode(ids)
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="xmoe run directory (its checkpoints/)")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR", help="Hugging Face directory to write")
+    p.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
+    p.add_argument("--family", help="qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3 or deepseek_v2 (default: the imported one, else "
+                                    "inferred from the architecture)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB (index past it)")
+
+
+def run_export(args: argparse.Namespace) -> Path:
+    from xmoe.hf.checkpoint import RUN_TOKENIZER
+
+    import shutil
+
+    from xmoe.hf.checkpoint import save_pretrained
+
+    if (Path(args.run_dir) / "config.json").is_file():
+        raise ValueError(f"{args.run_dir} is already a Hugging Face directory; export takes an xmoe run directory")
+    model, tokenizer, hf = load_source(args.run_dir, args.step)
+    family = args.family or (hf or {}).get("model_type")
+    out = save_pretrained(model, args.hf, family=family, base_config=hf, dtype=getattr(torch, args.dtype),
+                          max_shard_bytes=int(args.max_shard_gb * 2**30))
+    if tokenizer is not None:
+        shutil.copy(tokenizer, out / RUN_TOKENIZER)
+    print(f"wrote {out} ({json.loads((out / 'config.json').read_text())['model_type']})")
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- eval
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="xmoe run directory or Hugging Face directory")
+    p.add_argument("--data", required=True, help=".txt (tokenized with the source's tokenizer), .npy or .bin")
+    p.add_argument("--step", type=int, help="run checkpoint step (default: the latest)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per window")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward")
+    p.add_argument("--max-windows", type=int, default=0, help="evaluate at most this many windows (0: all)")
+    p.add_argument("--device", default="cpu")
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    import torch
+
+    from xmoe.train.evaluate import bits_per_byte, evaluate, perplexity, text_bytes_of, validation_windows
+
+    model, tokenizer, _ = load_source(args.source, args.step, args.device)
+    if args.seq_len > model.cfg.max_seq_len:
+        raise ValueError(f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
+    text = args.data.endswith(".txt")
+    windows = validation_windows(args.data, args.seq_len, model.cfg.vocab_size, args.max_windows,
+                                 tokenizer=tokenizer or "bytes")
+    result = evaluate(model, windows, args.batch_size, torch.device(args.device))
+    num_bytes = text_bytes_of(windows, tokenizer) if text else None
+    result.update(perplexity=perplexity(result["loss"]),
+                  bits_per_byte=bits_per_byte(result["loss"], result["tokens"], num_bytes), windows=len(windows))
+    print(json.dumps(result))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="xmoe run directory or Hugging Face directory")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--eos-id", type=int, help="stop at this token (default: the HF config's eos_token_id)")
+    p.add_argument("--step", type=int, help="run checkpoint step (default: the latest)")
+    p.add_argument("--ids", action="store_true", help="print the generated token ids instead of text")
+    p.add_argument("--device", default="cpu")
+
+
+def run_generate(args: argparse.Namespace) -> list[int]:
+    import torch
+
+    from xmoe.model.generate import generate
+
+    model, tokenizer, hf = load_source(args.source, args.step, args.device)
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) must be comma-separated integers") from None
+    else:
+        ids = _encode(args.prompt, tokenizer)
+    bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.cfg.vocab_size})")
+    eos = args.eos_id
+    if eos is None and hf is not None and isinstance(hf.get("eos_token_id"), int):
+        eos = hf["eos_token_id"]
+    prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, eos_id=eos,
+                   generator=generator)[0, len(ids):].tolist()
+    print(",".join(map(str, out)) if args.ids else _decode(ids + out, tokenizer))
+    sys.stdout.flush()
+    return out

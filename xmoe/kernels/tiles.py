@@ -1,0 +1,264 @@
+"""Tile configurations of the grouped-GEMM kernels: per-kernel candidates, a pick per shape class and GPU, and
+optional autotuning (``XMOE_AUTOTUNE=1``) whose winners persist on disk.
+
+# H hidden, F expert ffn, E experts, N rows (expert-major)
+
+A launch is described by its shape class: the kernel, the GEMM's reduction length and output width (powers of
+two at or above them) and the rows per expert (N // E, also a power of two). How these pick a config:
+  1. TRITON_INTERPRET=1: one tiny config (the interpreter costs ~0.5 ms per program); tests may force others.
+  2. fp32 on a GPU (exact "ieee" dots, a correctness path): small tiles that do not spill.
+  3. ``XMOE_AUTOTUNE=1`` on a GPU: the cached winner of this class, or, on a miss, every candidate timed on the
+     launch's own arguments (kernels that write only their outputs, so re-running is harmless), the fastest
+     kept in memory and in ``$XMOE_CACHE_DIR`` (default ~/.cache/xmoe), one JSON file per GPU name and Triton
+     version. Candidates that fail to compile or launch are skipped.
+  4. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
+     experts average fewer than 64 rows, and pipeline stages cut until they fit the GPU's shared memory (an
+     A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
+``LEGACY`` (the one hand-picked table used before shape classes, and the backward that kept every (N, F) and
+(N, H) buffer) stays selectable through ``use_options(legacy=True)``, so benchmarks can run old and new side by
+side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from xmoe.kernels._common import interpreting, next_pow2
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group: int = 1  # weight-gradient kernels: experts whose rows one program walks in one flat loop
+
+
+# Kernels (their use in the fused path):
+#   up_fwd    h1, h3 = x[tok] w1, x[tok] w3 (two accumulators)        reduction H, width F
+#   mm        y = a w2                                                 reduction F, width H (one column chunk)
+#   dx        dx = dh1 w1^T + dh3 w3^T (two (a, b) pairs)              reduction F, width H (one column chunk)
+#   down_bwd  da = g[tok] w2^T                                         reduction H, width F
+#   wgrad     dW2 = (w a)^T g[tok]                                     reduction: the expert's rows
+#   wgrad2    dW1, dW3 = x[tok]^T (dh1, dh3) (two accumulators)        reduction: the expert's rows
+KERNELS = ("up_fwd", "mm", "dx", "down_bwd", "wgrad", "wgrad2")
+
+# The hand-picked H200 table of before (one config per kernel whatever the shape): the heuristic's base, and
+# what ``legacy=True`` runs. Winners of bench_experts.py --sweep at T=16384, small and medium shapes.
+LEGACY: dict[str, TileConfig] = {
+    "up_fwd": TileConfig(128, 128, 32, 8, 6),
+    "mm": TileConfig(128, 256, 64, 8, 4),
+    "dx": TileConfig(128, 256, 64, 8, 4),
+    "down_bwd": TileConfig(128, 256, 64, 8, 4),
+    "wgrad": TileConfig(128, 128, 32, 4, 6),  # 4 warps, 96 KB of stages: two programs per multiprocessor
+    "wgrad2": TileConfig(128, 128, 32, 8, 4),
+}
+
+# What autotuning tries, per kernel (the LEGACY entry first). wgrad groups: several experts per program for
+# experts with few rows (E = 256, ~512 rows each on the large shape), where every output tile otherwise refills
+# its pipeline after 16 row blocks.
+CANDIDATES: dict[str, list[TileConfig]] = {
+    "up_fwd": [LEGACY["up_fwd"], TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 4)],
+    "mm": [LEGACY["mm"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
+    "dx": [LEGACY["dx"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
+    "down_bwd": [LEGACY["down_bwd"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
+    "wgrad": [LEGACY["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 32, 4, 6, 2),
+              TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
+    "wgrad2": [LEGACY["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
+               TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
+}
+
+INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per program
+FP32_CONFIG = TileConfig(64, 64, 32, 4, 3)  # exact fp32 dots use no tensor cores: small tiles keep them from spilling
+
+
+@dataclass
+class Options:
+    legacy: bool = os.environ.get("XMOE_KERNELS_LEGACY") == "1"  # the LEGACY tiles and the backward that stores every buffer (for comparison)
+    autotune: bool = os.environ.get("XMOE_AUTOTUNE") == "1"
+
+
+OPTIONS = Options()
+_FORCED: dict[str, TileConfig] = {}
+_PICKED: dict[tuple, TileConfig] = {}
+
+
+@contextlib.contextmanager
+def use_options(**changes) -> Iterator[Options]:
+    """Temporarily change OPTIONS (e.g. ``legacy=True``); picks made under other options are not reused."""
+    global OPTIONS
+    for name in changes:
+        if not hasattr(OPTIONS, name):
+            raise ValueError(f"unknown kernel option {name!r}; the options are {list(vars(OPTIONS))}")
+    saved = OPTIONS
+    OPTIONS = replace(OPTIONS, **changes)
+    try:
+        yield OPTIONS
+    finally:
+        OPTIONS = saved
+
+
+@contextlib.contextmanager
+def force(configs: dict[str, TileConfig]) -> Iterator[None]:
+    """Run the named kernels with the given configs whatever else applies (tests and sweeps)."""
+    for name in configs:
+        if name not in KERNELS:
+            raise ValueError(f"unknown kernel {name!r}; the kernels are {KERNELS}")
+    saved = dict(_FORCED)
+    _FORCED.update(configs)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
+def shape_class(kernel: str, depth: int, width: int, num_rows: int, num_experts: int) -> str:
+    """The cache key of a launch: kernel, reduction length, output width, rows per expert (powers of two)."""
+    rows = next_pow2(max(num_rows // max(num_experts, 1), 1))
+    return f"{kernel}|k{next_pow2(depth)}|n{next_pow2(width)}|r{rows}"
+
+
+def smem_bytes(kernel: str, cfg: TileConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of a config's pipeline: num_stages copies of the operand tiles one step loads."""
+    a = cfg.block_m * cfg.block_k
+    b = cfg.block_k * cfg.block_n
+    per_step = a + 2 * b if kernel in ("up_fwd", "wgrad2") else a + b  # dx runs its two pairs one after the other
+    return per_step * elem_bytes * cfg.num_stages
+
+
+@functools.cache
+def _max_shared(device_index: int) -> int:
+    try:
+        import triton
+
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # an unknown backend: assume an H100/H200-class budget and let launches report the rest
+        return 227 * 1024
+
+
+def fit_to_gpu(kernel: str, cfg: TileConfig, max_shared: int) -> Optional[TileConfig]:
+    """cfg with its stages cut until they fit max_shared (at least 2 stages), or None when even 2 do not fit."""
+    while smem_bytes(kernel, cfg) > max_shared and cfg.num_stages > 2:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg if smem_bytes(kernel, cfg) <= max_shared else None
+
+
+def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> TileConfig:
+    cfg = LEGACY[kernel]
+    if kernel in ("up_fwd", "mm", "dx", "down_bwd") and num_rows < 64 * max(num_experts, 1):
+        cfg = replace(cfg, block_m=64)  # 128-row tiles would run more than half empty
+    fitted = fit_to_gpu(kernel, cfg, max_shared)
+    if fitted is None:  # a small shared memory (e.g. 64 KB): narrow the tile, then fit the stages again
+        fitted = fit_to_gpu(kernel, replace(cfg, block_n=64, block_k=32), max_shared) or TileConfig(64, 64, 32, 4, 2)
+    return fitted
+
+
+def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, width: int, num_rows: int,
+         num_experts: int, run: Optional[Callable[[TileConfig], object]] = None) -> TileConfig:
+    """The config for one launch (see the module docstring for the order). ``run(cfg)`` launches the kernel with
+    cfg; autotuning calls it, so pass it only when the launch writes nothing but its own outputs."""
+    if kernel in _FORCED:
+        return _FORCED[kernel]
+    if interpreting():
+        return INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        return FP32_CONFIG
+    if OPTIONS.legacy:
+        return LEGACY[kernel]
+    key = shape_class(kernel, depth, width, num_rows, num_experts)
+    memo = (key, device.index, OPTIONS.autotune)
+    cfg = _PICKED.get(memo)
+    if cfg is not None:
+        return cfg
+    max_shared = _max_shared(device.index or 0) if device.type == "cuda" else 227 * 1024
+    cfg = heuristic(kernel, num_rows, num_experts, max_shared)
+    if OPTIONS.autotune and device.type == "cuda" and run is not None:
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return cfg  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
+        cache = _DiskCache.for_device(device)
+        cfg = cache.get(key) or cache.put(key, _tune(kernel, run, max_shared) or cfg)
+    _PICKED[memo] = cfg
+    return cfg
+
+
+def _bench_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
+
+
+def _tune(kernel: str, run: Callable[[TileConfig], object], max_shared: int,
+          timer: Callable[[Callable[[], object]], float] = _bench_ms) -> Optional[TileConfig]:
+    """The fastest of the kernel's candidates that fit max_shared, timed by ``timer`` (median ms of a call)."""
+    best = None
+    for cand in CANDIDATES[kernel]:
+        if smem_bytes(kernel, cand) > max_shared:
+            continue
+        try:
+            ms = timer(lambda: run(cand))
+        except Exception:  # out of resources, or a compiler that cannot pipeline this form: not a candidate here
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cand)
+    return best[1] if best else None
+
+
+class _DiskCache:
+    """Tuned configs of one GPU model and Triton version: {shape class: [block_m, ..., group]} in one JSON file."""
+
+    _open: dict[str, "_DiskCache"] = {}
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries = self._read()
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "_DiskCache":
+        import triton
+
+        name = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
+        folder = Path(os.environ.get("XMOE_CACHE_DIR") or Path.home() / ".cache" / "xmoe")
+        path = folder / f"tiles-{name}-triton{triton.__version__}.json"
+        if str(path) not in cls._open:
+            cls._open[str(path)] = cls(path)
+        return cls._open[str(path)]
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> Optional[TileConfig]:
+        entry = self.entries.get(key)
+        return TileConfig(*entry) if entry else None
+
+    def put(self, key: str, cfg: TileConfig) -> TileConfig:
+        self.entries = {**self._read(), **self.entries, key: list(vars(cfg).values())}  # keep other writers' keys
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+                json.dump(self.entries, f, indent=1, sort_keys=True)
+            os.replace(f.name, self.path)  # atomic: a reader sees the old file or the new one
+        except OSError:
+            pass  # a read-only home still tunes, in memory only
+        return cfg
+
+
+def clear_memo() -> None:
+    """Forget in-process picks (after changing OPTIONS.autotune or the cache folder)."""
+    _PICKED.clear()
+    _DiskCache._open.clear()
