@@ -100,11 +100,11 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> Path:
-    from xmoe.hf.checkpoint import RUN_TOKENIZER
-
     import shutil
 
-    from xmoe.hf.checkpoint import save_pretrained
+    import torch
+
+    from xmoe.hf.checkpoint import RUN_TOKENIZER, save_pretrained
 
     if (Path(args.run_dir) / "config.json").is_file():
         raise ValueError(f"{args.run_dir} is already a Hugging Face directory; export takes an xmoe run directory")
