@@ -243,3 +243,36 @@ def test_cli_bad_inputs(capsys, argv: list[str], message: str) -> None:
         main(["plan", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_trainer_memory_walk_and_cli(capsys):
+    # the one-GPU trainer layout: states are 12 B per parameter + 2 B per routed-expert weight; where activations
+    # set the peak (large micro-batches) recompute lowers it, moe less than full; with accumulation every fp32 gradient exists throughout the last micro-batch; the CLI
+    # prints exactly what estimate_trainer_memory returns
+    from dataclasses import replace
+
+    from xmoe.cli import main
+    from xmoe.model.counting import count_params
+    from xmoe.model.presets import get_preset
+    from xmoe.plan.memory import estimate_trainer_memory
+
+    cfg = replace(get_preset("small"), num_layers=4)
+    parts = count_params(cfg).total_by_part
+    total = sum(parts.values())
+    for mb in (1, 8, 32):
+        peaks = {}
+        for mode in ("none", "moe", "full"):
+            m = estimate_trainer_memory(cfg, micro_batch=mb, seq_len=2048, recompute=mode)
+            assert m.states == 12 * total + 2 * parts["routed_experts"]
+            peaks[mode] = m.total
+        if mb == 32:
+            assert peaks["full"] < peaks["moe"] < peaks["none"]
+    one = estimate_trainer_memory(cfg, micro_batch=32, seq_len=2048)
+    accumulating = estimate_trainer_memory(cfg, micro_batch=32, seq_len=2048, accumulation=2)
+    assert accumulating.grads == 4 * total and one.grads < 4 * total and accumulating.total > one.total
+    with pytest.raises(ValueError, match="recompute"):
+        estimate_trainer_memory(cfg, micro_batch=1, recompute="some")
+    main(["plan", "memory", "--trainer", "--preset", "small", "--layers", "4", "--seq", "2048", "--micro-batch", "32",
+          "--accumulation", "2", "--recompute", "none", "--gpu-mem", "60"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("none"))
+    assert row.split()[-2] == f"{accumulating.total / 2**30:.1f}" and row.split()[-1] == "no"

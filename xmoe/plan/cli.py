@@ -18,6 +18,7 @@ ASSUMED_GPU_MEM = 64.0  # GiB: an MI250X GCD, when no GPU is visible and --gpu-m
 EXAMPLES = """examples:
   xmoe plan memory --preset medium --gpus 64            # search layouts that fit this machine's GPUs
   xmoe plan memory --preset small --gpu-mem 80 --tp 2   # fix some degrees, search the rest
+  xmoe plan memory --trainer --preset small --layers 8 --seq 2048 --accumulation 4   # `xmoe train` on one GPU
   xmoe plan comm --preset large --gpus 256 --inter-bw 50
 """
 
@@ -47,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--imbalance", type=float, default=1.0, help="max/mean routed rows per rank (default 1)")
     mem.add_argument("--kernel", choices=("triton", "torch"), default="triton",
                      help="expert kernels: triton saves 2 F-wide tensors per row, torch 4")
+    mem.add_argument("--trainer", action="store_true",
+                     help="the peak of `xmoe train` on one GPU instead (fp32 weights and AdamW, bf16 expert copies, "
+                          "compiled regions), per recompute mode and micro-batch")
+    mem.add_argument("--layers", type=int, help="with --trainer: the preset with this many layers")
+    mem.add_argument("--accumulation", type=int, default=1,
+                     help="with --trainer: micro-batches per optimizer step (default 1)")
+    mem.add_argument("--eager", action="store_true", help="with --trainer: compiled regions off (--compile off)")
     mem.add_argument("--reserve", type=float, default=2.0,
                      help="GiB for CUDA context, NCCL, fragmentation (default 2)")
 
@@ -74,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     """Counts >= 1 and sizes finite and > 0 (>= 0 where zero means something), naming the flag."""
     counts = ("gpus", "gpus_per_node", "tp", "ep", "dp", "micro_batch", "max_micro_batch", "seq",
-              "tokens_per_gpu", "mc_tokens")
+              "tokens_per_gpu", "mc_tokens", "layers", "accumulation")
     for name in counts:
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -114,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
         note = None
         if args.gpu_mem is None:
             args.gpu_mem, note = _gpu_memory_gib()
-        text = run_memory(cfg, args)
+        text = run_trainer_memory(cfg, args) if args.trainer else run_memory(cfg, args)
         print(text if note is None else text.replace("\n", f"\n{note}\n", 1))
     else:
         print(run_comm(cfg, args))
@@ -160,6 +168,35 @@ def run_memory(cfg, args) -> str:
                 p = m.parallel
                 lines.append(f"  {p.tp:>3}{p.ep:>5}{p.dp:>6}{m.micro_batch:>4}  {m.recompute:<10}{m.total / GIB:>10.2f}"
                              f"{sum(m.traffic.values()) / 1e9:>11.1f}")
+    return "\n".join(lines)
+
+
+def run_trainer_memory(cfg, args) -> str:
+    """The peak of one `xmoe train` step on one GPU (plan.memory.estimate_trainer_memory) per recompute mode and
+    micro-batch: the given ones, or micro-batches 1, 2, 4, ... up to --max-micro-batch."""
+    from dataclasses import replace
+
+    from xmoe.plan import memory
+
+    if args.layers is not None:
+        cfg = replace(cfg, num_layers=args.layers, first_k_dense=min(cfg.first_k_dense, args.layers))
+    seq = args.seq or cfg.max_seq_len
+    modes = [args.recompute] if args.recompute else list(RECOMPUTE)
+    batches = [args.micro_batch] if args.micro_batch else \
+        [2**i for i in range(int(math.log2(args.max_micro_batch)) + 1)]
+    lines = [f"xmoe plan memory --trainer: {args.preset} with {cfg.num_layers} layers, seq {seq}, one GPU of "
+             f"{args.gpu_mem:g} GiB, {args.accumulation} micro-batch(es) per step, compiled regions "
+             f"{'off' if args.eager else 'on'}", _model_line(cfg),
+             f"  {'recompute':<10}{'micro-batch':>12}{'states':>9}{'grads':>9}{'activ.':>9}{'working':>9}"
+             f"{'peak GiB':>10}  fits"]
+    for mode in modes:
+        for mb in batches:
+            m = memory.estimate_trainer_memory(cfg, micro_batch=mb, seq_len=seq, recompute=mode,
+                                               accumulation=args.accumulation, compiled=not args.eager)
+            lines.append(f"  {mode:<10}{mb:>12}{m.states / GIB:>9.1f}{m.grads / GIB:>9.1f}{m.activations / GIB:>9.1f}"
+                         f"{m.working / GIB:>9.1f}{m.total / GIB:>10.1f}  {'yes' if m.total <= args.gpu_mem * GIB else 'no'}")
+    lines.append("states: fp32 weights, AdamW moments, bf16 expert copies; grads, activations, working: at the peak "
+                 "of backward (docs/training-speed.md compares these with measured peaks)")
     return "\n".join(lines)
 
 
