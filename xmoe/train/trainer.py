@@ -5,9 +5,12 @@ Order of set-up (fixed, so every rank does the same thing):
   2. parallel dims -> one DeviceMesh (xmoe.parallel.dims); nothing else creates groups
   3. model built for one device, initialised from the seed (identical on every rank), or, with ``init_from``, from
      a Hugging Face directory (each rank reads only the experts it will own)
-  4. parallelism applied from outside: expert parallelism (EP > 1), then data parallelism (DDP)
-  5. optimizer, data loader (sharded over data-parallel ranks), resume from the latest checkpoint
-Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, each weight cast once per step), clip,
+  4. parallelism applied from outside, in a fixed order: TP (attention, dense FFN) -> SSMB -> EP + FSDP2 over the
+     data-parallel ranks; pure data parallelism (ep = tp = 1) uses DDP
+  5. recompute and compiled regions on the blocks (xmoe.train.regions)
+  6. optimizer, data loader (sharded over data-parallel ranks), resume from the newest verified checkpoint
+Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, the routed experts' bf16 copies made
+once per step), clip,
 AdamW step, auxiliary-loss-free bias update (loads summed over data-parallel ranks so the bias stays identical
 everywhere), metrics every ``log_every`` steps, the validation loss every ``eval_every`` steps and at the end when
 there is validation data (``xmoe.train.evaluate``), an atomic checkpoint every ``ckpt_every`` steps and at the end.
