@@ -60,7 +60,7 @@ def test_config_values_are_type_and_range_checked(tmp_path, capsys, setting, exp
     (["--lr", "-3"], "lr (-3.0) must be finite and > 0"),
     (["--steps", "0"], "steps (0) must be finite and > 0"),
     (["--out", ""], "--out ('') must name a run directory"),
-    (["--ep", "3"], "num_experts (16) must be divisible by ep (3)"),
+    (["--ep", "3"], "num_experts (16) must be divisible by the expert-parallel degree ep (3)"),
     (["--allow-changes"], "--allow-changes only applies with --resume"),
 ])
 def test_bad_train_flags(tmp_path, capsys, argv, expected):

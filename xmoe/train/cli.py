@@ -194,9 +194,9 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     if "dp" not in par_values:  # derived after the merge, from the ep and tp that will be used
         world = int(os.environ.get("WORLD_SIZE", "1"))
         parallel = dataclasses.replace(parallel, dp=max(1, world // (parallel.ep * parallel.tp)))
-    if model.moe.num_experts % parallel.ep:
-        raise ValueError(f"num_experts ({model.moe.num_experts}) must be divisible by ep ({parallel.ep}); change "
-                         "--ep or moe.num_experts")
+    from xmoe.dispatch.base import experts_per_rank  # imports torch: not at module level (xmoe --help)
+
+    experts_per_rank(model.moe.num_experts, parallel.ep)  # the one home of that check; names the fix
     return RunConfig(model=model, train=train, parallel=parallel)
 
 
