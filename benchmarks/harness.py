@@ -145,3 +145,15 @@ def collective_time_ms(fn: Callable[[], object], device: torch.device, iters: in
     if warmup:
         fn()
     return timed(fn, device, trials, calls=iters, before=dist.barrier)
+
+
+def parse_trainer_args(parser, argv: Sequence[str]):
+    """`xmoe train`'s flags on ``parser`` plus ``--layers`` (default 8), parsed with the single-GPU benchmarks'
+    defaults (small preset shape, seq 2048, no checkpoints); the layer count goes in ahead of the user's --set."""
+    from xmoe.train.cli import add_arguments
+
+    add_arguments(parser)
+    parser.add_argument("--layers", type=int, default=8, help="layers of the small preset shape (default 8)")
+    args = parser.parse_args(["--preset", "small", "--seq-len", "2048", "--ckpt-every", "0", *argv])
+    args.set = [f"model.num_layers={args.layers}", *args.set]
+    return args

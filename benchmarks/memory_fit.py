@@ -27,22 +27,20 @@ GIB = 2**30
 
 def main() -> None:
     from xmoe.plan.memory import estimate_trainer_memory
-    from xmoe.train.cli import add_arguments, build_run_config
+    from benchmarks.harness import parse_trainer_args
+    from xmoe.train.cli import build_run_config
     from xmoe.train.data import TokenLoader
     from xmoe.train.regions import apply_recompute
     from xmoe.train.trainer import Trainer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--modes", nargs="+", default=["none", "moe", "full"])
     p.add_argument("--results", help="directory for memory_fit.json / .md")
-    args = p.parse_args(["--preset", "small", "--seq-len", "2048", "--ckpt-every", "0", *sys.argv[1:]])
+    args = parse_trainer_args(p, sys.argv[1:])
     if not torch.cuda.is_available():
         print("memory_fit: skipped, no CUDA GPU")
         return
-    args.set = [f"model.num_layers={args.layers}", *args.set]
     first = min(args.micro_batches)
     args.batch_size, args.micro_batch_size, args.steps = first, first, 1000
     run = build_run_config(args)

@@ -44,21 +44,19 @@ def categorize(name: str) -> str:
 
 
 def main() -> None:
-    from xmoe.train.cli import add_arguments, build_run_config
+    from benchmarks.harness import parse_trainer_args
+    from xmoe.train.cli import build_run_config
     from xmoe.train.trainer import Trainer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    p.add_argument("--layers", type=int, default=8)
     p.add_argument("--warmup-steps", type=int, default=3, help="steps before profiling (compilation happens here)")
     p.add_argument("--profile-steps", type=int, default=2, help="optimizer steps profiled")
     p.add_argument("--tag", default="step", help="results file name: profile_<tag>")
     p.add_argument("--results", help="directory for profile_<tag>.json / .md (default: print only)")
-    args = p.parse_args(["--preset", "small", "--seq-len", "2048", "--ckpt-every", "0", *sys.argv[1:]])
+    args = parse_trainer_args(p, sys.argv[1:])
     if not torch.cuda.is_available():
         print("profile_step: skipped, no CUDA GPU")
         return
-    args.set = [f"model.num_layers={args.layers}", *args.set]
     args.steps = args.warmup_steps + args.profile_steps + 2
     run = build_run_config(args)
     with tempfile.TemporaryDirectory() as out:
