@@ -62,6 +62,9 @@ def test_config_values_are_type_and_range_checked(tmp_path, capsys, setting, exp
     (["--out", ""], "--out ('') must name a run directory"),
     (["--ep", "3"], "num_experts (16) must be divisible by the expert-parallel degree ep (3)"),
     (["--allow-changes"], "--allow-changes only applies with --resume"),
+    (["--batch-size", "10", "--micro-batch-size", "4"], "per-rank batch (10) must be divisible by micro_batch_size (4)"),
+    (["--batch-size", "10", "--dp", "4"], "global batch (10) must be divisible by the 4 data-parallel ranks"),
+    (["--seq-len", "4096"], "seq_len (4096) exceeds the model's max_seq_len (256)"),
 ])
 def test_bad_train_flags(tmp_path, capsys, argv, expected):
     base = ["train", "--dry-run"] + ([] if "--out" in argv else ["--out", str(tmp_path / "r")])

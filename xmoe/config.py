@@ -425,3 +425,20 @@ class RunConfig:
     model: ModelConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def batch_layout(self) -> tuple[int, int, int]:
+        """(sequences per data-parallel rank per step, per micro-batch, micro-batches per step). Data is sharded over
+        dp x ep ranks (TP peers read the same tokens); raises ValueError when the batch does not split evenly."""
+        t, ranks = self.train, self.parallel.dp * self.parallel.ep
+        if t.global_batch_size % ranks:
+            raise ValueError(
+                f"global batch ({t.global_batch_size}) must be divisible by the {ranks} data-parallel "
+                "ranks; change --batch-size"
+            )
+        local = t.global_batch_size // ranks
+        micro = t.micro_batch_size or local
+        if local % micro:
+            raise ValueError(f"per-rank batch ({local}) must be divisible by micro_batch_size ({micro})")
+        if t.seq_len > self.model.max_seq_len:
+            raise ValueError(f"seq_len ({t.seq_len}) exceeds the model's max_seq_len ({self.model.max_seq_len})")
+        return local, micro, local // micro

@@ -212,6 +212,8 @@ def run(args: argparse.Namespace) -> dict | None:
     if args.dry_run:
         from xmoe.model.counting import describe
 
+        run_cfg.batch_layout()  # the batch checks a real run makes first
+
         print(describe(run_cfg.model, run_cfg.train.seq_len, run_cfg.train.global_batch_size))
         return None
     from xmoe.train.trainer import Trainer

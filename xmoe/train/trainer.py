@@ -123,19 +123,8 @@ class Trainer:
             check_tensor_parallel(run.model, par.tp)  # heads (and dense FFN width) must split over tp
         self.dp_rank, self.dp_size = self._data_parallel_coords()
         t = run.train
-        if t.global_batch_size % self.dp_size:
-            raise ValueError(
-                f"global batch ({t.global_batch_size}) must be divisible by the {self.dp_size} data-parallel "
-                "ranks; change --batch-size"
-            )
-        self.local_batch = t.global_batch_size // self.dp_size
-        self.micro_batch = t.micro_batch_size or self.local_batch
-        if self.local_batch % self.micro_batch:
-            raise ValueError(
-                f"per-rank batch ({self.local_batch}) must be divisible by micro_batch_size ({self.micro_batch})"
-            )
-        if t.seq_len > run.model.max_seq_len:
-            raise ValueError(f"seq_len ({t.seq_len}) exceeds the model's max_seq_len ({run.model.max_seq_len})")
+        self.local_batch, self.micro_batch, _ = run.batch_layout()
+        assert self.dp_size == run.parallel.dp * run.parallel.ep  # the ranks batch_layout split the batch over
         self.autocast = self.device.type == "cuda"
 
         # 1. the data (checked against the model's vocabulary)
