@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> dict | None:
     init_from = getattr(args, "init_from", None)
     tokenizer = "bytes"
     if init_from:
-        tokenizer = _keep_imported_files(init_from, args.out)
+        tokenizer = _imported_tokenizer(init_from)
     trainer = Trainer(run_cfg, args.out, data=args.data, device=args.device, resume=args.resume,
                       init_from=init_from, val_data=getattr(args, "val_data", None), tokenizer=tokenizer,
                       overwrite=args.overwrite, resume_from=args.resume_from, allow_changes=args.allow_changes,
@@ -229,18 +229,9 @@ def run(args: argparse.Namespace) -> dict | None:
     return trainer.train()
 
 
-def _keep_imported_files(hf_dir: str, out_dir: str) -> str:
-    """Copy the imported config.json (export reuses its other fields) and tokenizer.json (text data, eval and
-    generate use it) into the run directory; return the tokenizer for the data ("bytes" without one)."""
-    import shutil
+def _imported_tokenizer(hf_dir: str) -> str:
+    """The tokenizer for text data of a run initialised from ``hf_dir``: its tokenizer.json, else "bytes"."""
+    from xmoe.hf.checkpoint import RUN_TOKENIZER
 
-    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
-
-    out = Path(out_dir)
-    if int(os.environ.get("RANK", "0")) == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(Path(hf_dir) / "config.json", out / RUN_HF_CONFIG)
-        if (Path(hf_dir) / RUN_TOKENIZER).is_file():
-            shutil.copy(Path(hf_dir) / RUN_TOKENIZER, out / RUN_TOKENIZER)
     tokenizer = Path(hf_dir) / RUN_TOKENIZER
     return str(tokenizer) if tokenizer.is_file() else "bytes"

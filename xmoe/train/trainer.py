@@ -83,6 +83,18 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _keep_imported_files(hf_dir: str, out: Path) -> None:
+    """Copy the imported config.json (export reuses its other fields) and tokenizer.json (text data, eval and
+    generate use it) into the run directory."""
+    import shutil
+
+    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
+
+    shutil.copy(Path(hf_dir) / "config.json", out / RUN_HF_CONFIG)
+    if (Path(hf_dir) / RUN_TOKENIZER).is_file():
+        shutil.copy(Path(hf_dir) / RUN_TOKENIZER, out / RUN_TOKENIZER)
+
+
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | os.PathLike, data: str = "markov",
                  device: str = "auto", resume: bool = False, *, init_from: Optional[str] = None,
@@ -99,6 +111,8 @@ class Trainer:
         resume = resume or resume_from is not None
         self.lock = rundir.open_run_dir(self.out_dir, rank=self.rank, resume=resume, overwrite=overwrite)
         try:
+            if init_from and self.rank == 0:  # under the lock: a second trainer cannot interleave its copies
+                _keep_imported_files(init_from, self.out_dir)
             self._setup(run, data, resume, resume_from, allow_changes, init_from, val_data, tokenizer)
         except BaseException:
             self.close()
