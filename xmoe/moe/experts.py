@@ -86,8 +86,9 @@ def reuse_weight_casts(model: nn.Module, dtype: Optional[torch.dtype], detach: b
 
     ``detach=True``: the copies are leaves of their own whose gradient each backward adds straight into the fp32
     parameter's .grad (one mixed-dtype pass, 10 bytes per weight) instead of autograd's cast-back and fp32
-    accumulation (two passes, 18 bytes); measured: docs/architecture.md, "Measured reasons". The parameters then get their gradients outside autograd, so only for a model no
-    wrapper reduces through autograd hooks (one process; not DDP)."""
+    accumulation (two passes, 18 bytes); measured: docs/architecture.md, "Measured reasons". The parameters then
+    get their gradients outside autograd, so only for a model no wrapper reduces through autograd hooks (one
+    process; not DDP)."""
     experts = [m for m in model.modules() if isinstance(m, RoutedExperts)
                and not any(hasattr(w, "to_local") for w in (m.w1, m.w3, m.w2))]
     if dtype is not None and torch.is_grad_enabled():

@@ -34,6 +34,7 @@ from typing import Optional
 from xmoe.config import ModelConfig, MoEConfig, ParallelConfig
 from xmoe.dispatch.base import experts_per_rank
 from xmoe.model.counting import count_params
+from xmoe.model.flops import attention_matrix_params
 from xmoe.parallel.dims import ParallelDims
 
 GIB = 2**30
@@ -422,7 +423,7 @@ def block_activations(cfg: ModelConfig, T: int, i: int, *, compiled: bool = True
     H, moe = cfg.hidden_size, cfg.moe
     norm = 4 * T if compiled else norm_activations(T, H)
     attn = dict(attention_activations(T, H, cfg.num_heads, 1, b), norm=norm)
-    attn_bytes = sum(attn.values()) + b * 4 * H * H + 4 * T * H
+    attn_bytes = sum(attn.values()) + b * attention_matrix_params(cfg) + 4 * T * H
     if i < cfg.first_k_dense:
         ffn = dict(dense_ffn_activations(T, H, cfg.ffn_hidden_size, 1, b), norm=norm)
         return attn_bytes, sum(ffn.values()) + b * 3 * H * cfg.ffn_hidden_size + 4 * T * H
@@ -455,14 +456,17 @@ def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Opti
     if micro_batch < 1 or accumulation < 1:
         raise ValueError(f"micro_batch ({micro_batch}) and accumulation ({accumulation}) must be >= 1")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
-    H, L, V, moe = cfg.hidden_size, cfg.num_layers, cfg.vocab_size, cfg.moe
+    H, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
     T, b = micro_batch * seq_len, 2
     parts = count_params(cfg, expert_matrices=3).total_by_part
     total_params = sum(parts.values())
     states = 12 * total_params + 2 * parts["routed_experts"]
 
-    attn_w = 4 * H * H + 2 * H
-    moe_w = moe.num_experts * (3 * H * moe.ffn_hidden_size + H) + 3 * H * moe.shared_width
+    # per-block weights from the one parameter count (attention variants, shared-expert widths included)
+    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
+    attn_w = parts["attention"] / L + 2 * H  # + the block's two RMSNorm weights
+    moe_w = (parts["routed_experts"] + parts["router"] + parts["shared_experts"]) / max(1, n_moe)
+    dense_w = parts["dense_ffn"] / max(1, n_dense)
     blocks = []  # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
     for i in range(L):
         is_moe = i >= cfg.first_k_dense
@@ -473,7 +477,7 @@ def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Opti
             saved, regen = attn + 4 * T * H, ffn
         else:
             saved, regen = attn + ffn, 0.0
-        weights = attn_w + (moe_w if is_moe else 3 * H * cfg.ffn_hidden_size)
+        weights = attn_w + (moe_w if is_moe else dense_w)
         blocks.append((saved, regen, 4 * weights, b * weights))
 
     all_grads = 4 * total_params

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xmoe.config import RunConfig
+from xmoe.dispatch.base import experts_per_rank
 from xmoe.model.transformer import Transformer
 from xmoe.moe.experts import reuse_weight_casts
 from xmoe.parallel.dims import ParallelDims
@@ -216,7 +217,7 @@ class Trainer:
 
         experts = None
         if self.dims is not None and self.run.parallel.ep > 1:
-            local = self.run.model.moe.num_experts // self.run.parallel.ep
+            local = experts_per_rank(self.run.model.moe.num_experts, self.run.parallel.ep)
             first = self.dims.coord("ep") * local
             experts = range(first, first + local)
         load_weights(model, path, experts=experts)
@@ -277,7 +278,8 @@ class Trainer:
         rows = torch.zeros((), dtype=torch.long, device=self.device)
         load = None
         # one autocast region and one set of expert-weight casts for all micro-batches of the step: the weights do
-        # not change within it, so autocast's cast cache and reuse_weight_casts cast each weight once per step
+        # not change within it, so reuse_weight_casts casts each routed expert once per step (and autocast's cache
+        # each dense weight used eagerly; inside compiled regions the dense casts happen per micro-batch)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
                 reuse_weight_casts(self.model, torch.bfloat16 if self.autocast else None,
                                    detach=self.world == 1):
