@@ -16,17 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import RESULTS_ENV, environment, markdown_table, write_results  # noqa: E402
+from benchmarks.harness import RESULTS_ENV, environment, markdown_table, run_xmoe_train, write_results  # noqa: E402
 
 DENSE = ["--set", "model.first_k_dense={layers}", "--set", "model.ffn_hidden_size=8448"]
 
@@ -59,19 +56,14 @@ CASES = {
 def run_case(name: str, args: argparse.Namespace) -> dict:
     case = CASES[name]
     extra = [e.format(layers=case["layers"]) for e in case["extra"]]
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "xmoe", "train", "--preset", "small", "--set", f"model.num_layers={case['layers']}",
-               "--seq-len", "2048", "--batch-size", str(case["batch"]), "--micro-batch-size", str(case["micro"]),
-               "--steps", str(args.steps), "--log-every", str(max(1, args.steps // 3)), "--ckpt-every", "0",
-               "--out", out, *extra]
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - start
-        row = {"case": name, "layers": case["layers"], "batch": case["batch"], "micro": case["micro"],
-               "command": " ".join(["python"] + cmd[1:]).replace(out, "RUN_DIR"), "wall_s": wall}
-        if proc.returncode:
-            return {**row, "error": (proc.stderr or proc.stdout)[-1500:]}
-        records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    records, command, wall, error = run_xmoe_train(
+        "--preset", "small", "--set", f"model.num_layers={case['layers']}", "--seq-len", "2048", "--batch-size",
+        str(case["batch"]), "--micro-batch-size", str(case["micro"]), "--steps", str(args.steps), "--log-every",
+        str(max(1, args.steps // 3)), "--ckpt-every", "0", *extra)
+    row = {"case": name, "layers": case["layers"], "batch": case["batch"], "micro": case["micro"],
+           "command": command, "wall_s": wall}
+    if records is None:
+        return {**row, "error": error}
     timed = records[1:] or records
 
     def mean(key):

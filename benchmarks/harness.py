@@ -157,3 +157,23 @@ def parse_trainer_args(parser, argv: Sequence[str]):
     args = parser.parse_args(["--preset", "small", "--seq-len", "2048", "--ckpt-every", "0", *argv])
     args.set = [f"model.num_layers={args.layers}", *args.set]
     return args
+
+
+def run_xmoe_train(*args: str) -> tuple[Optional[list[dict]], str, float, str]:
+    """`xmoe train ARGS --out <temporary directory>` as its own process (fresh allocator, no checkpoint left behind).
+    Returns (metrics.jsonl records or None on failure, the command with RUN_DIR for the directory, wall seconds,
+    the error output's tail)."""
+    import subprocess
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "xmoe", "train", *args, "--out", out]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        command = " ".join(["python"] + cmd[1:]).replace(out, "RUN_DIR")
+        if proc.returncode:
+            return None, command, wall, (proc.stderr or proc.stdout)[-1500:]
+        records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    return records, command, wall, ""

@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
+
+from benchmarks.harness import run_xmoe_train  # noqa: E402
+
 
 def losses(mode: str, steps: int) -> list[float]:
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "xmoe", "train", "--preset", "small", "--set", "model.num_layers=4", "--seq-len",
-               "2048", "--batch-size", "8", "--micro-batch-size", "8", "--steps", str(steps), "--log-every", "1",
-               "--ckpt-every", "0", "--compile", mode, "--out", out]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        return [json.loads(line)["loss"] for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    records, command, _, error = run_xmoe_train(
+        "--preset", "small", "--set", "model.num_layers=4", "--seq-len", "2048", "--batch-size", "8",
+        "--micro-batch-size", "8", "--steps", str(steps), "--log-every", "1", "--ckpt-every", "0", "--compile", mode)
+    if records is None:
+        raise SystemExit(f"loss_parity: `{command}` failed:\n{error}")
+    return [r["loss"] for r in records]
 
 
 def main() -> None:
