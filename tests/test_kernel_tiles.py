@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton backend needs the triton package (pip install triton)")
 
-from test_triton_kernels import _inputs, _loop_reference, _rel, _routing  # noqa: E402
+from test_triton_kernels import _check_wgrad, _inputs, _loop_reference, _rel, _routing, _wgrad_inputs  # noqa: E402
 
 from xmoe.kernels import get_ops, tiles  # noqa: E402
 from xmoe.kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
@@ -103,26 +103,13 @@ def test_flat_wgrad_groups_with_empty_experts(gather, group):
     # several experts per program: accumulators stored and reset at each expert's last row tile, experts with no
     # rows (inside a group and whole groups) written as zeros, E not a multiple of the group, M and NC ragged
     counts = torch.tensor(COUNTS_WITH_EMPTY_GROUPS)
-    N, T, M, NC = int(counts.sum()), 250, 40, 36
-    g = torch.Generator().manual_seed(12)
-    idx = torch.randperm(T, generator=g)[:N]
-    a = torch.randn(T if gather == "a" else N, M, generator=g)
-    b1, b2 = (torch.randn(T if gather == "b" else N, NC, generator=g) for _ in range(2))
+    a, a_idx, b1, b2, b_idx = _wgrad_inputs(counts, gather, seed=12)
     cfg = TileConfig(32, 32, 32, 4, 1, group)
     with tiles.force({"wgrad": cfg, "wgrad2": cfg}):
-        c1, c2 = grouped_wgrad(a, idx if gather == "a" else None, b1, b2, idx if gather == "b" else None, counts)
-        single, _ = grouped_wgrad(a, idx if gather == "a" else None, b1, None, idx if gather == "b" else None, counts)
-    rows_a = a[idx] if gather == "a" else a
-    rows_b1, rows_b2 = (b[idx] if gather == "b" else b for b in (b1, b2))
-    start = 0
-    for e, n in enumerate(counts.tolist()):
-        sl = slice(start, start + n)
-        for got, b in ((c1, rows_b1), (c2, rows_b2), (single, rows_b1)):
-            if n == 0:
-                assert torch.count_nonzero(got[e]) == 0, e
-            else:
-                assert _rel(got[e], rows_a[sl].double().T @ b[sl].double()) < 1e-5, e
-        start += n
+        c1, c2 = grouped_wgrad(a, a_idx, b1, b2, b_idx, counts)
+        single, _ = grouped_wgrad(a, a_idx, b1, None, b_idx, counts)
+    for got, b in ((c1, b1), (c2, b2), (single, b1)):
+        _check_wgrad(got, a, a_idx, b, b_idx, counts)
 
 
 def test_shape_class_and_pick_order():

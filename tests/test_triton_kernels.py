@@ -167,23 +167,33 @@ def test_grouped_wgrad_long_and_empty_groups(gather):
     from xmoe.kernels.grouped_wgrad import grouped_wgrad
 
     counts = torch.tensor([33, 0, 97, 1, 0, 32, 31])
-    N, T, M, NC = int(counts.sum()), 250, 40, 36
-    g = torch.Generator().manual_seed(11)
+    a, a_idx, b1, b2, b_idx = _wgrad_inputs(counts, gather, seed=11)
+    c1, c2 = grouped_wgrad(a, a_idx, b1, b2, b_idx, counts)
+    _check_wgrad(c1, a, a_idx, b1, b_idx, counts)
+    _check_wgrad(c2, a, a_idx, b2, b_idx, counts)
+
+
+def _wgrad_inputs(counts, gather, seed, T=250, M=40, NC=36):
+    """(a, a_idx, b1, b2, b_idx) for grouped_wgrad with the rows of a ("a"), of b ("b") or of neither gathered."""
+    g = torch.Generator().manual_seed(seed)
+    N = int(counts.sum())
     idx = torch.randperm(T, generator=g)[:N]
     a = torch.randn(T if gather == "a" else N, M, generator=g)
     b1, b2 = (torch.randn(T if gather == "b" else N, NC, generator=g) for _ in range(2))
-    c1, c2 = grouped_wgrad(a, idx if gather == "a" else None, b1, b2, idx if gather == "b" else None, counts)
-    rows_a = a[idx] if gather == "a" else a
-    rows_b1, rows_b2 = (b[idx] if gather == "b" else b for b in (b1, b2))
+    return a, idx if gather == "a" else None, b1, b2, idx if gather == "b" else None
+
+
+def _check_wgrad(c, a, a_idx, b, b_idx, counts):
+    """c[e] against the float64 A_e^T B_e over expert e's rows; an expert without rows is exactly zero."""
+    rows_a = a[a_idx] if a_idx is not None else a
+    rows_b = b[b_idx] if b_idx is not None else b
     start = 0
     for e, n in enumerate(counts.tolist()):
         sl = slice(start, start + n)
-        want1 = rows_a[sl].double().T @ rows_b1[sl].double()
-        want2 = rows_a[sl].double().T @ rows_b2[sl].double()
         if n == 0:
-            assert torch.count_nonzero(c1[e]) == 0 and torch.count_nonzero(c2[e]) == 0
+            assert torch.count_nonzero(c[e]) == 0, e
         else:
-            assert _rel(c1[e], want1) < 1e-5 and _rel(c2[e], want2) < 1e-5, e
+            assert _rel(c[e], rows_a[sl].double().T @ rows_b[sl].double()) < 1e-5, e
         start += n
 
 
