@@ -5,6 +5,7 @@
     PYTHONPATH=. python benchmarks/bench_experts.py                 # all configs, T = 8192 and 16384
     PYTHONPATH=. python benchmarks/bench_experts.py --sweep         # time every tile candidate per kernel first
     PYTHONPATH=. python benchmarks/bench_experts.py --profile       # and GPU time per kernel of the fused path
+    PYTHONPATH=. python benchmarks/bench_experts.py --per-gemm      # and each GEMM alone vs torch._grouped_mm
     PYTHONPATH=. python benchmarks/bench_experts.py --check         # check_gpu.py's bf16 checks first
     PYTHONPATH=. XMOE_AUTOTUNE=1 python benchmarks/bench_experts.py --check --out DIR \
         --methods triton_fused,triton_fused_legacy,grouped_mm_pipe,dense_equiv   # tuned vs before, side by side
@@ -14,11 +15,17 @@ Methods, all including their routing bookkeeping (plan / sort) inside the timed 
                     tiles per shape class (autotuned under XMOE_AUTOTUNE=1), lean backward
   triton_fused_legacy  the same op with the one hand-picked tile table and the backward buffers of before
                     (xmoe.kernels.tiles.use_options(legacy=True))
+  triton_fused_triton_wgrad  triton_fused with its weight gradients always by the Triton kernels
+                    (use_options(wgrad="triton"); triton_fused takes the Hopper torch._grouped_mm path where
+                    xmoe.kernels.grouped_wgrad.wgrad_engine picks it)
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
   grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the common torch MoE path)
   gshard_padded     xmoe/dispatch/padded.py at capacity factor 1.25 + bmm experts (drops tokens; a baseline)
   dense_equiv       one dense SwiGLU over T*K rows, same FLOPs, no routing: the ceiling
+  bmm_ceiling       every expert's SwiGLU over exactly T*K/E rows by torch.bmm (cuBLAS batched GEMMs), no
+                    routing, gather or combine: the grouped ceiling (each expert's weights are read and its
+                    gradients written over only its own rows, which a dense GEMM never pays)
 TFLOP/s counts 2*T*K*H*3F per forward and 3x that for forward+backward. Memory, from max_memory_allocated:
   peak_gib        peak over one forward+backward minus what was allocated before (inputs and weights excluded,
                   weight gradients included)
@@ -46,8 +53,8 @@ import torch.nn.functional as F
 from benchmarks.harness import RESULTS_ENV, environment, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
-METHODS = ["triton_fused", "triton_fused_legacy", "triton_ops", "torch_backend", "grouped_mm_pipe", "gshard_padded",
-           "dense_equiv"]
+METHODS = ["triton_fused", "triton_fused_legacy", "triton_fused_triton_wgrad", "triton_ops", "torch_backend",
+           "grouped_mm_pipe", "gshard_padded", "dense_equiv", "bmm_ceiling"]
 
 
 def make_inputs(H, Fd, E, K, T, routing, seed=0):
@@ -98,7 +105,7 @@ def forward_fn(method, inp, E):
     x, w, w1, w3, w2, ids = inp["x"], inp["w"], inp["w1"], inp["w3"], inp["w2"], inp["ids"]
     T, K = ids.shape
     leaves = [x, w, w1, w3, w2]
-    if method in ("triton_fused", "triton_fused_legacy"):
+    if method in ("triton_fused", "triton_fused_legacy", "triton_fused_triton_wgrad"):
         def fwd():
             p = build_plan(ids, inp["scores"], E)
             return triton_ops.moe_experts(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK,
@@ -139,6 +146,15 @@ def forward_fn(method, inp, E):
 
         def fwd():
             return (F.silu(xd @ wd[0]) * (xd @ wd[1])) @ wd[2]
+    elif method == "bmm_ceiling":
+        E_, H, Fd = w1.shape
+        rows = T * K // E_
+        xb = inp.setdefault("x_bmm", torch.randn(E_, rows, H, device="cuda", dtype=x.dtype).requires_grad_())
+        inp.setdefault("grad_bmm", torch.randn(E_, rows, H, device="cuda", dtype=x.dtype))
+        leaves = [xb, w1, w3, w2]
+
+        def fwd():
+            return torch.bmm(F.silu(torch.bmm(xb, w1)) * torch.bmm(xb, w3), w2)
     else:
         raise ValueError(f"unknown method {method!r}")
     return fwd, leaves
@@ -163,8 +179,9 @@ def memory_split(fwd, leaves, grad):
 
 def measure(method, inp, E, flops_fwd):
     fwd, leaves = forward_fn(method, inp, E)
-    grad = inp["grad_dense"] if method == "dense_equiv" else inp["grad"]
-    mode = tiles_legacy if method == "triton_fused_legacy" else contextlib.nullcontext
+    grad = {"dense_equiv": inp.get("grad_dense"), "bmm_ceiling": inp.get("grad_bmm")}.get(method, inp["grad"])
+    mode = {"triton_fused_legacy": tiles_legacy, "triton_fused_triton_wgrad": triton_wgrad}.get(
+        method, contextlib.nullcontext)
 
     def fwd_only():
         with mode(), torch.no_grad():
@@ -200,6 +217,12 @@ def tiles_legacy():
     return tiles.use_options(legacy=True)
 
 
+def triton_wgrad():
+    from xmoe.kernels import tiles
+
+    return tiles.use_options(wgrad="triton")
+
+
 def _kernel_calls(H, Fd, E, K, T):
     """One zero-argument call per tiled kernel, each in its fused-path use (full width, no column chunks), on
     fresh inputs of one config."""
@@ -220,6 +243,71 @@ def _kernel_calls(H, Fd, E, K, T):
         "wgrad": lambda: grouped_wgrad(a, None, g, None, tok, counts),
         "wgrad2": lambda: grouped_wgrad(x, tok, h1, h3, None, counts),
     }
+
+
+def per_gemm(configs=("small", "medium", "large"), tokens=(16384,), routings=("uniform",)):
+    """Each GEMM of the fused path timed alone (its kernel as the fused path calls it, full width) beside
+    torch._grouped_mm on the same operands with the gathered rows made first, plus the gathers and a batched
+    (torch.bmm) weight gradient over equal groups: TFLOP/s per GEMM."""
+    rows = []
+    for name, T, routing in ((n, t, r) for n in configs for t in tokens for r in routings):
+        cell = _per_gemm_cell(name, T, routing)  # its tensors are freed when it returns
+        for r in cell:
+            print("per-gemm", " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                  flush=True)
+        rows += cell
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _per_gemm_cell(name, T, routing):
+    from xmoe.dispatch.routing import build_plan
+    from xmoe.kernels import grouped_gemm as gg
+    from xmoe.kernels.grouped_wgrad import grouped_wgrad
+
+    H, Fd, E, K = CONFIGS[name]
+    inp = make_inputs(H, Fd, E, K, T, routing)
+    p = build_plan(inp["ids"], inp["scores"], E)
+    x, g, counts, tok = inp["x"].detach(), inp["grad"], p.tokens_per_expert_E, p.token_ids_N
+    w1, w3, w2 = (inp[k].detach() for k in ("w1", "w3", "w2"))
+    h1, h3, a = gg.swiglu_up_fwd(x, tok, w1, w3, counts, True)
+    x_g, g_g = x[tok], g[tok]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    flops = 2.0 * tok.shape[0] * H * Fd  # one (N, H) x (H, F) product
+    gm = torch._grouped_mm
+    calls = {  # GEMM: (products, xmoe kernel, torch._grouped_mm on gathered rows)
+        "up: h1, h3 = x[tok] w1, w3": (2, lambda: gg.swiglu_up_fwd(x, tok, w1, w3, counts, True),
+                                       lambda: (gm(x_g, w1, offs=offs), gm(x_g, w3, offs=offs))),
+        "down: y = a w2": (1, lambda: gg.grouped_mm(a, w2, None, None, counts), lambda: gm(a, w2, offs=offs)),
+        "down dgrad: da = g[tok] w2^T": (
+            1, lambda: gg._grouped_mm(g, w2.transpose(1, 2), None, None, counts, tok, "down_bwd"),
+            lambda: gm(g_g, w2.transpose(1, 2), offs=offs)),
+        "up dgrad: dx = dh1 w1^T + dh3 w3^T": (
+            2, lambda: gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts),
+            lambda: gm(h1, w1.transpose(1, 2), offs=offs) + gm(h3, w3.transpose(1, 2), offs=offs)),
+        "down wgrad: dW2 = a^T g[tok]": (1, lambda: grouped_wgrad(a, None, g, None, tok, counts),
+                                         lambda: gm(a.t(), g_g, offs=offs)),
+        "up wgrad: dW1, dW3 = x[tok]^T (dh1, dh3)": (
+            2, lambda: grouped_wgrad(x, tok, h1, h3, None, counts),
+            lambda: (gm(x_g.t(), h1, offs=offs), gm(x_g.t(), h3, offs=offs))),
+    }
+    rows = []
+    for gemm, (n, ours, theirs) in calls.items():
+        row = {"config": name, "T": T, "routing": routing, "gemm": gemm}
+        for col, fn in (("xmoe", ours), ("grouped_mm", theirs)):
+            row[f"{col}_ms"] = time_ms(fn, warmup_ms=10, rep_ms=40)
+            row[f"{col}_tflops"] = n * flops / row[f"{col}_ms"] * 1e-9
+        rows.append(row)
+    rows.append({"config": name, "T": T, "routing": routing, "gemm": "gather x[tok] (N, H)",
+                 "grouped_mm_ms": time_ms(lambda: x[tok], warmup_ms=10, rep_ms=40)})
+    if (T * K) % E == 0 and routing == "uniform":
+        xb = torch.randn(E, T * K // E, H, device="cuda", dtype=x.dtype)
+        hb = torch.randn(E, T * K // E, Fd, device="cuda", dtype=x.dtype)
+        ms = time_ms(lambda: torch.bmm(xb.transpose(1, 2), hb), warmup_ms=10, rep_ms=40)
+        rows.append({"config": name, "T": T, "routing": routing, "gemm": f"bmm wgrad over {T * K // E} rows per expert",
+                     "grouped_mm_ms": ms, "grouped_mm_tflops": flops / ms * 1e-9})
+    return rows
 
 
 def sweep(configs=("small", "medium", "large"), T=16384):
@@ -330,6 +418,8 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--sweep", action="store_true", help="time every tile candidate per kernel first")
     parser.add_argument("--profile", action="store_true", help="then profile the fused path's kernels")
+    parser.add_argument("--per-gemm", action="store_true",
+                        help="time each GEMM of the fused path alone beside torch._grouped_mm (T=16384) first")
     parser.add_argument("--check", action="store_true",
                         help="run benchmarks/check_gpu.py's bf16 checks (every tile candidate) first; stop on failure")
     parser.add_argument("--out", help="write results (and, unless XMOE_CACHE_DIR is set, the tuned tiles) here")
@@ -359,12 +449,20 @@ def main() -> int:
     if args.sweep:
         write_results("sweep_tiles", sweep(), ["config", "kernel", "tile", "ms", "error"], meta,
                       "Tile candidates of the Triton grouped-GEMM kernels, each in its fused-path use (T=16384)")
+    if args.per_gemm:
+        write_results("per_gemm", per_gemm(args.configs.split(","), routings=args.routing.split(",")),
+                      ["config", "T", "routing", "gemm", "xmoe_ms", "xmoe_tflops", "grouped_mm_ms", "grouped_mm_tflops"], meta,
+                      "Each GEMM of the fused path alone: xmoe's kernel vs torch._grouped_mm on pre-gathered rows",
+                      notes="TFLOP/s = 2*N*H*F per product (two products for up, dx and dW1/dW3); the grouped_mm "
+                            "column excludes making the gathered rows (its own row); bmm: equal groups, no "
+                            "routing.")
     if args.profile:
         write_results("profile_experts", profile(), ["config", "kernel", "calls", "ms"], meta,
                       "GPU time per kernel of the fused path's forward+backward (T=16384, uniform)")
     rows = []
     columns = ["config", "T", "routing", "method", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "tflops", "peak_gib",
-               "held_gib", "bwd_transient_gib", "vs_grouped_mm", "vs_dense", "transient_vs_grouped_mm", "error"]
+               "held_gib", "bwd_transient_gib", "vs_grouped_mm", "vs_dense", "vs_bmm", "transient_vs_grouped_mm",
+               "error"]
     for cfg in args.configs.split(","):
         H, Fd, E, K = CONFIGS[cfg]
         for T in map(int, args.tokens.split(",")):
@@ -376,7 +474,7 @@ def main() -> int:
                 flops_fwd = 2 * T * K * H * 3 * Fd
                 cell = []
                 for method in args.methods.split(","):
-                    if method == "dense_equiv" and routing != "uniform":
+                    if method in ("dense_equiv", "bmm_ceiling") and routing != "uniform":
                         continue  # no routing: identical to the uniform cell
                     row = {"config": cfg, "T": T, "routing": routing, **measure(method, inp, E, flops_fwd)}
                     cell.append(row)
@@ -386,7 +484,11 @@ def main() -> int:
                 ref = {r["method"]: r for r in cell}.get("grouped_mm_pipe", {})
                 dense = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
                               and r["method"] == "dense_equiv"), None)
+                bmm = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
+                            and r["method"] == "bmm_ceiling"), None)
                 for r in cell:
+                    if r.get("fwd_bwd_ms") and bmm:
+                        r["vs_bmm"] = bmm / r["fwd_bwd_ms"]
                     if r.get("fwd_bwd_ms") and ref.get("fwd_bwd_ms"):
                         r["vs_grouped_mm"] = ref["fwd_bwd_ms"] / r["fwd_bwd_ms"]
                     if r.get("fwd_bwd_ms") and dense:
@@ -406,7 +508,8 @@ def main() -> int:
     from benchmarks.harness import markdown_table
 
     print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "triton_fused_legacy",
-                                                             "grouped_mm_pipe", "dense_equiv")], columns))
+                                                             "triton_fused_triton_wgrad", "grouped_mm_pipe",
+                                                             "dense_equiv", "bmm_ceiling")], columns))
     if tiles.OPTIONS.autotune:
         print("tuned tiles:", os.environ.get("XMOE_CACHE_DIR") or "~/.cache/xmoe")
     return 0

@@ -18,11 +18,21 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
-def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    """Median milliseconds of fn() on the current CUDA device."""
+def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100, min_reps: int = 5) -> float:
+    """Median milliseconds of fn() on the current CUDA device, over at least min_reps timed calls (after at
+    least two warm-up calls): triton's do_bench alone sizes its loops by time, so a call longer than rep_ms would
+    be timed once and one stall would be the result."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    once = start.elapsed_time(end)
+    return float(triton.testing.do_bench(fn, warmup=max(warmup_ms, 2 * once), rep=max(rep_ms, min_reps * once),
+                                         return_mode="median"))
 
 
 def peak_extra_bytes(fn: Callable[[], object]) -> int:

@@ -12,10 +12,19 @@ Both sum each expert's rows in order into fp32 accumulators and write every outp
 deterministic, no atomics. Split-K over the rows was not taken: at these shapes there are 10^4-10^5 output tiles
 per launch (E * H/128 * F/128), so splitting adds fp32 partial buffers the size of the gradients (~15 GB per
 weight on the large shape) to shorten reductions that are already short.
+
+The Hopper path (``wgrad_engine``): on sm_90 the same products can run as ``torch._grouped_mm`` over row-gathered
+operands (PyTorch's grouped GEMM, a TMA-fed, warp-specialised kernel with no split-K), at the cost of one
+transient (N, H) gathered buffer. On an H200 it is faster at every model shape (large, T=16384: dW2 10.8 ->
+7.8 ms plus a 0.95 ms gather; a tensor-descriptor, warp-specialised persistent Triton kernel of ours reached only
+255-321 TFLOP/s there), but the gathered buffer is worth its memory only where experts are many and short
+(E >= 128, at most 1024 rows each): on the 64-expert small shape it would lift the backward's transient memory
+from 0.45x to 0.70x of a gather-first pipeline's for 5% (docs/kernels.md).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -264,3 +273,43 @@ def _(a, a_idx_N, b1, b2, b_idx_N, tokens_per_expert_E):
     num_experts = tokens_per_expert_E.shape[0]
     return (a.new_empty(num_experts, a.shape[1], b1.shape[1]),
             a.new_empty(num_experts if b2 is not None else 0, a.shape[1], b1.shape[1]))
+
+
+# Where "auto" takes the Hopper path (module docstring): many experts with short reductions.
+GROUPED_MM_MIN_EXPERTS = 128
+GROUPED_MM_MAX_ROWS_PER_EXPERT = 1024
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, ffn: int) -> str:
+    """"grouped_mm" or "triton": what computes the fused backward's weight gradients for these operands.
+
+    ``tiles.OPTIONS.wgrad`` (env ``XMOE_WGRAD``): "triton" always the kernels above; "grouped_mm" torch._grouped_mm
+    wherever it runs (CUDA bf16, CPU fp32 in builds with its CPU kernel; tests use this on CPU); "auto" (default)
+    grouped_mm on sm_90 in bf16 with at least GROUPED_MM_MIN_EXPERTS experts averaging at most
+    GROUPED_MM_MAX_ROWS_PER_EXPERT rows. Either way H and F must be multiples of 8 (its 16-byte stride rule) and
+    there must be rows (and bf16 under torch.compile); otherwise, and in legacy mode, "triton"."""
+    mode = tiles.OPTIONS.wgrad
+    if mode not in ("auto", "triton", "grouped_mm"):
+        raise ValueError(f"XMOE_WGRAD / tiles.OPTIONS.wgrad is {mode!r}; use auto, triton or grouped_mm")
+    usable = (hasattr(torch, "_grouped_mm") and hidden % 8 == 0 and ffn % 8 == 0 and num_rows > 0
+              and not tiles.OPTIONS.legacy
+              # torch.compile's shape function of _grouped_mm takes bf16 only
+              and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()))
+    if mode == "triton" or not usable:
+        return "triton"
+    if mode == "grouped_mm":
+        return "grouped_mm"
+    return "grouped_mm" if (x.is_cuda and x.dtype == torch.bfloat16 and _is_sm90(x.device.index or 0)
+                            and num_experts >= GROUPED_MM_MIN_EXPERTS
+                            and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * num_experts) else "triton"
+
+
+def grouped_mm_wgrad(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """c[e] = a_e^T b_e over the contiguous row groups ending at offs_E (int32 cumulative counts), by
+    torch._grouped_mm; a and b are (N, M) and (N, K) rows already in expert order."""
+    return torch._grouped_mm(a_NM.t(), b_NK, offs=offs_E)

@@ -11,7 +11,9 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
      launch's own arguments (kernels that write only their outputs, so re-running is harmless), the fastest
      kept in memory and in ``$XMOE_CACHE_DIR`` (default ~/.cache/xmoe), one JSON file per GPU name and Triton
      version. Candidates that fail to compile or launch are skipped.
-  4. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
+  4. The tuned table shipped for this GPU model, if any (xmoe/kernels/tuned/<GPU name>.json: the winners of an
+     ``XMOE_AUTOTUNE=1`` run of benchmarks/bench_experts.py over the three model shapes), for the classes it has.
+  5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
      experts average fewer than 64 rows, and pipeline stages cut until they fit the GPU's shared memory (an
      A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
 ``LEGACY`` (the one hand-picked table used before shape classes, and the backward that kept every (N, F) and
@@ -74,7 +76,8 @@ CANDIDATES: dict[str, list[TileConfig]] = {
     "mm": [LEGACY["mm"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
     "dx": [LEGACY["dx"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
     "down_bwd": [LEGACY["down_bwd"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
-    "wgrad": [LEGACY["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 32, 4, 6, 2),
+    "wgrad": [LEGACY["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(256, 128, 64, 8, 3),
+              TileConfig(128, 128, 32, 4, 6, 2),
               TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
     "wgrad2": [LEGACY["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
                TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
@@ -88,6 +91,8 @@ FP32_CONFIG = TileConfig(64, 64, 32, 4, 3)  # exact fp32 dots use no tensor core
 class Options:
     legacy: bool = os.environ.get("XMOE_KERNELS_LEGACY") == "1"  # the LEGACY tiles and the backward that stores every buffer (for comparison)
     autotune: bool = os.environ.get("XMOE_AUTOTUNE") == "1"
+    # weight gradients of the fused backward: "auto", "triton" or "grouped_mm" (grouped_wgrad.wgrad_engine)
+    wgrad: str = os.environ.get("XMOE_WGRAD", "auto")
 
 
 OPTIONS = Options()
@@ -185,6 +190,8 @@ def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, widt
         return cfg
     max_shared = _max_shared(device.index or 0) if device.type == "cuda" else 227 * 1024
     cfg = heuristic(kernel, num_rows, num_experts, max_shared)
+    if device.type == "cuda":
+        cfg = shipped_table(_gpu_name(device)).get(key, cfg)
     if OPTIONS.autotune and device.type == "cuda" and run is not None:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return cfg  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
@@ -216,6 +223,24 @@ def _tune(kernel: str, run: Callable[[TileConfig], object], max_shared: int,
     return best[1] if best else None
 
 
+SHIPPED_DIR = Path(__file__).parent / "tuned"
+
+
+def _gpu_name(device: torch.device) -> str:
+    """The GPU's name as file names here spell it (NVIDIA_H200)."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
+
+
+@functools.cache
+def shipped_table(gpu_name: str, folder: Path = SHIPPED_DIR) -> dict[str, TileConfig]:
+    """{shape class: config} tuned for this GPU model and shipped with xmoe (empty for other GPUs)."""
+    try:
+        entries = json.loads((folder / f"{gpu_name}.json").read_text())["tiles"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {key: TileConfig(*cfg) for key, cfg in entries.items()}
+
+
 class _DiskCache:
     """Tuned configs of one GPU model and Triton version: {shape class: [block_m, ..., group]} in one JSON file."""
 
@@ -229,9 +254,8 @@ class _DiskCache:
     def for_device(cls, device: torch.device) -> "_DiskCache":
         import triton
 
-        name = re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(device)).strip("_")
         folder = Path(os.environ.get("XMOE_CACHE_DIR") or Path.home() / ".cache" / "xmoe")
-        path = folder / f"tiles-{name}-triton{triton.__version__}.json"
+        path = folder / f"tiles-{_gpu_name(device)}-triton{triton.__version__}.json"
         if str(path) not in cls._open:
             cls._open[str(path)] = cls(path)
         return cls._open[str(path)]
