@@ -223,19 +223,20 @@ def triton_wgrad():
     return tiles.use_options(wgrad="triton")
 
 
-def _kernel_calls(H, Fd, E, K, T):
+def _kernel_calls(H, Fd, E, K, T, routing="uniform", with_grouped_mm=False):
     """One zero-argument call per tiled kernel, each in its fused-path use (full width, no column chunks), on
-    fresh inputs of one config."""
+    fresh inputs of one config; with_grouped_mm: {kernel: (products, xmoe call, torch._grouped_mm call on rows
+    gathered beforehand)} and the gather itself under "gather"."""
     from xmoe.dispatch.routing import build_plan
     from xmoe.kernels import grouped_gemm as gg
     from xmoe.kernels.grouped_wgrad import grouped_wgrad
 
-    inp = make_inputs(H, Fd, E, K, T, "uniform")
+    inp = make_inputs(H, Fd, E, K, T, routing)
     p = build_plan(inp["ids"], inp["scores"], E)
     x, g, counts, tok = inp["x"].detach(), inp["grad"], p.tokens_per_expert_E, p.token_ids_N
     w1, w3, w2 = (inp[k].detach() for k in ("w1", "w3", "w2"))
     h1, h3, a = gg.swiglu_up_fwd(x, tok, w1, w3, counts, True)
-    return {
+    ours = {
         "up_fwd": lambda: gg.swiglu_up_fwd(x, tok, w1, w3, counts, True),
         "mm": lambda: gg.grouped_mm(a, w2, None, None, counts),
         "dx": lambda: gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts),
@@ -243,6 +244,34 @@ def _kernel_calls(H, Fd, E, K, T):
         "wgrad": lambda: grouped_wgrad(a, None, g, None, tok, counts),
         "wgrad2": lambda: grouped_wgrad(x, tok, h1, h3, None, counts),
     }
+    if not with_grouped_mm:
+        return ours
+    x_g, g_g = x[tok], g[tok]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gm = torch._grouped_mm
+    theirs = {
+        "up_fwd": (2, lambda: (gm(x_g, w1, offs=offs), gm(x_g, w3, offs=offs))),
+        "mm": (1, lambda: gm(a, w2, offs=offs)),
+        "dx": (2, lambda: gm(h1, w1.transpose(1, 2), offs=offs) + gm(h3, w3.transpose(1, 2), offs=offs)),
+        "down_bwd": (1, lambda: gm(g_g, w2.transpose(1, 2), offs=offs)),
+        "wgrad": (1, lambda: gm(a.t(), g_g, offs=offs)),
+        "wgrad2": (2, lambda: (gm(x_g.t(), h1, offs=offs), gm(x_g.t(), h3, offs=offs))),
+    }
+    calls = {k: (n, ours[k], fn) for k, (n, fn) in theirs.items()}
+    calls["gather"] = (0, None, lambda: x[tok])
+    return calls
+
+
+# what each tiled kernel computes in the fused path (per_gemm's rows)
+GEMM_NAMES = {
+    "up_fwd": "up: h1, h3 = x[tok] w1, w3",
+    "mm": "down: y = a w2",
+    "down_bwd": "down dgrad: da = g[tok] w2^T",
+    "dx": "up dgrad: dx = dh1 w1^T + dh3 w3^T",
+    "wgrad": "down wgrad: dW2 = a^T g[tok]",
+    "wgrad2": "up wgrad: dW1, dW3 = x[tok]^T (dh1, dh3)",
+    "gather": "gather x[tok] (N, H)",
+}
 
 
 def per_gemm(configs=("small", "medium", "large"), tokens=(16384,), routings=("uniform",)):
@@ -262,48 +291,20 @@ def per_gemm(configs=("small", "medium", "large"), tokens=(16384,), routings=("u
 
 
 def _per_gemm_cell(name, T, routing):
-    from xmoe.dispatch.routing import build_plan
-    from xmoe.kernels import grouped_gemm as gg
-    from xmoe.kernels.grouped_wgrad import grouped_wgrad
-
     H, Fd, E, K = CONFIGS[name]
-    inp = make_inputs(H, Fd, E, K, T, routing)
-    p = build_plan(inp["ids"], inp["scores"], E)
-    x, g, counts, tok = inp["x"].detach(), inp["grad"], p.tokens_per_expert_E, p.token_ids_N
-    w1, w3, w2 = (inp[k].detach() for k in ("w1", "w3", "w2"))
-    h1, h3, a = gg.swiglu_up_fwd(x, tok, w1, w3, counts, True)
-    x_g, g_g = x[tok], g[tok]
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    flops = 2.0 * tok.shape[0] * H * Fd  # one (N, H) x (H, F) product
-    gm = torch._grouped_mm
-    calls = {  # GEMM: (products, xmoe kernel, torch._grouped_mm on gathered rows)
-        "up: h1, h3 = x[tok] w1, w3": (2, lambda: gg.swiglu_up_fwd(x, tok, w1, w3, counts, True),
-                                       lambda: (gm(x_g, w1, offs=offs), gm(x_g, w3, offs=offs))),
-        "down: y = a w2": (1, lambda: gg.grouped_mm(a, w2, None, None, counts), lambda: gm(a, w2, offs=offs)),
-        "down dgrad: da = g[tok] w2^T": (
-            1, lambda: gg._grouped_mm(g, w2.transpose(1, 2), None, None, counts, tok, "down_bwd"),
-            lambda: gm(g_g, w2.transpose(1, 2), offs=offs)),
-        "up dgrad: dx = dh1 w1^T + dh3 w3^T": (
-            2, lambda: gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts),
-            lambda: gm(h1, w1.transpose(1, 2), offs=offs) + gm(h3, w3.transpose(1, 2), offs=offs)),
-        "down wgrad: dW2 = a^T g[tok]": (1, lambda: grouped_wgrad(a, None, g, None, tok, counts),
-                                         lambda: gm(a.t(), g_g, offs=offs)),
-        "up wgrad: dW1, dW3 = x[tok]^T (dh1, dh3)": (
-            2, lambda: grouped_wgrad(x, tok, h1, h3, None, counts),
-            lambda: (gm(x_g.t(), h1, offs=offs), gm(x_g.t(), h3, offs=offs))),
-    }
+    flops = 2.0 * T * K * H * Fd  # one (N, H) x (H, F) product, N = T * K rows (no drops)
     rows = []
-    for gemm, (n, ours, theirs) in calls.items():
-        row = {"config": name, "T": T, "routing": routing, "gemm": gemm}
+    for kernel, (n, ours, theirs) in _kernel_calls(H, Fd, E, K, T, routing, with_grouped_mm=True).items():
+        row = {"config": name, "T": T, "routing": routing, "gemm": GEMM_NAMES[kernel]}
         for col, fn in (("xmoe", ours), ("grouped_mm", theirs)):
-            row[f"{col}_ms"] = time_ms(fn, warmup_ms=10, rep_ms=40)
-            row[f"{col}_tflops"] = n * flops / row[f"{col}_ms"] * 1e-9
+            if fn is not None:
+                row[f"{col}_ms"] = time_ms(fn, warmup_ms=10, rep_ms=40)
+                if n:
+                    row[f"{col}_tflops"] = n * flops / row[f"{col}_ms"] * 1e-9
         rows.append(row)
-    rows.append({"config": name, "T": T, "routing": routing, "gemm": "gather x[tok] (N, H)",
-                 "grouped_mm_ms": time_ms(lambda: x[tok], warmup_ms=10, rep_ms=40)})
     if (T * K) % E == 0 and routing == "uniform":
-        xb = torch.randn(E, T * K // E, H, device="cuda", dtype=x.dtype)
-        hb = torch.randn(E, T * K // E, Fd, device="cuda", dtype=x.dtype)
+        xb = torch.randn(E, T * K // E, H, device="cuda", dtype=torch.bfloat16)
+        hb = torch.randn(E, T * K // E, Fd, device="cuda", dtype=torch.bfloat16)
         ms = time_ms(lambda: torch.bmm(xb.transpose(1, 2), hb), warmup_ms=10, rep_ms=40)
         rows.append({"config": name, "T": T, "routing": routing, "gemm": f"bmm wgrad over {T * K // E} rows per expert",
                      "grouped_mm_ms": ms, "grouped_mm_tflops": flops / ms * 1e-9})
@@ -450,15 +451,15 @@ def main() -> int:
         write_results("sweep_tiles", sweep(), ["config", "kernel", "tile", "ms", "error"], meta,
                       "Tile candidates of the Triton grouped-GEMM kernels, each in its fused-path use (T=16384)")
     if args.per_gemm:
-        write_results("per_gemm", per_gemm(args.configs.split(","), routings=args.routing.split(",")),
-                      ["config", "T", "routing", "gemm", "xmoe_ms", "xmoe_tflops", "grouped_mm_ms", "grouped_mm_tflops"], meta,
+        columns = ["config", "T", "routing", "gemm", "xmoe_ms", "xmoe_tflops", "grouped_mm_ms", "grouped_mm_tflops"]
+        write_results("per_gemm", per_gemm(args.configs.split(","), routings=args.routing.split(",")), columns, meta,
                       "Each GEMM of the fused path alone: xmoe's kernel vs torch._grouped_mm on pre-gathered rows",
                       notes="TFLOP/s = 2*N*H*F per product (two products for up, dx and dW1/dW3); the grouped_mm "
                             "column excludes making the gathered rows (its own row); bmm: equal groups, no "
                             "routing.")
     if args.profile:
-        write_results("profile_experts", profile(), ["config", "kernel", "calls", "ms"], meta,
-                      "GPU time per kernel of the fused path's forward+backward (T=16384, uniform)")
+        write_results("profile_experts", profile(args.configs.split(",")), ["config", "kernel", "calls", "ms"],
+                      meta, "GPU time per kernel of the fused path's forward+backward (T=16384, uniform)")
     rows = []
     columns = ["config", "T", "routing", "method", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "tflops", "peak_gib",
                "held_gib", "bwd_transient_gib", "vs_grouped_mm", "vs_dense", "vs_bmm", "transient_vs_grouped_mm",
