@@ -228,11 +228,13 @@ def _signal_rank0_body(rank: int, world_size: int, out: str):
     from xmoe.train.cli import build_run_config
 
     args = _parser()[0].parse_args(["train", "--out", out, *SMALL, "--dp", "2", "--steps", "100",
-                                    "--log-every", "2", "--ckpt-every", "100"])
+                                    "--log-every", "50", "--ckpt-every", "100"])
     original = trainer.Trainer._forward_backward
 
     def forward_backward(self, accum):
-        if self.step == 3 and self.rank == 0:  # rank 1 never sees a signal: it learns of it at the next log step
+        # rank 1 never sees a signal: it learns of it from the vote posted after step 3, read after step 4 (not
+        # at the next logging step, 50)
+        if self.step == 3 and self.rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
         return original(self, accum)
 

@@ -11,7 +11,10 @@ checkpoint is ever written after a non-finite step. With ``nonfinite_skips`` > 0
 host instead (one sync per step) and up to that many bad steps in a row are skipped without an update.
 
 Several ranks: ``check`` agrees on both flags with one tiny all-reduce (MAX of [signal, first bad step]), at
-the logging / checkpoint cadence only; one process checks the signal flag at every step (free).
+the logging / checkpoint cadence only; one process checks the signal flag at every step (free). Between those
+steps the signal flag is also voted on every step without waiting: ``start_vote`` posts an asynchronous MAX
+all-reduce of one host int over a gloo group of its own, ``vote`` reads it one step later, so every rank stops at
+the step after the one a signal arrived in (not at the next logging step), with no GPU sync.
 """
 
 from __future__ import annotations
@@ -62,14 +65,26 @@ class RunGuard:
         self.skipped_total = 0
         self._first_bad = torch.zeros((), dtype=torch.long, device=device)  # 0: no bad step yet
         self._previous: dict[int, object] = {}
+        self._vote_group = None  # several ranks: a gloo group for the per-step signal vote
+        self._vote_flag = torch.zeros(1, dtype=torch.long)
+        self._vote_work = None
 
     def __enter__(self) -> "RunGuard":
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank enters the guard: a collective call
+            gloo = dist.get_backend() == "gloo"
+            self._vote_group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._vote_work is not None and exc_type is None:
+            self._vote_work.wait()  # every rank posted it: finish it before the process group goes
+        self._vote_work = None
+        if self._vote_group is not None and self._vote_group is not dist.group.WORLD:
+            dist.destroy_process_group(self._vote_group)
+        self._vote_group = None
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -119,3 +134,21 @@ class RunGuard:
     def signalled(self) -> bool:
         """The local flag, for one process (free to read at every step)."""
         return self.received is not None
+
+    def start_vote(self) -> None:
+        """Several ranks: post this step's signal vote (MAX over ranks of the local flag) without waiting; every
+        rank calls it once per step, after ``vote``."""
+        if self._vote_group is None:
+            return
+        self._vote_flag = torch.tensor([self.received or 0], dtype=torch.long)
+        self._vote_work = dist.all_reduce(self._vote_flag, op=dist.ReduceOp.MAX, group=self._vote_group,
+                                          async_op=True)
+
+    def vote(self) -> Optional[int]:
+        """The signal any rank had received when the previous step's vote was posted (the same on every rank),
+        or None; the vote has had a whole step to finish, so waiting for it costs nothing in practice."""
+        if self._vote_work is None:
+            return None
+        self._vote_work.wait()
+        self._vote_work = None
+        return int(self._vote_flag[0]) or None

@@ -378,12 +378,16 @@ class Trainer:
                 window_load = None
             elif val_loss is not None:
                 self.logger.log(self.step, val_loss=val_loss)
-            # stop flags are agreed where the step already synchronises (one process: a signal at any step)
-            signum = None
+            # stop flags: the signal vote posted one step ago (several ranks), and both flags agreed where the step
+            # already synchronises (one process: a signal at any step)
+            signum = guard.vote()
             if log_now or ckpt_now or (self.world == 1 and guard.signalled()):
-                signum, first_bad = guard.check(self.world)
+                checked, first_bad = guard.check(self.world)
+                signum = signum or checked
                 if first_bad is not None:
                     self._stop_nonfinite(first_bad)  # before saving: a non-finite state is never checkpointed
+            if not signum:
+                guard.start_vote()
             if ckpt_now or (signum and t.ckpt_every):
                 saving = time.perf_counter()
                 self.save()
