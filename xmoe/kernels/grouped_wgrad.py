@@ -38,6 +38,31 @@ from xmoe.kernels.tiles import TileConfig
 
 
 @triton.jit
+def _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_m, offs_n, M, NC, stride_a, stride_b,
+                HAS_SECOND: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One reduction step of both wgrad kernels: acc1 += A^T B1 (and acc2 += A^T B2) over BLOCK_K rows whose
+    source rows are src_a / src_b; rows past the group load a real row (finite) and are zeroed in A^T alone."""
+    if EVEN_M:
+        at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None], mask=in_group[None, :], other=0.0)
+    else:
+        at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None],
+                     mask=in_group[None, :] & (offs_m < M)[:, None], other=0.0)
+    if EVEN_N:
+        b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :])
+    else:
+        b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :], other=0.0)
+    acc1 = tl.dot(at, b1, acc1, input_precision=DOT_PRECISION)
+    if HAS_SECOND:
+        if EVEN_N:
+            b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :])
+        else:
+            b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :],
+                         other=0.0)
+        acc2 = tl.dot(at, b2, acc2, input_precision=DOT_PRECISION)
+    return acc1, acc2
+
+
+@triton.jit
 def _grouped_wgrad_kernel(
     a_ptr,  # (T or N, M) fp, row stride stride_a, unit column stride; row n read at a_idx[n] when A_GATHER
     a_idx_ptr,  # (N,) int32/int64 (A_GATHER and B_GATHER are exclusive)
@@ -85,24 +110,8 @@ def _grouped_wgrad_kernel(
             src_next = tl.load(idx_ptr + tl.minimum(rows + BLOCK_K, row_end - 1))
         src_a = src if A_GATHER else rows.to(tl.int64)
         src_b = src if B_GATHER else rows.to(tl.int64)
-        # rows past the group load a real row (finite) and are zeroed in A^T alone
-        if EVEN_M:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None], mask=in_group[None, :], other=0.0)
-        else:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None],
-                         mask=in_group[None, :] & (offs_m < M)[:, None], other=0.0)
-        if EVEN_N:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-        else:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :], other=0.0)
-        acc1 = tl.dot(at, b1, acc1, input_precision=DOT_PRECISION)
-        if HAS_SECOND:
-            if EVEN_N:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-            else:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :],
-                             other=0.0)
-            acc2 = tl.dot(at, b2, acc2, input_precision=DOT_PRECISION)
+        acc1, acc2 = _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_m, offs_n, M, NC,
+                                 stride_a, stride_b, HAS_SECOND, EVEN_M, EVEN_N, DOT_PRECISION)
     c_offs = e.to(tl.int64) * M * NC + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :]
     if EVEN_M and EVEN_N:
         tl.store(c1_ptr + c_offs, acc1.to(c1_ptr.dtype.element_ty))
@@ -181,23 +190,8 @@ def _grouped_wgrad_flat_kernel(
             src_next = tl.load(idx_ptr + tl.minimum(r0 + offs_k, r_end - 1))
         src_a = src if A_GATHER else rows.to(tl.int64)
         src_b = src if B_GATHER else rows.to(tl.int64)
-        if EVEN_M:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None], mask=in_group[None, :], other=0.0)
-        else:
-            at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None],
-                         mask=in_group[None, :] & (offs_m < M)[:, None], other=0.0)
-        if EVEN_N:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-        else:
-            b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :], other=0.0)
-        acc1 = tl.dot(at, b1, acc1, input_precision=DOT_PRECISION)
-        if HAS_SECOND:
-            if EVEN_N:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :])
-            else:
-                b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :],
-                             other=0.0)
-            acc2 = tl.dot(at, b2, acc2, input_precision=DOT_PRECISION)
+        acc1, acc2 = _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_m, offs_n, M, NC,
+                                 stride_a, stride_b, HAS_SECOND, EVEN_M, EVEN_N, DOT_PRECISION)
         last = (t + 1 == t1) | (e_nxt != e_cur)  # this expert's last row tile: store, then start the next one
         c_e = e_cur.to(tl.int64) * M * NC + c_offs
         c_mask = (offs_m < tl.where(last, M, 0))[:, None] & in_n
