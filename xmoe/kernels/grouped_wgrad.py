@@ -24,7 +24,6 @@ from 0.45x to 0.70x of a gather-first pipeline's for 5% (docs/kernels.md).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -274,8 +273,9 @@ GROUPED_MM_MIN_EXPERTS = 128
 GROUPED_MM_MAX_ROWS_PER_EXPERT = 1024
 
 
-@functools.cache
 def _is_sm90(device_index: int) -> bool:
+    # not functools.cache'd: dynamo traces this from the autograd Function's backward (and warns about caches);
+    # torch keeps the device properties behind get_device_capability
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
