@@ -267,6 +267,7 @@ def test_wgrad_engine_rules():
         assert wgrad_engine(x, 64, 8, 12, 16) == "triton"  # H not a multiple of 8: its stride rule
         assert wgrad_engine(x, 64, 8, 16, 20) == "triton"
         assert wgrad_engine(x, 0, 8, 16, 16) == "triton"  # no rows
+        assert wgrad_engine(x.half(), 64, 8, 16, 16) == "triton"  # fp16: torch._grouped_mm takes bf16 (and CPU fp32)
     with tiles.use_options(wgrad="grouped_mm", legacy=True):
         assert wgrad_engine(x, 64, 8, 16, 16) == "triton"
     with tiles.use_options(wgrad="cutlass"), pytest.raises(ValueError, match="auto, triton or grouped_mm"):

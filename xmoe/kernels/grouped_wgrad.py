@@ -283,17 +283,18 @@ def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, 
     """"grouped_mm" or "triton": what computes the fused backward's weight gradients for these operands.
 
     ``tiles.OPTIONS.wgrad`` (env ``XMOE_WGRAD``): "triton" always the kernels above; "grouped_mm" torch._grouped_mm
-    wherever it runs (CUDA bf16, CPU fp32 in builds with its CPU kernel; tests use this on CPU); "auto" (default)
+    wherever it runs (bf16; on CPU also fp32 in builds with its CPU kernel; tests use this on CPU); "auto" (default)
     grouped_mm on sm_90 in bf16 with at least GROUPED_MM_MIN_EXPERTS experts averaging at most
     GROUPED_MM_MAX_ROWS_PER_EXPERT rows. Either way H and F must be multiples of 8 (its 16-byte stride rule) and
-    there must be rows (and bf16 under torch.compile); otherwise, and in legacy mode, "triton"."""
+    there must be rows; otherwise, and in legacy mode, "triton"."""
     mode = tiles.OPTIONS.wgrad
     if mode not in ("auto", "triton", "grouped_mm"):
         raise ValueError(f"XMOE_WGRAD / tiles.OPTIONS.wgrad is {mode!r}; use auto, triton or grouped_mm")
     usable = (hasattr(torch, "_grouped_mm") and hidden % 8 == 0 and ffn % 8 == 0 and num_rows > 0
               and not tiles.OPTIONS.legacy
-              # torch.compile's shape function of _grouped_mm takes bf16 only
-              and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()))
+              # its GPU kernels and torch.compile's shape function take bf16 only; the CPU kernel fp32 too
+              and (x.dtype == torch.bfloat16
+                   or (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling())))
     if mode == "triton" or not usable:
         return "triton"
     if mode == "grouped_mm":
