@@ -74,15 +74,14 @@ class RunGuard:
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         if dist.is_initialized() and dist.get_world_size() > 1:  # every rank enters the guard: a collective call
-            gloo = dist.get_backend() == "gloo"
-            self._vote_group = dist.group.WORLD if gloo else dist.new_group(backend="gloo")
+            self._vote_group = dist.new_group(backend="gloo")  # its own group: never queued behind training traffic
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         if self._vote_work is not None and exc_type is None:
             self._vote_work.wait()  # every rank posted it: finish it before the process group goes
         self._vote_work = None
-        if self._vote_group is not None and self._vote_group is not dist.group.WORLD:
+        if self._vote_group is not None:
             dist.destroy_process_group(self._vote_group)
         self._vote_group = None
         for signum, handler in self._previous.items():
