@@ -62,6 +62,20 @@ def _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_
 
 
 @triton.jit
+def _output_tile(order_ptr, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(entry of order_ptr this program works for, its output rows, its output columns): programs run
+    order-major, then over the (M, NC) output tiles row by row."""
+    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    item = tl.load(order_ptr + pid // (num_pid_m * num_pid_n)).to(tl.int32)
+    pid_mn = pid % (num_pid_m * num_pid_n)
+    offs_m = (pid_mn // num_pid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid_mn % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return item, offs_m, offs_n
+
+
+@triton.jit
 def _grouped_wgrad_kernel(
     a_ptr,  # (T or N, M) fp, row stride stride_a, unit column stride; row n read at a_idx[n] when A_GATHER
     a_idx_ptr,  # (N,) int32/int64 (A_GATHER and B_GATHER are exclusive)
@@ -76,17 +90,9 @@ def _grouped_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    e = tl.load(order_ptr + pid // (num_pid_m * num_pid_n)).to(tl.int32)
-    pid_mn = pid % (num_pid_m * num_pid_n)
-    pid_m = pid_mn // num_pid_n
-    pid_n = pid_mn % num_pid_n
+    e, offs_m, offs_n = _output_tile(order_ptr, M, NC, BLOCK_M, BLOCK_N)
     row_start = tl.load(bounds_ptr + e)
     row_end = tl.load(bounds_ptr + E + e)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -139,15 +145,8 @@ def _grouped_wgrad_flat_kernel(
     # their row tiles, so the copy pipeline runs on across expert boundaries instead of refilling for each expert
     # (E = 256 at ~512 rows each: 16 row blocks per output tile). At an expert's last row tile the accumulators
     # are stored and reset. Each expert's rows are still summed in order, as in _grouped_wgrad_kernel.
-    num_pid_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    e0 = tl.load(order_ptr + pid // (num_pid_m * num_pid_n)).to(tl.int32) * GROUP
-    pid_mn = pid % (num_pid_m * num_pid_n)
-    pid_m = pid_mn // num_pid_n
-    pid_n = pid_mn % num_pid_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    group, offs_m, offs_n = _output_tile(order_ptr, M, NC, BLOCK_M, BLOCK_N)
+    e0 = group * GROUP
     offs_k = tl.arange(0, BLOCK_K)
     c_offs = offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :]
     # a store happens under a scalar condition through its row bound (M or 0): one mask expression, no branch
