@@ -15,11 +15,9 @@ weight on the large shape) to shorten reductions that are already short.
 
 The Hopper path (``wgrad_engine``): on sm_90 the same products can run as ``torch._grouped_mm`` over row-gathered
 operands (PyTorch's grouped GEMM, a TMA-fed, warp-specialised kernel with no split-K), at the cost of one
-transient (N, H) gathered buffer. On an H200 it is faster at every model shape (large, T=16384: dW2 10.8 ->
-7.8 ms plus a 0.95 ms gather; a tensor-descriptor, warp-specialised persistent Triton kernel of ours reached only
-255-321 TFLOP/s there), but the gathered buffer is worth its memory only where experts are many and short
-(E >= 128, at most 1024 rows each): on the 64-expert small shape it would lift the backward's transient memory
-from 0.45x to 0.70x of a gather-first pipeline's for 5% (docs/kernels.md).
+transient (N, H) gathered buffer. On an H200 it is faster at every model shape, but the gathered buffer is worth
+its memory only where experts are many and short (E >= 128, at most 1024 rows each); docs/kernels.md has the
+measurements (benchmarks/results/per_gemm.md, bench_experts_wgrad.md, bench_experts_small_grouped_mm.md).
 """
 
 from __future__ import annotations
@@ -206,7 +204,7 @@ def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Te
                   b_idx_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(c1, c2): c[e] = A_e^T B_e over expert e's rows, A rows = a[a_idx_N] (or a), B rows = b[b_idx_N] (or b).
-    c2 is empty when b2 is None."""
+    c2 is empty when b2 is None. Without row ids, where ``wgrad_engine`` says so, by torch._grouped_mm."""
     if a_idx_N is not None and b_idx_N is not None:
         raise ValueError("grouped_wgrad gathers the rows of a or of b, not both")
     a, b1 = a.contiguous(), b1.contiguous()
@@ -218,6 +216,11 @@ def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Te
     num_experts = tokens_per_expert_E.shape[0]
     width_a, width_b = a.shape[1], b1.shape[1]
     num_rows = a_idx_N.shape[0] if a_idx_N is not None else a.shape[0]
+    if (a_idx_N is None and b_idx_N is None and num_experts > 0
+            and wgrad_engine(a, num_rows, num_experts, width_a, width_b) == "grouped_mm"):
+        offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
+        return (grouped_mm_wgrad(a, b1, offs_E),
+                grouped_mm_wgrad(a, b2, offs_E) if b2 is not None else a.new_empty(0, width_a, width_b))
     c1 = a.new_empty(num_experts, width_a, width_b)
     c2 = a.new_empty(num_experts if b2 is not None else 0, width_a, width_b)
     if num_rows == 0 or num_experts == 0:
@@ -279,7 +282,8 @@ def _is_sm90(device_index: int) -> bool:
 
 
 def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, ffn: int) -> str:
-    """"grouped_mm" or "triton": what computes the fused backward's weight gradients for these operands.
+    """"grouped_mm" or "triton": what computes the weight gradients for these operands (grouped_wgrad without row
+    ids; the fused backward gathers its rows first when this says "grouped_mm"). hidden, ffn: the two widths.
 
     ``tiles.OPTIONS.wgrad`` (env ``XMOE_WGRAD``): "triton" always the kernels above; "grouped_mm" torch._grouped_mm
     wherever it runs (bf16; on CPU also fp32 in builds with its CPU kernel; tests use this on CPU); "auto" (default)
@@ -306,4 +310,4 @@ def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, 
 def grouped_mm_wgrad(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """c[e] = a_e^T b_e over the contiguous row groups ending at offs_E (int32 cumulative counts), by
     torch._grouped_mm; a and b are (N, M) and (N, K) rows already in expert order."""
-    return torch._grouped_mm(a_NM.t(), b_NK, offs=offs_E)
+    return torch._grouped_mm(a_NM.t(), b_NK, offs=offs_E)  # (E, M, K)

@@ -31,7 +31,7 @@ from xmoe.kernels import tiles
 from xmoe.kernels._common import cdiv, interpreting
 from xmoe.kernels.combine import combine_fwd, combine_into, combine_rows
 from xmoe.kernels.grouped_gemm import can_reuse_saved, grouped_mm, swiglu_down_bwd, swiglu_up_fwd
-from xmoe.kernels.grouped_wgrad import grouped_mm_wgrad, grouped_wgrad, wgrad_engine
+from xmoe.kernels.grouped_wgrad import grouped_wgrad, wgrad_engine
 from xmoe.kernels.permute import gather_rows
 from xmoe.kernels.router_topk import router_topk, router_topk_supports
 
@@ -97,19 +97,15 @@ class MoEExpertsFn(torch.autograd.Function):
         #    h1 when allowed); grad_w_n = <grad_out[token] w2^T, a_n>
         reuse = can_reuse_saved()
         num_rows, (hidden, ffn) = token_ids_N.shape[0], w1.shape[1:]
-        # the Hopper path (grouped_wgrad.wgrad_engine): weight gradients by torch._grouped_mm over gathered rows,
-        # one (N, H) gathered buffer alive at a time (grad_out's rows, then x's)
-        on_grouped_mm = wgrad_engine(x_TH, num_rows, counts_E.shape[0], hidden, ffn) == "grouped_mm"
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32) if on_grouped_mm else None
-        g_rows, g_ids = (grad_TH.index_select(0, token_ids_N), None) if on_grouped_mm else (grad_TH, token_ids_N)
+        # the Hopper path (grouped_wgrad.wgrad_engine): weight gradients by torch._grouped_mm, which needs the rows
+        # gathered; one (N, H) gathered buffer alive at a time (grad_out's rows, then x's)
+        gather = wgrad_engine(x_TH, num_rows, counts_E.shape[0], hidden, ffn) == "grouped_mm"
+        g_rows, g_ids = (grad_TH.index_select(0, token_ids_N), None) if gather else (grad_TH, token_ids_N)
         dh1, dh3, a_w, grad_w_N = swiglu_down_bwd(g_rows, g_ids, w2, h1, h3, row_w_N, counts_E, reuse)
         if reuse:
             _mark_overwritten(h1, h3)
         # 2. dW2_e = (w * a)_e^T grad_out[token]_e
-        if on_grouped_mm:
-            dw2 = grouped_mm_wgrad(a_w, g_rows, offs_E)
-        else:
-            dw2 = grouped_wgrad(a_w, None, grad_TH, None, token_ids_N, counts_E)[0]
+        dw2 = grouped_wgrad(a_w, None, g_rows, None, g_ids, counts_E)[0]
         del g_rows
         if reuse:  # a_w is h1's storage, which ctx holds until the backward returns: free it now, before dx
             a_w.untyped_storage().resize_(0)
@@ -118,13 +114,9 @@ class MoEExpertsFn(torch.autograd.Function):
         dx_TH = _chunked_mm_combine(dh1, w1.transpose(1, 2), dh3, w3.transpose(1, 2), counts_E, row_of_slot_TK,
                                     None, x_TH.shape[0])
         # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e): one pass over x's rows read by token id, or gathered
-        if on_grouped_mm:
-            x_NH = x_TH.index_select(0, token_ids_N)
-            dw1, dw3 = grouped_mm_wgrad(x_NH, dh1, offs_E), grouped_mm_wgrad(x_NH, dh3, offs_E)
-            del x_NH
-        else:
-            dw1, dw3 = grouped_wgrad(x_TH, token_ids_N, dh1, dh3, None, counts_E)
-        del dh1, dh3
+        x_rows, x_ids = (x_TH.index_select(0, token_ids_N), None) if gather else (x_TH, token_ids_N)
+        dw1, dw3 = grouped_wgrad(x_rows, x_ids, dh1, dh3, None, counts_E)
+        del x_rows, dh1, dh3
         # 5. weight gradient: one slot per kept row, dropped slots stay 0
         grad_w = torch.zeros(weights_TK.numel(), dtype=weights_TK.dtype, device=weights_TK.device)
         grad_w[slot_ids_N] = grad_w_N.to(grad_w.dtype)  # slots are unique: a permutation, no accumulation
@@ -154,13 +146,6 @@ class GroupedSwiGLUFn(torch.autograd.Function):
         if reuse:
             _mark_overwritten(h1, h3)
         dx = grouped_mm(dh1, w1_EHF.transpose(1, 2), dh3, w3_EHF.transpose(1, 2), counts_E)
-        if wgrad_engine(x_NH, x_NH.shape[0], counts_E.shape[0], *w1_EHF.shape[1:]) == "grouped_mm":
-            offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)  # rows are already gathered: no extra buffer
-            grad_NH = grad_NH.contiguous()
-            dw2 = grouped_mm_wgrad(a, grad_NH, offs_E)
-            del a
-            dw1, dw3 = grouped_mm_wgrad(x_NH, dh1, offs_E), grouped_mm_wgrad(x_NH, dh3, offs_E)
-            return dx, dw1, dw3, dw2, None
         dw2 = grouped_wgrad(a, None, grad_NH, None, None, counts_E)[0]
         del a
         dw1, dw3 = grouped_wgrad(x_NH, None, dh1, dh3, None, counts_E)
