@@ -19,7 +19,6 @@ there is validation data (``xmoe.train.evaluate``), an atomic checkpoint every `
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -31,7 +30,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from xmoe.config import RunConfig
-from xmoe.moe.experts import reuse_weight_casts
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import clip_grad_norm_
@@ -39,6 +37,7 @@ from xmoe.parallel.grads import set_accumulation_scale
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics, rundir, safety
+from xmoe.train.step import forward_backward, update_expert_bias
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
 
@@ -248,42 +247,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- loop
 
     def _forward_backward(self, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
-        rows = torch.zeros((), dtype=torch.long, device=self.device)
-        load = None
-        # one autocast region and one set of expert-weight casts for all micro-batches of the step: the weights do
-        # not change within it, so reuse_weight_casts casts each routed expert once per step (and autocast's cache
-        # each dense weight used eagerly; inside compiled regions the dense casts happen per micro-batch)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
-                reuse_weight_casts(self.model, torch.bfloat16 if self.autocast else None,
-                                   detach=self.world == 1):
-            for micro in range(accum):
-                inputs, targets = next(self.loader)
-                inputs = inputs.to(self.device, non_blocking=True)
-                targets = targets.to(self.device, non_blocking=True)
-                no_sync = micro < accum - 1 and hasattr(self.wrapped, "no_sync")
-                with self.wrapped.no_sync() if no_sync else contextlib.nullcontext():
-                    loss = self.wrapped(inputs, targets)
-                    (loss / accum).backward()
-                loss_sum += loss.detach()
-                stats = self.model.moe_stats()
-                if stats:
-                    aux_sum += stats["aux_loss"] + stats["z_loss"]
-                    tpe = stats["tokens_per_expert"]
-                    rows += tpe.sum() - stats["num_dropped"]
-                    load = tpe if load is None else load + tpe
-        return loss_sum / accum, {"aux": aux_sum / accum, "rows": rows, "load": load}
-
-    def _update_expert_bias(self, load_LE: Optional[torch.Tensor]) -> None:
-        layers = self.model.moe_layers()
-        if load_LE is None or not layers or layers[0].cfg.bias_update_rate <= 0:
-            return
-        load_LE = load_LE.float()
-        if dist.is_initialized():
-            dist.all_reduce(load_LE)  # every rank must move its bias identically
-        for layer, load_E in zip(layers, load_LE):
-            layer.update_expert_bias(load_E)
+        return forward_backward(self.model, self.wrapped, self.loader, accum, self.device, self.autocast,
+                                detach_casts=self.world == 1)
 
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step on each rank; also sets the MoE layers' aux-loss scale to match."""
@@ -310,7 +275,7 @@ class Trainer:
             return loss, stats, grad_norm, lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._update_expert_bias(stats["load"])
+        update_expert_bias(self.model, stats["load"])
         return loss, stats, grad_norm, lr
 
     def train(self) -> dict:
