@@ -114,9 +114,11 @@ def _sync(device: torch.device) -> None:
 
 def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, rank: int = 0,
                  recompute: str = "none", imbalance: float = 1.0, steps: int = 3, device: str = "auto",
-                 seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1) -> Measurement:
+                 seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1, simulate: bool = True) -> Measurement:
     """Rank ``rank`` of ``parallel`` (all ``parallel.world_size`` ranks of it) training ``cfg``: ``steps`` >= 3 steps
-    of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring)."""
+    of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
+    ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
+    a real run's rank: the tests compare the two)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from xmoe.train.trainer import _param_groups
@@ -127,7 +129,8 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
                        ("cpu" if device == "auto" else device))
     autocast = dev.type == "cuda"
     world = parallel.world_size
-    _fake_world(world, rank)
+    if simulate:
+        _fake_world(world, rank)
     try:
         dims = None
         if world > 1:
@@ -139,7 +142,8 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
         with tracker:
             built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel,
                                 param_dtype=torch.bfloat16 if autocast else None, recompute=recompute)
-            _plan_counts(built.model, imbalance)
+            if simulate:
+                _plan_counts(built.model, imbalance)
             optimizer = torch.optim.AdamW(_param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
         params = [p for p in built.wrapped.parameters() if p.requires_grad]
         set_accumulation_scale(built.model, 1)
@@ -168,7 +172,8 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
                    if str(k) != "Total"}
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
     finally:
-        dist.destroy_process_group()
+        if simulate:
+            dist.destroy_process_group()
     layout = dict(world=world, rank=rank, tp=parallel.tp, ep=parallel.ep, dp=parallel.dp,
                   placement=parallel.placement, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
                   imbalance=imbalance, layers=cfg.num_layers)
