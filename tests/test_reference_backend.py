@@ -52,3 +52,12 @@ def test_grouped_swiglu_matches_float64_loop(H, F_, counts, expanded_grad):
         y_ref.backward(grad.double())
     for a, b in zip(leaves32, leaves64):
         assert _rel(a.grad, b.grad) < 1e-5
+
+
+def test_import_probe_saves_nothing_under_outer_saved_tensor_hooks():
+    # get_ops imports this module inside the first forward, possibly within an activation checkpoint: the probe's
+    # autograd must not reach the checkpoint's hooks, or the recomputed block saves fewer tensors than its forward
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        reference._probe_cpu_grouped_mm()
+    assert packed == []

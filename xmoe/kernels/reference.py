@@ -80,9 +80,13 @@ def _probe_cpu_grouped_mm() -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.ones(3, 8, requires_grad=True)
-        w = torch.ones(2, 8, 8, requires_grad=True)
-        torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32)).backward(torch.ones(3, 8))
+        # identity saved-tensor hooks: get_ops first imports this module inside a forward, possibly under an
+        # activation checkpoint, whose hooks would otherwise count the probe's tensors as the block's and then find
+        # fewer when the block is recomputed (torch.utils.checkpoint's CheckpointError)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            x = torch.ones(3, 8, requires_grad=True)
+            w = torch.ones(2, 8, 8, requires_grad=True)
+            torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32)).backward(torch.ones(3, 8))
         return bool(torch.all(w.grad[1] == 2.0))
     except (RuntimeError, NotImplementedError):
         return False
