@@ -75,6 +75,20 @@ def _plan_counts(model, imbalance: float) -> int:
     return swapped
 
 
+def _keep_buckets(wrapped) -> None:
+    """A DDP replica (ep = tp = 1) all-reduces its gradient buckets through a hook that hands each bucket back as
+    it is: the fake collective's future carries no tensor, which DDP's default hook needs."""
+    if not hasattr(wrapped, "register_comm_hook"):
+        return
+
+    def keep(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    wrapped.register_comm_hook(None, keep)
+
+
 @dataclass
 class Measurement:
     """What one simulated rank measured; ``as_dict`` is the `--json` object."""
@@ -144,6 +158,7 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
                                 param_dtype=torch.bfloat16 if autocast else None, recompute=recompute)
             if simulate:
                 _plan_counts(built.model, imbalance)
+                _keep_buckets(built.wrapped)
             optimizer = torch.optim.AdamW(_param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
         params = [p for p in built.wrapped.parameters() if p.requires_grad]
         set_accumulation_scale(built.model, 1)
