@@ -22,7 +22,7 @@ in every setting). Settings:
 Columns: step_ms (median over trials of CUDA-event time / iterations, ranks in lockstep), tokens/s (all ranks, each
 token counted once), tflops (useful training FLOPs per GPU, xmoe.model.flops formula (a): replicated MoE compute
 is not counted twice), act_peak_gib (peak allocated during a step above what is allocated before it: parameters and
-gradients excluded), pred_peak_gib (estimate_memory's activations + working for the same setting), moe_mib (bytes
+gradients excluded), pred_peak_gib (``predicted``: the saved activations and the backward's transient), moe_mib (bytes
 autograd saves for one MoE block, xmoe.bench.saved_activation_bytes) and pred_moe_mib (the plan's per-block terms).
 Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $XMOE_RESULTS_DIR or benchmarks/results/.
 """
@@ -87,15 +87,23 @@ def build(cfg, dims, device, dtype, ssmb: bool, recompute: bool):
 
 
 def predicted(cfg, world: int, micro_batch: int, seq: int, ssmb: bool, recompute: bool, kernel: str, b: int) -> dict:
-    from xmoe.config import ParallelConfig
-    from xmoe.plan.memory import estimate_memory, moe_activations
+    """This script's layout from xmoe.plan.memory's per-layer terms: a bf16 module (no autocast, no FSDP2), so not
+    estimate_memory, which models the trainer's. Saved: every layer's attention and MoE block (or the block's kept
+    input), the final norm and the head's input; plus the largest backward transient, a layer's activations again
+    (and its MoE block rebuilt) or the loss chunk (the head is replicated over TP: all V logits)."""
+    from xmoe.plan.memory import LOSS_CHUNK_TOKENS, attention_activations, moe_activations, norm_activations
 
-    par = ParallelConfig(tp=world, gpus_per_node=world)
-    m = estimate_memory(cfg, par, micro_batch=micro_batch, seq_len=seq, ssmb=ssmb, kernel=kernel, act_bytes=b,
-                        recompute="moe" if recompute else "none")
-    moe_block = b * m.moe_tokens * cfg.hidden_size if recompute else sum(
-        moe_activations(cfg.moe, m.moe_tokens, kernel=kernel, b=b).values())
-    return {"pred_peak_gib": (m.activations + m.working) / GIB, "pred_moe_mib": moe_block / MIB}
+    T, H = micro_batch * seq, cfg.hidden_size
+    T_moe = T // world if ssmb else T
+    attn = sum(attention_activations(T, H, cfg.num_heads, world, b).values())
+    terms = moe_activations(cfg.moe, T_moe, kernel=kernel, b=b)
+    if kernel == "triton":  # one EP rank: the fused path keeps the tokens it reads, no dispatch or combine buffer
+        terms.update(dispatch_buffer=b * T_moe * H, combine_buffer=0.0)
+    block = sum(terms.values())
+    kept = b * T_moe * H if recompute else block  # the checkpoint keeps the block's input (T/S rows under SSMB)
+    saved = cfg.num_layers * (attn + kept) + norm_activations(T, H) + b * T * H
+    working = max(attn + block * (1 + recompute), 12 * min(T, LOSS_CHUNK_TOKENS) * cfg.vocab_size)
+    return {"pred_peak_gib": (saved + working) / GIB, "pred_moe_mib": kept / MIB}
 
 
 def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:

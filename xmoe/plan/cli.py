@@ -193,7 +193,7 @@ def run_memory(cfg, args) -> str:
     if searched and best.fits(args.gpu_mem):
         lines += ["", "rule: fewest memory-saving tricks (recompute none < moe < full, then the smallest tp), then "
                   f"the largest micro-batch (<= {args.max_micro_batch}), then the least traffic per GPU per "
-                  "micro-batch (ZeRO-3 + all-to-all), then an EP group inside one node",
+                  "micro-batch (FSDP2 / DDP collectives + all-to-all), then an EP group inside one node",
                   "other feasible settings, by that rule:",
                   f"  {'tp':>3}{'ep':>5}{'dp':>6}{'mb':>4}  {'recompute':<10}{'total GiB':>10}{'traffic GB':>11}"]
         seen = set()
@@ -265,22 +265,31 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
         "SSMB off" + (" (tp 1)" if p.tp == 1 else ""))
     unit, scale = _unit(m.total)
     layer_unit, layer_scale = _unit(min(max(m.moe_layer_bytes, sum(m.attention_layer.values())), 2**20))
-    gib = lambda x: f"{x / scale:>8.2f}"  # noqa: E731
     free = gpu_mem * GIB - m.total
+    where = {"FSDP2": f"FSDP2 shards: {m.dense_params / 1e6:.1f}M dense over dp*ep={p.dp * p.ep}, "
+                      f"{m.expert_params / 1e6:.1f}M expert over dp={p.dp}",
+             "DDP": f"DDP replica of {(m.dense_params + m.expert_params) / 1e6:.1f}M",
+             "none": f"one process, {(m.dense_params + m.expert_params) / 1e6:.1f}M"}[m.wrapper]
+    compute = ("fp32 throughout" if m.precision == "fp32" else "autocast bf16, FSDP2 gathers bf16"
+               if m.wrapper == "FSDP2" else "autocast bf16, compiled regions")
+    rows = [("parameters", f"fp32 ({where})", m.params),
+            ("gradients", "reduced fp32 shards, unsharded ones in flight" if m.wrapper == "FSDP2"
+             else "fp32, + DDP's buckets" if m.wrapper == "DDP" else "fp32", m.grads),
+            ("optimizer", "AdamW exp_avg + exp_avg_sq, fp32", m.optimizer),
+            ("gathered", "root kept, the unit in hand, the prefetched one" if m.wrapper == "FSDP2"
+             else "bf16 expert copies for the step", m.gathered),
+            ("activations", "saved, of the layers whose backward is still to run", m.activations),
+            ("working", "activation gradients, reduce-scatter input, loss" if m.wrapper == "FSDP2"
+             else "activation gradients, recomputed block, loss", m.working),
+            ("reserve", "CUDA context, NCCL buffers, fragmentation", m.reserve)]
+    width = max(len(desc) for _, desc, _ in rows) + 2
     lines = [
         f"layout: tp {p.tp} x ep {p.ep} x dp {p.dp}, placement {p.placement} (EP group on {nodes} node"
         f"{'s' if nodes > 1 else ''}); micro-batch {m.micro_batch} x seq {m.seq_len} = {m.tokens} tokens per GPU",
         f"        recompute {m.recompute}; dispatch {dispatch}, {cf}; {ssmb}",
-        f"per-GPU memory ({unit})",
-        f"  parameters   bf16, ZeRO-3 sharded{'':<29}{gib(m.params)}   ({m.dense_params / 1e6:.1f}M dense "
-        f"over dp*ep={p.dp * p.ep}, {m.expert_params / 1e6:.1f}M expert over dp={p.dp})",
-        f"  gradients    bf16, ZeRO-3 sharded{'':<29}{gib(m.grads)}",
-        f"  optimizer    fp32 master + exp_avg + exp_avg_sq, sharded{'':<8}{gib(m.optimizer)}",
-        f"  gathered     unsharded: 2 layers' weights + 1 layer's grads{'':<4}{gib(m.gathered)}",
-        f"  activations  saved: {cfg.num_layers} layers + final norm, head input{'':<8}{gib(m.activations)}",
-        f"  working      one layer's grads (+ its recompute) or loss chunk{'':<1}{gib(m.working)}",
-        f"  reserve      CUDA context, NCCL buffers, fragmentation{'':<10}{gib(m.reserve)}",
-        f"  total{'':<59}{gib(m.total)}   of {gpu_mem:g} GiB: "
+        f"per-GPU memory ({unit}) at the peak, {m.peak_at}; precision {m.precision} ({compute})",
+        *[f"  {name:<13}{desc:<{width}}{value / scale:>8.2f}" for name, desc, value in rows],
+        f"  {'total':<{13 + width}}{m.total / scale:>8.2f}   of {gpu_mem:g} GiB: "
         + (f"fits ({free / GIB:.2f} GiB free)" if free >= 0 else f"does NOT fit ({-free / GIB:.2f} GiB over)"),
         f"one layer's saved activations ({layer_unit}; attention on {m.tokens} tokens, "
         f"{'MoE block' if cfg.first_k_dense < cfg.num_layers else 'FFN'} on {m.moe_tokens})",
@@ -288,8 +297,11 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
         ("  MoE block: " if cfg.first_k_dense < cfg.num_layers else "  FFN: ") + _terms(m.ffn_layer, layer_scale),
     ]
     t = m.traffic
-    lines.append(f"traffic per GPU per micro-batch (GB): ZeRO-3 dense {t['zero3_dense'] / 1e9:.1f}, ZeRO-3 experts "
-                 f"{t['zero3_experts'] / 1e9:.1f}, expert all-to-all {t['all_to_all'] / 1e9:.1f}")
+    if m.wrapper != "none":
+        collectives = (f"DDP all-reduce {t['ddp'] / 1e9:.1f}" if m.wrapper == "DDP" else
+                       f"FSDP2 dense {t['fsdp_dense'] / 1e9:.1f}, FSDP2 experts {t['fsdp_experts'] / 1e9:.1f}")
+        lines.append(f"traffic per GPU per micro-batch (GB): {collectives}, expert all-to-all "
+                     f"{t['all_to_all'] / 1e9:.1f}")
     return lines + [f"note: {n}" for n in m.notes]
 
 

@@ -1,27 +1,35 @@
-"""Per-GPU memory model of training a preset: parameters, gradients, optimizer state, activations.
+"""Per-GPU memory model of training a preset: what the trainer allocates, moment by moment, and its peak.
 
-# T tokens per rank per micro-batch (micro_batch * seq), H hidden, F expert ffn, E experts, K top-k,
-# N routed rows a rank computes (T_moe * K when dropless), C capacity per expert (padded baseline), V vocab
+# T tokens per rank per micro-batch (micro_batch * seq), H hidden, F expert ffn, E experts (E_local = E / ep on a
+# rank), K top-k, N routed rows a rank computes (T_moe * K when dropless), C capacity per expert (padded baseline),
+# V vocab, L layers, P this rank's parameters, b bytes per activation element
 # W world (GPUs), dp / ep / tp the data-, expert- and tensor-parallel degrees (W = dp * ep * tp)
 
-Conventions (docs/planning.md gives the reasons and the comparison with the paper):
-  * Mixed precision, ZeRO-3 / FSDP full sharding: bf16 parameters (2 B) and gradients (2 B), AdamW state in
-    fp32 (master copy, exp_avg, exp_avg_sq: 12 B), all three sharded. Dense parameters (attention, embedding,
-    head, norms, router, shared experts) are first split by TP where Megatron splits them (attention, dense
-    FFN, vocab-parallel embedding and head) and then sharded over the "dp_ep" axis (dp * ep ranks). Routed
-    experts are split by EP (E / ep per rank) and sharded over the "dp" axis (dp ranks), the expert
-    data-parallel group of xmoe/parallel/dims.py; the tp ranks of a TP group hold copies of the same experts.
-    Sharding costs a working set: two layers' unsharded bf16 weights (the one computing and the prefetched
-    one) plus one layer's unsharded bf16 gradient before its reduce-scatter.
-  * Activations are what autograd saves in xmoe's own code (xmoe/model/transformer.py, xmoe/moe/, the Triton
-    kernels), counted tensor by tensor in the functions below; b = bytes per activation element (2, bf16).
-    TP (without sequence parallelism) replicates the residual stream: norms and the inputs of the
-    column-parallel projections are full size on every TP rank, the head-parallel parts (q, k, v, attention
-    output, log-sum-exp) are 1/tp. The MoE block (ffn norm, router, buffers, experts, shared experts) is
-    replicated over TP without SSMB and runs on T/tp tokens with SSMB.
-  * Recompute: "none" keeps everything; "moe" checkpoints every MoE block (keeps its b*T_moe*H input);
-    "full" checkpoints every block (keeps its b*T*H input). Peak = saved activations of all layers +
-    max(one layer's activations again as gradients in flight (+ the recomputed layer), the loss chunk).
+Conventions: the trainer's (xmoe/parallel/build.py, expert_parallel.py; docs/planning.md has the measurements):
+  * Precision, ``precision``: "bf16" as on GPUs (autocast bf16, an fp32 residual stream, FSDP2 gathering weights
+    in bf16 and reducing gradients in fp32; the router and the embedding are fp32 units), "fp32" as on CPUs (no
+    autocast). Either way parameters are fp32 (FSDP2's shards are the master weights, 4 B), reduced gradients fp32
+    (4 B) and AdamW's exp_avg and exp_avg_sq fp32 (8 B).
+  * Layout. With ep or tp > 1, FSDP2 shards each MoE layer's experts (E_local of them, the same on the tp peers)
+    over "dp", each block (attention and dense FFN split by tp first; norms, shared experts and, on CPUs, the
+    router whole) over "dp_ep", the router and the untied embedding (GPUs) over "dp_ep" as fp32 units of their
+    own, and the root (final norm and head; the embedding too on CPUs or when tied) over "dp_ep". The root is
+    gathered at the start of forward and stays so until the end of backward (reshard_after_forward=False), and
+    its unsharded gradient (the head's, V x H) exists from the loss on: the root reduces last. Embedding, head,
+    norms, router and experts are replicated over TP. With ep = tp = 1 on several GPUs: DDP replicas (whole
+    parameters, gradients, AdamW, and DDP's fp32 gradient buckets); on one GPU the trainer itself.
+  * Activations: what autograd saves in xmoe's code, counted tensor by tensor in the functions below. TP (without
+    sequence parallelism) replicates the residual stream: norms and the inputs of the column-parallel
+    projections are full size on every TP rank, the head-parallel parts 1/tp. The MoE block (ffn norm, router,
+    buffers, experts, shared experts) is replicated over TP without SSMB and runs on T/tp tokens with SSMB.
+    Recompute: "moe" keeps each MoE block's fp32 input (4*T*H), "full" each block's; backward rebuilds the layer
+    in hand.
+  * The peak. Backward walks the FSDP2 units in reverse order (``_fsdp_moments``); at each moment the live bytes
+    are the sharded states, the root's gathered weights and gradient, the sharded gradients of the units already
+    reduced, the one reduce-scatter input FSDP2 keeps in flight, the saved activations of the layers not yet
+    done, and the unit in hand: its gathered weights and unsharded gradients, the all-gather buffer of the unit
+    prefetched next, the activation gradients. The end of backward (the embedding's gradient, the root's
+    reduce-scatter) and the optimizer step are moments too. The peak is the largest moment.
 """
 
 from __future__ import annotations
@@ -38,13 +46,22 @@ from xmoe.model.flops import attention_matrix_params
 from xmoe.parallel.dims import ParallelDims
 
 GIB = 2**30
-PARAM_BYTES = 2  # bf16 working parameters
-GRAD_BYTES = 2  # bf16 gradients
-ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
+PRECISIONS = ("bf16", "fp32")  # the trainer's on GPUs and on CPUs
+MASTER_BYTES = 4  # fp32 parameters: FSDP2's shards are the master weights, there is no other copy
+GRAD_BYTES = 4  # fp32 gradients once reduced (FSDP2's reduce dtype), and a replica's
+ADAM_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32
+RESIDUAL_BYTES = 4  # the residual stream between blocks, fp32 in both precisions
 INDEX_BYTES = 8  # int64 routing arrays
 RECOMPUTE = ("none", "moe", "full")  # also the search's order of preference: each one costs more compute
 LOSS_CHUNK_TOKENS = 4096  # Transformer(loss_chunk_tokens=...) default: one chunk's logits exist at a time
 TP_CHOICES = (1, 2, 4, 8)
+
+
+def activation_bytes(precision: str) -> int:
+    """b: bytes per element of what autocast computes in (bf16), or of everything (fp32)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision ({precision!r}) must be one of {PRECISIONS}: bf16 as on GPUs, fp32 as on CPUs")
+    return 2 if precision == "bf16" else 4
 
 
 def norm_activations(T: int, H: int) -> float:
@@ -53,22 +70,26 @@ def norm_activations(T: int, H: int) -> float:
     return 8 * T * H + 4 * T + 4 * H
 
 
-def attention_activations(T: int, H: int, heads: int, tp: int, b: int = 2) -> dict[str, float]:
-    """Bytes one attention sub-block saves (pre-norm RMSNorm, q/k/v/o projections, rotary, SDPA)."""
+def attention_activations(T: int, H: int, heads: int, tp: int, b: int = 2,
+                          autocast: bool = False) -> dict[str, float]:
+    """Bytes one attention sub-block saves (pre-norm RMSNorm, q/k/v/o projections, rotary, SDPA). ``autocast``:
+    the norm's output is fp32 (an fp32 residual stream) and autocast casts it once per projection (its cache
+    keeps weight casts only), so wq, wk and wv save a copy each."""
     return {
         "norm": norm_activations(T, H),
-        "qkv_input": b * T * H,  # the norm output, saved once by wq, wk, wv (full size on every TP rank)
+        "qkv_input": (3 if autocast else 1) * b * T * H,  # the norm output (full size on every TP rank)
         "q_k_v": 3 * b * T * H / tp,  # rotated q, k and v saved by flash SDPA (rotary itself saves only cos/sin)
         "attn_out": 2 * b * T * H / tp,  # SDPA output, and its (B, S, H) copy that wo saves
         "softmax_lse": 4 * T * heads / tp,  # fp32 log-sum-exp per (head, position)
     }
 
 
-def dense_ffn_activations(T: int, H: int, F: int, tp: int, b: int = 2) -> dict[str, float]:
-    """Bytes a dense SwiGLU sub-block saves (the first_k_dense layers); F split by TP."""
+def dense_ffn_activations(T: int, H: int, F: int, tp: int, b: int = 2, autocast: bool = False) -> dict[str, float]:
+    """Bytes a dense SwiGLU sub-block saves (the first_k_dense layers); F split by TP. ``autocast``: w1 and w3 each
+    save their own cast of the fp32 norm output."""
     return {
         "norm": norm_activations(T, H),
-        "ffn_input": b * T * H,
+        "ffn_input": (2 if autocast else 1) * b * T * H,
         "hidden": 4 * b * T * F / tp,  # w1 out (silu's input), silu(w1 out), w3 out, their product (w2's input)
     }
 
@@ -82,7 +103,7 @@ def capacity(moe: MoEConfig, num_tokens: int, capacity_factor: Optional[float] =
 
 def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False,
                     capacity_factor: Optional[float] = None, imbalance: float = 1.0, kernel: str = "triton",
-                    b: int = 2) -> dict[str, float]:
+                    b: int = 2, router_fp32: bool = False) -> dict[str, float]:
     """Bytes one MoE block saves for T tokens (T is already T/tp under SSMB).
 
     PFT: the dispatch and combine buffers are N*H each with N = T*K routed rows (the paper's
@@ -90,17 +111,18 @@ def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False
     rows of the most loaded rank (1.0 = perfectly balanced). Padded (xmoe's GShard/DeepSpeed-MoE baseline):
     E*C rows whatever the routing, plus the (T, E, C) dispatch and combine masks.
     ``kernel``: "triton" experts save h1, h3 (a = silu(h1)*h3 is recomputed); "torch" (torch._grouped_mm or the
-    CPU loop) saves h1, silu(h1), h3 and their product.
+    CPU loop) saves h1, silu(h1), h3 and their product. ``router_fp32``: the router's weight is an fp32 parameter
+    (the trainer's), so the router keeps no fp32 copy of it whatever b is (a module cast to bf16 does).
     """
     if kernel not in ("triton", "torch"):
         raise ValueError(f"kernel ({kernel!r}) must be 'triton' or 'torch'")
     H, F, E, K = moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k
+    weight_copy = 4 * E * H if b != 4 and not router_fp32 else 0
     out: dict[str, float] = {
         "norm": norm_activations(T, H),
         # F.linear(x.float(), weight.float()) keeps fp32 copies of both (an fp32 input is saved as is: same
         # bytes; an fp32 weight is the parameter itself: no copy), then the softmax output and the top-k ids
-        "router": 4 * T * H + (4 * E * H if b != 4 else 0) + 4 * T * E + INDEX_BYTES * T * K
-        + (4 * T * E if moe.z_loss_coef > 0 else 0),
+        "router": 4 * T * H + weight_copy + 4 * T * E + INDEX_BYTES * T * K + (4 * T * E if moe.z_loss_coef > 0 else 0),
     }
     C = capacity(moe, T, capacity_factor)
     dropless = capacity_factor is None and moe.capacity_factor is None
@@ -127,9 +149,17 @@ def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False
     return out
 
 
+# the finer terms of a moment, and the MemoryBreakdown field each adds to
+TERMS = {"params": "params", "optimizer": "optimizer", "adam_step": "optimizer", "gathered": "gathered",
+         "gathered_own": "gathered", "prefetch": "gathered", "casts": "gathered", "grads": "grads",
+         "grads_unit": "grads", "buckets": "grads", "activations": "activations", "reduce_buffer": "working",
+         "transient": "working"}
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Per-GPU bytes of one training setting; ``total`` is the predicted peak."""
+    """Per-GPU bytes of one training setting at its predicted peak (``peak_at``); ``total`` is that peak plus the
+    reserve. ``peak_terms`` holds the peak's bytes by the finer terms of TERMS, which add up to the fields."""
 
     name: str
     parallel: ParallelConfig
@@ -143,22 +173,31 @@ class MemoryBreakdown:
     moe_tokens: int  # tokens the MoE block of this rank processes (T / tp under SSMB)
     dense_params: float  # parameters of this GPU's shard (counts, not bytes)
     expert_params: float
-    params: float
-    grads: float
-    optimizer: float
-    gathered: float
-    activations: float  # saved over all layers, plus the final norm and the head's input
-    working: float  # transient peak on top of the saved activations
+    params: float  # fp32 parameters: this GPU's shards, or a whole replica
+    grads: float  # gradients alive at the peak: reduced fp32 shards, unsharded ones in flight, DDP's buckets
+    optimizer: float  # AdamW's two fp32 moments (and, at its step, its temporaries)
+    gathered: float  # unsharded weights at the peak: FSDP2's gathers and the prefetched one, a replica's bf16 casts
+    activations: float  # saved activations alive at the peak
+    working: float  # the rest at the peak: activation gradients, the loss chunk, the reduce-scatter input
     reserve: float
-    traffic: dict[str, float]  # bytes each GPU sends per micro-batch: ZeRO-3 collectives and expert all-to-alls
+    traffic: dict[str, float]  # bytes each GPU sends per micro-batch: FSDP2 or DDP collectives, expert all-to-alls
     attention_layer: dict[str, float] = field(repr=False)
     ffn_layer: dict[str, float] = field(repr=False)  # the MoE block (or the dense FFN for an all-dense model)
+    precision: str = "bf16"
+    wrapper: str = "FSDP2"  # FSDP2, DDP, or none (one process)
+    peak_at: str = ""
+    peak_terms: dict[str, float] = field(default_factory=dict, repr=False)
     notes: tuple[str, ...] = ()
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + self.gathered + self.activations + self.working
                 + self.reserve)
+
+    @property
+    def peak(self) -> float:
+        """The predicted peak of allocated bytes, without the reserve (what `--measure` compares)."""
+        return self.total - self.reserve
 
     @property
     def moe_layer_bytes(self) -> float:
@@ -172,11 +211,19 @@ class MemoryBreakdown:
                 "gathered": self.gathered, "activations": self.activations, "working": self.working,
                 "reserve": self.reserve}
 
-
-def _zero3_bytes(num_params: float, group: int) -> float:
-    """ZeRO-3 moves every weight three times per micro-batch (all-gather forward, all-gather backward,
-    reduce-scatter of the gradient); each GPU sends (G-1)/G of the unsharded bytes over a group of G."""
-    return 3 * PARAM_BYTES * num_params * (group - 1) / group
+    def tracker_parts(self) -> dict[str, float]:
+        """The peak in the kinds of torch's MemTracker (what `--measure` reports), which names a tensor by how it
+        was made: weights are the parameters and the gathered weights of units that hold them in submodules (root,
+        blocks); gradients what was accumulated into a parameter's .grad (reduced shards, the root's); a unit whose
+        own forward reads its parameters (experts, router, embedding) gathers them as activations, and DDP's
+        buckets and a replica's bf16 casts, made outside backward, count as activations too; temporaries are the
+        rest of backward (gradients of the unit in hand, all-gather and reduce-scatter buffers, activation
+        gradients, the loss chunk)."""
+        t = dict.fromkeys(TERMS, 0.0) | self.peak_terms
+        return {"weights": t["params"] + t["gathered"], "gradients": t["grads"],
+                "optimizer": t["optimizer"] + t["adam_step"],
+                "activations": t["activations"] + t["gathered_own"] + t["buckets"] + t["casts"],
+                "temporaries": t["grads_unit"] + t["prefetch"] + t["reduce_buffer"] + t["transient"]}
 
 
 def _validate(cfg: ModelConfig, par: ParallelConfig, micro_batch: int, seq_len: int, ssmb: bool) -> None:
@@ -202,122 +249,313 @@ def _validate(cfg: ModelConfig, par: ParallelConfig, micro_batch: int, seq_len: 
 def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int = 1,
                     seq_len: Optional[int] = None, recompute: str = "none", padded: bool = False,
                     capacity_factor: Optional[float] = None, ssmb: bool = True, imbalance: float = 1.0,
-                    kernel: str = "triton", act_bytes: int = 2, reserve_gib: float = 2.0,
+                    kernel: str = "triton", precision: str = "bf16", reserve_gib: float = 2.0,
                     name: str = "") -> MemoryBreakdown:
-    """The per-GPU memory of training ``cfg`` under ``parallel`` (see the module docstring for the model)."""
+    """The per-GPU peak memory of training ``cfg`` under ``parallel`` in ``precision`` ("bf16": a GPU run, "fp32":
+    a CPU run); the module docstring gives the model."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE}")
     if imbalance < 1.0:
         raise ValueError(f"imbalance ({imbalance}) is max/mean rows per rank and must be >= 1")
+    b = activation_bytes(precision)
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     _validate(cfg, parallel, micro_batch, seq_len, ssmb)
-    tp, b = parallel.tp, act_bytes
-    params = _parameter_shards(cfg, parallel)
+    tp, ep = parallel.tp, parallel.ep
     T = micro_batch * seq_len
     T_moe = T // tp if ssmb and tp > 1 else T
-    act = _activations(cfg, parallel, T, T_moe, recompute, padded, capacity_factor, imbalance, kernel, b)
-    rows = act.moe_layer.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
+    autocast = precision == "bf16"
+    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
+    attn = attention_activations(T, cfg.hidden_size, cfg.num_heads, tp, b, autocast)
+    moe_act = moe_activations(cfg.moe, T_moe, ep=ep, padded=padded, capacity_factor=capacity_factor,
+                              imbalance=imbalance, kernel=kernel, b=b, router_fp32=True) if n_moe else {}
+    dense_act = dense_ffn_activations(T, cfg.hidden_size, cfg.ffn_hidden_size, tp, b, autocast) if n_dense else {}
+    rows = moe_act.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
+    if moe_act and ep == 1 and kernel == "triton" and not padded:
+        # one EP rank: the local dispatcher lets the Triton experts fuse gather, SwiGLU and combine, keeping the
+        # tokens they read and no dispatch or combine buffer (as block_activations' fused path)
+        moe_act.update(dispatch_buffer=b * T_moe * cfg.hidden_size, combine_buffer=0.0)
+    acts = _LayerActivations(attn, moe_act, dense_act, rows, T, T_moe)
+    if parallel.world_size > 1 and (tp > 1 or ep > 1):
+        wrapper = "FSDP2"
+        units = _fsdp_units(cfg, parallel, precision)
+        label, terms = max(_fsdp_moments(cfg, parallel, units, acts, recompute, precision, kernel, ssmb),
+                           key=lambda moment: sum(moment[1].values()))
+        expert_params = sum(u.shard for u in units.experts())
+        dense_params = sum(u.shard for u in units.all()) - expert_params
+    else:
+        wrapper = "DDP" if parallel.world_size > 1 else "none"
+        label, terms = _replica_peak(cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel)
+        routed = count_params(cfg).total_by_part["routed_experts"]
+        expert_params, dense_params = routed, count_params(cfg).total - routed
+    fields = dict.fromkeys(set(TERMS.values()), 0.0)
+    for term, value in terms.items():
+        fields[TERMS[term]] += value
     notes = []
     if tp > 1 and not ssmb:
         notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {T} tokens")
-    if imbalance == 1.0 and not padded:
+    if imbalance == 1.0 and not padded and n_moe:
         notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
-    local = params.dense + params.experts
     return MemoryBreakdown(
         name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
         padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and tp > 1, tokens=T, moe_tokens=T_moe,
-        dense_params=params.dense, expert_params=params.experts, params=PARAM_BYTES * local,
-        grads=GRAD_BYTES * local, optimizer=ADAM_BYTES * local, gathered=params.gathered,
-        activations=act.saved, working=act.working, reserve=reserve_gib * GIB,
-        traffic=_traffic(cfg, parallel, params, rows, b), attention_layer=act.attention_layer,
-        ffn_layer=act.moe_layer or act.dense_layer, notes=tuple(notes),
+        dense_params=dense_params, expert_params=expert_params, reserve=reserve_gib * GIB,
+        traffic=_traffic(cfg, parallel, wrapper, precision, rows), attention_layer=attn,
+        ffn_layer=moe_act or dense_act, precision=precision, wrapper=wrapper, peak_at=label, peak_terms=terms,
+        notes=tuple(notes), **fields,
     )
 
 
 @dataclass(frozen=True)
-class _ParamShards:
-    dense_unsharded: float  # dense parameters after the TP split, before ZeRO-3 sharding
-    dense: float  # this GPU's shard of the dense parameters
-    experts: float  # this GPU's shard of the routed experts
-    gathered: float  # bytes of the unsharded working set (weights in flight, one layer's gradient)
+class _LayerActivations:
+    attention: dict[str, float]  # one attention branch's saved bytes
+    moe: dict[str, float]  # one MoE branch's ({} for an all-dense model)
+    dense: dict[str, float]  # one dense FFN branch's ({} without dense layers)
+    rows: float  # N: rows the experts of a rank compute per MoE layer
+    tokens: int  # T
+    moe_tokens: int  # T_moe
 
 
-def _parameter_shards(cfg: ModelConfig, parallel: ParallelConfig) -> _ParamShards:
-    """1. parameters: TP split, then ZeRO-3 sharding (dense over dp_ep, experts over dp)."""
-    tp, ep, dp = parallel.tp, parallel.ep, parallel.dp
-    H, V, moe = cfg.hidden_size, cfg.vocab_size, cfg.moe
-    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
+@dataclass(frozen=True)
+class _Unit:
+    """One FSDP2 unit on one rank: ``numel`` parameters before sharding (after TP and EP), sharded over ``group``
+    ranks, its weights gathered (and their gradients made) at ``width`` bytes per element."""
+
+    numel: float
+    group: int
+    width: int
+
+    @property
+    def shard(self) -> float:
+        return self.numel / self.group
+
+    @property
+    def weights(self) -> float:
+        """Bytes of its gathered weights; as many for its unsharded gradients and for its all-gather buffer."""
+        return self.width * self.numel
+
+    @property
+    def reduce_input(self) -> float:
+        """Bytes of the fp32 reduce-scatter input of its gradients (FSDP2 keeps one such buffer in flight)."""
+        return GRAD_BYTES * self.numel
+
+    @property
+    def reduced(self) -> float:
+        return GRAD_BYTES * self.shard
+
+
+_NO_UNIT = _Unit(0.0, 1, 0)
+
+
+@dataclass(frozen=True)
+class _LayerUnits:
+    block: _Unit  # attention, norms, dense FFN or shared experts (and the router on CPUs)
+    experts: Optional[_Unit]  # the routed experts of an MoE layer
+    router: Optional[_Unit]  # the router's fp32 unit of an MoE layer (GPUs)
+    moe_side: float  # parameters of the block's MoE part (ffn norm, shared experts, CPU router): gradients first
+
+
+@dataclass(frozen=True)
+class _Units:
+    layers: list[_LayerUnits]
+    root: _Unit  # final norm and head (+ the embedding on CPUs or when tied)
+    embed: Optional[_Unit]  # the untied embedding's fp32 unit (GPUs)
+    head: float  # head parameters (V x H): its gradient lives from the loss to the root's reduce-scatter
+
+    def all(self) -> list[_Unit]:
+        units = [self.root] + ([self.embed] if self.embed else [])
+        for layer in self.layers:
+            units += [u for u in (layer.block, layer.experts, layer.router) if u]
+        return units
+
+    def experts(self) -> list[_Unit]:
+        return [layer.experts for layer in self.layers if layer.experts]
+
+
+def _fsdp_units(cfg: ModelConfig, par: ParallelConfig, precision: str) -> _Units:
+    """The FSDP2 units of one rank (expert_parallel.apply_expert_parallel), from the one parameter count."""
     parts = count_params(cfg, expert_matrices=3).total_by_part
-    tp_split = parts["attention"] + parts["dense_ffn"] + parts["embedding"] + parts["head"]
-    replicated = parts["norms"] + parts["router"] + parts["shared_experts"]
-    dense_unsharded = tp_split / tp + replicated
-    # unsharded working set: this rank's biggest layer (dense part gathered over dp_ep, experts over dp), or
-    # the vocab-parallel embedding / head, whichever is larger
-    expert_layer = (moe.num_experts // ep) * 3 * H * moe.ffn_hidden_size if dp > 1 else 0
-    sharded_dense = dp * ep > 1
-    moe_layer = 4 * H * H / tp + 2 * H + moe.num_experts * H + 3 * H * moe.shared_width
-    dense_layer = 4 * H * H / tp + 2 * H + 3 * H * cfg.ffn_hidden_size / tp
-    biggest = max(
-        (moe_layer * sharded_dense + expert_layer) if n_moe else 0,
-        dense_layer * sharded_dense if n_dense else 0,
-        V * H / tp * sharded_dense,
-    )
-    return _ParamShards(
-        dense_unsharded=dense_unsharded,
-        dense=dense_unsharded / (dp * ep),
-        experts=parts["routed_experts"] / ep / dp,
-        gathered=3 * PARAM_BYTES * biggest,  # two layers' weights in flight + one layer's unsharded gradient
-    )
+    H, V, L, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, cfg.moe
+    n_moe = L - cfg.first_k_dense
+    gpu, b = precision == "bf16", activation_bytes(precision)
+    dense_group = par.dp * par.ep
+    attention = parts["attention"] / L / par.tp + 2 * H  # TP-split projections (+ q/k norms), the two norms
+    shared = parts["shared_experts"] / n_moe if n_moe else 0.0
+    router = moe.num_experts * H
+    layers = []
+    for i in range(L):
+        if i < cfg.first_k_dense:
+            layers.append(_LayerUnits(_Unit(attention + 3 * H * cfg.ffn_hidden_size / par.tp, dense_group, b),
+                                      None, None, 0.0))
+            continue
+        experts = _Unit(3 * (moe.num_experts // par.ep) * H * moe.ffn_hidden_size, par.dp, b)
+        in_block = 0 if gpu else router
+        block = _Unit(attention + shared + in_block, dense_group, b)
+        layers.append(_LayerUnits(block, experts, _Unit(router, dense_group, 4) if gpu else None,
+                                  H + shared + in_block))
+    tied = cfg.tie_embeddings
+    embed_in_root = tied or not gpu
+    root = _Unit(V * H + H + (V * H if embed_in_root and not tied else 0), dense_group, b)
+    embed = None if embed_in_root else _Unit(V * H, dense_group, 4)
+    return _Units(layers, root, embed, V * H)
 
 
-@dataclass(frozen=True)
-class _Activations:
-    attention_layer: dict[str, float]
-    moe_layer: dict[str, float]
-    dense_layer: dict[str, float]
-    saved: float  # over all layers, plus the final norm and the head's input
-    working: float  # transient peak on top of ``saved``
+def _keeps(recompute: str, attn: float, ffn: float, residual: float, is_moe: bool) -> tuple[float, ...]:
+    """(kept while the layer waits for its backward, rebuilt for its FFN branch's backward, freed after it, rebuilt
+    for its attention branch's backward, freed after it) under ``recompute`` (Block.forward)."""
+    if recompute == "full":
+        return residual, attn + ffn, 0.0, attn, residual
+    if recompute == "moe" and is_moe:
+        return attn + residual, ffn, residual, 0.0, attn
+    return attn + ffn, 0.0, ffn, 0.0, attn
 
 
-def _activations(cfg: ModelConfig, parallel: ParallelConfig, T: int, T_moe: int, recompute: str, padded: bool,
-                 capacity_factor: Optional[float], imbalance: float, kernel: str, b: int) -> _Activations:
-    """2. activations per layer, saved over all layers under ``recompute``, and the transient working peak."""
-    tp, ep = parallel.tp, parallel.ep
-    H, V, moe = cfg.hidden_size, cfg.vocab_size, cfg.moe
-    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
-    attn = attention_activations(T, H, cfg.num_heads, tp, b)
-    moe_act = moe_activations(moe, T_moe, ep=ep, padded=padded, capacity_factor=capacity_factor,
-                              imbalance=imbalance, kernel=kernel, b=b) if n_moe else {}
-    dense_act = dense_ffn_activations(T, H, cfg.ffn_hidden_size, tp, b) if n_dense else {}
-    attn_sum, moe_sum, dense_sum = sum(attn.values()), sum(moe_act.values()), sum(dense_act.values())
-    if recompute == "none":
-        saved = n_moe * (attn_sum + moe_sum) + n_dense * (attn_sum + dense_sum)
-        regen = 0.0
-    elif recompute == "moe":
-        saved = n_moe * (attn_sum + b * T_moe * H) + n_dense * (attn_sum + dense_sum)
-        regen = moe_sum
+def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _LayerActivations, recompute: str,
+                  precision: str, kernel: str, ssmb: bool) -> list[tuple[str, dict[str, float]]]:
+    """Every moment of one FSDP2 training step that can hold its peak, as (label, bytes by term): the loss, each
+    layer's FFN and attention branches in backward order, the end of backward, the optimizer step."""
+    H, V, L, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, cfg.moe
+    b, T, tp = activation_bytes(precision), acts.tokens, par.tp
+    P = sum(u.shard for u in units.all())
+    base = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P}
+    moments: list[tuple[str, dict[str, float]]] = []
+
+    def at(label: str, **terms: float) -> None:
+        moments.append((label, base | terms))
+
+    residual = RESIDUAL_BYTES * T * H
+    attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
+    plans = [_keeps(recompute, attn_b, moe_b if layer.experts else dense_b, residual, layer.experts is not None)
+             for layer in units.layers]
+    tail = norm_activations(T, H) + b * T * H  # the final norm, the head's input
+    left = sum(plan[0] for plan in plans)
+    root, head_grad = units.root.weights, units.root.width * units.head
+    # the loss: the log-softmax's backward (bf16 logits, fp32 log-probabilities and both gradients, or all fp32),
+    # then the head's weight gradient beside the logits' (with several chunks, added into the earlier chunks')
+    chunk = min(T, LOSS_CHUNK_TOKENS)
+    more = float(T > chunk)
+    first = units.layers[-1].block.weights  # the root's backward prefetches the last block
+    at("loss backward", gathered=root, prefetch=first, grads=more * head_grad, activations=left + tail,
+       transient=12 * chunk * V)
+    at("head gradient", gathered=root, prefetch=first, grads=(1 + more) * head_grad, activations=left + tail,
+       transient=b * chunk * V)
+    # expert rows' gradients in the grouped SwiGLU's backward: in and out (N x H each), and of h1 / h3
+    rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if kernel == "torch" else 2 * moe.ffn_hidden_size))
+    reduced, in_flight = 0.0, 0.0
+    for i in reversed(range(L)):
+        layer, (_, ffn_regen, ffn_done, attn_regen, attn_done) = units.layers[i], plans[i]
+        block, experts, router = layer.block, layer.experts, layer.router or _NO_UNIT
+        nxt = units.layers[i - 1].block.weights if i else (units.embed.weights if units.embed else 0.0)
+        if not experts:  # a dense block: one unit, one stage
+            at(f"layer {i} block backward", gathered=root + block.weights, prefetch=nxt, grads=head_grad + reduced,
+               grads_unit=block.weights, reduce_buffer=in_flight, activations=left + ffn_regen,
+               transient=2 * residual + 2 * b * T * cfg.ffn_hidden_size / tp)
+            reduced, in_flight, left = reduced + block.reduced, block.reduce_input, left - ffn_done - attn_done
+            continue
+        # SSMB averages each expert weight's gradient over tp into a new tensor, one weight at a time
+        average = experts.weights / 3 if ssmb and tp > 1 else 0.0
+        at(f"layer {i} MoE backward", gathered=root + block.weights, gathered_own=experts.weights + router.weights,
+           prefetch=nxt, grads=head_grad + reduced, reduce_buffer=in_flight, activations=left + ffn_regen,
+           grads_unit=experts.weights + router.weights + block.width * layer.moe_side,
+           transient=residual + rows_grad + average)
+        reduced += experts.reduced + router.reduced
+        in_flight = (router if layer.router else experts).reduce_input
+        left -= ffn_done
+        at(f"layer {i} attention backward", gathered=root + block.weights, prefetch=nxt, grads=head_grad + reduced,
+           grads_unit=block.weights, reduce_buffer=in_flight, activations=left + attn_regen,
+           transient=2 * residual + 4 * b * T * H / tp)
+        reduced, in_flight, left = reduced + block.reduced, block.reduce_input, left - attn_done
+    root_grads = head_grad if units.embed else units.root.weights  # the embedding's own, on CPUs or when tied
+    embed = units.embed or _NO_UNIT
+    # the embedding's gradient, then (in the final callback) the root's reduce-scatter: its gathered weights are
+    # freed first and the buffer in flight released, the gradients copied into an fp32 input; then the embedding's
+    at("embedding backward", gathered=root, gathered_own=embed.weights, grads=root_grads + reduced,
+       grads_unit=embed.weights, reduce_buffer=in_flight)
+    at("root reduce-scatter", gathered_own=embed.weights, grads=root_grads + reduced, grads_unit=embed.weights,
+       reduce_buffer=units.root.reduce_input)
+    if units.embed:
+        at("embedding reduce-scatter", grads=reduced + units.root.reduced, grads_unit=embed.weights,
+           reduce_buffer=embed.reduce_input)
+    at("optimizer step", grads=GRAD_BYTES * P, adam_step=_adam_step(cfg, par, precision, sharded=True))
+    return moments
+
+
+def _replica_peak(cfg: ModelConfig, par: ParallelConfig, acts: _LayerActivations, micro_batch: int, seq_len: int,
+                  recompute: str, precision: str, kernel: str) -> tuple[str, dict[str, float]]:
+    """The peak of a whole replica: the trainer on one process, or a DDP rank (the same plus DDP's fp32 gradient
+    buckets, as large as the gradients): the larger of backward's and the optimizer step's. bf16:
+    estimate_trainer_memory (compiled regions, as the trainer runs them with ep = tp = 1 on a GPU); fp32: the same
+    backward walk over the eager fp32 blocks."""
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    P = sum(parts.values())
+    if precision == "bf16":
+        m = estimate_trainer_memory(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                                    fused=kernel == "triton")
     else:
-        saved = cfg.num_layers * b * T * H
-        regen = attn_sum + max(moe_sum, dense_sum)
-    saved += norm_activations(T, H) + b * T * H  # final norm, head input
-    layer_max = attn_sum + max(moe_sum, dense_sum)
-    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V / tp  # bf16 logits, fp32 log-softmax, their gradients
-    return _Activations(attention_layer=attn, moe_layer=moe_act, dense_layer=dense_act, saved=saved,
-                        working=max(layer_max + regen, loss_chunk))
+        m = _fp32_replica(cfg, acts, recompute, kernel)
+    buckets = GRAD_BYTES * P if par.world_size > 1 else 0.0
+    states = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P, "buckets": buckets}
+    backward = states | {"casts": m.states - 12 * P, "grads": m.grads, "activations": m.activations,
+                         "transient": m.working}
+    step = states | {"grads": GRAD_BYTES * P, "adam_step": _adam_step(cfg, par, precision, sharded=False)}
+    where = f"backward, {m.blocks_done} of {cfg.num_layers} blocks done" if m.blocks_done else "loss backward"
+    return max((where, backward), ("optimizer step", step), key=lambda moment: sum(moment[1].values()))
 
 
-def _traffic(cfg: ModelConfig, parallel: ParallelConfig, params: _ParamShards, rows: float,
-             b: int) -> dict[str, float]:
-    """3. bytes each GPU sends per micro-batch: ZeRO-3 collectives and the expert all-to-alls."""
-    ep, dp = parallel.ep, parallel.dp
+def _adam_step(cfg: ModelConfig, par: ParallelConfig, precision: str, sharded: bool) -> float:
+    """AdamW's transient: none for the fused GPU kernel; on CPUs the single-tensor step makes the square root and
+    the quotient of one parameter at a time beside the previous one's denominator, up to 3 of the largest local
+    parameter tensor (``sharded``: FSDP2's shards, else a replica's)."""
+    if precision == "bf16":
+        return 0.0
+    H, moe = cfg.hidden_size, cfg.moe
+    dense_group, expert_group = (par.dp * par.ep, par.dp) if sharded else (1, 1)
+    largest = max(cfg.vocab_size * H / dense_group,
+                  H * cfg.num_heads * cfg.head_dim / par.tp / dense_group,
+                  H * max(moe.shared_width, cfg.ffn_hidden_size / par.tp) / dense_group,
+                  moe.num_experts // par.ep * H * moe.ffn_hidden_size / expert_group)
+    return 3 * MASTER_BYTES * largest
+
+
+def _fp32_replica(cfg: ModelConfig, acts: _LayerActivations, recompute: str, kernel: str) -> TrainerMemory:
+    """estimate_trainer_memory's walk for an fp32 eager replica (the trainer on a CPU): no casts, fp32 gradients
+    made directly, and each block's activation gradients (as in _fsdp_moments) as its transient."""
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    T, b, moe = acts.tokens, 4, cfg.moe
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    residual = RESIDUAL_BYTES * T * H
+    rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if kernel == "torch" else 2 * moe.ffn_hidden_size))
+    weights = _block_weights(cfg, parts)
+    attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
+    blocks = []
+    for i in range(L):
+        is_moe = i >= cfg.first_k_dense
+        kept, regen, *_ = _keeps(recompute, attn_b, moe_b if is_moe else dense_b, residual, is_moe)
+        transient = residual + (rows_grad if is_moe else 2 * b * T * cfg.ffn_hidden_size)
+        blocks.append((kept, regen, GRAD_BYTES * weights[i], transient))
+    tail = norm_activations(T, H) + b * T * H
+    head = parts["head"] or parts["embedding"]
+    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * head, tail,
+                          12 * min(T, LOSS_CHUNK_TOKENS) * V)
+
+
+def _traffic(cfg: ModelConfig, par: ParallelConfig, wrapper: str, precision: str, rows: float) -> dict[str, float]:
+    """Bytes each GPU sends per micro-batch (a ring sends (G-1)/G of a collective's bytes over a group of G):
+    FSDP2 all-gathers every unit forward and backward at its gathered width and reduce-scatters its gradients in
+    fp32; DDP all-reduces the fp32 gradients (twice (G-1)/G); the expert all-to-alls move the rows."""
+    ep, world = par.ep, par.world_size
+    out = {"fsdp_dense": 0.0, "fsdp_experts": 0.0, "ddp": 0.0, "all_to_all": 0.0}
+    if wrapper == "FSDP2":
+        units = _fsdp_units(cfg, par, precision)
+        experts = units.experts()
+        for u in units.all():
+            sent = (2 * u.width + GRAD_BYTES) * u.numel * (u.group - 1) / u.group
+            out["fsdp_experts" if any(u is e for e in experts) else "fsdp_dense"] += sent
+    elif wrapper == "DDP":
+        out["ddp"] = 2 * GRAD_BYTES * count_params(cfg).total * (world - 1) / world
     n_moe = cfg.num_layers - cfg.first_k_dense
-    routed = count_params(cfg, expert_matrices=3).total_by_part["routed_experts"]
-    return {
-        "zero3_dense": _zero3_bytes(params.dense_unsharded, dp * ep),
-        "zero3_experts": _zero3_bytes(routed / ep, dp),
-        # dispatch + combine, forward and backward; (ep-1)/ep of the rows leave the GPU
-        "all_to_all": 4 * n_moe * rows * cfg.hidden_size * b * (ep - 1) / ep,
-    }
+    # dispatch + combine, forward and backward; (ep-1)/ep of the rows leave the GPU
+    out["all_to_all"] = 4 * n_moe * rows * cfg.hidden_size * activation_bytes(precision) * (ep - 1) / ep
+    return out
 
 
 def ep_group_nodes(parallel: ParallelConfig) -> int:
@@ -332,7 +570,7 @@ def ep_group_nodes(parallel: ParallelConfig) -> int:
 
 def _preference(m: MemoryBreakdown) -> tuple:
     """The search's order: fewest memory-saving tricks (recompute, then TP), then the largest micro-batch, then
-    the least traffic per GPU per micro-batch (ZeRO-3 collectives + expert all-to-alls: a small EP makes every
+    the least traffic per GPU per micro-batch (FSDP2 collectives + expert all-to-alls: a small EP makes every
     GPU all-gather E/EP experts' weights each pass, a large EP moves rows instead), then EP inside a node."""
     par = m.parallel
     node = par.gpus_per_node or par.world_size
@@ -434,19 +672,47 @@ def block_activations(cfg: ModelConfig, T: int, i: int, *, compiled: bool = True
     return attn_bytes, sum(ffn.values()) + b * shared_w + 4 * T * H
 
 
+def _block_weights(cfg: ModelConfig, parts: dict[str, int]) -> list[float]:
+    """Parameters of each block, from the one parameter count (attention variants, shared-expert widths included)."""
+    L, H = cfg.num_layers, cfg.hidden_size
+    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
+    attn_w = parts["attention"] / L + 2 * H  # + the block's two RMSNorm weights
+    moe_w = (parts["routed_experts"] + parts["router"] + parts["shared_experts"]) / max(1, n_moe)
+    dense_w = parts["dense_ffn"] / max(1, n_dense)
+    return [attn_w + (moe_w if i >= cfg.first_k_dense else dense_w) for i in range(L)]
+
+
+def _backward_walk(states: float, blocks: list[tuple[float, float, float, float]], start_grads: float,
+                   tail: float, loss_chunk: float, accumulating: bool = False) -> TrainerMemory:
+    """The peak of a replica's backward: the loss chunk at its start, then block by block top-down, each freeing
+    its saved activations while its gradients appear (with ``accumulating`` every gradient exists throughout, in
+    ``start_grads``). ``blocks``: (saved, rebuilt in backward, gradient bytes, transient) per block, bottom first."""
+    saved_left = sum(saved for saved, *_ in blocks)
+    best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
+    grads = start_grads
+    for j, (saved, regen, grad_bytes, transient) in enumerate(reversed(blocks), 1):
+        made = 0.0 if accumulating else grad_bytes  # this block's gradients appear as it runs
+        here = TrainerMemory(states, grads + made, saved_left, regen + transient, j)
+        if here.total > best.total:
+            best = here
+        grads += made
+        saved_left -= saved
+    return best
+
+
 def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Optional[int] = None,
                             recompute: str = "none", accumulation: int = 1, compiled: bool = True,
                             fused: bool = True) -> TrainerMemory:
-    """The peak of one `xmoe train` step on one GPU, in the trainer's own precision layout (not ZeRO-3's):
+    """The peak of one `xmoe train` step on one GPU, in the trainer's own precision layout:
 
     * states: fp32 parameters (4 B), AdamW's two fp32 moments (8 B), and the bf16 copies of the routed experts made
       once per step (2 B per expert weight);
-    * the last micro-batch's backward walks the blocks top-down: the LM head's fp32 gradient first, then each
-      block frees its saved activations while its fp32 parameter gradients appear (with ``accumulation`` > 1
-      every gradient exists from the first micro-batch on). The peak is the largest sum of gradients plus
-      activations of the blocks left plus the transient of the block in hand: its bf16 weight gradients before
-      they are added into fp32, and with recompute its activations rebuilt; or the loss chunk's logits at the
-      start of backward;
+    * the last micro-batch's backward walks the blocks top-down (``_backward_walk``): the LM head's fp32 gradient
+      first, then each block frees its saved activations while its fp32 parameter gradients appear (with
+      ``accumulation`` > 1 every gradient exists from the first micro-batch on). The peak is the largest sum of
+      gradients plus activations of the blocks left plus the transient of the block in hand: its bf16 weight
+      gradients before they are added into fp32, and with recompute its activations rebuilt; or the loss chunk's
+      logits at the start of backward;
     * saved activations per block: block_activations. "moe" keeps the MoE branch's fp32 input instead of its
       activations, "full" only each block's fp32 input.
     benchmarks/memory_fit.py measures the peaks this predicts (docs/training-speed.md has the table).
@@ -461,14 +727,8 @@ def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Opti
     parts = count_params(cfg, expert_matrices=3).total_by_part
     total_params = sum(parts.values())
     states = 12 * total_params + 2 * parts["routed_experts"]
-
-    # per-block weights from the one parameter count (attention variants, shared-expert widths included)
-    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
-    attn_w = parts["attention"] / L + 2 * H  # + the block's two RMSNorm weights
-    moe_w = (parts["routed_experts"] + parts["router"] + parts["shared_experts"]) / max(1, n_moe)
-    dense_w = parts["dense_ffn"] / max(1, n_dense)
     blocks = []  # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
-    for i in range(L):
+    for i, weights in enumerate(_block_weights(cfg, parts)):
         is_moe = i >= cfg.first_k_dense
         attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
         if recompute == "full":
@@ -477,22 +737,9 @@ def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Opti
             saved, regen = attn + 4 * T * H, ffn
         else:
             saved, regen = attn + ffn, 0.0
-        weights = attn_w + (moe_w if is_moe else dense_w)
         blocks.append((saved, regen, 4 * weights, b * weights))
-
-    all_grads = 4 * total_params
-    head_grads = 4 * (parts["head"] or parts["embedding"])
-    start_grads = all_grads if accumulation > 1 else head_grads
+    accumulating = accumulation > 1
+    start_grads = 4 * total_params if accumulating else 4 * (parts["head"] or parts["embedding"])
     tail = 4 * T * H + b * T * H  # final norm's input and the head's input
-    saved_left = sum(saved for saved, *_ in blocks)
     loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V  # bf16 logits, fp32 log-softmax and their gradients
-    best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
-    grads = start_grads
-    for j, (saved, regen, grad_bytes, transient) in enumerate(reversed(blocks), 1):
-        made = 0.0 if accumulation > 1 else grad_bytes  # this block's fp32 gradients appear as it runs
-        here = TrainerMemory(states, grads + made, saved_left, regen + transient, j)
-        if here.total > best.total:
-            best = here
-        grads += made
-        saved_left -= saved
-    return best
+    return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)

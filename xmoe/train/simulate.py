@@ -215,8 +215,9 @@ def run(args) -> dict[str, Any]:
     device = _device(args.device)
     if args.kernel is None:
         args.kernel = "triton" if device.type == "cuda" else "torch"
-    # what the planner assumes of the precision: the trainer's on this device (bf16 autocast on GPUs, fp32 on CPUs)
-    best = plan_cli.rank_layouts(cfg, args, act_bytes=2 if device.type == "cuda" else 4)[0]
+    # the planner in the trainer's precision on this device: bf16 (autocast, FSDP2 mixed precision) on GPUs,
+    # fp32 on CPUs
+    best = plan_cli.rank_layouts(cfg, args, precision="bf16" if device.type == "cuda" else "fp32")[0]
     kernel_backend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
     if not args.json:
@@ -225,13 +226,13 @@ def run(args) -> dict[str, Any]:
               f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}", flush=True)
     m = measure_rank(cfg, best.parallel, micro_batch=best.micro_batch, seq_len=best.seq_len, rank=args.rank,
                      recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device))
-    planned_peak = best.total - best.reserve
     result = m.as_dict() | {
         "preset": args.preset,
-        "planned_peak_bytes": int(planned_peak),
+        "planned_peak_bytes": int(best.peak),
+        "planned_peak_at": best.peak_at,
         "planned_reserve_bytes": int(best.reserve),
-        "planned_parts": {k: int(v) for k, v in best.parts().items()},
-        "ratio": m.measured_peak_bytes / planned_peak,
+        "planned_by_kind": {k: int(v) for k, v in best.tracker_parts().items()},
+        "ratio": m.measured_peak_bytes / best.peak,
     }
     print(json.dumps(result, indent=2) if args.json else _table(result, note))
     return result
@@ -249,20 +250,17 @@ def _device(name: str) -> torch.device:
 
 def _table(r: dict[str, Any], note: Optional[str]) -> str:
     gib = 2.0**30
-    planned, measured = r["planned_parts"], r["measured_by_kind"]
-    rows = [("weights (sharded + gathered)", planned["parameters"] + planned["gathered"], measured.get("weights", 0)),
-            ("gradients", planned["gradients"], measured.get("gradients", 0)),
-            ("optimizer state", planned["optimizer"], measured.get("optimizer", 0)),
-            ("activations", planned["activations"], measured.get("activations", 0)),
-            ("working / temporaries", planned["working"],
-             measured.get("temporaries", 0) + measured.get("buffers", 0) + measured.get("other", 0))]
+    planned, measured = r["planned_by_kind"], dict(r["measured_by_kind"])
+    measured["temporaries"] = sum(measured.pop(k, 0) for k in ("temporaries", "buffers", "other"))
     lines = [f"  {'':<30}{'planned GiB':>12}{'measured GiB':>14}"]
-    lines += [f"  {name:<30}{p / gib:>12.3f}{q / gib:>14.3f}" for name, p, q in rows]
+    lines += [f"  {kind:<30}{planned[kind] / gib:>12.3f}{measured.get(kind, 0) / gib:>14.3f}" for kind in planned]
     lines.append(f"  {'peak (planned: less reserve)':<30}{r['planned_peak_bytes'] / gib:>12.3f}"
                  f"{r['measured_peak_bytes'] / gib:>14.3f}   measured / planned {r['ratio']:.3f}")
+    lines.append(f"planned peak: {r['planned_peak_at']}")
     lines.append(f"compute {r['compute_ms_per_step']:.1f} ms per step ({r['steps']} steps on {r['device']}): "
                  f"{r['tokens_per_s']:.0f} tokens/s per GPU from compute alone")
-    lines.append(f"by kind: MemTracker at the peak of a step; peak: "
+    lines.append(f"by kind: MemTracker's, at the peak of a step (the planner's in the same kinds: "
+                 f"MemoryBreakdown.tracker_parts); peak: "
                  f"{'the caching allocator' if r['device'].startswith('cuda') else 'live tensor storages'}")
     lines.append(f"note: {NOTE}")
     if note:
