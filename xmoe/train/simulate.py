@@ -128,11 +128,12 @@ def _sync(device: torch.device) -> None:
 
 def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, rank: int = 0,
                  recompute: str = "none", imbalance: float = 1.0, steps: int = 3, device: str = "auto",
-                 seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1, simulate: bool = True) -> Measurement:
+                 seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1, simulate: bool = True,
+                 ssmb: bool = True) -> Measurement:
     """Rank ``rank`` of ``parallel`` (all ``parallel.world_size`` ranks of it) training ``cfg``: ``steps`` >= 3 steps
     of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
     ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
-    a real run's rank: the tests compare the two)."""
+    a real run's rank: the tests compare the two). ``ssmb``: with tp > 1, the MoE blocks on 1/tp of the tokens."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from xmoe.train.trainer import _param_groups
@@ -154,7 +155,7 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
             torch.cuda.reset_peak_memory_stats(dev)
         tracker = MemTracker()
         with tracker:
-            built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel,
+            built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel, ssmb=ssmb,
                                 param_dtype=torch.bfloat16 if autocast else None, recompute=recompute)
             if simulate:
                 _plan_counts(built.model, imbalance)
@@ -191,7 +192,7 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
             dist.destroy_process_group()
     layout = dict(world=world, rank=rank, tp=parallel.tp, ep=parallel.ep, dp=parallel.dp,
                   placement=parallel.placement, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                  imbalance=imbalance, layers=cfg.num_layers)
+                  imbalance=imbalance, layers=cfg.num_layers, ssmb=ssmb and parallel.tp > 1)
     return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, micro_batch * seq_len / (ms / 1e3))
 
 
@@ -225,7 +226,8 @@ def run(args) -> dict[str, Any]:
               f"tp {best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
               f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}", flush=True)
     m = measure_rank(cfg, best.parallel, micro_batch=best.micro_batch, seq_len=best.seq_len, rank=args.rank,
-                     recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device))
+                     recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device),
+                     ssmb=not args.no_ssmb)
     result = m.as_dict() | {
         "preset": args.preset,
         "planned_peak_bytes": int(best.peak),
