@@ -174,6 +174,33 @@ def test_recompute_reduces_the_peak() -> None:
     assert none.activations > moe_rc.activations > full.activations
 
 
+def test_bf16_end_of_backward_holds_14_bytes_per_vocab_weight() -> None:
+    # GPUs: at the root's reduce-scatter (FSDP2's final callback) the untied embedding's fp32 gather and gradient
+    # (4 + 4 B), the head's bf16 gradient (2 B) and the root's fp32 reduce-scatter input (4 B) are alive at once,
+    # beside fp32 weights, AdamW (12 B) and every other unit's reduced fp32 gradient (4 B per local parameter)
+    cfg = dataclasses.replace(get_preset("small"), num_layers=2)
+    par = ParallelConfig(dp=4, ep=16, tp=1, gpus_per_node=8)
+    m = memory.estimate_memory(cfg, par, micro_batch=1, seq_len=256, precision="bf16")
+    assert m.peak_at == "root reduce-scatter"
+    VH, H, ranks = cfg.vocab_size * cfg.hidden_size, cfg.hidden_size, par.dp * par.ep
+    P = m.dense_params + m.expert_params
+    reduced = 4 * (P - (VH + H) / ranks - VH / ranks)
+    assert m.peak == pytest.approx(12 * P + reduced + 14 * VH + 4 * H)
+    assert sum(m.tracker_parts().values()) == pytest.approx(m.peak)
+
+
+def test_ddp_replica_adds_its_buckets() -> None:
+    cfg = tiny()
+    total = count_params(cfg).total
+    for precision in memory.PRECISIONS:
+        one = memory.estimate_memory(cfg, ParallelConfig(), micro_batch=2, precision=precision)
+        ddp = memory.estimate_memory(cfg, ParallelConfig(dp=4), micro_batch=2, precision=precision)
+        assert (one.wrapper, ddp.wrapper) == ("none", "DDP") and one.peak_at == ddp.peak_at
+        assert ddp.peak - one.peak == pytest.approx(4 * total)  # fp32 buckets as large as the gradients
+    with pytest.raises(ValueError, match="precision"):
+        memory.estimate_memory(cfg, ParallelConfig(), precision="fp16")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layer_id,padded", [(0, False), (1, False), (1, True)])
 def test_layer_model_matches_autograd(dtype: torch.dtype, layer_id: int, padded: bool) -> None:
