@@ -274,7 +274,8 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
         # one EP rank: the local dispatcher lets the Triton experts fuse gather, SwiGLU and combine, keeping the
         # tokens they read and no dispatch or combine buffer (as block_activations' fused path)
         moe_act.update(dispatch_buffer=b * T_moe * cfg.hidden_size, combine_buffer=0.0)
-    acts = _LayerActivations(attn, moe_act, dense_act, rows, T, T_moe)
+    acts = _LayerActivations(attn, moe_act, dense_act, rows, T)
+    units = None
     if parallel.world_size > 1 and (tp > 1 or ep > 1):
         wrapper = "FSDP2"
         units = _fsdp_units(cfg, parallel, precision)
@@ -299,7 +300,7 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
         name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
         padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and tp > 1, tokens=T, moe_tokens=T_moe,
         dense_params=dense_params, expert_params=expert_params, reserve=reserve_gib * GIB,
-        traffic=_traffic(cfg, parallel, wrapper, precision, rows), attention_layer=attn,
+        traffic=_traffic(cfg, parallel, units, precision, rows), attention_layer=attn,
         ffn_layer=moe_act or dense_act, precision=precision, wrapper=wrapper, peak_at=label, peak_terms=terms,
         notes=tuple(notes), **fields,
     )
@@ -312,7 +313,6 @@ class _LayerActivations:
     dense: dict[str, float]  # one dense FFN branch's ({} without dense layers)
     rows: float  # N: rows the experts of a rank compute per MoE layer
     tokens: int  # T
-    moe_tokens: int  # T_moe
 
 
 @dataclass(frozen=True)
@@ -440,6 +440,10 @@ def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _L
        transient=b * chunk * V)
     # expert rows' gradients in the grouped SwiGLU's backward: in and out (N x H each), and of h1 / h3
     rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if kernel == "torch" else 2 * moe.ffn_hidden_size))
+    # the combine's backward: the rows' output gradients, and on the torch path fp32 products (and fp32 copies of
+    # them and of the expert outputs when b < 4) for the rows' and the weights' gradients; Triton: two row tensors
+    NH = acts.rows * H
+    combine_grad = (b + 8 + (8 if b < 4 else 0)) * NH if kernel == "torch" else 2 * b * NH
     reduced, in_flight = 0.0, 0.0
     for i in reversed(range(L)):
         layer, (_, ffn_regen, ffn_done, attn_regen, attn_done) = units.layers[i], plans[i]
@@ -451,12 +455,22 @@ def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _L
                transient=2 * residual + 2 * b * T * cfg.ffn_hidden_size / tp)
             reduced, in_flight, left = reduced + block.reduced, block.reduce_input, left - ffn_done - attn_done
             continue
-        # SSMB averages each expert weight's gradient over tp into a new tensor, one weight at a time
+        # the MoE branch's backward: the combine's first (the experts' all-gather prefetched; the shared experts'
+        # gradients made), which frees its buffer; then w2's gradient, then w1's and w3's, by which time the torch
+        # path's separate ops have freed the hidden tensors (one Triton op keeps them to its end); SSMB averages each
+        # weight's gradient over tp into a new tensor, one weight at a time
+        moe_side = block.width * layer.moe_side
+        at(f"layer {i} MoE backward", gathered=root + block.weights, prefetch=experts.weights + router.weights,
+           grads=head_grad + reduced, reduce_buffer=in_flight, activations=left + ffn_regen, grads_unit=moe_side,
+           transient=residual + combine_grad)
         average = experts.weights / 3 if ssmb and tp > 1 else 0.0
-        at(f"layer {i} MoE backward", gathered=root + block.weights, gathered_own=experts.weights + router.weights,
-           prefetch=nxt, grads=head_grad + reduced, reduce_buffer=in_flight, activations=left + ffn_regen,
-           grads_unit=experts.weights + router.weights + block.width * layer.moe_side,
-           transient=residual + rows_grad + average)
+        live = left + ffn_regen - acts.moe.get("combine_buffer", 0.0)
+        hidden = acts.moe.get("expert_hidden", 0.0) if kernel == "torch" else 0.0
+        for grads_made, freed in ((experts.weights / 3, 0.0), (experts.weights, hidden)):
+            at(f"layer {i} MoE backward", gathered=root + block.weights,
+               gathered_own=experts.weights + router.weights, prefetch=nxt, grads=head_grad + reduced,
+               reduce_buffer=in_flight, activations=live - freed, grads_unit=grads_made + router.weights + moe_side,
+               transient=residual + rows_grad + average)
         reduced += experts.reduced + router.reduced
         in_flight = (router if layer.router else experts).reduce_input
         left -= ffn_done
@@ -538,19 +552,21 @@ def _fp32_replica(cfg: ModelConfig, acts: _LayerActivations, recompute: str, ker
                           12 * min(T, LOSS_CHUNK_TOKENS) * V)
 
 
-def _traffic(cfg: ModelConfig, par: ParallelConfig, wrapper: str, precision: str, rows: float) -> dict[str, float]:
+def _traffic(cfg: ModelConfig, par: ParallelConfig, units: Optional[_Units], precision: str,
+             rows: float) -> dict[str, float]:
     """Bytes each GPU sends per micro-batch (a ring sends (G-1)/G of a collective's bytes over a group of G):
     FSDP2 all-gathers every unit forward and backward at its gathered width and reduce-scatters its gradients in
     fp32; DDP all-reduces the fp32 gradients (twice (G-1)/G); the expert all-to-alls move the rows."""
     ep, world = par.ep, par.world_size
     out = {"fsdp_dense": 0.0, "fsdp_experts": 0.0, "ddp": 0.0, "all_to_all": 0.0}
-    if wrapper == "FSDP2":
-        units = _fsdp_units(cfg, par, precision)
-        experts = units.experts()
-        for u in units.all():
-            sent = (2 * u.width + GRAD_BYTES) * u.numel * (u.group - 1) / u.group
-            out["fsdp_experts" if any(u is e for e in experts) else "fsdp_dense"] += sent
-    elif wrapper == "DDP":
+    if units is not None:  # FSDP2
+
+        def sent(u: _Unit) -> float:
+            return (2 * u.width + GRAD_BYTES) * u.numel * (u.group - 1) / u.group
+
+        out["fsdp_experts"] = sum(sent(u) for u in units.experts())
+        out["fsdp_dense"] = sum(sent(u) for u in units.all()) - out["fsdp_experts"]
+    elif world > 1:  # DDP
         out["ddp"] = 2 * GRAD_BYTES * count_params(cfg).total * (world - 1) / world
     n_moe = cfg.num_layers - cfg.first_k_dense
     # dispatch + combine, forward and backward; (ep-1)/ep of the rows leave the GPU
