@@ -29,7 +29,9 @@ Conventions: the trainer's (xmoe/parallel/build.py, expert_parallel.py; docs/pla
     reduced, the one reduce-scatter input FSDP2 keeps in flight, the saved activations of the layers not yet
     done, and the unit in hand: its gathered weights and unsharded gradients, the all-gather buffer of the unit
     prefetched next, the activation gradients. The end of backward (the embedding's gradient, the root's
-    reduce-scatter) and the optimizer step are moments too. The peak is the largest moment.
+    reduce-scatter) and the optimizer step are moments too. The peak is the largest moment. A replica's:
+    estimate_trainer_memory's backward walk (bf16; the same walk over eager fp32 blocks on CPUs), plus DDP's
+    buckets, or its optimizer step.
 """
 
 from __future__ import annotations
