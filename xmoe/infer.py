@@ -41,29 +41,29 @@ def _run_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
 
 def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
     """(model in eval mode, tokenizer path or None, imported HF config or None) of a SOURCE."""
-    import torch
-
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
+    from xmoe.parallel.build import build_model
 
     path = Path(source)
     if (path / "config.json").is_file():
-        from xmoe.hf.checkpoint import load_pretrained
+        from xmoe.hf.checkpoint import read_config
+        from xmoe.hf.families import model_config_from_hf
 
         if step is not None:
             raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
-        model = load_pretrained(path, device=device)
+        hf = read_config(path)
+        model = build_model(model_config_from_hf(hf), device, init_from=str(path)).model
+        model.hf_config = hf
         tokenizer = path / RUN_TOKENIZER
-        return model, str(tokenizer) if tokenizer.is_file() else None, model.hf_config
+        return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
     if not (path / "checkpoints").is_dir():
         raise FileNotFoundError(f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run "
                                 "directory (checkpoints/)")
-    from xmoe.model.transformer import Transformer
     from xmoe.train import checkpoint as ckpt
 
     found = _run_checkpoint(path, step)
     cfg = model_config_from_dict(ckpt.read_meta(found)["config"]["model"])
-    with torch.device(device):
-        model = Transformer(cfg)
+    model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
     ckpt.load_checkpoint(found, model, restore_rng=False, restore_extra=False)
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
     hf = json.loads(hf_file.read_text()) if hf_file.is_file() else None
