@@ -1,0 +1,471 @@
+"""Ahead-of-time compiles of every Triton kernel of xmoe for GPUs that need not be present, and the resources each
+binary needs: registers (NVIDIA) or VGPRs / AGPRs (AMD), shared memory / LDS, spills.
+
+# T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows
+
+Where the launches come from: each workload (``WORKLOADS``) runs public ops on meta tensors of one layer shape
+while every ``*_kernel`` JIT function of xmoe.kernels is replaced by a recorder and ``tiles.device_budget``
+answers for the GPU stood in for (``DEVICES``: its shared memory and shipped tile table), so the tiles are the ones
+``tiles.pick`` gives that GPU without tuning. A recorded launch is what the launcher passed: the signature is
+specialised the way Triton's runtime specialises a call (pointer dtypes, 16-byte divisibility of pointers and ints,
+int32 or int64, ints equal to 1 as constants, AMD's 32-bit pointer ranges), the constexprs and options
+(num_warps, num_stages) are the launcher's own. No signature is written down twice: a changed launcher reaches
+these compiles by itself, and a ``*_kernel`` that no workload launches is listed as uncovered.
+
+Distinct launches are compiled once per target with ``triton.compile`` (no GPU, no driver). Resources come from
+the binary: NVIDIA registers and local memory per thread from ``cuobjdump -res-usage`` (the numbers the driver
+reports as n_regs and, in 4-byte words, n_spills); AMD VGPRs, AGPRs, spill counts and scratch from the amdgcn
+metadata; shared memory / LDS from the compile's metadata, checked against the target's limit.
+
+Adding a kernel: launch it from a workload (an existing one if a public op already reaches it), e.g.
+
+    @workload("fp8 fused experts, forward and backward", fp8=True)
+    def _fp8_experts(shape: Shape, device: Device) -> None:
+        t = layer_tensors(shape, torch.bfloat16)
+        out = fp8_moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
+        out.backward(torch.empty_like(out))
+
+``fp8=True`` runs it only on devices with fp8 matrix instructions, whose ``device.fp8`` is the e4m3 dtype they
+take (float8_e4m3fn on sm_90, float8_e4m3fnuz on gfx942). ``benchmarks/aot_report.py`` writes the table;
+``tests/test_aot_compile.py`` fails on a compile error, an uncovered kernel or a spill.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import importlib
+import pkgutil
+import re
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Callable, Iterator, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from xmoe.kernels import tiles
+
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU as the launchers see it: its compile target, shared memory per block, shipped table, fp8 dtype."""
+
+    name: str
+    target: str  # a key of TARGETS
+    max_shared: int
+    table: Optional[str] = None  # xmoe/kernels/tuned/<table>.json
+    fp8: Optional[torch.dtype] = None  # the e4m3 dtype of its fp8 matrix instructions; None: it has none
+
+
+# (backend, arch, warp size) of triton's GPUTarget
+TARGETS = {"cuda:90": ("cuda", 90, 32), "hip:gfx90a": ("hip", "gfx90a", 64), "hip:gfx942": ("hip", "gfx942", 64)}
+
+DEVICES = (
+    Device("H200", "cuda:90", 227 * 1024, "NVIDIA_H200", torch.float8_e4m3fn),
+    # another sm_90 GPU (an H100): same budget, no shipped table, so the heuristic's tiles
+    Device("sm_90 untuned", "cuda:90", 227 * 1024, None, torch.float8_e4m3fn),
+    Device("MI250X", "hip:gfx90a", 64 * 1024),  # no fp8 matrix instructions
+    Device("MI300X", "hip:gfx942", 64 * 1024, None, torch.float8_e4m3fnuz),
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+
+    @classmethod
+    def preset(cls, preset: str, tokens: int) -> "Shape":
+        from xmoe.model.presets import get_preset
+
+        moe = get_preset(preset).moe
+        return cls(f"{preset} T={tokens}", tokens, moe.hidden_size, moe.ffn_hidden_size, moe.num_experts,
+                   moe.top_k)
+
+
+# The three model shapes at the token counts the shipped H200 table was tuned on; tiny's H and F are below one
+# tile (masked tiles); small at T=256 has 24 rows per expert (the heuristic's 64-row tiles).
+LAYER_SHAPES = (*(Shape.preset(p, t) for p in ("small", "medium", "large") for t in (8192, 16384)),
+                Shape.preset("tiny", 512), Shape.preset("small", 256))
+# the router kernel's blocks depend on E and K alone: the presets' and its limits (router_topk.MAX_*)
+ROUTER_SHAPES = (Shape.preset("tiny", 512), Shape.preset("small", 8192), Shape.preset("medium", 8192),
+                 Shape.preset("large", 8192), Shape("router limits", 4096, 0, 0, 512, 16))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    run: Callable[[Shape, Device], None]
+    shapes: tuple[Shape, ...]
+    fp8: bool = False
+    shipped: bool = True  # False: configurations only autotuning may pick (reported; spills do not fail)
+
+
+WORKLOADS: list[Workload] = []
+
+
+def workload(name: str, shapes: tuple[Shape, ...] = LAYER_SHAPES, fp8: bool = False,
+             shipped: bool = True) -> Callable:
+    """Register ``run(shape, device)``: launches on meta tensors whose kernels are to compile for every device
+    (for devices with fp8 matrix instructions only, when ``fp8``)."""
+
+    def add(run: Callable[[Shape, Device], None]) -> Callable[[Shape, Device], None]:
+        WORKLOADS.append(Workload(name, run, shapes, fp8, shipped))
+        return run
+
+    return add
+
+
+def layer_tensors(shape: Shape, dtype: torch.dtype) -> SimpleNamespace:
+    """Meta tensors of one MoE layer call (dropless routing), as the layer passes them: x_TH, weights_TK, the
+    plan's index arrays (``plan_args``: token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E), w1, w3, w2;
+    x, the combine weights and the expert weights require grad."""
+    from xmoe.dispatch.routing import build_plan
+
+    T, H, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
+    plan = build_plan(torch.empty(T, K, dtype=torch.long, device=META), torch.empty(T, K, device=META), E)
+
+    def leaf(*size, dt=dtype):
+        return torch.empty(*size, dtype=dt, device=META, requires_grad=True)
+
+    return SimpleNamespace(x_TH=leaf(T, H), weights_TK=leaf(T, K, dt=torch.float32), plan=plan,
+                           plan_args=(plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
+                                      plan.tokens_per_expert_E),
+                           w1=leaf(E, H, F), w3=leaf(E, H, F), w2=leaf(E, F, H))
+
+
+@workload("fused experts (moe_experts), forward and backward")
+def _fused_experts(shape: Shape, device: Device) -> None:
+    from xmoe.kernels import triton_ops
+
+    t = layer_tensors(shape, torch.bfloat16)
+    out = triton_ops.moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
+    out.backward(torch.empty_like(out))
+
+
+@workload("gather_rows, grouped_swiglu, combine_rows, forward and backward")
+def _three_ops(shape: Shape, device: Device) -> None:
+    from xmoe.kernels import triton_ops
+
+    t = layer_tensors(shape, torch.bfloat16)
+    token_ids_N, slot_ids_N, row_of_slot_TK, counts_E = t.plan_args
+    x_NH = triton_ops.gather_rows(t.x_TH, token_ids_N, row_of_slot_TK)
+    y_NH = triton_ops.grouped_swiglu(x_NH, t.w1, t.w3, t.w2, counts_E)
+    out = triton_ops.combine_rows(y_NH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)
+    out.backward(torch.empty_like(out))
+
+
+@workload("fused experts in fp32 (exact dots)", shapes=(Shape.preset("small", 8192), Shape.preset("tiny", 512)))
+def _fused_experts_fp32(shape: Shape, device: Device) -> None:
+    from xmoe.kernels import triton_ops
+
+    t = layer_tensors(shape, torch.float32)
+    out = triton_ops.moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
+    out.backward(torch.empty_like(out))
+
+
+@workload("router top-k (softmax; sigmoid, normalised), forward and backward", shapes=ROUTER_SHAPES)
+def _router(shape: Shape, device: Device) -> None:
+    from xmoe.kernels.router_topk import router_topk
+
+    for score_func, norm in (("softmax", False), ("sigmoid", True)):
+        logits_TE = torch.empty(shape.tokens, shape.experts, device=META, requires_grad=True)
+        weights_TK, _, _ = router_topk(logits_TE, None, shape.top_k, score_func, norm, 1.0)
+        weights_TK.backward(torch.empty_like(weights_TK))
+
+
+@workload("autotuning candidates (XMOE_AUTOTUNE=1) that fit the GPU, fused and three ops",
+          shapes=(Shape.preset("medium", 8192),), shipped=False)
+def _candidates(shape: Shape, device: Device) -> None:
+    fitting = {kernel: tiles.candidates(kernel, device.max_shared) for kernel in tiles.KERNELS}
+    for i in range(max(map(len, fitting.values()))):
+        with tiles.force({kernel: c[i] for kernel, c in fitting.items() if i < len(c)}):
+            _fused_experts(shape, device)
+            _three_ops(shape, device)
+
+
+@triton.jit
+def _fp8_dot_kernel(a_ptr, b_ptr, c_ptr, BLOCK: tl.constexpr):
+    """c = a @ b for one (BLOCK, BLOCK) tile of e4m3 inputs, fp32 out: proof that a target takes fp8 dots."""
+    offs = tl.arange(0, BLOCK)
+    tile = offs[:, None] * BLOCK + offs[None, :]
+    c = tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile))
+    tl.store(c_ptr + tile, c)
+
+
+@workload("fp8 e4m3 tl.dot", shapes=(Shape("one 64 x 64 tile", 64, 64, 64, 1, 1),), fp8=True)
+def _fp8_dot(shape: Shape, device: Device) -> None:
+    a, b = (torch.empty(shape.tokens, shape.hidden, dtype=device.fp8, device=META) for _ in range(2))
+    _fp8_dot_kernel[(1,)](a, b, torch.empty(shape.tokens, shape.hidden, device=META), BLOCK=shape.hidden)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recording
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as triton.compile needs it; equal launches compile to the same binary."""
+
+    target: str
+    kernel: str  # module:function
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, object], ...]
+    attrs: tuple[tuple[int, tuple], ...]  # (argument index, ((attribute, value), ...))
+    options: tuple[tuple[str, object], ...]  # num_warps, num_stages, ...
+
+    def tile(self) -> str:
+        """The launch's blocks and options in one line, e.g. BLOCK_M=128 BLOCK_N=256 ... num_warps=8."""
+        blocks = [f"{k}={v}" for k, v in self.constexprs if k.startswith("BLOCK") or k == "GROUP"]
+        return " ".join(blocks + [f"{k}={v}" for k, v in self.options])
+
+    def flags(self) -> str:
+        """The other constexprs (GATHER, EVEN_K, ...) and the arguments specialised to 1."""
+        return " ".join(f"{k}={v}" for k, v in self.constexprs if not (k.startswith("BLOCK") or k == "GROUP"))
+
+
+@dataclass(frozen=True)
+class Use:
+    """Where a launch was recorded: the device, the workload, its shape, and for a tiled GEMM the shape class."""
+
+    device: str
+    workload: str
+    shape: str
+    shipped: bool
+    shape_class: Optional[str] = None
+
+
+@dataclass
+class Recording:
+    launches: dict[Launch, set[Use]] = field(default_factory=dict)
+    picks: set[tuple[str, str]] = field(default_factory=set)  # (device, shape class) picked by a shipped workload
+    pending_class: Optional[str] = None
+
+
+def _triton_internals():
+    """Triton's own call specialisation (native_specialize_impl) and backends, or an ImportError naming them."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    return native_specialize_impl, GPUTarget, make_backend
+
+
+def gpu_target(target: str):
+    _, GPUTarget, _ = _triton_internals()
+    return GPUTarget(*TARGETS[target])
+
+
+class _Recorder:
+    """Stands in for one JIT function while a workload runs: ``kernel[grid](...)`` records the launch."""
+
+    def __init__(self, fn, backend, target: str, recording: Recording, use: Use):
+        self.fn, self.backend, self.target, self.recording, self.use = fn, backend, target, recording, use
+
+    def __getitem__(self, grid):
+        return self._record
+
+    def _record(self, *args, **kwargs) -> None:
+        specialize = _triton_internals()[0]
+        names = [p.name for p in self.fn.params]
+        bound = dict(zip(names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
+        if len(bound) != len(names):
+            raise TypeError(f"{self.fn.__name__} launched without {sorted(set(names) - set(bound))}")
+        signature, constexprs, attrs = [], [], []
+        for i, p in enumerate(self.fn.params):
+            value = bound[p.name]
+            if p.is_constexpr:
+                kind, key = "constexpr", value
+            else:
+                kind, key = specialize(self.backend, value, p.is_const, not p.do_not_specialize,
+                                       not p.do_not_specialize_on_alignment)[:2]
+            signature.append((p.name, kind))
+            if kind == "constexpr":
+                constexprs.append((p.name, key))
+            elif isinstance(key, str) and self.backend.parse_attr(key):
+                attrs.append((i, tuple(tuple(a) for a in self.backend.parse_attr(key))))
+        launch = Launch(self.target, f"{self.fn.__module__}:{self.fn.__name__}", tuple(signature), tuple(constexprs),
+                        tuple(attrs), options)
+        use = self.use
+        if {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= set(bound) and self.recording.pending_class:
+            use = replace(use, shape_class=self.recording.pending_class)  # a tiled GEMM: its tile's class
+            self.recording.pending_class = None
+        self.recording.launches.setdefault(launch, set()).add(use)
+
+
+def kernel_modules() -> list:
+    """Every module of xmoe.kernels, imported."""
+    import xmoe.kernels as package
+
+    return [importlib.import_module(f"{package.__name__}.{m.name}") for m in pkgutil.iter_modules(package.__path__)]
+
+
+def jit_kernels() -> dict[str, object]:
+    """{module:function: JIT function} of every launched kernel of xmoe (``*_kernel``; the other JIT functions are
+    helpers they inline)."""
+    found = {}
+    for module in kernel_modules():
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
+                found[f"{obj.fn.__module__}:{obj.fn.__name__}"] = obj
+    return found
+
+
+@contextlib.contextmanager
+def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[None]:
+    """Kernels record instead of launching; tile picks are the device's (untuned; weight gradients by the Triton
+    kernels, which the Hopper path skips only at some shapes)."""
+    _, _, make_backend = _triton_internals()
+    backend = make_backend(gpu_target(device.target))
+    kernels = {id(fn): fn for fn in jit_kernels().values()}
+    patched = []
+    for module in kernel_modules():
+        for name, obj in list(vars(module).items()):
+            if id(obj) in kernels:
+                patched.append((module, name, obj))
+                setattr(module, name, _Recorder(obj, backend, device.target, recording, use))
+    table = tiles.shipped_table(device.table) if device.table else {}
+    pick, budget = tiles.pick, tiles.device_budget
+
+    def recording_pick(kernel, dtype, dev, depth, width, num_rows, num_experts, run=None):
+        key = tiles.shape_class(kernel, depth, width, num_rows, num_experts)
+        if use.shipped:
+            recording.picks.add((device.name, key))
+        recording.pending_class = key if dtype != torch.float32 else f"{kernel} fp32"
+        return pick(kernel, dtype, dev, depth, width, num_rows, num_experts)  # no run: never tuned
+
+    tiles.pick, tiles.device_budget = recording_pick, lambda dev: (device.max_shared, table)
+    tiles.clear_memo()
+    try:
+        with tiles.use_options(autotune=False, legacy=False, wgrad="triton"):
+            yield
+    finally:
+        tiles.pick, tiles.device_budget = pick, budget
+        tiles.clear_memo()
+        for module, name, obj in patched:
+            setattr(module, name, obj)
+
+
+def record(devices=DEVICES, workloads: Optional[list[Workload]] = None,
+           shapes: Optional[set[str]] = None, forced: Optional[dict] = None) -> Recording:
+    """Every launch of the workloads (all, or those given) on each device, at their shapes (or those named)."""
+    from xmoe.kernels._common import interpreting
+
+    if interpreting():
+        raise RuntimeError("the compile checks need Triton's compiler: run them without TRITON_INTERPRET=1")
+    recording = Recording()
+    for device in devices:
+        for wl in workloads if workloads is not None else WORKLOADS:
+            if wl.fp8 and device.fp8 is None:
+                continue
+            for shape in wl.shapes:
+                if shapes is not None and shape.name not in shapes:
+                    continue
+                use = Use(device.name, wl.name, shape.name, wl.shipped)
+                with _standing_in(device, recording, use), tiles.force(forced or {}):
+                    wl.run(shape, device)
+    return recording
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiling and reading the binaries
+
+
+def nvidia_resources(res_usage: str) -> dict:
+    """Registers and local memory per thread from ``cuobjdump -res-usage`` of a one-kernel cubin."""
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res_usage)
+    if m is None:
+        raise ValueError(f"no resource line in cuobjdump's output: {res_usage!r}")
+    regs, stack, local = map(int, m.groups())
+    return {"regs": regs, "local_bytes": stack + local, "spills": stack + local > 0}
+
+
+def amd_resources(amdgcn: str) -> dict:
+    """VGPRs, AGPRs, spill counts and scratch bytes per lane from the kernel metadata of an amdgcn listing."""
+
+    def field_(name: str) -> int:
+        m = re.search(rf"^\s*-?\s*\.{name}:\s+(\d+)", amdgcn, re.MULTILINE)
+        if m is None:
+            raise ValueError(f"no .{name} in the amdgcn metadata")
+        return int(m.group(1))
+
+    out = {name: field_(name) for name in ("vgpr_count", "agpr_count", "vgpr_spill_count", "sgpr_spill_count",
+                                           "private_segment_fixed_size")}
+    out["spills"] = out["vgpr_spill_count"] + out["sgpr_spill_count"] + out["private_segment_fixed_size"] > 0
+    return out
+
+
+def _cuobjdump() -> str:
+    from triton import knobs
+
+    return knobs.nvidia.cuobjdump.path
+
+
+MAX_THREADS = 1024
+
+
+def compile_launch(launch: Launch) -> dict:
+    """Compile one launch for its target: {"ok", "error" | resources, "shared", "seconds"}."""
+    from triton.compiler import ASTSource
+
+    module, name = launch.kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    device_max_shared = max(d.max_shared for d in DEVICES if d.target == launch.target)
+    start = time.perf_counter()
+    try:
+        src = ASTSource(fn=fn, signature=dict(launch.signature), constexprs=dict(launch.constexprs),
+                        attrs={(i,): [list(a) for a in attr] for i, attr in launch.attrs})
+        compiled = triton.compile(src, target=gpu_target(launch.target), options=dict(launch.options))
+        if "cubin" in compiled.asm:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
+                                       check=True).stdout
+            out = nvidia_resources(usage)
+        else:
+            out = amd_resources(compiled.asm["amdgcn"])
+        out["shared"] = int(compiled.metadata.shared)
+        threads = int(compiled.metadata.num_warps) * TARGETS[launch.target][2]
+        if out["shared"] > device_max_shared:
+            raise RuntimeError(f"needs {out['shared']} bytes of shared memory, the GPU has {device_max_shared}")
+        if threads > MAX_THREADS:
+            raise RuntimeError(f"{threads} threads per program, more than {MAX_THREADS}")
+        out.update(ok=True, error=None)
+    except Exception as e:  # a compile error is a result here, reported with the launch
+        out = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip()[-2000:]}", "spills": False}
+    out["seconds"] = round(time.perf_counter() - start, 2)
+    return out
+
+
+def compile_all(launches: list[Launch], jobs: int = 1) -> list[dict]:
+    """compile_launch over every launch, in ``jobs`` processes; results in the launches' order."""
+    if jobs <= 1:
+        return [compile_launch(launch) for launch in launches]
+    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(compile_launch, launches, chunksize=1))
+
+
+def uncovered(recording: Recording) -> list[str]:
+    """Kernels of xmoe that no workload launched on any device."""
+    reached = {launch.kernel for launch in recording.launches}
+    return sorted(set(jit_kernels()) - reached)
+
+
+def missed_classes(recording: Recording, devices=DEVICES) -> list[str]:
+    """Shipped-table classes that the workloads never picked on the device shipping them."""
+    return sorted(f"{d.name} {key}" for d in devices if d.table for key in tiles.shipped_table(d.table)
+                  if (d.name, key) not in recording.picks)
