@@ -19,8 +19,9 @@ metadata; shared memory / LDS from the compile's metadata, checked against the t
 
 Adding a kernel: launch it from a workload (an existing one if a public op already reaches it), e.g.
 
-    @workload("fp8 fused experts, forward and backward", fp8=True)
-    def _fp8_experts(shape: Shape, device: Device) -> None:
+    @workload("fp8_fused", fp8=True)
+    def _fp8_fused(shape: Shape, device: Device) -> None:
+        "fp8 fused experts, forward and backward"
         t = layer_tensors(shape, torch.bfloat16)
         out = fp8_moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
         out.backward(torch.empty_like(out))
@@ -35,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib
+import os
 import pkgutil
 import re
 import subprocess
@@ -105,7 +107,7 @@ ROUTER_SHAPES = (Shape.preset("tiny", 512), Shape.preset("small", 8192), Shape.p
 
 @dataclass(frozen=True)
 class Workload:
-    name: str
+    name: str  # a short key (benchmarks/aot_report.py --workloads); run's docstring says what it launches
     run: Callable[[Shape, Device], None]
     shapes: tuple[Shape, ...]
     fp8: bool = False
@@ -145,8 +147,9 @@ def layer_tensors(shape: Shape, dtype: torch.dtype) -> SimpleNamespace:
                            w1=leaf(E, H, F), w3=leaf(E, H, F), w2=leaf(E, F, H))
 
 
-@workload("fused experts (moe_experts), forward and backward")
+@workload("fused")
 def _fused_experts(shape: Shape, device: Device) -> None:
+    """moe_experts (gather, experts and combine fused), forward and backward"""
     from xmoe.kernels import triton_ops
 
     t = layer_tensors(shape, torch.bfloat16)
@@ -154,8 +157,9 @@ def _fused_experts(shape: Shape, device: Device) -> None:
     out.backward(torch.empty_like(out))
 
 
-@workload("gather_rows, grouped_swiglu, combine_rows, forward and backward")
+@workload("three_ops")
 def _three_ops(shape: Shape, device: Device) -> None:
+    """gather_rows, grouped_swiglu, combine_rows, forward and backward"""
     from xmoe.kernels import triton_ops
 
     t = layer_tensors(shape, torch.bfloat16)
@@ -166,8 +170,9 @@ def _three_ops(shape: Shape, device: Device) -> None:
     out.backward(torch.empty_like(out))
 
 
-@workload("fused experts in fp32 (exact dots)", shapes=(Shape.preset("small", 8192), Shape.preset("tiny", 512)))
+@workload("fused_fp32", shapes=(Shape.preset("small", 8192), Shape.preset("tiny", 512)))
 def _fused_experts_fp32(shape: Shape, device: Device) -> None:
+    """moe_experts in fp32 (exact dots, tiles.FP32_CONFIG), forward and backward"""
     from xmoe.kernels import triton_ops
 
     t = layer_tensors(shape, torch.float32)
@@ -175,8 +180,9 @@ def _fused_experts_fp32(shape: Shape, device: Device) -> None:
     out.backward(torch.empty_like(out))
 
 
-@workload("router top-k (softmax; sigmoid, normalised), forward and backward", shapes=ROUTER_SHAPES)
+@workload("router", shapes=ROUTER_SHAPES)
 def _router(shape: Shape, device: Device) -> None:
+    """router_topk with softmax scores, and with sigmoid scores normalised, forward and backward"""
     from xmoe.kernels.router_topk import router_topk
 
     for score_func, norm in (("softmax", False), ("sigmoid", True)):
@@ -185,9 +191,9 @@ def _router(shape: Shape, device: Device) -> None:
         weights_TK.backward(torch.empty_like(weights_TK))
 
 
-@workload("autotuning candidates (XMOE_AUTOTUNE=1) that fit the GPU, fused and three ops",
-          shapes=(Shape.preset("medium", 8192),), shipped=False)
+@workload("candidates", shapes=(Shape.preset("medium", 8192),), shipped=False)
 def _candidates(shape: Shape, device: Device) -> None:
+    """every autotuning candidate (XMOE_AUTOTUNE=1) that fits the GPU, in the fused and the three-op paths"""
     fitting = {kernel: tiles.candidates(kernel, device.max_shared) for kernel in tiles.KERNELS}
     for i in range(max(map(len, fitting.values()))):
         with tiles.force({kernel: c[i] for kernel, c in fitting.items() if i < len(c)}):
@@ -204,8 +210,9 @@ def _fp8_dot_kernel(a_ptr, b_ptr, c_ptr, BLOCK: tl.constexpr):
     tl.store(c_ptr + tile, c)
 
 
-@workload("fp8 e4m3 tl.dot", shapes=(Shape("one 64 x 64 tile", 64, 64, 64, 1, 1),), fp8=True)
+@workload("fp8_dot", shapes=(Shape("64 x 64 tile", 64, 64, 64, 1, 1),), fp8=True)
 def _fp8_dot(shape: Shape, device: Device) -> None:
+    """one e4m3 tl.dot, in the target's fp8 flavour"""
     a, b = (torch.empty(shape.tokens, shape.hidden, dtype=device.fp8, device=META) for _ in range(2))
     _fp8_dot_kernel[(1,)](a, b, torch.empty(shape.tokens, shape.hidden, device=META), BLOCK=shape.hidden)
 
@@ -282,8 +289,11 @@ class _Recorder:
         bound = dict(zip(names, args))
         bound.update({k: v for k, v in kwargs.items() if k in names})
         options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
-        if len(bound) != len(names):
-            raise TypeError(f"{self.fn.__name__} launched without {sorted(set(names) - set(bound))}")
+        # what Triton's launch refuses, refused here: a wrong argument count, an unknown keyword
+        unknown = [k for k, _ in options if k not in vars(self.backend.parse_options(dict(options)))]
+        if len(args) > len(names) or len(bound) != len(names) or unknown:
+            raise TypeError(f"{self.fn.__name__} launched with {len(args)} positional arguments for {len(names)}, "
+                            f"without {sorted(set(names) - set(bound))}, with unknown keywords {unknown}")
         signature, constexprs, attrs = [], [], []
         for i, p in enumerate(self.fn.params):
             value = bound[p.name]
@@ -344,7 +354,7 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
         key = tiles.shape_class(kernel, depth, width, num_rows, num_experts)
         if use.shipped:
             recording.picks.add((device.name, key))
-        recording.pending_class = key if dtype != torch.float32 else f"{kernel} fp32"
+        recording.pending_class = key if dtype != torch.float32 else f"{kernel}|fp32"
         return pick(kernel, dtype, dev, depth, width, num_rows, num_experts)  # no run: never tuned
 
     tiles.pick, tiles.device_budget = recording_pick, lambda dev: (device.max_shared, table)
@@ -384,8 +394,26 @@ def record(devices=DEVICES, workloads: Optional[list[Workload]] = None,
 # Compiling and reading the binaries
 
 
+def unsupported() -> Optional[str]:
+    """Why this Triton cannot run these compiles, or None: they need its call specialisation, both backends and
+    the cuobjdump it ships."""
+    try:
+        _triton_internals()
+        import triton.backends
+        from triton import knobs
+
+        cuobjdump = knobs.nvidia.cuobjdump.path
+    except Exception as e:  # an older Triton
+        return f"Triton {triton.__version__} lacks what these compiles use: {type(e).__name__}: {e}"
+    missing = [b for b in ("nvidia", "amd") if b not in triton.backends.backends]
+    if missing:
+        return f"Triton {triton.__version__} has no {' or '.join(missing)} backend"
+    return None if os.path.exists(cuobjdump) else f"Triton {triton.__version__} ships no cuobjdump"
+
+
 def nvidia_resources(res_usage: str) -> dict:
-    """Registers and local memory per thread from ``cuobjdump -res-usage`` of a one-kernel cubin."""
+    """Registers and local memory per thread from ``cuobjdump -res-usage`` of a one-kernel cubin. Local memory
+    holds spilled registers (Triton kernels have no other stack use); the driver's n_spills is it in 4-byte words."""
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res_usage)
     if m is None:
         raise ValueError(f"no resource line in cuobjdump's output: {res_usage!r}")
@@ -394,7 +422,9 @@ def nvidia_resources(res_usage: str) -> dict:
 
 
 def amd_resources(amdgcn: str) -> dict:
-    """VGPRs, AGPRs, spill counts and scratch bytes per lane from the kernel metadata of an amdgcn listing."""
+    """VGPRs, AGPRs, spill counts and scratch bytes per lane from the kernel metadata of an amdgcn listing. A spill
+    is a VGPR spill or any scratch (the driver's n_spills is scratch in 4-byte words); SGPRs spilled into VGPR
+    lanes cost no memory traffic and are reported, not counted."""
 
     def field_(name: str) -> int:
         m = re.search(rf"^\s*-?\s*\.{name}:\s+(\d+)", amdgcn, re.MULTILINE)
@@ -402,46 +432,53 @@ def amd_resources(amdgcn: str) -> dict:
             raise ValueError(f"no .{name} in the amdgcn metadata")
         return int(m.group(1))
 
-    out = {name: field_(name) for name in ("vgpr_count", "agpr_count", "vgpr_spill_count", "sgpr_spill_count",
-                                           "private_segment_fixed_size")}
-    out["spills"] = out["vgpr_spill_count"] + out["sgpr_spill_count"] + out["private_segment_fixed_size"] > 0
+    out = {"vgprs": field_("vgpr_count"), "agprs": field_("agpr_count"), "vgpr_spills": field_("vgpr_spill_count"),
+           "sgpr_spills": field_("sgpr_spill_count"), "scratch_bytes": field_("private_segment_fixed_size")}
+    out["spills"] = out["vgpr_spills"] + out["scratch_bytes"] > 0
     return out
 
 
-def _cuobjdump() -> str:
+def matrix_instructions(compiled) -> list[str]:
+    """The distinct tensor-core / matrix-core instructions of a binary (wgmma, mma; v_mfma), empty for none."""
+    if "ptx" in compiled.asm:
+        found = re.findall(r"\b(wgmma\.mma_async\.[\w.]+|mma\.sync\.aligned\.[\w.]+)", compiled.asm["ptx"])
+    else:
+        found = re.findall(r"\b(v_mfma_\w+)", compiled.asm["amdgcn"])
+    return sorted(set(found))
+
+
+def _res_usage(cubin: bytes) -> str:
     from triton import knobs
 
-    return knobs.nvidia.cuobjdump.path
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
 
 
 MAX_THREADS = 1024
 
 
 def compile_launch(launch: Launch) -> dict:
-    """Compile one launch for its target: {"ok", "error" | resources, "shared", "seconds"}."""
+    """Compile one launch for its target: {"ok", "error", resources, "shared", "mma", "seconds"}. Shared memory
+    above the target's GPUs' and more than MAX_THREADS threads count as errors: such a binary would not launch."""
     from triton.compiler import ASTSource
 
     module, name = launch.kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
-    device_max_shared = max(d.max_shared for d in DEVICES if d.target == launch.target)
+    max_shared = max(d.max_shared for d in DEVICES if d.target == launch.target)
     start = time.perf_counter()
     try:
         src = ASTSource(fn=fn, signature=dict(launch.signature), constexprs=dict(launch.constexprs),
                         attrs={(i,): [list(a) for a in attr] for i, attr in launch.attrs})
         compiled = triton.compile(src, target=gpu_target(launch.target), options=dict(launch.options))
-        if "cubin" in compiled.asm:
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(compiled.asm["cubin"])
-                f.flush()
-                usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True,
-                                       check=True).stdout
-            out = nvidia_resources(usage)
-        else:
-            out = amd_resources(compiled.asm["amdgcn"])
-        out["shared"] = int(compiled.metadata.shared)
+        out = (nvidia_resources(_res_usage(compiled.asm["cubin"])) if "cubin" in compiled.asm
+               else amd_resources(compiled.asm["amdgcn"]))
+        out.update(shared=int(compiled.metadata.shared), mma=matrix_instructions(compiled))
         threads = int(compiled.metadata.num_warps) * TARGETS[launch.target][2]
-        if out["shared"] > device_max_shared:
-            raise RuntimeError(f"needs {out['shared']} bytes of shared memory, the GPU has {device_max_shared}")
+        if out["shared"] > max_shared:
+            raise RuntimeError(f"needs {out['shared']} bytes of shared memory, the GPU has {max_shared}")
         if threads > MAX_THREADS:
             raise RuntimeError(f"{threads} threads per program, more than {MAX_THREADS}")
         out.update(ok=True, error=None)
@@ -469,3 +506,38 @@ def missed_classes(recording: Recording, devices=DEVICES) -> list[str]:
     """Shipped-table classes that the workloads never picked on the device shipping them."""
     return sorted(f"{d.name} {key}" for d in devices if d.table for key in tiles.shipped_table(d.table)
                   if (d.name, key) not in recording.picks)
+
+
+# Shipped configurations seen to spill (target, kernel, tile: every flag variant of that tile), with the local
+# memory per thread they spilled by Triton version. The compile test fails on any other spill of a shipped
+# configuration; docs/kernels.md ("Resources per target") has the table and what would remove them.
+KNOWN_SPILLS = {
+    ("cuda:90", "_router_topk_bwd_kernel", "BLOCK_T=64 BLOCK_E=64 num_warps=4"): "Triton 3.6: 56-120 B, 3.9: 64-136 B",
+    ("cuda:90", "_swiglu_up_fwd_kernel", "BLOCK_M=128 BLOCK_N=128 BLOCK_K=32 num_stages=6 num_warps=8"):
+        "Triton 3.6: 56 B, 3.9: none",
+    ("cuda:90", "_grouped_mm_kernel", "BLOCK_M=128 BLOCK_N=256 BLOCK_K=64 num_stages=4 num_warps=8"):
+        "Triton 3.6: 8 B (dx, a ragged column tile), 3.9: none",
+    ("cuda:90", "_grouped_mm_kernel", "BLOCK_M=64 BLOCK_N=64 BLOCK_K=32 num_stages=3 num_warps=4"):
+        "Triton 3.6: 16 B (dx in fp32), 3.9: none",
+}
+
+
+def check(devices=DEVICES, workloads: Optional[list[Workload]] = None, shapes: Optional[set[str]] = None,
+          forced: Optional[dict] = None, jobs: int = 1) -> dict:
+    """Record, compile and report: {"rows": one per distinct launch, "uncovered", "missed_classes"}."""
+    recording = record(devices, workloads, shapes, forced)
+    launches = sorted(recording.launches,
+                      key=lambda l: (l.target, l.kernel.split(":")[1], l.tile(), l.flags(), repr(l)))
+    rows = []
+    for launch, result in zip(launches, compile_all(launches, jobs)):
+        uses = recording.launches[launch]
+        kernel = launch.kernel.split(":")[1]
+        rows.append({
+            "target": launch.target, "kernel": kernel, "module": launch.kernel.split(":")[0],
+            "tile": launch.tile(), "flags": launch.flags(), "shipped": any(u.shipped for u in uses),
+            "known_spill": KNOWN_SPILLS.get((launch.target, kernel, launch.tile())),
+            "classes": sorted({f"{u.device}: {u.shape_class}" for u in uses if u.shape_class and u.shipped}),
+            "uses": sorted(f"{u.device} | {u.workload} | {u.shape}" for u in uses),
+            "signature": dict(launch.signature), "options": dict(launch.options), **result})
+    return {"rows": rows, "uncovered": uncovered(recording) if workloads is None else [],
+            "missed_classes": missed_classes(recording, devices) if workloads is None and shapes is None else []}
