@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -65,6 +66,12 @@ def _used_for(group: list[dict]) -> str:
     return ", ".join(sorted({u.split(" | ")[2].split(" T=")[0] for r in group for u in r["uses"]}))
 
 
+def _short(instruction: str) -> str:
+    """wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 -> wgmma m64n256k16 bf16 (AMD names stay)."""
+    m = re.match(r"(wgmma|mma)\.\S*?(m\d+n\d+k\d+)\.(?:row\.col\.)?f32\.(\w+)", instruction)
+    return f"{m.group(1)} {m.group(2)} {m.group(3)}" if m else instruction
+
+
 def _count(keys: set[str]) -> str:
     if all(k.endswith("|fp32") for k in keys):
         return "fp32"
@@ -81,7 +88,7 @@ def condensed(rows: list[dict], target: str) -> str:
     for (kernel, tile), group in sorted(groups.items()):
         line = {"kernel": kernel, "tile": tile, "variants": len(group), "used for": _used_for(group),
                 "shared B": max(r["shared"] for r in group), "spills": _spill(max(group, key=_spill_size)),
-                "matrix instructions": ", ".join(sorted({m for r in group for m in r["mma"]})) or "none"}
+                "matrix instructions": ", ".join(sorted({_short(m) for r in group for m in r["mma"]})) or "none"}
         if target.startswith("cuda"):
             line["registers"] = max(r["regs"] for r in group)
         else:
@@ -140,6 +147,13 @@ def markdown(report: dict) -> str:
     return "\n".join(out)
 
 
+def _json(report: dict) -> str:
+    """The report as JSON with one row per line."""
+    head = json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1)
+    rows = ",\n".join("  " + json.dumps(r, default=str) for r in report["rows"])
+    return head[:-2] + ',\n "rows": [\n' + rows + "\n ]\n}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for aot_triton<version>.json and .md")
@@ -169,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"aot_triton{triton.__version__}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / f"{stem}.json").write_text(_json(report))
     (out / f"{stem}.md").write_text(markdown(report))
     found = problems(report)
     print("\n".join(found) or f"{len(report['rows'])} compiles, no problems", file=sys.stderr if found else sys.stdout)
