@@ -89,11 +89,13 @@ class Shape:
 
     @classmethod
     def preset(cls, preset: str, tokens: int) -> "Shape":
-        from xmoe.model.presets import get_preset
+        return cls(f"{preset} T={tokens}", tokens, *PRESET_LAYERS[preset])
 
-        moe = get_preset(preset).moe
-        return cls(f"{preset} T={tokens}", tokens, moe.hidden_size, moe.ffn_hidden_size, moe.num_experts,
-                   moe.top_k)
+
+# (H, F, E, K) of the presets' MoE layers (xmoe/model/presets.py, a layer above this package; the compile test
+# holds the two equal)
+PRESET_LAYERS = {"tiny": (128, 64, 16, 4), "small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6),
+                 "large": (7168, 2048, 256, 8)}
 
 
 # The three model shapes at the token counts the shipped H200 table was tuned on; tiny's H and F are below one
@@ -130,20 +132,20 @@ def workload(name: str, shapes: tuple[Shape, ...] = LAYER_SHAPES, fp8: bool = Fa
 
 
 def layer_tensors(shape: Shape, dtype: torch.dtype) -> SimpleNamespace:
-    """Meta tensors of one MoE layer call (dropless routing), as the layer passes them: x_TH, weights_TK, the
-    plan's index arrays (``plan_args``: token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E), w1, w3, w2;
-    x, the combine weights and the expert weights require grad."""
-    from xmoe.dispatch.routing import build_plan
-
+    """Meta tensors of one MoE layer call (dropless routing), as the layer passes them: x_TH, weights_TK (fp32,
+    the router's), the plan's int64 index arrays (``plan_args``: token_ids_N, slot_ids_N, row_of_slot_TK,
+    tokens_per_expert_E, as dispatch/routing.py's build_plan makes them; the compile test holds the two equal), w1,
+    w3, w2; x, the combine weights and the expert weights require grad."""
     T, H, F, E, K = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
-    plan = build_plan(torch.empty(T, K, dtype=torch.long, device=META), torch.empty(T, K, device=META), E)
 
     def leaf(*size, dt=dtype):
         return torch.empty(*size, dtype=dt, device=META, requires_grad=True)
 
-    return SimpleNamespace(x_TH=leaf(T, H), weights_TK=leaf(T, K, dt=torch.float32), plan=plan,
-                           plan_args=(plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                                      plan.tokens_per_expert_E),
+    def index(*size):
+        return torch.empty(*size, dtype=torch.long, device=META)
+
+    return SimpleNamespace(x_TH=leaf(T, H), weights_TK=leaf(T, K, dt=torch.float32),
+                           plan_args=(index(T * K), index(T * K), index(T, K), index(E)),
                            w1=leaf(E, H, F), w3=leaf(E, H, F), w2=leaf(E, F, H))
 
 
