@@ -149,14 +149,18 @@ def layer_tensors(shape: Shape, dtype: torch.dtype) -> SimpleNamespace:
                            w1=leaf(E, H, F), w3=leaf(E, H, F), w2=leaf(E, F, H))
 
 
+def _moe_experts(shape: Shape, dtype: torch.dtype) -> None:
+    from xmoe.kernels import triton_ops
+
+    t = layer_tensors(shape, dtype)
+    out = triton_ops.moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
+    out.backward(torch.empty_like(out))
+
+
 @workload("fused")
 def _fused_experts(shape: Shape, device: Device) -> None:
     """moe_experts (gather, experts and combine fused), forward and backward"""
-    from xmoe.kernels import triton_ops
-
-    t = layer_tensors(shape, torch.bfloat16)
-    out = triton_ops.moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
-    out.backward(torch.empty_like(out))
+    _moe_experts(shape, torch.bfloat16)
 
 
 @workload("three_ops")
@@ -175,11 +179,7 @@ def _three_ops(shape: Shape, device: Device) -> None:
 @workload("fused_fp32", shapes=(Shape.preset("small", 8192), Shape.preset("tiny", 512)))
 def _fused_experts_fp32(shape: Shape, device: Device) -> None:
     """moe_experts in fp32 (exact dots, tiles.FP32_CONFIG), forward and backward"""
-    from xmoe.kernels import triton_ops
-
-    t = layer_tensors(shape, torch.float32)
-    out = triton_ops.moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
-    out.backward(torch.empty_like(out))
+    _moe_experts(shape, torch.float32)
 
 
 @workload("router", shapes=ROUTER_SHAPES)
