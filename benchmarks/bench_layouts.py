@@ -143,33 +143,38 @@ def main() -> None:
     if device == "cuda" and not torch.cuda.is_available():
         print("bench_layouts: skipped, no CUDA GPU (pass --cpu for a smoke test)")
         return
-    rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta, rows = environment(), []
+
+    def record(row: dict) -> None:  # results rewritten after every row: a run stopped early keeps what it measured
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "result"}), flush=True)
+        write(out, meta, rows)
+
     for preset in args.presets.split(","):
         for layout in layouts(preset, PAPER_GPUS[preset], args.gpu_mem, args.layers):
-            rows.append(measure("paper scale", preset, PAPER_GPUS[preset], args.gpu_mem, layout, args.layers, None,
-                                device, args.timeout))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "result"}), flush=True)
+            record(measure("paper scale", preset, PAPER_GPUS[preset], args.gpu_mem, layout, args.layers, None, device,
+                           args.timeout))
     if not args.no_single_node:
         for preset, seq, layers in SINGLE_NODE:
             layers = args.layers or layers
             for layout in layouts(preset, 8, 40.0, layers, seq)[:1]:
-                rows.append(measure(f"8 GPUs, 40 GiB, seq {seq}", preset, 8, 40.0, layout, layers, seq, device,
-                                    args.timeout))
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "result"}), flush=True)
+                record(measure(f"8 GPUs, 40 GiB, seq {seq}", preset, 8, 40.0, layout, layers, seq, device,
+                               args.timeout))
     if not args.no_largest:
-        rows.append(largest_one_gpu(device, 2 * args.timeout))
-        print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = environment()
+        record(largest_one_gpu(device, 2 * args.timeout))
+    print(markdown_table(rows, COLUMNS + ["status"]))
+
+
+def write(out: Path, meta: dict, rows: list[dict]) -> None:
     (out / "bench_layouts.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    table = markdown_table([r for r in rows], COLUMNS + ["status"])
     (out / "bench_layouts.md").write_text(
-        f"# One simulated rank per paper layout, beside the planner\n\n{meta['date']}, {meta.get('gpu', device)}, "
-        f"`{meta['command']}`\n\nplanned: `xmoe plan memory`'s peak less its reserve; measured: the caching "
-        "allocator's peak of allocated bytes of the simulated rank (fake process group: no communication, so "
-        "ms/step and tokens/s are compute only). Largest on one GPU: a real `xmoe train` run.\n\n" + table + "\n")
-    print(table)
+        f"# One simulated rank per paper layout, beside the planner\n\n{meta['date']}, {meta['gpu']}, torch "
+        f"{meta['torch']}, triton {meta['triton']}, `{meta['command']}`\n\nplanned: `xmoe plan memory`'s peak less "
+        "its reserve; measured: the caching allocator's peak of allocated bytes of the simulated rank (fake process "
+        "group: no communication, so ms/step and tokens/s are compute only). Largest on one GPU: a real `xmoe "
+        "train` run.\n\n" + markdown_table(rows, COLUMNS + ["status"]) + "\n")
 
 
 if __name__ == "__main__":
