@@ -275,3 +275,17 @@ def test_plan_memory_measure_runs_one_rank_of_a_64_gpu_world(capsys) -> None:
     parts = count_params(_tiny_torch(), expert_matrices=3).total_by_part
     own = parts["routed_experts"] / 64 + (sum(parts.values()) - parts["routed_experts"]) / 64
     assert result["measured_by_kind"]["optimizer"] == pytest.approx(8 * own, rel=0.05)
+
+
+def test_router_output_flattens_to_its_tensors() -> None:
+    """FSDP2 finds the tensors of a unit's output by pytree flattening to hook its backward gather; the router is a
+    unit of its own under mixed precision, so its output must flatten to its tensors, not one opaque leaf."""
+    from torch.utils._pytree import tree_flatten
+
+    from xmoe.moe.router import Router
+
+    cfg = _config().moe
+    out = Router(cfg)(torch.randn(5, cfg.hidden_size))
+    leaves, _ = tree_flatten(out)
+    assert len(leaves) == 6 and all(isinstance(t, torch.Tensor) for t in leaves)
+    assert out.weights_TK.requires_grad
