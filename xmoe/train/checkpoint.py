@@ -46,6 +46,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -67,6 +68,10 @@ _LOW_SPACE = 16 << 20  # a failed write with less free space than this is report
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read (incomplete, corrupt, or a rank failed during save)."""
+
+
+# DCP reports a failed save or load as a CheckpointException, which derives from BaseException, not Exception
+FAILURES = (Exception, CheckpointException)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -95,10 +100,17 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _underlying(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside a DCP CheckpointException (whose text is a whole traceback)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return next(iter(exc.failures.values()))[0]
+    return exc
+
+
 def _disk_full(exc: BaseException, where: Path) -> bool:
     """ENOSPC / EDQUOT anywhere in the exception chain or its text (DCP and torch.save report write failures
     as strings, torch.save even as "unexpected pos"), or less than _LOW_SPACE left where we were writing."""
-    seen: Optional[BaseException] = exc
+    seen: Optional[BaseException] = _underlying(exc)
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -112,7 +124,8 @@ def _disk_full(exc: BaseException, where: Path) -> bool:
 
 
 def _explain(exc: BaseException, where: Path) -> str:
-    text = f"{type(exc).__name__}: {exc}"
+    cause = _underlying(exc)
+    text = f"{type(cause).__name__}: {cause}"
     if _disk_full(exc, where):
         try:
             free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2**20:.0f} MiB free"
@@ -397,7 +410,7 @@ def _write(tmp: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     try:
         with _dcp_quietly():
             dcp.save(state, checkpoint_id=str(tmp))
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+    except FAILURES as e:  # re-raised on every rank by _agree
         exc = e
     _agree(exc, f"writing checkpoint {tmp}", tmp)
 
@@ -643,9 +656,10 @@ def load_checkpoint(
     try:
         with _dcp_quietly():
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001 - DCP raises many types; name the dir and the way out
+    except FAILURES as e:  # DCP raises many types; name the dir and the way out
+        cause = _underlying(e)
         raise CheckpointError(
-            f"reading checkpoint {path} failed ({type(e).__name__}: {e}). {_suggest_previous(path)}"
+            f"reading checkpoint {path} failed ({type(cause).__name__}: {cause}). {_suggest_previous(path)}"
         ) from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])
