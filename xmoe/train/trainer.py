@@ -119,8 +119,14 @@ class Trainer:
             self.close()
             raise
 
+    def _wrote_output(self) -> None:
+        """This run has written a log line or a checkpoint: a run it replaces (--overwrite) can go now."""
+        if self.lock is not None:
+            self.lock.commit()
+
     def close(self) -> None:
-        """Release the run directory (train() does it when it ends)."""
+        """Release the run directory (train() does it when it ends; a run that has written nothing yet takes its
+        partial outputs back and restores the run it was replacing)."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -373,6 +379,7 @@ class Trainer:
             if log_now:
                 self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load, window_start,
                           val_loss)
+                self._wrote_output()
                 window_start, window_steps = time.perf_counter(), 0
                 window_rows = torch.zeros_like(window_rows)
                 window_load = None
@@ -391,6 +398,7 @@ class Trainer:
             if ckpt_now or (signum and t.ckpt_every):
                 saving = time.perf_counter()
                 self.save()
+                self._wrote_output()
                 window_start += time.perf_counter() - saving  # checkpoint time is not training time
             if signum:
                 self._stop_signal(signum)
@@ -403,7 +411,7 @@ class Trainer:
         """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""
         floor = getattr(self.dataset, "loss_floor", None)
         summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None),
-                                     status=status, title=f"{self.out_dir} ({self._preset_text()})")
+                                     status=status, title=f"{self.out_dir} ({self._preset_text()})", step=self.step)
         if self.rank == 0:
             if floor is not None and isinstance(summary.get("final_loss"), float):
                 log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token "
