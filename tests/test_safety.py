@@ -419,6 +419,26 @@ def test_resume_scans_past_a_stale_latest_pointer_and_resume_from_sets_newer_asi
     assert code == 2 and "step_000005 does not exist" in err
 
 
+def test_resume_falls_back_past_a_bit_flip_in_the_newest_checkpoint(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "4", "--log-every", "1", "--ckpt-every", "2")
+    shard = next((out / "checkpoints" / "step_000004").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"skipped 1 newer checkpoint.*step_000004 is corrupt: .*fails its crc32"):
+        train(out, "--steps", "5", "--log-every", "1", "--ckpt-every", "2", "--resume")
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in capsys.readouterr().out
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5]
+
+
+def test_resume_from_the_latest_pointer_resumes_what_it_names(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "2", "--ckpt-every", "2")
+    train(out, "--steps", "3", "--resume-from", str(out / "checkpoints" / "latest"))
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in capsys.readouterr().out
+
+
 def test_lock_released_after_errors_in_setup(tmp_path, capsys):
     out = tmp_path / "r"
     code, _ = fails(capsys, out, "--steps", "1", "--data", str(tmp_path / "missing.npy"))

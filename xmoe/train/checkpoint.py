@@ -262,19 +262,23 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ public API
 
 
-def find_latest(out_dir: str | os.PathLike) -> Optional[Path]:
+def find_latest(out_dir: str | os.PathLike, *, checksums: bool = False) -> Optional[Path]:
     """Newest complete, verified checkpoint under ``out_dir`` (the run dir or its ``checkpoints/``), or None.
 
     Found by scanning, never by trusting the ``latest`` pointer (a failed pointer update must not send a resume
     back to an older step). A checkpoint counts when it has COMPLETE, a readable meta.json and every file at
-    its recorded size (checksums are checked when it is loaded). Newer checkpoints that fail this are skipped
-    with a warning; if every complete one fails, CheckpointError names them.
+    its recorded size; with ``checksums`` (collective: every rank calls it) also every file's crc32, read once,
+    split over the ranks, so the caller loads it with ``verify=False``. Newer checkpoints that fail this are
+    skipped with a warning naming each and why; if every complete one fails, CheckpointError names them.
     """
     root = _ckpt_root(Path(out_dir))
     problems = []
     for _, path in reversed(_complete_checkpoints(root)):
         try:
-            _check_sizes(path, read_meta(path))
+            meta = read_meta(path)
+            _check_sizes(path, meta)
+            if checksums:
+                _verify_files(path, meta, checksums=True)
         except CheckpointError as e:
             problems.append(str(e).split(". ")[0])
             continue
@@ -581,6 +585,14 @@ def _verify_files(ckpt: Path, meta: dict[str, Any], checksums: bool) -> None:
         raise CheckpointError(
             f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}"
         )
+
+
+def verify_checkpoint(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """Collective: meta.json of a checkpoint whose every file has its recorded size and crc32 (read once, split
+    over the ranks), for a load with ``verify=False``; CheckpointError naming what is wrong otherwise."""
+    meta = read_meta(ckpt)
+    _verify_files(Path(ckpt), meta, checksums=True)
+    return meta
 
 
 def _check_compatible(ckpt: Path, state: dict[str, Any]) -> None:

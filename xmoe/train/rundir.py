@@ -442,6 +442,42 @@ def resume_mismatches(saved: Optional[dict[str, Any]], run: Any, data: dict[str,
             if key in then and then[key] != value]
 
 
+def _named_checkpoint(out_dir: Path, resume_from: str) -> Path:
+    """--resume-from's checkpoint directory; the ``latest`` file stands for the one it names."""
+    from xmoe.train.checkpoint import LATEST
+
+    path = Path(resume_from)
+    if path.is_file() and path.name == LATEST:
+        named = path.parent / path.read_text().strip()
+        log.info(f"--resume-from {path}: the pointer names {named}")
+        path = named
+    if not path.is_dir():
+        what = "is a file" if path.is_file() else "does not exist"
+        raise FileNotFoundError(f"--resume-from {path} {what}; pass a checkpoint directory such as "
+                                f"{out_dir}/checkpoints/step_000100")
+    return path
+
+
+def resume_checkpoint(out_dir: Path, resume_from: Optional[str], run: Any, data: dict[str, Any],
+                      allow_changes: bool) -> Optional[Path]:
+    """Collective. The checkpoint a resume continues from, verified (sizes and crc32) and checked against
+    ``run`` and ``data`` before anything is built: ``resume_from`` (a checkpoint directory, or the ``latest``
+    file), else the newest under ``out_dir`` whose files check out, newer damaged ones skipped with a warning
+    saying why; None when ``out_dir`` has no checkpoint. Load it with ``verify=False``."""
+    from xmoe.train import checkpoint as ckpt
+
+    if resume_from is not None:
+        found = _named_checkpoint(out_dir, resume_from)
+        meta = ckpt.verify_checkpoint(found)
+    else:
+        found = ckpt.find_latest(out_dir, checksums=True)
+        if found is None:
+            return None
+        meta = ckpt.read_meta(found)
+    check_resume(found, meta, run, data, allow_changes)
+    return found
+
+
 def check_resume(ckpt_path: Path, meta: dict[str, Any], run: Any, data: dict[str, Any], allow_changes: bool) -> None:
     """Refuse a checkpoint that has nothing left to do, or (unless ``allow_changes``) a different model, data or
     schedule; ValueError listing the differing fields."""

@@ -235,19 +235,15 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ state
 
     def _resume(self, resume_from: Optional[str], allow_changes: bool) -> None:
-        found = Path(resume_from) if resume_from else ckpt.find_latest(self.out_dir)
-        if resume_from and not found.is_dir():
-            raise FileNotFoundError(f"--resume-from {found} does not exist; pass a checkpoint directory such as "
-                                    f"{self.out_dir}/checkpoints/step_000100")
+        found = rundir.resume_checkpoint(self.out_dir, resume_from, self.run, self.data_info, allow_changes)
         if found is None:
             if self.rank == 0:
                 log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
             return
         meta = ckpt.read_meta(found)
-        rundir.check_resume(found, meta, self.run, self.data_info, allow_changes)
         saved_world = meta["world_size"]
         same_world = saved_world == self.world
-        extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer, restore_extra=same_world)
+        extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer, restore_extra=same_world, verify=False)
         if not same_world:
             # DCP resharded model and optimizer (experts too: they are saved under their full shape). The data
             # position and the expert bias are the same on every rank, so rank 0's copy serves; per-rank RNG
