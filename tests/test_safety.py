@@ -263,6 +263,24 @@ def test_skip_policy_skips_isolated_bad_steps_and_stops_on_a_run_of_them(tmp_pat
     assert code == 3 and "at step 2" in err
 
 
+def test_skip_policy_saves_nothing_inside_a_run_of_skipped_steps(tmp_path, capsys, monkeypatch):
+    _nan_grad_norm_at(monkeypatch, {3, 4, 5})
+    out = tmp_path / "r"
+    code, err = fails(capsys, out, "--steps", "8", "--log-every", "8", "--ckpt-every", "1",
+                      "--set", "train.nonfinite_skips=2")
+    assert code == 3 and "non-finite at step 3 and stayed so through step 5" in err, err
+    assert f"the last good checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
+    assert "raise train.nonfinite_skips" in err
+    assert [s for s, _ in complete_checkpoints(out)] == [1, 2]  # no copies of step 2 saved as 3 and 4
+
+
+def test_skip_policy_saves_a_checkpoint_due_in_a_skipped_step_at_the_next_good_one(tmp_path, capsys, monkeypatch):
+    _nan_grad_norm_at(monkeypatch, {4})
+    out = tmp_path / "r"
+    train(out, "--steps", "6", "--ckpt-every", "4", "--set", "train.nonfinite_skips=1", "--set", "train.keep_last=4")
+    assert [s for s, _ in complete_checkpoints(out)] == [5, 6]
+
+
 # ------------------------------------------------------------------------------------------------ signals
 
 

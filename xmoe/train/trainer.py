@@ -357,6 +357,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         window_rows = torch.zeros((), dtype=torch.long, device=self.device)
         window_load = None
+        due = False  # a scheduled checkpoint not yet written
         while self.step < t.steps:
             loss, stats, grad_norm, lr = self.train_step(accum, guard)
             window_steps += 1
@@ -371,7 +372,10 @@ class Trainer:
                 val_loss = self._validate()
                 window_start += time.perf_counter() - evaluating  # evaluation time is not training time
             log_now = self.step % t.log_every == 0 or self.step == t.steps
-            ckpt_now = bool(t.ckpt_every) and (self.step % t.ckpt_every == 0 or self.step == t.steps)
+            # a save due inside a run of skipped non-finite steps waits for the first good step: those states are
+            # the last good step's, and saving them would prune good checkpoints for copies
+            due = due or (bool(t.ckpt_every) and self.step % t.ckpt_every == 0)
+            ckpt_now = bool(t.ckpt_every) and (self.step == t.steps or due and not guard.skipped_in_row)
             if log_now:
                 self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load, window_start,
                           val_loss)
@@ -395,6 +399,7 @@ class Trainer:
                 saving = time.perf_counter()
                 self.save()
                 self._wrote_output()
+                due = False
                 window_start += time.perf_counter() - saving  # checkpoint time is not training time
             if signum:
                 self._stop_signal(signum)
@@ -429,9 +434,14 @@ class Trainer:
         last = self._last_good_checkpoint(first_bad)
         where = (f"the last good checkpoint is {last} (continue from it with --resume-from {last})" if last
                  else "no checkpoint was saved before it")
-        message = (f"the loss or gradient norm became non-finite at step {first_bad} "
-                   f"(lr {lr_at(first_bad, self.run):.3g}); nothing after it was saved and {where}. Lower --lr, "
-                   "check the data, or let up to N bad steps be skipped with --set train.nonfinite_skips=N")
+        skips = self.run.train.nonfinite_skips
+        when = (f"at step {first_bad}" if not skips else
+                f"at step {first_bad} and stayed so through step {self.step}, more steps in a row than "
+                f"train.nonfinite_skips={skips} lets skip")
+        fix = ("let up to N bad steps be skipped with --set train.nonfinite_skips=N" if not skips else
+               "raise train.nonfinite_skips")
+        message = (f"the loss or gradient norm became non-finite {when} (lr {lr_at(first_bad, self.run):.3g}); "
+                   f"nothing from step {first_bad} on was saved and {where}. Lower --lr, check the data, or {fix}")
         self._finish(status=f"stopped: non-finite loss or gradient norm at step {first_bad}")
         raise safety.NonFiniteError(message)
 
