@@ -399,13 +399,25 @@ def test_resume_refuses_a_different_model_or_data_unless_allowed(tmp_path, capsy
     code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_a), "--set", "moe.top_k=2")
     assert code == 2 and "model.moe.top_k: checkpoint 4, now 2" in err and "--allow-changes" in err
     code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_b), "--set", "moe.top_k=4")
-    assert code == 2 and "data.sample_crc32" in err
+    assert code == 2 and "data.crc32" in err
     code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_a), "--set", "moe.top_k=4",
                       "--lr", "1e-3")
     assert code == 2 and "train.lr" in err
     train(out, "--steps", "4", "--resume", "--data", str(data_b), "--set", "moe.top_k=4", "--allow-changes")
     assert "--allow-changes: continuing from" in capsys.readouterr().out
     assert max(losses(out)) == 4
+
+
+def test_data_fingerprint_covers_the_whole_file(tmp_path):
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 256, 2**20, dtype=np.uint16))  # 2 MiB
+    dataset = type("Dataset", (), {"name": str(path), "vocab_size": 256})()
+    before = rundir.fingerprint(str(path), dataset)
+    data = bytearray(path.read_bytes())
+    data[230_000:230_004] = b"\x01\x00\x02\x00"  # between the blocks a sampled checksum would read
+    path.write_bytes(bytes(data))
+    after = rundir.fingerprint(str(path), dataset)
+    assert after["size"] == before["size"] and after != before
 
 
 def test_resume_with_nothing_to_do_is_an_error(tmp_path, capsys):

@@ -398,23 +398,26 @@ def open_run_dir(out_dir: str | os.PathLike, *, rank: int, resume: bool, overwri
 
 
 def _file_fingerprint(path: str) -> dict[str, Any]:
-    """Size and the crc32 of 16 evenly spaced 64 KiB samples: reads at most 1 MiB of any file, yet two data
-    files of the same size almost never agree on it (the whole file is read when it is that small)."""
-    size = os.path.getsize(path)
-    crc, chunk = 0, 1 << 16
+    """Size and the crc32 of the whole file, streamed: any edit changes it. It costs one read of the file per
+    start, about 0.3 s per GB from the page cache (measured: 20 MB in 0.01 s, 200 MB in 0.06-0.09 s; 2-core
+    CPU), the disk's read time otherwise."""
+    crc = 0
     with open(path, "rb") as f:
-        for i in range(16):
-            f.seek(max(0, (size - chunk) * i // 15))
-            crc = zlib.crc32(f.read(chunk), crc)
-    return {"size": size, "sample_crc32": f"{crc:08x}"}
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": os.path.getsize(path), "crc32": f"{crc:08x}"}
 
 
 def fingerprint(data_spec: str, dataset: Any) -> dict[str, Any]:
-    """What identifies the training data: the dataset's name (markov options included), its vocabulary and,
-    for a file, its size and sampled checksum."""
+    """Collective when torch.distributed is initialised (rank 0 reads the file, the others receive its result).
+    What identifies the training data: the dataset's name (markov options included), its vocabulary and, for a
+    file, its size and the crc32 of its whole content."""
     info: dict[str, Any] = {"name": dataset.name, "vocab_size": dataset.vocab_size}
     if os.path.isfile(data_spec):
-        info.update(_file_fingerprint(data_spec))
+        parts = [_file_fingerprint(data_spec) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(parts, src=0)
+        info.update(parts[0])
     return info
 
 
