@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import random
@@ -41,7 +42,7 @@ import shutil
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,7 @@ FORMAT = "xmoe-checkpoint-v1"
 _TMP = ".tmp-"
 _CHUNK = 8 << 20  # crc32 read size: large enough that Python overhead is negligible
 _LOW_SPACE = 16 << 20  # a failed write with less free space than this is reported as a full disk
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
@@ -479,9 +481,55 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def _prune(root: Path, step: int, keep: Path, keep_last: int) -> None:
+    """Discard the older checkpoints past ``keep_last``, except those a reader has pinned (``pinned``): they stay
+    until a later save finds them unpinned."""
     older = [p for s, p in _complete_checkpoints(root) if s < step and p != keep]
     for path in older[: max(0, len(older) - (keep_last - 1))]:
-        _discard(path)
+        try:
+            fd = os.open(path / COMPLETE, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being read: never wait for a reader
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise  # where flock is unsupported, readers retry instead (read_pinned)
+            _discard(path)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def pinned(ckpt: Path):
+    """Within: ``ckpt`` is not pruned (a shared flock on its COMPLETE file, which pruning takes exclusively or
+    leaves the checkpoint alone). FileNotFoundError when it was pruned before the pin took hold."""
+    fd = os.open(ckpt / COMPLETE, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # unsupported (some network filesystems): unpinned, read_pinned retries
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        if not (ckpt / COMPLETE).is_file():  # renamed away by a prune that held the lock first
+            raise FileNotFoundError(f"checkpoint {ckpt} was pruned by its run while being opened")
+        yield ckpt
+    finally:
+        os.close(fd)
+
+
+def read_pinned(pick: Callable[[], Path], read: Callable[[Path], T], attempts: int = 5) -> T:
+    """``read(pick())`` with the picked checkpoint pinned against pruning, for readers of a run that is still
+    training (``xmoe eval`` / ``export`` / ``generate``). A checkpoint pruned between the pick and the pin (or, where
+    pins are unsupported, during the read) is picked again, up to ``attempts`` times."""
+    for attempt in range(1, attempts + 1):
+        path = pick()
+        try:
+            with pinned(path):
+                return read(path)
+        except (FileNotFoundError, CheckpointError):
+            if (path / COMPLETE).is_file() or attempt == attempts:
+                raise  # a real error of a checkpoint still there, or no end to the pruning
+    raise ValueError(f"attempts ({attempts}) must be >= 1")
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:

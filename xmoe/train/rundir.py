@@ -421,10 +421,11 @@ def fingerprint(data_spec: str, dataset: Any) -> dict[str, Any]:
     return info
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+def flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """``out[prefix.key.subkey] = value`` for every leaf of the nested dict ``value``."""
     if isinstance(value, dict):
         for k, v in value.items():
-            _flatten(f"{prefix}.{k}" if prefix else k, v, out)
+            flatten(f"{prefix}.{k}" if prefix else k, v, out)
     else:
         out[prefix] = value
 
@@ -435,12 +436,12 @@ def resume_mismatches(saved: Optional[dict[str, Any]], run: Any, data: dict[str,
     if not isinstance(saved, dict):
         return []  # written before configs were stored: nothing to compare
     now: dict[str, Any] = {}
-    _flatten("model", dataclasses.asdict(run.model), now)
-    _flatten("data", data, now)
+    flatten("model", dataclasses.asdict(run.model), now)
+    flatten("data", data, now)
     for name in RESUME_TRAIN_FIELDS:
         now[f"train.{name}"] = getattr(run.train, name)
     then: dict[str, Any] = {}
-    _flatten("", {k: saved.get(k) for k in ("model", "data", "train") if isinstance(saved.get(k), dict)}, then)
+    flatten("", {k: saved.get(k) for k in ("model", "data", "train") if isinstance(saved.get(k), dict)}, then)
     return [f"{key}: checkpoint {then[key]!r}, now {value!r}" for key, value in now.items()
             if key in then and then[key] != value]
 
