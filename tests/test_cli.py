@@ -65,6 +65,8 @@ def test_config_values_are_type_and_range_checked(tmp_path, capsys, setting, exp
     (["--batch-size", "10", "--micro-batch-size", "4"], "per-rank batch (10) must be divisible by micro_batch_size (4)"),
     (["--batch-size", "10", "--dp", "4"], "global batch (10) must be divisible by the 4 data-parallel ranks"),
     (["--seq-len", "4096"], "seq_len (4096) exceeds the model's max_seq_len (256)"),
+    (["--seed", str(10**23)], f"seed ({10**23}) must be in [0, 2**63)"),
+    (["--device", "tpu"], "--device ('tpu') must be auto, cpu, cuda or cuda:N"),
 ])
 def test_bad_train_flags(tmp_path, capsys, argv, expected):
     base = ["train", "--dry-run"] + ([] if "--out" in argv else ["--out", str(tmp_path / "r")])
@@ -115,6 +117,57 @@ def test_precedence_defaults_file_set_flags_and_dp_after_merge(tmp_path, monkeyp
     assert (run.parallel.ep, run.parallel.dp, run.train.steps, run.train.lr) == (2, 4, 60, 2e-3)  # flags win
     run = build_run_config(_args("--config", str(cfg), "--set", "parallel.ep=8", "--steps", "70"))
     assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (8, 1, 70)
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path, capsys):
+    out = tmp_path / "r"
+    err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--set",
+                                  "moe.num_experts=1000000000000"])
+    assert "7.41e+16 parameters" in err and "moe.num_experts (1000000000000)" in err and "GiB of memory" in err, err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_missing_paths_name_symlink_loops(tmp_path, capsys):
+    loop = tmp_path / "loop.npy"
+    loop.symlink_to(loop)
+    err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--data", str(loop)])
+    assert "is a symlink loop" in err, err
+    dangling = tmp_path / "gone.toml"
+    dangling.symlink_to(tmp_path / "nowhere.toml")
+    err = one_line_error(capsys, ["train", "--dry-run", "--config", str(dangling)])
+    assert "is a symlink to" in err and "which does not exist" in err, err
+
+
+def test_val_fraction_names_what_it_leaves_for_training(tmp_path, capsys):
+    np.save(tmp_path / "t.npy", np.arange(20000, dtype=np.uint16) % 256)
+    err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--steps", "1",
+                                  "--data", str(tmp_path / "t.npy"), "--val-fraction", "0.999"])
+    assert "leaves 20 of the 20000 tokens" in err and "lower val_fraction" in err, err
+
+
+def test_dispatcher_rbd_without_expert_parallelism_says_so(tmp_path):
+    with pytest.warns(UserWarning, match="'rbd'.*does nothing with ep == 1"):
+        build_run_config(_args("--dispatcher", "rbd"))
+
+
+def test_plan_and_bench_sizes_are_bounded(capsys):
+    assert "--mc-tokens (1000000000) must be <= 262144" in one_line_error(
+        capsys, ["plan", "comm", "--mc-tokens", "1000000000"], "plan")
+    assert "--gpus (1000000000) must be <= 1048576" in one_line_error(
+        capsys, ["plan", "memory", "--gpus", "1000000000"], "plan")
+    err = one_line_error(capsys, ["bench", "--device", "cpu", "--tokens", "100000000000"], "bench")
+    assert "--tokens (100000000000) needs at least" in err and "lower --tokens" in err, err
+
+
+def test_plan_memory_on_a_large_world_is_quick():
+    import time
+
+    from xmoe.model.presets import get_preset
+    from xmoe.plan.memory import search_layouts
+
+    start = time.perf_counter()
+    search_layouts(get_preset("small"), 65536, 80.0)  # minutes when every rank's EP group was looked up
+    assert time.perf_counter() - start < 30
 
 
 def test_plan_and_bench_flags_are_checked(capsys):
