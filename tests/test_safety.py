@@ -133,6 +133,17 @@ def test_overwrite_killed_before_its_first_output_is_undone_by_the_next_start(tm
     assert sorted(losses(out)) == [2, 3] and not (out / rundir.REPLACED).exists()
 
 
+def test_a_set_aside_cut_short_by_a_kill_is_restored_whole(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "2", "--ckpt-every", "2")
+    moving = out / rundir.MOVING  # killed after moving the checkpoints aside, before the metrics
+    moving.mkdir()
+    (out / "checkpoints").rename(moving / "checkpoints")
+    train(out, "--steps", "3", "--resume")
+    assert "a killed start had left setting it aside or back unfinished" in capsys.readouterr().out
+    assert sorted(losses(out)) == [2, 3] and not moving.exists()
+
+
 def test_overwrite_removes_every_output_of_the_previous_run(tmp_path, capsys):
     out = tmp_path / "r"
     train(out, "--steps", "1")

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 LOCK = "xmoe.lock"
 REPLACED = "xmoe.replaced"  # the previous run's outputs while a new run (--overwrite) has not yet written its own
+MOVING = "xmoe.replaced.tmp"  # REPLACED while being filled or emptied: a start killed then restores it, always
 # everything a trainer writes into its run directory (tokenizer.json and hf_config.json: copies an --init-from
 # run keeps for eval, export and generate)
 OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "checkpoints", "tensorboard", "tokenizer.json",
@@ -263,23 +264,30 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _move_back(out_dir: Path, moving: Path) -> None:
+    for item in moving.iterdir():
+        os.rename(item, out_dir / item.name)
+    moving.rmdir()
+
+
 def _undo_start(out_dir: Path) -> str:
     """Remove the outputs of a start that never wrote a log line or checkpoint and move back the run it replaced;
     returns what was done, for the log."""
-    aside = out_dir / REPLACED
     for name in _present(out_dir):
         _remove(out_dir / name.rstrip("/"))
-    if not aside.is_dir():
+    if not (out_dir / REPLACED).is_dir():
         return ""
-    for item in aside.iterdir():
-        os.rename(item, out_dir / item.name)
-    aside.rmdir()
+    os.rename(out_dir / REPLACED, out_dir / MOVING)  # a kill from here on is finished by _settle_replaced
+    _move_back(out_dir, out_dir / MOVING)
     return f"the new run ended before writing anything: restored the previous run in {out_dir}"
 
 
 def _settle_replaced(out_dir: Path) -> str:
-    """A run set aside by an --overwrite start that was killed: deleted if the new run had written output, else
-    restored. Returns what was done, for the log."""
+    """What a killed start left: a set-aside or restore cut short is completed as a restore; a complete set-aside
+    is deleted if the new run had written output, else restored. Returns what was done, for the log."""
+    if (out_dir / MOVING).is_dir():  # no new run output can exist yet (set aside) or any more (restore)
+        _move_back(out_dir, out_dir / MOVING)
+        return f"restored the previous run in {out_dir}: a killed start had left setting it aside or back unfinished"
     aside = out_dir / REPLACED
     if not aside.is_dir():
         return ""
@@ -325,12 +333,14 @@ def _start_new(out_dir: Path, lock: RunLock, overwrite: bool) -> list[str]:
             raise RunDirError(
                 f"run directory {out_dir} already holds a run ({_describe_run(out_dir, found)}); pass --resume "
                 "to continue it, --overwrite to delete it and start again, or choose another --out")
-        aside = out_dir / REPLACED
-        aside.mkdir()
+        moving = out_dir / MOVING
+        moving.mkdir()
         for name in found:
-            os.rename(out_dir / name.rstrip("/"), aside / name.rstrip("/"))
-        notes.append(f"--overwrite: set the previous run in {out_dir} aside ({_describe_run(aside, found)}); it is "
-                     "deleted when this run writes its first log line or checkpoint, and restored if it ends before")
+            os.rename(out_dir / name.rstrip("/"), moving / name.rstrip("/"))
+        os.rename(moving, out_dir / REPLACED)
+        notes.append(f"--overwrite: set the previous run in {out_dir} aside "
+                     f"({_describe_run(out_dir / REPLACED, found)}); it is deleted when this run writes its first "
+                     "log line or checkpoint, and restored if it ends before")
     else:
         for name in found:  # what a start that failed left (an empty metrics.jsonl, copied tokenizer files)
             _remove(out_dir / name.rstrip("/"))
