@@ -30,7 +30,7 @@ def main() -> None:
     from benchmarks.harness import parse_trainer_args
     from xmoe.train.cli import build_run_config
     from xmoe.train.data import TokenLoader
-    from xmoe.train.regions import apply_recompute
+    from xmoe.parallel.regions import apply_recompute
     from xmoe.train.trainer import Trainer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

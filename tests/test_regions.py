@@ -1,4 +1,4 @@
-"""Activation recompute and compiled regions (xmoe/train/regions.py) against the plain eager model.
+"""Activation recompute and compiled regions (xmoe/parallel/regions.py) against the plain eager model.
 
 Recompute must not change the function: losses and every gradient of "moe" and "full" equal "none" (fp32, CPU).
 Compilation must not change it beyond float reassociation, and a block's branches must compile without a graph
@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from xmoe.model.presets import get_preset  # noqa: E402
 from xmoe.model.transformer import Transformer  # noqa: E402
-from xmoe.train import regions  # noqa: E402
+from xmoe.parallel import regions  # noqa: E402
 
 
 def _model(backend="torch", seed=0, **moe):

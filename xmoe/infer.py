@@ -44,18 +44,21 @@ def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
     """(model in eval mode, tokenizer path or None, imported HF config or None) of a SOURCE. A run that is still
     training may prune the checkpoint being read: it is pinned while read (and picked again if it went first)."""
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
+    from xmoe.parallel.build import build_model
 
     path = Path(source)
     if not path.exists():
         raise missing(path, "source", "pass an xmoe run directory or a Hugging Face directory")
     if (path / "config.json").is_file():
-        from xmoe.hf.checkpoint import load_pretrained
+        from xmoe.hf.checkpoint import read_model_config
 
         if step is not None:
             raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
-        model = load_pretrained(path, device=device)
+        hf, cfg = read_model_config(path)
+        model = build_model(cfg, device, init_from=str(path)).model
+        model.hf_config = hf
         tokenizer = path / RUN_TOKENIZER
-        return model, str(tokenizer) if tokenizer.is_file() else None, model.hf_config
+        return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
     if not (path / "checkpoints").is_dir():
         raise FileNotFoundError(f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run "
                                 "directory (checkpoints/)")
@@ -70,14 +73,11 @@ def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
 
 def _run_model(found: Path, device: str):
     """The model of run checkpoint ``found``, built from the config its meta.json stores."""
-    import torch
-
-    from xmoe.model.transformer import Transformer
+    from xmoe.parallel.build import build_model
     from xmoe.train import checkpoint as ckpt
 
     cfg = model_config_from_dict(ckpt.read_meta(found)["config"]["model"])
-    with torch.device(device):
-        model = Transformer(cfg)
+    model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
     ckpt.load_checkpoint(found, model, restore_rng=False, restore_extra=False)
     return model
 

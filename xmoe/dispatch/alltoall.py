@@ -119,7 +119,7 @@ class AllToAllDispatcher:
         x_NH = ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
         # 2.-3. counts out, counts in, then the layer's only host synchronisation (the split sizes)
         send_counts_PE = plan.tokens_per_expert_E.view(self.num_ranks, self.num_local_experts)
-        recv_counts_PE = exchange_counts(send_counts_PE, self.group)
+        recv_counts_PE = self.receive_counts(send_counts_PE)
         input_splits, output_splits = splits_to_host(send_counts_PE, recv_counts_PE)
         # 4. one uneven all-to-all
         x_MH = all_to_all_rows(x_NH, output_splits, input_splits, self.group)
@@ -131,6 +131,11 @@ class AllToAllDispatcher:
         self._record(input_splits, output_splits, x_TH.shape[1] * x_TH.element_size())
         ctx = _Ctx(input_splits, output_splits, src_of_dst_M, dst_of_src_M, x_MH if x_MH.shape[0] == 0 else None)
         return x_MH, recv_counts_PE.sum(0), ctx
+
+    def receive_counts(self, send_counts_PE: torch.Tensor) -> torch.Tensor:
+        """recv_counts_PE[p, e]: rows rank p sends to this rank's local expert e (one count exchange). A simulated
+        rank, whose collectives move nothing, overrides it with the counts it assumes (xmoe/train/simulate.py)."""
+        return exchange_counts(send_counts_PE, self.group)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: _Ctx) -> torch.Tensor:
         ops = get_ops(self.kernel_backend, y_MH.device)

@@ -4,9 +4,9 @@
 
 Reading streams shard by shard: each shard is opened once (memory-mapped by safetensors) and each tensor is
 copied into its parameter as soon as it is read, so the host never holds more than one tensor besides the model.
-``experts`` (a range of expert numbers) reads only those routed experts: under expert parallelism a rank reads
-the experts it will own and leaves the rest of the stacks at their initial values (they are dropped when the
-stacks are sharded).
+Into a parallelised model (DTensor parameters: xmoe/parallel/build.py) each rank reads only the part of each
+tensor its shard covers (safetensors slices), and only the experts it owns. ``experts`` (a range of expert
+numbers) reads only those routed experts of a plain model and leaves the rest at their initial values.
 
 Writing uses the published layout: one tensor per expert matrix (``...experts.{e}.gate_proj.weight``, (F, H)),
 ``model.safetensors`` when everything fits in ``max_shard_bytes``, else ``model-0000k-of-0000n.safetensors``
@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from xmoe.config import ModelConfig, missing
 from xmoe.hf.families import (DEEPSEEK, SCORE_BIAS_FAMILIES, expert_index, fitting_family, hf_config_from_model,
                               mla_rope_rows, model_config_from_hf, tensor_names)
+from xmoe.model.init import local_box
 from xmoe.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -122,7 +123,7 @@ def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optiona
     family, cfg = hf["model_type"], model.cfg
     deinterleave = family == "deepseek_v2" or (family == "deepseek_v3" and hf.get("rope_interleave", True))
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-    wanted: dict[str, tuple[str, Optional[str]]] = {}
+    wanted: dict[str, tuple[str, Optional[str]]] = {}  # HF name -> (our name, expert matrix or None)
     skipped: set[str] = set()
     for ours, theirs, matrix in tensor_names(cfg, family):
         if matrix is not None and experts is not None and expert_index(theirs) not in experts:
@@ -143,22 +144,40 @@ def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optiona
         with _open_shard(path / file) as f:
             for name in by_file[file]:
                 ours, matrix = wanted[name]
-                tensor, dest = _tensor(f, name, path / file), targets[ours]
-                if matrix is not None:  # one expert of a stack: HF (out, in), xmoe (in, out)
-                    tensor, dest = tensor.T, dest[expert_index(name)]
-                elif deinterleave and (rows := mla_rope_rows(cfg, ours)) is not None:
-                    tensor = tensor[rows]
-                if tensor.shape != dest.shape:
-                    raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies "
-                                     f"{tuple(dest.shape)}")
-                dest.copy_(tensor)
+                rows = mla_rope_rows(cfg, ours) if deinterleave and matrix is None else None
+                try:
+                    _read_into(f, name, targets[ours], matrix is not None, rows, path)
+                except SafetensorError as e:  # a shard whose header is whole but whose data is not
+                    raise ValueError(f"{path / file}: tensor {name} is unreadable ({e}); download or export the "
+                                     "model again") from None
 
 
-def _tensor(shard, name: str, file: Path) -> torch.Tensor:
-    try:
-        return shard.get_tensor(name)
-    except SafetensorError as e:
-        raise ValueError(f"{file}: tensor {name} is unreadable ({e}); download or export the model again") from None
+def _read_into(f, name: str, target: torch.Tensor, is_expert: bool, rope_rows: Optional[torch.Tensor],
+               path: Path) -> None:
+    """Copy HF tensor ``name`` into this rank's part of ``target`` (a plain tensor or a DTensor shard), reading only
+    that part: one expert of an (E, A, B) stack is HF's (B, A) matrix, transposed; other tensors share the layout
+    (MLA's rope rows permuted: those are read whole, one tensor at a time)."""
+    local, shape, offset = local_box(target)
+    box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+    stored = f.get_slice(name)
+    if is_expert:
+        expert, shape, box = expert_index(name) - offset[0], shape[1:], box[1:]
+        if not 0 <= expert < local.shape[0]:
+            return  # another EP rank's expert
+        local, want = local[expert], (shape[1], shape[0])
+    else:
+        want = shape
+    if tuple(stored.get_shape()) != tuple(want):
+        raise ValueError(f"{path}: {name} has shape {tuple(stored.get_shape())}, the config implies {tuple(want)}")
+    if local.numel() == 0:
+        return
+    if is_expert:
+        tensor = stored[box[1], box[0]].T
+    elif rope_rows is not None:
+        tensor = f.get_tensor(name)[rope_rows][box]
+    else:
+        tensor = stored[box]
+    local.copy_(tensor)
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -22,7 +22,9 @@ own init so that every weight follows one rule, depth scaling included):
   * output projections of a residual branch (leaf name ``wo`` or ``w2``: attention out, dense and expert
     down-projections) use std / sqrt(2 * num_layers), two residual branches per layer (GPT-2 / Megatron);
   * embedding normal(0, cfg.init_std); RMSNorm weights ones; any other 1-D parameter zeros;
-  * MoE buffers (load-balancing state: expert_bias, load_E) zeros; rotary tables recomputed.
+  * MoE buffers (load-balancing state: expert_bias, load_E) zeros; rotary tables recomputed;
+  * with a seed, the normal values of each parameter are drawn block by block from generators keyed by (seed,
+    parameter name, block), so they do not depend on how the model is sharded (xmoe/model/init.py).
 
 Legend: B batch, S sequence, H hidden, N heads, G key/value heads, D head_dim, F ffn width, V vocab, T = B*S tokens.
 """
@@ -38,6 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from xmoe.config import ModelConfig
+from xmoe.model import init as param_init
 from xmoe.model.attention import KVCache, make_attention
 from xmoe.model.layers import RMSNorm, apply_rotary, rope_tables  # noqa: F401  (apply_rotary: re-exported)
 from xmoe.moe.experts import SwiGLU
@@ -138,10 +141,10 @@ class Transformer(nn.Module):
     def init_weights(self, seed: Optional[int] = None) -> None:
         """(Re)initialise every parameter and buffer by the rule in the module docstring.
 
-        Meta-device recipe: ``with torch.device("meta"): m = Transformer(cfg)``, then
-        ``m.to_empty(device=d); m.init_weights(seed)``. With ``seed`` the result is deterministic for a
-        device type (a private generator per device); without it the global RNG is used (use that for
-        sharded DTensor parameters, whose RNG is coordinated by torch.distributed).
+        With ``seed`` the values are layout-independent (xmoe/model/init.py): each parameter's are a function of
+        the seed, its name and the global indices, so a model whose parameters are DTensor shards (built on the
+        meta device, parallelised, then ``to_empty``) gets exactly the slices of the one-process model. Without
+        it the global RNG draws each parameter in turn (quick, for models built directly in tests).
         """
         cfg = self.cfg
         if cfg.tie_embeddings:
@@ -150,18 +153,12 @@ class Transformer(nn.Module):
         cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, cfg=cfg)
         self.rope_cos.copy_(cos_SD2)
         self.rope_sin.copy_(sin_SD2)
-        generators: dict[torch.device, torch.Generator] = {}
         out_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
         # By identity, not by name: wrappers applied from outside (activation checkpointing) rename modules.
         moe_param_ids = {id(p) for layer in self.moe_layers() for p in layer.parameters()}
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            gen = None
-            if seed is not None:
-                if p.device not in generators:
-                    generators[p.device] = torch.Generator(device=p.device).manual_seed(seed)
-                gen = generators[p.device]
             if p.ndim == 1:
                 p.fill_(1.0 if "norm" in name else 0.0)
                 continue
@@ -169,7 +166,10 @@ class Transformer(nn.Module):
             leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
             if leaf in ("wo", "w2"):
                 std *= out_scale
-            nn.init.normal_(p, 0.0, std, generator=gen)
+            if seed is None:
+                nn.init.normal_(p, 0.0, std)
+            else:
+                param_init.normal_(p, std, seed, name)
         for layer in self.moe_layers():
             for buf in layer.buffers():
                 if not buf.is_meta:

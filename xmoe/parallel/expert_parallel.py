@@ -9,7 +9,8 @@
      ``AllToAllDispatcher`` over the "ep" group (``HierarchicalDispatcher``, RBD, when cfg.dispatcher == "rbd");
   2. FSDP2 ``fully_shard`` of each routed-experts module over "dp" (the ranks that hold the same experts),
      of each transformer block and of the root over "dp_ep" (every rank: dense weights are replicated
-     across EP ranks too).
+     across EP ranks too); on GPUs in mixed precision (bf16 weights gathered, fp32 gradients reduced, the
+     router and embedding kept fp32: ``mixed_precision_policies``).
 
 Gradient scale. An expert's local gradient already SUMS the contributions of the ep ranks of its EP group (the
 backward all-to-all brings them home) and FSDP averages it over "dp" only, so ``shard_experts`` scales the experts'
@@ -55,8 +56,9 @@ def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernel_backend: str = "
 def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """Step 1 only: slice every MoELayer's experts over "ep" (DTensor Shard(0)) and install the all-to-all dispatcher.
 
-    Works on real or meta tensors (no communication: every rank slices the full weights it holds, so all ranks
-    must have initialised them identically, e.g. from one seed). A no-op when ep == 1.
+    Works on real or meta tensors (no communication: every rank slices the full weights it holds, so real ones must
+    be identical on all ranks, e.g. from one seed; xmoe/parallel/build.py shards meta tensors and initialises each
+    shard). A no-op when ep == 1.
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -87,17 +89,55 @@ def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return model
 
 
+def _expert_placement(dp: int):
+    """FSDP2 shards a parameter on dim 0 by default; an expert stack whose E_local experts do not split over the dp
+    ranks (E_local < dp, e.g. one expert per EP rank) would leave some ranks with no experts and others with whole
+    ones, so such stacks are sharded on dim 1 (H of w1/w3, F of w2) instead: every rank holds 1/dp of each."""
+    from torch.distributed.tensor import Shard
+
+    def placement(param: nn.Parameter):
+        local = param.to_local() if hasattr(param, "to_local") else param  # this EP rank's E_local experts
+        return Shard(0) if local.ndim < 3 or local.shape[0] % dp == 0 else Shard(1)
+
+    return placement
+
+
+def _placement_kwarg(fully_shard, dp: int) -> dict:
+    """``shard_placement_fn`` where this torch's FSDP2 has it (newer than 2.6), else dim 0 as before."""
+    import inspect
+
+    if dp == 1 or "shard_placement_fn" not in inspect.signature(fully_shard).parameters:
+        return {}
+    return {"shard_placement_fn": _expert_placement(dp)}
+
+
+def mixed_precision_policies(param_dtype: Optional[torch.dtype]) -> tuple[dict, dict]:
+    """FSDP2 keyword arguments (cast units, fp32 units). With ``param_dtype`` (bf16 on GPUs) the units all-gather
+    their fp32 shards as ``param_dtype`` and reduce gradients in fp32, so the matmuls save FSDP's own unsharded
+    weights for backward (freed after forward, gathered again for backward) instead of autocast's bf16 copies,
+    which would hold every layer's unsharded weights until backward. fp32 units: the router (routing math in fp32)
+    and the embedding (the residual stream starts in fp32, as on one process). Without ``param_dtype``: plain."""
+    if param_dtype is None:
+        return {}, {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cast = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return {"mp_policy": cast}, {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+
+
 def apply_expert_parallel(
     model: nn.Module,
     dims: ParallelDims,
     *,
     reshard_after_forward: bool = True,
-    mp_policy=None,
+    param_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """EP (``shard_experts``) then FSDP2 with the right mesh per parameter group; returns the model (now an
-    FSDPModule). FSDP units: each routed-experts module ("dp"), each ``model.layers[i]`` if the model has
-    ``layers`` ("dp_ep"), the root ("dp_ep"). ``mp_policy``: an FSDP2 MixedPrecisionPolicy, or None.
+    FSDPModule). FSDP units: each routed-experts module ("dp"; sharded on dim 1 when its experts do not split over
+    dp), each ``model.layers[i]`` if the model has ``layers`` ("dp_ep"), the root ("dp_ep"). ``param_dtype``: the
+    compute dtype of the units' gathered weights (``mixed_precision_policies``), or None for fp32 throughout.
 
+    Works on a model built on the meta device (nothing is allocated; ``to_empty`` then allocates only the shards).
     With tp > 1 call it after tensor parallelism and SSMB (xmoe/parallel/tensor.py, ssmb.py): TP weights then
     become 2-D ("dp_ep", "tp") DTensors, and SSMB has already arranged the "tp" reduction of the replicated
     MoE parameters (experts included); nothing here depends on tp.
@@ -105,15 +145,22 @@ def apply_expert_parallel(
     from torch.distributed.fsdp import fully_shard
 
     shard_experts(model, dims)
-    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    cast, fp32 = mixed_precision_policies(param_dtype)
     dp_mesh, dense_mesh = dims.submesh("dp"), dims.submesh(DENSE_AXIS)
     for layer in moe_layers(model):
-        fully_shard(layer.experts, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+        fully_shard(layer.experts, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                    **_placement_kwarg(fully_shard, dims.dp), **cast)
+        if fp32:
+            fully_shard(layer.router, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **fp32)
+    embed = getattr(model, "embed", None)
+    tied = embed is not None and getattr(model, "head", None) is not None and model.head.weight is embed.weight
+    if fp32 and embed is not None and not tied:
+        fully_shard(embed, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **fp32)
     for block in getattr(model, "layers", []):
-        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **kwargs)
-    # the root's parameters (embeddings, final norm, head) are used last in forward, first in backward:
-    # keeping them unsharded after forward saves one all-gather per step
-    fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **kwargs)
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **cast)
+    # the root's parameters (final norm, head; the embedding when tied) are used last in forward, first in
+    # backward: keeping them unsharded after forward saves one all-gather per step
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **cast)
     return model
 
 

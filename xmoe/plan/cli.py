@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Optional
 
 from xmoe.model.presets import PRESETS, get_preset
 
@@ -21,6 +22,8 @@ EXAMPLES = """examples:
   xmoe plan memory --preset medium --gpus 64            # search layouts that fit this machine's GPUs
   xmoe plan memory --preset small --gpu-mem 80 --tp 2   # fix some degrees, search the rest
   xmoe plan memory --trainer --preset small --layers 8 --seq 2048 --accumulation 4   # `xmoe train` on one GPU
+  xmoe plan memory --preset medium --gpus 256 --gpu-mem 64 --measure      # run rank 0 of the proposed layout here
+  xmoe plan memory --preset small --layers 2 --seq 256 --micro-batch 1 --gpus 64 --ep 16 --tp 1 --measure --json
   xmoe plan comm --preset large --gpus 256 --inter-bw 50
 """
 
@@ -48,17 +51,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--placement", choices=("ep_first", "dp_first"), default="ep_first",
                      help="placement when an EP group cannot fit in a node (inside a node: always ep_first)")
     mem.add_argument("--imbalance", type=float, default=1.0, help="max/mean routed rows per rank (default 1)")
-    mem.add_argument("--kernel", choices=("triton", "torch"), default="triton",
-                     help="expert kernels: triton saves 2 F-wide tensors per row, torch 4")
+    mem.add_argument("--kernel", choices=("triton", "torch"),
+                     help="expert kernels: triton saves 2 F-wide tensors per row, torch 4 (default triton; with "
+                          "--measure, what the device runs: triton on a GPU, torch on a CPU)")
     mem.add_argument("--trainer", action="store_true",
                      help="the peak of `xmoe train` on one GPU instead (fp32 weights and AdamW, bf16 expert copies, "
                           "compiled regions), per recompute mode and micro-batch")
-    mem.add_argument("--layers", type=int, help="with --trainer: the preset with this many layers")
+    mem.add_argument("--layers", type=int, help="the preset with this many layers (a shortened model)")
     mem.add_argument("--accumulation", type=int, default=1,
                      help="with --trainer: micro-batches per optimizer step (default 1)")
     mem.add_argument("--eager", action="store_true", help="with --trainer: compiled regions off (--compile off)")
     mem.add_argument("--reserve", type=float, default=2.0,
                      help="GiB for CUDA context, NCCL, fragmentation (default 2)")
+    mem.add_argument("--measure", action="store_true",
+                     help="also run one rank of the layout here, in a simulated world (torch's fake process group: "
+                          "real shards, kernels and allocations, no communication), and print its measured peak and "
+                          "compute time beside the prediction")
+    mem.add_argument("--rank", type=int, default=0, help="with --measure: the rank to run (default 0)")
+    mem.add_argument("--steps", type=int, default=3, help="with --measure: training steps (default 3, >= 3)")
+    mem.add_argument("--device", default="auto", help="with --measure: auto (GPU if present, default), cpu or cuda")
+    mem.add_argument("--json", action="store_true", help="with --measure: print one JSON object instead")
 
     com = sub.add_parser("comm", help="flat all-to-all vs RBD traffic and time of one MoE dispatch",
                          epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     """Counts >= 1 and sizes finite and > 0 (>= 0 where zero means something), naming the flag."""
     counts = ("gpus", "gpus_per_node", "tp", "ep", "dp", "micro_batch", "max_micro_batch", "seq",
-              "tokens_per_gpu", "mc_tokens", "layers", "accumulation")
+              "tokens_per_gpu", "mc_tokens", "layers", "accumulation", "steps")
     for name in counts:
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -120,37 +132,61 @@ def _gpu_memory_gib() -> tuple[float, str]:
                              "pass --gpu-mem for yours")
 
 
-def run(args: argparse.Namespace) -> None:
-    _check_args(args)
+def model_config(args: argparse.Namespace):
+    """The preset of ``--preset``, shortened to ``--layers`` when given."""
+    from dataclasses import replace
+
     cfg = get_preset(args.preset)
+    if getattr(args, "layers", None) is not None:
+        cfg = replace(cfg, num_layers=args.layers, first_k_dense=min(cfg.first_k_dense, args.layers))
+    return cfg
+
+
+def prepare_memory(args: argparse.Namespace) -> tuple[object, Optional[str]]:
+    """Checked arguments of `plan memory`: (the model config, a line saying which GPU memory was assumed or None);
+    ``args.gpu_mem`` is filled in."""
+    _check_args(args)
+    note = None
+    if args.gpu_mem is None:
+        args.gpu_mem, note = _gpu_memory_gib()
+    return model_config(args), note
+
+
+def run(args: argparse.Namespace) -> None:
     if args.plan_command == "memory":
         from xmoe.plan import memory
 
         assert memory.RECOMPUTE == RECOMPUTE
-        note = None
-        if args.gpu_mem is None:
-            args.gpu_mem, note = _gpu_memory_gib()
+        cfg, note = prepare_memory(args)
         text = run_trainer_memory(cfg, args) if args.trainer else run_memory(cfg, args)
         print(text if note is None else text.replace("\n", f"\n{note}\n", 1))
     else:
-        print(run_comm(cfg, args))
+        _check_args(args)
+        print(run_comm(model_config(args), args))
 
 
 # ------------------------------------------------------------------------------------------------ memory
 
 
-def run_memory(cfg, args) -> str:
+def rank_layouts(cfg, args, **extra) -> list:
+    """The planner's layouts for the options given, best first (memory.search_layouts; ``extra``: more of
+    estimate_memory's options)."""
     from xmoe.plan import memory
 
     cf = args.capacity_factor if args.capacity_factor is not None else (1.25 if args.padded else None)
     if args.tp is not None and args.tp > args.gpus_per_node:
         raise ValueError(f"--tp ({args.tp}) must be <= --gpus-per-node ({args.gpus_per_node})")
     options = dict(padded=args.padded, capacity_factor=cf, ssmb=not args.no_ssmb, seq_len=args.seq,
-                   imbalance=args.imbalance, kernel=args.kernel, reserve_gib=args.reserve, name=args.preset)
-    ranked = memory.search_layouts(
+                   imbalance=args.imbalance, kernel=args.kernel or "triton", reserve_gib=args.reserve,
+                   name=args.preset, **extra)
+    return memory.search_layouts(
         cfg, args.gpus, args.gpu_mem, gpus_per_node=args.gpus_per_node, tp=args.tp, ep=args.ep, dp=args.dp,
         micro_batch=args.micro_batch, recompute=args.recompute, max_micro_batch=args.max_micro_batch,
         placement=args.placement, **options)
+
+
+def run_memory(cfg, args) -> str:
+    ranked = rank_layouts(cfg, args)
     best = ranked[0]
     searched = [n for n, v in (("tp", args.tp), ("ep", args.ep), ("dp", args.dp), ("micro-batch", args.micro_batch),
                                ("recompute", args.recompute)) if v is None]
@@ -182,12 +218,8 @@ def run_memory(cfg, args) -> str:
 def run_trainer_memory(cfg, args) -> str:
     """The peak of one `xmoe train` step on one GPU (plan.memory.estimate_trainer_memory) per recompute mode and
     micro-batch: the given ones, or micro-batches 1, 2, 4, ... up to --max-micro-batch."""
-    from dataclasses import replace
-
     from xmoe.plan import memory
 
-    if args.layers is not None:
-        cfg = replace(cfg, num_layers=args.layers, first_k_dense=min(cfg.first_k_dense, args.layers))
     seq = args.seq or cfg.max_seq_len
     modes = [args.recompute] if args.recompute else list(RECOMPUTE)
     batches = [args.micro_batch] if args.micro_batch else \

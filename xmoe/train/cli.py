@@ -271,23 +271,24 @@ def _default_train(preset: str | None, model: ModelConfig) -> TrainConfig:
     return dataclasses.replace(_PAPER, seq_len=model.max_seq_len)
 
 
-def _check_fits(model: ModelConfig, device: str) -> None:
-    """Refuse a model whose fp32 weights alone exceed this machine's memory (host and one GPU): building it could
-    only fail, after minutes or by the kernel's OOM killer."""
+def _check_fits(run_cfg: RunConfig, device: str) -> None:
+    """Refuse a model whose fp32 weights alone, split evenly over every rank, exceed one machine's memory (host and
+    one GPU): building it could only fail, after minutes or by the kernel's OOM killer."""
     import torch
 
     from xmoe.model.counting import count_params
 
+    model, world = run_cfg.model, run_cfg.parallel.world_size
     params = count_params(model).total
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if device.startswith("cuda"):
         memory += torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if 4 * params > memory:
+    if 4 * params / world > memory:
         raise ValueError(
-            f"the model has {params:.3g} parameters ({4 * params / 2**30:.3g} GiB of fp32 weights, 16 bytes per "
-            f"parameter to train), more than this machine's {memory / 2**30:.0f} GiB of memory; lower "
-            f"moe.num_experts ({model.moe.num_experts}), model.num_layers ({model.num_layers}) or hidden sizes "
-            "(`xmoe plan memory` predicts what fits)")
+            f"the model has {params:.3g} parameters ({4 * params / world / 2**30:.3g} GiB of fp32 weights per rank "
+            f"over {world} rank(s), 16 bytes per parameter to train), more than this machine's "
+            f"{memory / 2**30:.0f} GiB of memory; lower moe.num_experts ({model.moe.num_experts}), "
+            f"model.num_layers ({model.num_layers}) or hidden sizes (`xmoe plan memory` predicts what fits)")
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -300,7 +301,7 @@ def run(args: argparse.Namespace) -> dict | None:
 
         print(describe(run_cfg.model, run_cfg.train.seq_len, run_cfg.train.global_batch_size))
         return None
-    _check_fits(run_cfg.model, device)
+    _check_fits(run_cfg, device)
     from xmoe.train.trainer import Trainer
 
     init_from = getattr(args, "init_from", None)

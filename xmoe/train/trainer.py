@@ -3,12 +3,13 @@
 Order of set-up (fixed, so every rank does the same thing):
   1. process group + device from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK)
   2. parallel dims -> one DeviceMesh (xmoe.parallel.dims); nothing else creates groups
-  3. model built for one device, initialised from the seed (identical on every rank), or, with ``init_from``, from
-     a Hugging Face directory (each rank reads only the experts it will own)
-  4. parallelism applied from outside, in a fixed order: TP (attention, dense FFN) -> SSMB -> EP + FSDP2 over the
-     data-parallel ranks; pure data parallelism (ep = tp = 1) uses DDP
-  5. recompute and compiled regions on the blocks (xmoe.train.regions)
-  6. optimizer, data loader (sharded over data-parallel ranks), resume from the newest verified checkpoint
+  3. data loader (sharded over data-parallel ranks); the checkpoint to resume, checked against this run's model,
+     data and schedule from its meta.json before anything large is built
+  4. the model through xmoe.parallel.build: on the meta device, parallelism applied from outside in a fixed order
+     (TP (attention, dense FFN) -> SSMB -> EP + FSDP2 over the data-parallel ranks; pure data parallelism,
+     ep = tp = 1, uses DDP), then only this rank's shards allocated and initialised from the seed (the same global
+     values at any layout) or, with ``init_from``, read from a Hugging Face directory; recompute and compiled regions
+  5. optimizer, then the resumed checkpoint loaded straight into the local shards
 Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, the routed experts' bf16 copies made
 once per step), clip,
 AdamW step, auxiliary-loss-free bias update (loads summed over data-parallel ranks so the bias stays identical
@@ -18,7 +19,6 @@ there is validation data (``xmoe.train.evaluate``), an atomic checkpoint every `
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -29,19 +29,15 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 from xmoe.config import RunConfig
-from xmoe.dispatch.base import experts_per_rank
-from xmoe.model.transformer import Transformer
-from xmoe.moe.experts import reuse_weight_casts
+from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
-from xmoe.parallel.expert_parallel import apply_expert_parallel, clip_grad_norm_
+from xmoe.parallel.expert_parallel import clip_grad_norm_
 from xmoe.parallel.grads import set_accumulation_scale
-from xmoe.parallel.ssmb import apply_ssmb
-from xmoe.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import metrics, regions, rundir, safety
+from xmoe.train import metrics, rundir, safety
+from xmoe.train.step import forward_backward, update_expert_bias
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
 
@@ -166,28 +162,25 @@ class Trainer:
         self.loader = TokenLoader(dataset, self.micro_batch * self.dp_size, rank=self.dp_rank,
                                   world_size=self.dp_size)
 
-        # 2. the model, identical on every rank, then parallelism from outside
+        # 2. what a resume continues, checked against this run before anything large is built
+        found = self._checkpoint_to_resume(resume_from, allow_changes) if resume else None
+        # 3. the model: built on the meta device, parallelised from outside, then only this rank's shards allocated
+        # and initialised (layout-independent values from the seed, or init_from's weights); recompute and compiled
+        # regions on the blocks
         torch.manual_seed(t.seed)
-        with torch.device(self.device):  # built where it trains: no host copy of a multi-GB model
-            model = Transformer(run.model)
-        model.init_weights(seed=t.seed)
-        if init_from is not None:
-            self._load_pretrained(model, init_from)
-        self.model = model
-        self.wrapped = self._parallelize(model)
-        # 3. recompute and compiled regions, from outside, on the parallelised blocks
-        regions.apply_recompute(model, t.recompute)
-        self.compiled = regions.should_compile(t.compile, self.device, run.parallel.ep, run.parallel.tp)
-        if self.compiled:
-            regions.apply_compile(model, self.device)
+        built = build_model(run.model, self.device, self.dims, seed=t.seed, init_from=init_from,
+                            sequence_parallel=par.sequence_parallel,
+                            param_dtype=torch.bfloat16 if self.autocast else None,
+                            recompute=t.recompute, compile=t.compile)
+        self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.wrapped, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
             fused=self.device.type == "cuda",
         )
         self._params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.step = 0
-        if resume:
-            self._resume(resume_from, allow_changes)
+        if found is not None:
+            self._resume(found, resume_from is not None)
         self.logger = metrics.MetricsLogger(self.out_dir, self.rank, t.steps, tensorboard=t.tensorboard,
                                             resume_step=self.step if resume else None)
         self.flop_dims = metrics.FlopDims.from_model_config(run.model, t.seq_len)
@@ -202,44 +195,23 @@ class Trainer:
         # expert-parallel ranks see different tokens too: data is sharded over dp x ep
         return self.dims.coord("dp") * par.ep + self.dims.coord("ep"), par.dp * par.ep
 
-    def _parallelize(self, model: Transformer) -> torch.nn.Module:
-        """Fixed order: TP (attention, dense FFN) -> SSMB (MoE blocks on 1/tp of the tokens) -> EP + FSDP2.
-        Pure data parallelism (ep = tp = 1) uses DDP."""
-        par = self.run.parallel
-        if self.world == 1:
-            return model
-        if par.tp > 1:
-            apply_tensor_parallel(model, self.dims, sequence_parallel=par.sequence_parallel)
-            apply_ssmb(model, self.dims)  # with sequence parallelism, TP already installed the SSMB regions
-        if par.tp > 1 or par.ep > 1:
-            return apply_expert_parallel(model, self.dims)
-        # broadcast_buffers=False: the router's load counters are per rank by design (summed explicitly)
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   broadcast_buffers=False)
-
-    def _load_pretrained(self, model: Transformer, path: str) -> None:
-        """Weights from a Hugging Face directory; under expert parallelism each rank reads only its experts."""
-        from xmoe.hf.checkpoint import load_weights
-
-        experts = None
-        if self.dims is not None and self.run.parallel.ep > 1:
-            local = experts_per_rank(self.run.model.moe.num_experts, self.run.parallel.ep)
-            first = self.dims.coord("ep") * local
-            experts = range(first, first + local)
-        load_weights(model, path, experts=experts)
-
     def _validate(self) -> float:
         return evaluate(self.wrapped, self.val_windows, self.micro_batch, self.device, self.dp_rank, self.dp_size,
                         autocast=self.autocast)["loss"]
 
     # ------------------------------------------------------------------------------------------ state
 
-    def _resume(self, resume_from: Optional[str], allow_changes: bool) -> None:
+    def _checkpoint_to_resume(self, resume_from: Optional[str], allow_changes: bool) -> Optional[Path]:
+        """The checkpoint a resume continues (None: nothing saved yet), verified (sizes and crc32) and its stored
+        model, data and schedule compared with this run's (rundir.resume_checkpoint), before the model is built."""
         found = rundir.resume_checkpoint(self.out_dir, resume_from, self.run, self.data_info, allow_changes)
-        if found is None:
-            if self.rank == 0:
-                log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
-            return
+        if found is None and self.rank == 0:
+            log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
+        return found
+
+    def _resume(self, found: Path, chosen: bool) -> None:
+        """Load ``found`` into the built model and optimizer (DCP writes straight into the local shards);
+        ``chosen``: it was named by --resume-from, so later checkpoints of the run are set aside."""
         meta = ckpt.read_meta(found)
         saved_world = meta["world_size"]
         same_world = saved_world == self.world
@@ -257,7 +229,7 @@ class Trainer:
             layer.router.expert_bias.copy_(bias)
         if self.rank == 0:
             log.info(f"resumed from {found} at step {self.step}")
-            if resume_from:  # later checkpoints of this directory belong to the timeline being replaced
+            if chosen:  # later checkpoints of this directory belong to the timeline being replaced
                 for path in ckpt.set_aside_newer(self.out_dir, self.step):
                     log.info(f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) "
                              f"as {path.name}")
@@ -275,42 +247,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- loop
 
     def _forward_backward(self, accum: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss_sum = torch.zeros((), device=self.device)
-        aux_sum = torch.zeros((), device=self.device)
-        rows = torch.zeros((), dtype=torch.long, device=self.device)
-        load = None
-        # one autocast region and one set of expert-weight casts for all micro-batches of the step: the weights do
-        # not change within it, so reuse_weight_casts casts each routed expert once per step (and autocast's cache
-        # each dense weight used eagerly; inside compiled regions the dense casts happen per micro-batch)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), \
-                reuse_weight_casts(self.model, torch.bfloat16 if self.autocast else None,
-                                   detach=self.world == 1):
-            for micro in range(accum):
-                inputs, targets = next(self.loader)
-                inputs = inputs.to(self.device, non_blocking=True)
-                targets = targets.to(self.device, non_blocking=True)
-                no_sync = micro < accum - 1 and hasattr(self.wrapped, "no_sync")
-                with self.wrapped.no_sync() if no_sync else contextlib.nullcontext():
-                    loss = self.wrapped(inputs, targets)
-                    (loss / accum).backward()
-                loss_sum += loss.detach()
-                stats = self.model.moe_stats()
-                if stats:
-                    aux_sum += stats["aux_loss"] + stats["z_loss"]
-                    tpe = stats["tokens_per_expert"]
-                    rows += tpe.sum() - stats["num_dropped"]
-                    load = tpe if load is None else load + tpe
-        return loss_sum / accum, {"aux": aux_sum / accum, "rows": rows, "load": load}
-
-    def _update_expert_bias(self, load_LE: Optional[torch.Tensor]) -> None:
-        layers = self.model.moe_layers()
-        if load_LE is None or not layers or layers[0].cfg.bias_update_rate <= 0:
-            return
-        load_LE = load_LE.float()
-        if dist.is_initialized():
-            dist.all_reduce(load_LE)  # every rank must move its bias identically
-        for layer, load_E in zip(layers, load_LE):
-            layer.update_expert_bias(load_E)
+        return forward_backward(self.model, self.wrapped, self.loader, accum, self.device, self.autocast,
+                                detach_casts=self.world == 1)
 
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step on each rank; also sets the MoE layers' aux-loss scale to match."""
@@ -337,7 +275,7 @@ class Trainer:
             return loss, stats, grad_norm, lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._update_expert_bias(stats["load"])
+        update_expert_bias(self.model, stats["load"])
         return loss, stats, grad_norm, lr
 
     def train(self) -> dict:

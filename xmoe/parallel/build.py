@@ -1,0 +1,93 @@
+"""One construction pipeline for every model xmoe runs: the trainer, `xmoe eval / generate / export`, the simulated
+rank of `xmoe plan memory --measure`, the benchmarks and the tests.
+
+  1. the model on the meta device: shapes only, nothing allocated
+  2. parallelism from outside, in the fixed order: TP (attention, dense FFN; tensor.py) -> SSMB (MoE blocks on 1/tp
+     of the tokens; ssmb.py) -> EP (experts sliced over "ep", all-to-all dispatch) + FSDP2 (experts over "dp", dense
+     weights over "dp_ep"; expert_parallel.py), still on the meta device
+  3. ``to_empty``: every rank allocates its own shards and nothing else
+  4. initial values from the seed, layout-independent (xmoe/model/init.py: the same global model at any dp x ep x tp),
+     then, with ``init_from``, a Hugging Face directory read straight into the local shards (xmoe/hf/checkpoint.py);
+     the trainer's ``--resume`` loads DCP shards into them afterwards (xmoe/train/checkpoint.py)
+  5. pure data parallelism (several processes, ep = tp = 1): the materialised replica wrapped in DDP
+  6. recompute and compiled regions on the blocks (regions.py)
+Apart from a DDP replica, no rank ever holds a whole expert stack or the whole model: beside its shards at most one
+generator block (init.py) or one tensor being read (HF) exists at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from xmoe.config import ModelConfig
+from xmoe.model.transformer import Transformer
+from xmoe.parallel import regions
+from xmoe.parallel.dims import ParallelDims
+from xmoe.parallel.expert_parallel import apply_expert_parallel
+from xmoe.parallel.ssmb import apply_ssmb
+from xmoe.parallel.tensor import apply_tensor_parallel
+
+
+@dataclass
+class BuiltModel:
+    """``model``: the one-device Transformer, parallelised in place (its methods: ``moe_layers``, ``cfg``);
+    ``wrapped``: what runs forward and what the optimizer and checkpoints see (DDP around it, or the model itself);
+    ``compiled``: whether its blocks run as compiled regions."""
+
+    model: Transformer
+    wrapped: nn.Module
+    compiled: bool
+
+
+def parallelize(model: Transformer, dims: Optional[ParallelDims], *, sequence_parallel: bool = False,
+                ssmb: bool = True, fsdp: Optional[bool] = None, param_dtype: Optional[torch.dtype] = None) -> bool:
+    """Step 2, in place, on meta (or real) tensors. ``fsdp``: None = FSDP2 when experts or heads are sharded (ep or
+    tp > 1), True = also under pure data parallelism (ZeRO-3 replicas), False = never. ``param_dtype``: FSDP2's
+    compute dtype (bf16 on GPUs). Returns whether the materialised model is to be wrapped in DDP (step 5)."""
+    if dims is None or dims.world_size == 1:
+        return False
+    if dims.tp > 1:
+        apply_tensor_parallel(model, dims, sequence_parallel=sequence_parallel)
+        if ssmb:
+            apply_ssmb(model, dims)  # with sequence parallelism, TP already installed the SSMB regions
+    if fsdp or (fsdp is None and (dims.tp > 1 or dims.ep > 1)):
+        apply_expert_parallel(model, dims, param_dtype=param_dtype)
+        return False
+    return dims.tp == dims.ep == 1
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str, dims: Optional[ParallelDims] = None, *, seed: int = 0,
+                init_from: Optional[str] = None, sequence_parallel: bool = False, ssmb: bool = True,
+                fsdp: Optional[bool] = None, param_dtype: Optional[torch.dtype] = None, recompute: str = "none",
+                compile: str = "off", loss_chunk_tokens: int = 4096) -> BuiltModel:
+    """Steps 1-6 for ``cfg`` on ``device`` (``dims``: a built ParallelDims for several processes, else None).
+
+    ``init_from``: a Hugging Face directory whose weights replace the initial values (``cfg`` must be its
+    architecture). ``recompute`` ("none", "moe", "full") and ``compile`` ("auto", "on", "off"): regions.py."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens)
+    ddp = parallelize(model, dims, sequence_parallel=sequence_parallel, ssmb=ssmb, fsdp=fsdp,
+                      param_dtype=param_dtype)
+    model.to_empty(device=device)
+    model.init_weights(seed=seed)
+    if init_from is not None:
+        from xmoe.hf.checkpoint import load_weights
+
+        load_weights(model, init_from)
+    wrapped: nn.Module = model
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # broadcast_buffers=False: the router's load counters are per rank by design (summed explicitly)
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    regions.apply_recompute(model, recompute)
+    ep, tp = (dims.ep, dims.tp) if dims is not None else (1, 1)
+    compiled = regions.should_compile(compile, device, ep, tp)
+    if compiled:
+        regions.apply_compile(model, device)
+    return BuiltModel(model, wrapped, compiled)

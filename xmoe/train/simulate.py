@@ -1,0 +1,255 @@
+"""One rank of any layout, trained for a few steps on the local device: `xmoe plan memory ... --measure`.
+
+# W world size, R this rank, T tokens a rank routes per micro-batch, K top-k, P ranks of an EP group
+
+The process group is torch's fake backend (``FakeStore``, backend "fake"): a world of W ranks in which this process
+is rank R. DeviceMesh, DTensor, FSDP2, DDP and the all-to-alls run their own code on the local device, but no
+collective moves data: each leaves its output buffer as it was allocated. Buffers keep their real sizes, so the
+model a rank builds (xmoe/parallel/build.py: its shards only), its kernels, its optimizer and its memory are those
+of rank R of a real run; the values are not, and neither are the losses. Where a collective's result sizes a
+buffer (the expert all-to-all's split counts) the simulated rank takes the counts the planner assumes: it receives
+as many rows as it routes (T * K, dropless, balanced), times ``imbalance``, spread evenly over the P sources and
+its local experts (``PlannedCounts``).
+
+Each step is the trainer's (xmoe/train/step.py: forward and backward under its precision, clipping, AdamW, the
+expert-bias update). Measured: the peak (GPU: the caching allocator's peak of allocated bytes; CPU: bytes of live
+tensor storages, counted by torch's MemTracker), the bytes by kind at the peak (MemTracker, one step after a
+warm-up step), and the compute time of the steps after those two, beside ``xmoe.plan.memory``'s prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from xmoe.config import ModelConfig, ParallelConfig
+from xmoe.dispatch.alltoall import AllToAllDispatcher
+from xmoe.parallel.build import build_model
+from xmoe.parallel.dims import ParallelDims
+from xmoe.parallel.expert_parallel import clip_grad_norm_
+from xmoe.parallel.grads import set_accumulation_scale
+from xmoe.train.step import forward_backward, update_expert_bias
+
+log = logging.getLogger(__name__)
+
+NOTE = ("simulated rank: no collective communicated (torch's fake process group), so times are compute only and "
+        "losses are meaningless; the all-to-all counts are the planner's (balanced routing x imbalance)")
+KINDS = {"PARAM": "weights", "GRAD": "gradients", "OPT": "optimizer", "ACT": "activations", "TEMP": "temporaries",
+         "BUFFER": "buffers", "OTH": "other"}  # MemTracker's reference types
+
+
+class PlannedCounts(AllToAllDispatcher):
+    """The flat all-to-all dispatcher of a simulated rank: it sends its real rows, and receives what the planner
+    assumes (the fake collective would leave the counts uninitialised) as zeros of that size."""
+
+    imbalance = 1.0
+
+    def receive_counts(self, send_counts_PE: torch.Tensor) -> torch.Tensor:
+        rows = int(send_counts_PE.sum()) * self.imbalance  # T * K: what each rank of the group routes
+        cells = send_counts_PE.numel()  # (source rank, local expert) pairs
+        total = round(rows)
+        counts = torch.full((cells,), total // cells, dtype=send_counts_PE.dtype)
+        counts[: total % cells] += 1
+        return counts.view_as(send_counts_PE).to(send_counts_PE.device)
+
+
+def _plan_counts(model, imbalance: float) -> int:
+    """Swap every flat all-to-all dispatcher for a ``PlannedCounts`` one; returns how many were swapped."""
+    swapped = 0
+    for layer in model.moe_layers():
+        d = layer.dispatcher
+        if type(d) is AllToAllDispatcher:
+            layer.dispatcher = PlannedCounts(d.group, d.num_experts, d.kernel_backend)
+            layer.dispatcher.imbalance = imbalance
+            swapped += 1
+        elif not getattr(d, "fuses_experts", False):
+            raise ValueError(f"--measure simulates the padding-free all-to-all dispatcher; this model's MoE layers "
+                             f"use {type(d).__name__}: set moe.dispatcher='pft'")
+    return swapped
+
+
+@dataclass
+class Measurement:
+    """What one simulated rank measured; ``as_dict`` is the `--json` object."""
+
+    layout: dict[str, Any]
+    device: str
+    steps: int
+    measured_peak_bytes: int
+    measured_by_kind: dict[str, int]
+    compute_ms_per_step: float
+    tokens_per_s: float  # this rank's tokens per second that compute alone would allow
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"note": NOTE}
+
+
+def _fake_world(world: int, rank: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group exists already; --measure simulates a world of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _batches(vocab: int, micro_batch: int, seq_len: int, device: torch.device, seed: int
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen).to(device)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, rank: int = 0,
+                 recompute: str = "none", imbalance: float = 1.0, steps: int = 3, device: str = "auto",
+                 seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1, simulate: bool = True) -> Measurement:
+    """Rank ``rank`` of ``parallel`` (all ``parallel.world_size`` ranks of it) training ``cfg``: ``steps`` >= 3 steps
+    of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
+    ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
+    a real run's rank: the tests compare the two)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from xmoe.train.trainer import _param_groups
+
+    if steps < 3:
+        raise ValueError(f"--steps ({steps}) must be >= 3: a warm-up step, a measured step, then timed ones")
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    autocast = dev.type == "cuda"
+    world = parallel.world_size
+    if simulate:
+        _fake_world(world, rank)
+    try:
+        dims = None
+        if world > 1:
+            dims = ParallelDims.from_config(parallel, world, rank=rank,
+                                            node_size=parallel.gpus_per_node or world).build_mesh(dev.type)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        tracker = MemTracker()
+        with tracker:
+            built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel,
+                                param_dtype=torch.bfloat16 if autocast else None, recompute=recompute)
+            if simulate:
+                _plan_counts(built.model, imbalance)
+            optimizer = torch.optim.AdamW(_param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
+        params = [p for p in built.wrapped.parameters() if p.requires_grad]
+        set_accumulation_scale(built.model, 1)
+        batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
+
+        def one_step() -> None:
+            _, stats = forward_backward(built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=False)
+            clip_grad_norm_(params, 1.0, dims=dims)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            update_expert_bias(built.model, stats["load"])
+
+        one_step()  # warm-up: kernels compiled or tuned, AdamW's state allocated
+        tracker.track_external(built.wrapped, optimizer)
+        with tracker:
+            tracker.reset_mod_stats()
+            one_step()
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(steps - 2):
+            one_step()
+        _sync(dev)
+        ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
+        snapshot = tracker.get_tracker_snapshot("peak").get(dev, {})
+        by_kind = {KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items()
+                   if str(k) != "Total"}
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
+    finally:
+        if simulate:
+            dist.destroy_process_group()
+    layout = dict(world=world, rank=rank, tp=parallel.tp, ep=parallel.ep, dp=parallel.dp,
+                  placement=parallel.placement, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                  imbalance=imbalance, layers=cfg.num_layers)
+    return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, micro_batch * seq_len / (ms / 1e3))
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def run(args) -> dict[str, Any]:
+    """`xmoe plan memory ... --measure`: the planner's proposed layout (or the one given), rank ``--rank`` of it
+    measured here; prints a table, or with ``--json`` one JSON object. Returns that object."""
+    from xmoe.plan import cli as plan_cli
+
+    if args.trainer:
+        raise ValueError("--measure runs one rank of a multi-GPU layout; for --trainer's one-GPU peak run "
+                         "`xmoe train` itself (its log reports the peak memory)")
+    if args.padded or args.capacity_factor is not None:
+        raise ValueError("--measure simulates the padding-free dropless dispatcher; leave out --padded and "
+                         "--capacity-factor")
+    if not 0 <= args.rank < args.gpus:
+        raise ValueError(f"--rank ({args.rank}) must be in [0, --gpus={args.gpus})")
+    cfg, note = plan_cli.prepare_memory(args)
+    device = _device(args.device)
+    if args.kernel is None:
+        args.kernel = "triton" if device.type == "cuda" else "torch"
+    # what the planner assumes of the precision: the trainer's on this device (bf16 autocast on GPUs, fp32 on CPUs)
+    best = plan_cli.rank_layouts(cfg, args, act_bytes=2 if device.type == "cuda" else 4)[0]
+    kernel_backend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
+    if not args.json:
+        print(f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of "
+              f"tp {best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
+              f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}", flush=True)
+    m = measure_rank(cfg, best.parallel, micro_batch=best.micro_batch, seq_len=best.seq_len, rank=args.rank,
+                     recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device))
+    planned_peak = best.total - best.reserve
+    result = m.as_dict() | {
+        "preset": args.preset,
+        "planned_peak_bytes": int(planned_peak),
+        "planned_reserve_bytes": int(best.reserve),
+        "planned_parts": {k: int(v) for k, v in best.parts().items()},
+        "ratio": m.measured_peak_bytes / planned_peak,
+    }
+    print(json.dumps(result, indent=2) if args.json else _table(result, note))
+    return result
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"--device ({name!r}) must be auto, cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no GPU; use --device cpu")
+    return torch.device(name)
+
+
+def _table(r: dict[str, Any], note: Optional[str]) -> str:
+    gib = 2.0**30
+    planned, measured = r["planned_parts"], r["measured_by_kind"]
+    rows = [("weights (sharded + gathered)", planned["parameters"] + planned["gathered"], measured.get("weights", 0)),
+            ("gradients", planned["gradients"], measured.get("gradients", 0)),
+            ("optimizer state", planned["optimizer"], measured.get("optimizer", 0)),
+            ("activations", planned["activations"], measured.get("activations", 0)),
+            ("working / temporaries", planned["working"],
+             measured.get("temporaries", 0) + measured.get("buffers", 0) + measured.get("other", 0))]
+    lines = [f"  {'':<30}{'planned GiB':>12}{'measured GiB':>14}"]
+    lines += [f"  {name:<30}{p / gib:>12.3f}{q / gib:>14.3f}" for name, p, q in rows]
+    lines.append(f"  {'peak (planned: less reserve)':<30}{r['planned_peak_bytes'] / gib:>12.3f}"
+                 f"{r['measured_peak_bytes'] / gib:>14.3f}   measured / planned {r['ratio']:.3f}")
+    lines.append(f"compute {r['compute_ms_per_step']:.1f} ms per step ({r['steps']} steps on {r['device']}): "
+                 f"{r['tokens_per_s']:.0f} tokens/s per GPU from compute alone")
+    lines.append(f"by kind: MemTracker at the peak of a step; peak: "
+                 f"{'the caching allocator' if r['device'].startswith('cuda') else 'live tensor storages'}")
+    lines.append(f"note: {NOTE}")
+    if note:
+        lines.append(note)
+    return "\n".join(lines)
