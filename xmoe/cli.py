@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "plan" and getattr(args, "measure", False):
             from xmoe.train import simulate  # one rank trained for a few steps: the training layer's work
 
-            simulate.run(args)
+            print(simulate.run(args))
         elif args.command == "plan":
             from xmoe.plan import cli as plan_cli
 

@@ -171,6 +171,14 @@ def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> 
     return fitted
 
 
+def device_budget(device: torch.device) -> tuple[int, dict[str, TileConfig]]:
+    """(shared memory per block, shipped table) of the device: all that steps 4 and 5 of a pick know of it (the
+    ahead-of-time compile checks in aot.py stand other GPUs in here)."""
+    if device.type != "cuda":
+        return 227 * 1024, {}
+    return _max_shared(device.index or 0), shipped_table(_gpu_name(device))
+
+
 def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, width: int, num_rows: int,
          num_experts: int, run: Optional[Callable[[TileConfig], object]] = None) -> TileConfig:
     """The config for one launch (see the module docstring for the order). ``run(cfg)`` launches the kernel with
@@ -188,10 +196,8 @@ def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, widt
     cfg = _PICKED.get(memo)
     if cfg is not None:
         return cfg
-    max_shared = _max_shared(device.index or 0) if device.type == "cuda" else 227 * 1024
-    cfg = heuristic(kernel, num_rows, num_experts, max_shared)
-    if device.type == "cuda":
-        cfg = shipped_table(_gpu_name(device)).get(key, cfg)
+    max_shared, table = device_budget(device)
+    cfg = table.get(key) or heuristic(kernel, num_rows, num_experts, max_shared)
     if OPTIONS.autotune and device.type == "cuda" and run is not None:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return cfg  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
@@ -207,13 +213,16 @@ def _bench_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
 
 
+def candidates(kernel: str, max_shared: int) -> list[TileConfig]:
+    """The kernel's autotuning candidates whose pipeline fits max_shared bytes."""
+    return [cand for cand in CANDIDATES[kernel] if smem_bytes(kernel, cand) <= max_shared]
+
+
 def _tune(kernel: str, run: Callable[[TileConfig], object], max_shared: int,
           timer: Callable[[Callable[[], object]], float] = _bench_ms) -> Optional[TileConfig]:
     """The fastest of the kernel's candidates that fit max_shared, timed by ``timer`` (median ms of a call)."""
     best = None
-    for cand in CANDIDATES[kernel]:
-        if smem_bytes(kernel, cand) > max_shared:
-            continue
+    for cand in candidates(kernel, max_shared):
         try:
             ms = timer(lambda: run(cand))
         except Exception:  # out of resources, or a compiler that cannot pipeline this form: not a candidate here

@@ -114,7 +114,8 @@ def _sync(device: torch.device) -> None:
 
 def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, rank: int = 0,
                  recompute: str = "none", imbalance: float = 1.0, steps: int = 3, device: str = "auto",
-                 seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1, simulate: bool = True) -> Measurement:
+                 ssmb: bool = True, seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1,
+                 simulate: bool = True) -> Measurement:
     """Rank ``rank`` of ``parallel`` (all ``parallel.world_size`` ranks of it) training ``cfg``: ``steps`` >= 3 steps
     of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
     ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
@@ -140,7 +141,7 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
             torch.cuda.reset_peak_memory_stats(dev)
         tracker = MemTracker()
         with tracker:
-            built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel,
+            built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel, ssmb=ssmb,
                                 param_dtype=torch.bfloat16 if autocast else None, recompute=recompute)
             if simulate:
                 _plan_counts(built.model, imbalance)
@@ -183,9 +184,9 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
 # ------------------------------------------------------------------------------------------------ the command
 
 
-def run(args) -> dict[str, Any]:
+def run(args) -> str:
     """`xmoe plan memory ... --measure`: the planner's proposed layout (or the one given), rank ``--rank`` of it
-    measured here; prints a table, or with ``--json`` one JSON object. Returns that object."""
+    measured here; returns the table to print, or with ``--json`` one JSON object."""
     from xmoe.plan import cli as plan_cli
 
     if args.trainer:
@@ -204,12 +205,14 @@ def run(args) -> dict[str, Any]:
     best = plan_cli.rank_layouts(cfg, args, act_bytes=2 if device.type == "cuda" else 4)[0]
     kernel_backend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
+    header = (f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of tp "
+              f"{best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
+              f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}")
     if not args.json:
-        print(f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of "
-              f"tp {best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
-              f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}", flush=True)
+        log.info(f"xmoe plan memory --measure: building rank {args.rank} and running {args.steps} steps")
     m = measure_rank(cfg, best.parallel, micro_batch=best.micro_batch, seq_len=best.seq_len, rank=args.rank,
-                     recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device))
+                     recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device),
+                     ssmb=not args.no_ssmb)
     planned_peak = best.total - best.reserve
     result = m.as_dict() | {
         "preset": args.preset,
@@ -218,8 +221,7 @@ def run(args) -> dict[str, Any]:
         "planned_parts": {k: int(v) for k, v in best.parts().items()},
         "ratio": m.measured_peak_bytes / planned_peak,
     }
-    print(json.dumps(result, indent=2) if args.json else _table(result, note))
-    return result
+    return json.dumps(result, indent=2) if args.json else header + "\n" + _table(result, note)
 
 
 def _device(name: str) -> torch.device:
@@ -233,7 +235,7 @@ def _device(name: str) -> torch.device:
 
 
 def _table(r: dict[str, Any], note: Optional[str]) -> str:
-    gib = 2.0**30
+    unit, gib = ("GiB", 2.0**30) if r["planned_peak_bytes"] >= 2**30 else ("MiB", 2.0**20)
     planned, measured = r["planned_parts"], r["measured_by_kind"]
     rows = [("weights (sharded + gathered)", planned["parameters"] + planned["gathered"], measured.get("weights", 0)),
             ("gradients", planned["gradients"], measured.get("gradients", 0)),
@@ -241,7 +243,7 @@ def _table(r: dict[str, Any], note: Optional[str]) -> str:
             ("activations", planned["activations"], measured.get("activations", 0)),
             ("working / temporaries", planned["working"],
              measured.get("temporaries", 0) + measured.get("buffers", 0) + measured.get("other", 0))]
-    lines = [f"  {'':<30}{'planned GiB':>12}{'measured GiB':>14}"]
+    lines = [f"  {'':<30}{'planned ' + unit:>12}{'measured ' + unit:>14}"]
     lines += [f"  {name:<30}{p / gib:>12.3f}{q / gib:>14.3f}" for name, p, q in rows]
     lines.append(f"  {'peak (planned: less reserve)':<30}{r['planned_peak_bytes'] / gib:>12.3f}"
                  f"{r['measured_peak_bytes'] / gib:>14.3f}   measured / planned {r['ratio']:.3f}")
