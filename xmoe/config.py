@@ -7,7 +7,9 @@ One dataclass per component, validated on construction: a value a user can get w
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
 import types
 import typing
 import warnings
@@ -21,6 +23,20 @@ AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
 RopeScaling = Literal["none", "yarn"]
+
+
+def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundError:
+    """The error for a path that leads to no file or directory, ending in ``fix``: a looping or dangling symlink is
+    named as such (a plain existence check reports both as "not found")."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return FileNotFoundError(f"{what} {str(path)!r} is a symlink loop; point at the file itself")
+        if os.path.islink(path):
+            return FileNotFoundError(f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not "
+                                     "exist; point at the file itself")
+    return FileNotFoundError(f"{what} {str(path)!r} not found" + (f"; {fix}" if fix else ""))
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -393,8 +409,8 @@ class TrainConfig:
             raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))
-        if self.seed < 0:
-            raise ValueError(f"seed ({self.seed}) must be >= 0")
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit signed integer
+            raise ValueError(f"seed ({self.seed}) must be in [0, 2**63)")
         if self.nonfinite_skips < 0:
             raise ValueError(f"nonfinite_skips ({self.nonfinite_skips}) must be >= 0 (0: stop at the first)")
         for name in ("beta1", "beta2"):
