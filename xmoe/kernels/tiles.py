@@ -76,14 +76,16 @@ LEGACY: dict[str, TileConfig] = {
 
 # The FP8 kernels' base configs (they have no earlier table). BLOCK_K divides the 128-wide scale groups. Each
 # output tile holds its fp32 accumulator and the fresh one of the current step's product (fp8_gemm.py), so 128 x 128
-# tiles take 8 warps (128 registers of accumulators per thread) and the up kernel, with two of each, 64 rows.
+# tiles take 8 warps (128 registers of accumulators per thread) and the up kernel, with two of each, 64 rows (or
+# 16 warps). Compiled for sm_90 (Triton 3.9, ahead of time) none of these spills; 16 warps with 256-column or
+# 64-deep tiles did (at most 128 registers per thread there: 48-184 bytes of stack).
 FP8_BASE: dict[str, TileConfig] = {
     "fp8_up": TileConfig(64, 128, 128, 8, 4),
     "fp8_mm": TileConfig(128, 128, 128, 8, 4),
     "fp8_dx": TileConfig(128, 128, 128, 8, 4),
     "fp8_down_bwd": TileConfig(128, 128, 128, 8, 4),
 }
-_FP8_MM_CANDIDATES = [TileConfig(128, 128, 128, 8, 4), TileConfig(128, 256, 128, 16, 3), TileConfig(128, 128, 64, 8, 6),
+_FP8_MM_CANDIDATES = [TileConfig(128, 128, 128, 8, 4), TileConfig(64, 256, 128, 8, 3), TileConfig(128, 128, 64, 8, 6),
                       TileConfig(64, 128, 128, 4, 4)]
 
 # What autotuning tries, per kernel (the LEGACY or FP8_BASE entry first). wgrad groups: several experts per program for
@@ -99,8 +101,7 @@ CANDIDATES: dict[str, list[TileConfig]] = {
               TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
     "wgrad2": [LEGACY["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
                TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
-    "fp8_up": [FP8_BASE["fp8_up"], TileConfig(128, 128, 128, 16, 3), TileConfig(128, 128, 64, 16, 4),
-               TileConfig(64, 128, 64, 8, 6)],
+    "fp8_up": [FP8_BASE["fp8_up"], TileConfig(128, 128, 128, 16, 3), TileConfig(64, 128, 64, 8, 6)],
     "fp8_mm": _FP8_MM_CANDIDATES,
     "fp8_dx": _FP8_MM_CANDIDATES,
     "fp8_down_bwd": _FP8_MM_CANDIDATES,
@@ -196,9 +197,16 @@ def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> 
     cfg = _base(kernel)
     if kernel not in ("wgrad", "wgrad2") and num_rows < 64 * max(num_experts, 1):
         cfg = replace(cfg, block_m=64)  # 128-row tiles would run more than half empty
+    if kernel in FP8_KERNELS and max_shared <= 64 * 1024:
+        # AMD (64 KB of LDS): compiled for gfx942 (Triton 3.9, ahead of time), 128 x 128 x 128 FP8 tiles at 8 warps
+        # spill (144-700 bytes of scratch), and so does the dx kernel at 64 x 128 x 128, 4 warps (264); 64 x 128 x 64
+        # at 4 warps spills in none of the four
+        cfg = replace(cfg, block_m=64, block_k=64, num_warps=4)
     fitted = fit_to_gpu(kernel, cfg, max_shared)
     if fitted is None:  # a small shared memory (e.g. 64 KB): narrow the tile, then fit the stages again
-        fitted = fit_to_gpu(kernel, replace(cfg, block_n=64, block_k=32), max_shared) or TileConfig(64, 64, 32, 4, 2)
+        # (fp8_up keeps its 128 columns: one scale group of its output per row)
+        narrow = replace(cfg, block_k=32) if kernel == "fp8_up" else replace(cfg, block_n=64, block_k=32)
+        fitted = fit_to_gpu(kernel, narrow, max_shared) or replace(narrow, num_stages=2)
     return fitted
 
 
