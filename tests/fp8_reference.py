@@ -1,5 +1,5 @@
 """float64 references of the FP8 quantisers and of the FP8 experts (xmoe/kernels/fp8_*.py), written independently
-of the kernels: torch's own FP8 casts for the rounding, log2 for the power-of-two scales, per-expert loops.
+of the kernels: torch's own FP8 casts for the rounding, float64 quotients for the scales, per-expert loops.
 
 # T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows; G = 128
 """
@@ -14,30 +14,31 @@ from xmoe.kernels.fp8_quant import FORMATS
 G = 128
 
 
-def pow2_scale(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The smallest 2^k, k in [-126, 126], with amax / 2^k <= the format's max (2^-126 for an all-zero group)."""
-    amax = amax.double()
-    k = torch.ceil(torch.log2(amax / FORMATS[fmt].max))
-    k = torch.where(amax > 0, k, torch.full_like(k, -126.0)).clamp(-126, 126)
-    return 2.0**k
+def group_scale(amax: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax / max, max / amax) rounded to fp32, amax floored at fp32's 1e-30 (float64 quotients of fp32 values
+    rounded once more to fp32 are the correctly rounded fp32 quotients)."""
+    amax = amax.float().clamp(min=1e-30).double()
+    fmax = FORMATS[fmt].max
+    return (amax / fmax).float(), (fmax / amax).float()
 
 
-def to_grid(v: torch.Tensor, fmt: str) -> torch.Tensor:
-    """v (already scaled into range) rounded to the format's values by torch's conversion, as float64."""
-    return v.float().to(FORMATS[fmt].dtype).double()
+def to_grid(x: torch.Tensor, inv: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x * inv in fp32 (one rounding), then rounded to the format's values by torch's conversion, as float64."""
+    return (x.float() * inv).to(FORMATS[fmt].dtype).double()
 
 
 def quantize_rows(x_RC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): 1 x G groups along each row."""
-    x = x_RC.double()
+    x = x_RC.float()
     rows, cols = x.shape
     groups = -(-cols // G)
-    q = torch.empty_like(x)
+    q = torch.empty(rows, cols, dtype=torch.float64)
     scale = torch.empty(rows, groups, dtype=torch.float64)
     for g in range(groups):
         block = x[:, g * G:(g + 1) * G]
-        scale[:, g] = pow2_scale(block.abs().amax(1) if block.numel() else torch.zeros(rows), fmt)
-        q[:, g * G:(g + 1) * G] = to_grid(block / scale[:, g:g + 1], fmt)
+        s, inv = group_scale(block.abs().amax(1) if block.numel() else torch.zeros(rows), fmt)
+        scale[:, g] = s.double()
+        q[:, g * G:(g + 1) * G] = to_grid(block, inv[:, None], fmt)
     return q, scale
 
 
@@ -47,16 +48,16 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): G x G blocks of each expert's matrix."""
-    w = w_ERC.double()
+    w = w_ERC.float()
     experts, rows, cols = w.shape
-    q = torch.empty_like(w)
+    q = torch.empty(experts, rows, cols, dtype=torch.float64)
     scale = torch.empty(experts, -(-rows // G), -(-cols // G), dtype=torch.float64)
     for i in range(scale.shape[1]):
         for j in range(scale.shape[2]):
             block = w[:, i * G:(i + 1) * G, j * G:(j + 1) * G]
-            s = pow2_scale(block.abs().amax(dim=(1, 2)), fmt)
-            scale[:, i, j] = s
-            q[:, i * G:(i + 1) * G, j * G:(j + 1) * G] = to_grid(block / s[:, None, None], fmt)
+            s, inv = group_scale(block.abs().amax(dim=(1, 2)), fmt)
+            scale[:, i, j] = s.double()
+            q[:, i * G:(i + 1) * G, j * G:(j + 1) * G] = to_grid(block, inv[:, None, None], fmt)
     return q, scale
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from xmoe.kernels import tiles
 from xmoe.kernels._common import cdiv, check_device, check_index, interpreting, kernel_op
-from xmoe.kernels.fp8_quant import FORMATS, GROUP, _pow2_scale, _store_fp8, format_constexprs
+from xmoe.kernels.fp8_quant import FORMATS, GROUP, _group_scale, _store_fp8, format_constexprs
 from xmoe.kernels.grouped_gemm import _launch_kwargs, _row_tile, tile_map
 from xmoe.kernels.tiles import TileConfig
 
@@ -82,7 +82,7 @@ def _fp8_up_fwd_kernel(
     map_ptr,  # (3, num_tiles) int32 from grouped_gemm._tile_map_kernel
     E, num_tiles, H, F, stride_x, stride_sx, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
     GATHER: tl.constexpr, STORE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -128,7 +128,7 @@ def _fp8_up_fwd_kernel(
     if STORE_H:
         tl.store(h1_ptr + out_offs, acc1.to(h1_ptr.dtype.element_ty), mask=mask)
         tl.store(h3_ptr + out_offs, acc3.to(h3_ptr.dtype.element_ty), mask=mask)
-    scale, inv = _pow2_scale(tl.max(tl.abs(a), axis=1), MAX_EXP, MAX_MANT)
+    scale, inv = _group_scale(tl.max(tl.abs(a), axis=1), FP8_MAX)
     _store_fp8(aq_ptr + out_offs, a * inv[:, None], mask, MIN_EXP)
     tl.store(sa_ptr + rows * num_pid_n + pid_n, scale, mask=in_rows)
 
@@ -177,7 +177,7 @@ def _fp8_swiglu_bwd_kernel(
     q1_ptr, q3_ptr,  # (N, F) FP8 out: dh1, dh3 quantised
     s1_ptr, s3_ptr,  # (N, cdiv(F, G)) fp32 out: their scales
     N, F,
-    HAS_W: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MIN_EXP: tl.constexpr,
+    HAS_W: tl.constexpr, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
 ):
     # grouped_gemm._swiglu_bwd_kernel with one scale group per step over F (it says why this is a pass of its own)
@@ -207,8 +207,8 @@ def _fp8_swiglu_bwd_kernel(
         tl.store(a_ptr + offs, a.to(a_ptr.dtype.element_ty), mask=mask)
         tl.store(dh1_ptr + offs, dh1.to(dh1_ptr.dtype.element_ty), mask=mask)
         tl.store(dh3_ptr + offs, dh3.to(dh3_ptr.dtype.element_ty), mask=mask)
-        scale1, inv1 = _pow2_scale(tl.max(tl.abs(dh1), axis=1), MAX_EXP, MAX_MANT)
-        scale3, inv3 = _pow2_scale(tl.max(tl.abs(dh3), axis=1), MAX_EXP, MAX_MANT)
+        scale1, inv1 = _group_scale(tl.max(tl.abs(dh1), axis=1), FP8_MAX)
+        scale3, inv3 = _group_scale(tl.max(tl.abs(dh3), axis=1), FP8_MAX)
         _store_fp8(q1_ptr + offs, dh1 * inv1[:, None], mask, MIN_EXP)
         _store_fp8(q3_ptr + offs, dh3 * inv3[:, None], mask, MIN_EXP)
         tl.store(s1_ptr + rows * num_groups + grp, scale1, mask=mask_r)

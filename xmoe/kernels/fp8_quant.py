@@ -1,20 +1,21 @@
-"""FP8 quantisers of the routed experts' operands: fine-grained scales, powers of two, fp32 everywhere else.
+"""FP8 quantisers of the routed experts' operands: fine-grained fp32 scales, FP8 values, nothing else quantised.
 
 # T tokens, H hidden, F expert ffn, E experts, N rows; R x C a matrix's rows and columns; G = 128 (GROUP)
 
 DeepSeek-V3's scaling: activations and gradients in 1 x 128 groups along the reduction dimension (one scale per
 row and 128 columns), weights in 128 x 128 blocks (one scale per block, so one quantised weight serves both
-GEMMs it is used in, transposed or not). Every scale is the smallest power of two 2^k with amax / 2^k <= the
-format's largest value: quantising is then an exact scaling followed by one rounding, the same on every device
-and in a float64 reference, and dequantising (q * 2^k) is exact. Against scales of exactly amax / max the
-quantisation error is the same to 1% (docs/kernels.md, "FP8 experts"); what a power of two gives up is at most
-one binade of headroom at the top, which e4m3's relative precision does not depend on.
+GEMMs it is used in, transposed or not). A group's scale is amax / max in fp32 (max: the format's largest value),
+its values x * (max / amax) rounded to FP8; both divisions are correctly rounded (tl.div_rn), so the scales and
+values are the same on every device and in a float64 reference. Powers of two (scaling and dequantising then
+exact) were measured and not taken: in 1 x 128 groups they err 1.03-2.2x as much (relative to the norm), because
+the exact scale puts each group's largest element exactly on the format's max and a power of two rounds it
+(docs/kernels.md, "FP8 experts").
 
   quantize_rows(x_RC, fmt) -> (q_RC, scale_RG)        1 x G groups, the scale of q[r, c] is scale[r, c // G]
   quantize_expert_weights(w1_EHF, w3_EHF, w2_EFH, fmt) -> Fp8ExpertWeights
                                                        G x G blocks; each weight in its layout and transposed,
                                                        so that both GEMMs read it reduction-dimension-contiguous
-Kernels: _quant_rows_kernel, _quant_blocks_kernel; _pow2_scale and _store_fp8 are shared with fp8_gemm.py, whose
+Kernels: _quant_rows_kernel, _quant_blocks_kernel; _group_scale and _store_fp8 are shared with fp8_gemm.py, whose
 producers quantise in their epilogues.
 
 Formats (``FORMATS``): e4m3fn (NVIDIA sm_89 and newer, AMD gfx950) and e4m3fnuz (AMD gfx942, bias 8, no negative
@@ -26,7 +27,6 @@ in fp32 arithmetic instead, exactly as the hardware's round-to-nearest-even conv
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -45,15 +45,6 @@ class Fp8Format:
     dtype: torch.dtype  # its torch dtype (Triton: float8e4nv, float8e4b8)
     max: float  # largest finite value
     min_exp: int  # exponent of the smallest normal value (subnormals below share its spacing)
-
-    @property
-    def max_exp(self) -> int:
-        return math.frexp(self.max)[1] - 1
-
-    @property
-    def max_mantissa(self) -> int:
-        """The fp32 mantissa bits of max / 2^max_exp: a larger amax mantissa needs the next power of two."""
-        return round((self.max / 2.0**self.max_exp - 1.0) * 2**23)
 
     def storage(self) -> torch.dtype:
         """What quantised tensors are held in: the FP8 dtype, or float32 holding its values under the interpreter."""
@@ -103,22 +94,17 @@ def _format(fmt: str) -> Fp8Format:
 
 def format_constexprs(fmt: Fp8Format) -> dict:
     """The kernels' compile-time description of a format."""
-    return dict(MAX_EXP=fmt.max_exp, MAX_MANT=fmt.max_mantissa, MIN_EXP=fmt.min_exp)
+    return dict(FP8_MAX=fmt.max, MIN_EXP=fmt.min_exp)
 
 
 @triton.jit
-def _pow2_scale(amax, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
-    """(scale, 1 / scale): the smallest power of two 2^k with amax / 2^k <= the format's max, read off amax's
-    exponent and mantissa bits (no division, no log: exact on every device). k is kept in [-126, 126]: an all-zero
-    group gets 2^-126 and quantises to zeros. A non-finite amax becomes the scale itself, so that inf and NaN
-    survive dequantisation (a saturating conversion would turn inf into the format's max)."""
-    bits = amax.to(tl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - MAX_EXP + ((bits & 0x7FFFFF) > MAX_MANT).to(tl.int32)
-    k = tl.minimum(tl.maximum(k, -126), 126)
-    scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(amax <= 3.4028234663852886e38, scale, amax)
-    return scale, inv
+def _group_scale(amax, FP8_MAX: tl.constexpr):
+    """(scale, max / amax) of groups whose largest magnitude is amax: scale = amax / max, both divisions correctly
+    rounded. amax is floored at 1e-30, so an all-zero group gets finite factors and quantises to zeros; an infinite
+    amax gives an infinite scale and a zero factor, so the group dequantises to NaN: non-finite values survive
+    (a saturating conversion would turn inf into the format's max)."""
+    amax = tl.maximum(amax, 1e-30)
+    return tl.div_rn(amax, FP8_MAX), tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
 
 
 @triton.jit
@@ -136,8 +122,8 @@ def _round_to_fp8_grid(v, MIN_EXP: tl.constexpr):
 
 @triton.jit
 def _store_fp8(ptr, v, mask, MIN_EXP: tl.constexpr):
-    """Store v (already scaled into the format's range) as FP8 at ptr; float32 storage (the interpreter) gets
-    the same values rounded in fp32."""
+    """Store v (already scaled into the format's range, at most an fp32 rounding above max, which rounds to max)
+    as FP8 at ptr; float32 storage (the interpreter) gets the same values rounded in fp32."""
     if ptr.dtype.element_ty == tl.float32:
         v = _round_to_fp8_grid(v, MIN_EXP)
     tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
@@ -149,7 +135,7 @@ def _quant_rows_kernel(
     q_ptr,  # (R, C) FP8 (float32 under the interpreter), contiguous
     s_ptr,  # (R, cdiv(C, GROUP)) fp32, contiguous
     R, C, stride_x,
-    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MIN_EXP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
 ):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -158,7 +144,7 @@ def _quant_rows_kernel(
     mask = mask_r[:, None] & (offs_c < C)[None, :]
     rows = offs_r.to(tl.int64)
     v = tl.load(x_ptr + rows[:, None] * stride_x + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale, inv = _pow2_scale(tl.max(tl.abs(v), axis=1), MAX_EXP, MAX_MANT)
+    scale, inv = _group_scale(tl.max(tl.abs(v), axis=1), FP8_MAX)
     _store_fp8(q_ptr + rows[:, None] * C + offs_c[None, :], v * inv[:, None], mask, MIN_EXP)
     tl.store(s_ptr + rows * tl.num_programs(1) + tl.program_id(1), scale, mask=mask_r)
 
@@ -170,7 +156,7 @@ def _quant_blocks_kernel(
     qt_ptr,  # (E, C, R) FP8, contiguous: the transposed copy
     s_ptr,  # (E, cdiv(R, GROUP), cdiv(C, GROUP)) fp32, contiguous
     R, C, stride_we, stride_wr,
-    MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MIN_EXP: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     # one G x G block per program, walked CHUNK rows at a time twice (amax, then quantise) in loops that are not
@@ -187,7 +173,7 @@ def _quant_blocks_kernel(
         mask = (offs_r < R)[:, None] & in_c
         v = tl.load(w_blk + offs_r[:, None] * stride_wr, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    scale, inv = _pow2_scale(tl.max(amax, axis=0), MAX_EXP, MAX_MANT)
+    scale, inv = _group_scale(tl.max(amax, axis=0), FP8_MAX)
     for r0 in range(0, GROUP, CHUNK):
         offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
         mask = (offs_r < R)[:, None] & in_c
