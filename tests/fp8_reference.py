@@ -32,11 +32,11 @@ def quantize_rows(x_RC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     x = x_RC.float()
     rows, cols = x.shape
     groups = -(-cols // G)
-    q = torch.empty(rows, cols, dtype=torch.float64)
-    scale = torch.empty(rows, groups, dtype=torch.float64)
+    q = torch.empty(rows, cols, dtype=torch.float64, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float64, device=x.device)
     for g in range(groups):
         block = x[:, g * G:(g + 1) * G]
-        s, inv = group_scale(block.abs().amax(1) if block.numel() else torch.zeros(rows), fmt)
+        s, inv = group_scale(block.abs().amax(1) if block.numel() else x.new_zeros(rows), fmt)
         scale[:, g] = s.double()
         q[:, g * G:(g + 1) * G] = to_grid(block, inv[:, None], fmt)
     return q, scale
@@ -50,8 +50,8 @@ def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
     """(q, scale): G x G blocks of each expert's matrix."""
     w = w_ERC.float()
     experts, rows, cols = w.shape
-    q = torch.empty(experts, rows, cols, dtype=torch.float64)
-    scale = torch.empty(experts, -(-rows // G), -(-cols // G), dtype=torch.float64)
+    q = torch.empty(experts, rows, cols, dtype=torch.float64, device=w.device)
+    scale = torch.empty(experts, -(-rows // G), -(-cols // G), dtype=torch.float64, device=w.device)
     for i in range(scale.shape[1]):
         for j in range(scale.shape[2]):
             block = w[:, i * G:(i + 1) * G, j * G:(j + 1) * G]
@@ -89,12 +89,12 @@ def _per_expert_wgrad(a_N, b_N, counts_E):
     for n in counts_E.tolist():
         out.append(a_N[start:start + n].T @ b_N[start:start + n])
         start += n
-    return torch.stack(out)
+    return torch.stack(out)  # (E, ., .): every expert, rows or not
 
 
 def _combine(rows_N, row_of_slot_TK, weights_TK=None):
     num_tokens, top_k = row_of_slot_TK.shape
-    out = torch.zeros(num_tokens, rows_N.shape[1], dtype=torch.float64)
+    out = torch.zeros(num_tokens, rows_N.shape[1], dtype=torch.float64, device=rows_N.device)
     for k in range(top_k):
         kept = row_of_slot_TK[:, k] >= 0
         w = kept.double() if weights_TK is None else weights_TK[:, k].double() * kept
@@ -118,7 +118,7 @@ def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt):
     row_w = weights_TK.reshape(-1)[plan.slot_ids_N].double()[:, None]
     da = _per_expert(fake_quant_rows(g, fmt)[tok], w2q.transpose(1, 2), counts)
     sig = torch.sigmoid(h1)
-    d_weights = torch.zeros(weights_TK.numel(), dtype=torch.float64)
+    d_weights = torch.zeros(weights_TK.numel(), dtype=torch.float64, device=x.device)
     d_weights[plan.slot_ids_N] = (da * a).sum(1)
     da = da * row_w
     dh1 = da * h3 * sig * (1 + h1 * (1 - sig))

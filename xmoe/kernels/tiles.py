@@ -189,12 +189,13 @@ def fit_to_gpu(kernel: str, cfg: TileConfig, max_shared: int) -> Optional[TileCo
     return cfg if smem_bytes(kernel, cfg) <= max_shared else None
 
 
-def _base(kernel: str) -> TileConfig:
+def base_config(kernel: str) -> TileConfig:
+    """The heuristic's starting point: the LEGACY entry, or FP8_BASE's for the FP8 kernels."""
     return LEGACY[kernel] if kernel in LEGACY else FP8_BASE[kernel]
 
 
 def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> TileConfig:
-    cfg = _base(kernel)
+    cfg = base_config(kernel)
     if kernel not in ("wgrad", "wgrad2") and num_rows < 64 * max(num_experts, 1):
         cfg = replace(cfg, block_m=64)  # 128-row tiles would run more than half empty
     if kernel in FP8_KERNELS and max_shared <= 64 * 1024:
@@ -221,7 +222,7 @@ def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, widt
     if dtype == torch.float32:
         return FP32_CONFIG
     if OPTIONS.legacy:
-        return _base(kernel)
+        return base_config(kernel)
     key = shape_class(kernel, depth, width, num_rows, num_experts)
     memo = (key, device.index, OPTIONS.autotune)
     cfg = _PICKED.get(memo)
