@@ -15,11 +15,11 @@ FP8 (``--fp8``; moe.fp8 = "experts", xmoe/kernels/fp8_*.py): the quantisers on t
 reference of tests/fp8_reference.py (bitwise: correctly rounded scales, round-to-nearest-even conversion), then
 the FP8 fused op (and once the FP8 grouped SwiGLU) forward and backward with bf16 activations and weights
 quantised from fp32, on the cases below with row and weight-block magnitudes spread over 100x (a scale read from
-the wrong group moves results far beyond rounding): against the float64 emulation of the same FP8 arithmetic
-(||got - emu|| / ||emu|| < 2e-2: bf16 outputs and saved h1, h3, and the FP8 instructions' own accumulation
-inside each 128-deep step, against exact float64 products) and against the exact float64 layer (< 0.1: what
-FP8 costs, printed beside the bf16 path's error), bitwise deterministic; on the medium shape once more per round
-of FP8 tile candidates.
+the wrong group moves results far beyond rounding): against the float64 emulation of the same FP8 arithmetic,
+bf16 stores included (||got - emu|| / ||emu|| < 1e-2: what is left is the FP8 instructions' own accumulation
+inside each 128-deep step and fp32 against float64), against the exact float64 layer (< 0.25, a sanity bound:
+the FP8 error itself is printed beside the bf16 path's), bitwise deterministic; on the medium shape once more per
+round of FP8 tile candidates.
 
 Tiles: the checks run with autotuning off, so with the heuristic's tiles (on an H200 candidate 0 of every kernel
 in xmoe/kernels/tiles.py). On the three model shapes the fused path then runs once more per further round of
@@ -157,8 +157,8 @@ def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
                 "deterministic": deterministic, "errors": results}
 
 
-FP8_EMU_TOLERANCE = 2e-2
-FP8_TOLERANCE = 0.1
+FP8_EMU_TOLERANCE = 1e-2
+FP8_TOLERANCE = 0.25
 FP8_CASES = ("odd_shapes", "k1", "dropping", "empty_experts", "no_rows", "small_model", "medium_model", "large_model")
 
 
@@ -191,7 +191,7 @@ def check_fp8_quantizers(fmt, seed=0):
     qb_ref, sb_ref = R.quantize_blocks(w.float(), fmt)
     return {"rows_values": int((q.double() != q_ref).sum()), "rows_scales": int((s.double() != s_ref).sum()),
             "block_values": int((qb.double() != qb_ref).sum()), "block_scales": int((sb.double() != sb_ref).sum()),
-            "transposed_copy": int((qbt != qb.transpose(1, 2)).sum())}
+            "transposed_copy": int((qbt.view(torch.uint8) != qb.transpose(1, 2).view(torch.uint8)).sum())}
 
 
 def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt):
@@ -231,7 +231,8 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
     grad_out = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64)
     xb, wf = x.to(torch.bfloat16), w.float()
     ref = _run(reference, False, xb.double(), w, w1, w3, w2, plan, grad_out)  # exact, from the inputs the layer sees
-    emu = R.moe_experts_fp8(xb, wf, plan, w1.float(), w3.float(), w2.float(), grad_out.to(torch.bfloat16), fmt)
+    emu = R.moe_experts_fp8(xb, wf, plan, w1.float(), w3.float(), w2.float(), grad_out.to(torch.bfloat16), fmt,
+                            torch.bfloat16)
     bf16 = _run(reference, False, xb, wf, *(t.to(torch.bfloat16) for t in (w1, w3, w2)), plan, grad_out)
     names = ["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"]
     results, ok = {}, True

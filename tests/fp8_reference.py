@@ -102,21 +102,25 @@ def _combine(rows_N, row_of_slot_TK, weights_TK=None):
     return out
 
 
-def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt):
+def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt, act_dtype=None):
     """(out, dx, d_weights, dw1, dw3, dw2) of the fused FP8 experts, float64: the GEMMs of the forward and of the
     input gradient on fake-quantised operands (x, a, grad_out, dh1, dh3 in 1 x G groups; weights in G x G blocks),
-    the weight gradients on unquantised ones, as xmoe/kernels/fp8_experts.py defines them."""
+    the weight gradients on unquantised ones, as xmoe/kernels/fp8_experts.py defines them. act_dtype (bf16 on a
+    GPU): also round where the kernels store in the activations' dtype (h1, h3, the y and dx rows, da, the
+    weight gradients' operands and results, the outputs)."""
+    rnd = (lambda t: t.to(act_dtype).double()) if act_dtype is not None else (lambda t: t)
     tok, counts = plan.token_ids_N, plan.tokens_per_expert_E
     w1q, w3q, w2q = (fake_quant_blocks(w, fmt) for w in (w1, w3, w2))
     x = x_TH.double()
     xq = fake_quant_rows(x, fmt)[tok]
     h1, h3 = _per_expert(xq, w1q, counts), _per_expert(xq, w3q, counts)
+    y = rnd(_per_expert(fake_quant_rows(F.silu(h1) * h3, fmt), w2q, counts))
+    out = rnd(_combine(y, plan.row_of_slot_TK, weights_TK))
+    h1, h3 = rnd(h1), rnd(h3)  # what the forward keeps for the backward
     a = F.silu(h1) * h3
-    y = _per_expert(fake_quant_rows(a, fmt), w2q, counts)
-    out = _combine(y, plan.row_of_slot_TK, weights_TK)
     g = grad_TH.double()
     row_w = weights_TK.reshape(-1)[plan.slot_ids_N].double()[:, None]
-    da = _per_expert(fake_quant_rows(g, fmt)[tok], w2q.transpose(1, 2), counts)
+    da = rnd(_per_expert(fake_quant_rows(g, fmt)[tok], w2q.transpose(1, 2), counts))
     sig = torch.sigmoid(h1)
     d_weights = torch.zeros(weights_TK.numel(), dtype=torch.float64, device=x.device)
     d_weights[plan.slot_ids_N] = (da * a).sum(1)
@@ -125,7 +129,8 @@ def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt):
     dh3 = da * h1 * sig
     dx_rows = (_per_expert(fake_quant_rows(dh1, fmt), w1q.transpose(1, 2), counts)
                + _per_expert(fake_quant_rows(dh3, fmt), w3q.transpose(1, 2), counts))
-    dx = _combine(dx_rows, plan.row_of_slot_TK)
-    dw2 = _per_expert_wgrad(a * row_w, g[tok], counts)
-    dw1, dw3 = _per_expert_wgrad(x[tok], dh1, counts), _per_expert_wgrad(x[tok], dh3, counts)
+    dx = rnd(_combine(rnd(dx_rows), plan.row_of_slot_TK))
+    dw2 = rnd(_per_expert_wgrad(rnd(a * row_w), g[tok], counts))
+    dh1, dh3 = rnd(dh1), rnd(dh3)
+    dw1, dw3 = rnd(_per_expert_wgrad(x[tok], dh1, counts)), rnd(_per_expert_wgrad(x[tok], dh3, counts))
     return out, dx, d_weights.view_as(weights_TK), dw1, dw3, dw2

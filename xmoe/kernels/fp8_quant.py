@@ -159,29 +159,34 @@ def _quant_blocks_kernel(
     FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    # one G x G block per program, walked CHUNK rows at a time twice (amax, then quantise) in loops that are not
-    # unrolled: the whole fp32 block in registers spilled on sm_90 (255 registers and a 40-byte stack at 8 warps),
-    # and so did the chunks unrolled (a 616-byte stack)
+    # one G x G block per program, walked CHUNK rows at a time, in loops that are not unrolled: the whole fp32 block
+    # in registers spilled on sm_90 (255 registers and a 40-byte stack at 8 warps), and so did the chunks unrolled
+    # (a 616-byte stack). Pass 1: amax; pass 2: quantise into q; pass 3: the transposed copy, from the block loaded
+    # in transposed order (the same products, so the same values), which the compiler lays out for coalesced
+    # stores. Transposing in registers (tl.trans of the values and of the mask) gave a wrong copy on an H200 with
+    # Triton 3.6 (37% of the elements), though right in the interpreter and in compiles with Triton 3.9.
     pid_c, pid_r, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_c = pid_c * GROUP + tl.arange(0, GROUP)
-    in_c = (offs_c < C)[None, :]
+    in_c = offs_c < C
     e64 = e.to(tl.int64)
-    w_blk = w_ptr + e64 * stride_we + offs_c[None, :]
+    w_e = w_ptr + e64 * stride_we
     amax = tl.zeros((CHUNK,), dtype=tl.float32)
     for r0 in range(0, GROUP, CHUNK):
         offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
-        mask = (offs_r < R)[:, None] & in_c
-        v = tl.load(w_blk + offs_r[:, None] * stride_wr, mask=mask, other=0.0).to(tl.float32)
+        mask = (offs_r < R)[:, None] & in_c[None, :]
+        v = tl.load(w_e + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
     scale, inv = _group_scale(tl.max(amax, axis=0), FP8_MAX)
     for r0 in range(0, GROUP, CHUNK):
         offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
-        mask = (offs_r < R)[:, None] & in_c
-        v = tl.load(w_blk + offs_r[:, None] * stride_wr, mask=mask, other=0.0).to(tl.float32) * inv
-        _store_fp8(q_ptr + e64 * R * C + offs_r[:, None] * C + offs_c[None, :], v, mask, MIN_EXP)
-        # transposed in registers, so that the copy's stores run along its rows too
-        _store_fp8(qt_ptr + e64 * R * C + offs_c[:, None] * R + offs_r[None, :], tl.trans(v), tl.trans(mask),
-                   MIN_EXP)
+        mask = (offs_r < R)[:, None] & in_c[None, :]
+        v = tl.load(w_e + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        _store_fp8(q_ptr + e64 * R * C + offs_r[:, None] * C + offs_c[None, :], v * inv, mask, MIN_EXP)
+    for r0 in range(0, GROUP, CHUNK):
+        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
+        mask_t = in_c[:, None] & (offs_r < R)[None, :]
+        vt = tl.load(w_e + offs_c[:, None] + offs_r[None, :] * stride_wr, mask=mask_t, other=0.0).to(tl.float32)
+        _store_fp8(qt_ptr + e64 * R * C + offs_c[:, None] * R + offs_r[None, :], vt * inv, mask_t, MIN_EXP)
     tl.store(s_ptr + (e64 * tl.num_programs(1) + pid_r) * tl.num_programs(0) + pid_c, scale)
 
 

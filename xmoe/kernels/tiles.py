@@ -75,18 +75,19 @@ LEGACY: dict[str, TileConfig] = {
 }
 
 # The FP8 kernels' base configs (they have no earlier table). BLOCK_K divides the 128-wide scale groups. Each
-# output tile holds its fp32 accumulator and the fresh one of the current step's product (fp8_gemm.py), so 128 x 128
-# tiles take 8 warps (128 registers of accumulators per thread) and the up kernel, with two of each, 64 rows (or
-# 16 warps). Compiled for sm_90 (Triton 3.9, ahead of time) none of these spills; 16 warps with 256-column or
-# 64-deep tiles did (at most 128 registers per thread there: 48-184 bytes of stack).
+# output tile holds its fp32 accumulator and the fresh one of the current step's product (fp8_gemm.py): 128 x 128
+# tiles need 8 warps or more, 16 for the up kernel's two of each. Compiled for sm_90 (Triton 3.9, ahead of time)
+# none of these spills; 256-column tiles at 16 warps did (at most 128 registers per thread there: 160-192 bytes of
+# stack). H200, up kernel, T = 16384 (sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps 4.52 ms (medium) and
+# 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps.
 FP8_BASE: dict[str, TileConfig] = {
-    "fp8_up": TileConfig(64, 128, 128, 8, 4),
+    "fp8_up": TileConfig(128, 128, 128, 16, 3),
     "fp8_mm": TileConfig(128, 128, 128, 8, 4),
     "fp8_dx": TileConfig(128, 128, 128, 8, 4),
     "fp8_down_bwd": TileConfig(128, 128, 128, 8, 4),
 }
-_FP8_MM_CANDIDATES = [TileConfig(128, 128, 128, 8, 4), TileConfig(64, 256, 128, 8, 3), TileConfig(128, 128, 64, 8, 6),
-                      TileConfig(64, 128, 128, 4, 4)]
+_FP8_MM_CANDIDATES = [TileConfig(128, 128, 128, 8, 4), TileConfig(128, 128, 128, 16, 3), TileConfig(128, 128, 128, 16, 4),
+                      TileConfig(64, 256, 128, 8, 3), TileConfig(64, 128, 128, 4, 4)]
 
 # What autotuning tries, per kernel (the LEGACY or FP8_BASE entry first). wgrad groups: several experts per program for
 # experts with few rows (E = 256, ~512 rows each on the large shape), where every output tile otherwise refills
@@ -101,7 +102,7 @@ CANDIDATES: dict[str, list[TileConfig]] = {
               TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
     "wgrad2": [LEGACY["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
                TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
-    "fp8_up": [FP8_BASE["fp8_up"], TileConfig(128, 128, 128, 16, 3), TileConfig(64, 128, 64, 8, 6)],
+    "fp8_up": [FP8_BASE["fp8_up"], TileConfig(128, 128, 128, 16, 4), TileConfig(64, 128, 128, 8, 4)],
     "fp8_mm": _FP8_MM_CANDIDATES,
     "fp8_dx": _FP8_MM_CANDIDATES,
     "fp8_down_bwd": _FP8_MM_CANDIDATES,
