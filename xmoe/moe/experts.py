@@ -142,7 +142,8 @@ def _accumulate_fp32(param: torch.Tensor, cast: torch.Tensor) -> None:
 @contextlib.contextmanager
 def reuse_weight_casts(model: nn.Module, dtype: Optional[torch.dtype], detach: bool = False) -> Iterator[None]:
     """Within: each RoutedExperts of ``model`` computes with ``dtype`` copies of its weights made once, at entry,
-    not once per forward (``dtype`` None, or gradients off at entry: nothing is cast ahead).
+    not once per forward (``dtype`` None, or gradients off at entry: nothing is cast ahead); FP8 experts with their
+    FP8 copies instead (RoutedExperts.make_casts, the hook this calls for each expert module).
 
     For one optimizer step's micro-batches, whose weights do not change: with fp32 parameters and bf16 compute
     each cast reads 4 and writes 2 bytes per expert weight (measured: docs/architecture.md, "Measured reasons").
