@@ -18,6 +18,7 @@ from typing import ClassVar, Literal, Optional
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
+Fp8Mode = Literal["off", "experts"]
 DispatcherName = Literal["pft", "padded", "rbd"]
 AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
@@ -120,6 +121,9 @@ class MoEConfig:
     init_std: float = 0.02
     shared_ffn_hidden_size: int = 0  # shared experts' total width (0: num_shared_experts * ffn_hidden_size)
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w_gate) (Qwen2-MoE)
+    # "experts": the routed experts' GEMMs in FP8 (fine-grained scales, fp32 accumulation; weight gradients bf16)
+    # on GPUs with FP8 matrix instructions (NVIDIA sm_89+, AMD gfx942 / gfx950); docs/kernels.md, "FP8 experts"
+    fp8: Fp8Mode = "off"
     section: ClassVar[str] = "moe"
 
     def __post_init__(self) -> None:
@@ -140,6 +144,14 @@ class MoEConfig:
             raise ValueError(f"kernel_backend ({self.kernel_backend!r}) must be 'auto', 'torch' or 'triton'")
         if self.dispatcher not in ("pft", "padded", "rbd"):
             raise ValueError(f"dispatcher ({self.dispatcher!r}) must be 'pft', 'padded' or 'rbd'")
+        if self.fp8 not in ("off", "experts"):
+            raise ValueError(f"fp8 ({self.fp8!r}) must be 'off' or 'experts'")
+        if self.fp8 == "experts" and self.kernel_backend == "torch":
+            raise ValueError("fp8='experts' runs xmoe's Triton FP8 kernels, which kernel_backend='torch' does not "
+                             "use: set kernel_backend to 'auto' or 'triton', or fp8='off'")
+        if self.fp8 == "experts" and self.dispatcher == "padded":
+            raise ValueError("fp8='experts' has no FP8 path for the padded baseline's capacity buffers: use "
+                             "dispatcher 'pft' or 'rbd', or fp8='off'")
         _positive("num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
             raise ValueError(

@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)")
     p.add_argument("--dispatcher", choices=["pft", "padded", "rbd"], help="token dispatcher (default pft)")
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
+    p.add_argument("--fp8", choices=["off", "experts"],
+                   help="FP8 GEMMs for the routed experts (moe.fp8; default off; GPUs with FP8 matrix instructions)")
     p.add_argument("--batch-size", type=int, help=f"global batch in sequences (default {_TINY.global_batch_size}; "
                    f"paper presets {_PAPER.global_batch_size})")
     p.add_argument("--micro-batch-size", type=int, help="sequences per forward per rank (default: the whole "
@@ -206,7 +208,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     sections["train"].update({k: v for k, v in flags.items() if v is not None})
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
-    for field, value in (("dispatcher", args.dispatcher), ("kernel_backend", args.kernel_backend)):
+    for field, value in (("dispatcher", args.dispatcher), ("kernel_backend", args.kernel_backend),
+                         ("fp8", getattr(args, "fp8", None))):
         if value is not None:
             sections["moe"][field] = value
 
