@@ -18,9 +18,16 @@ Methods, all including their routing bookkeeping (plan / sort) inside the timed 
   triton_fused_triton_wgrad  triton_fused with its weight gradients always by the Triton kernels
                     (use_options(wgrad="triton"); triton_fused takes the Hopper torch._grouped_mm path where
                     xmoe.kernels.grouped_wgrad.wgrad_engine picks it)
+  triton_fp8        build_plan + fp8_experts.moe_experts_fp8 (moe.fp8 = "experts": FP8 GEMMs with 1x128 / 128x128
+                    scales, bf16 weight gradients); the weights' FP8 copies are made once per optimizer step in
+                    training, so outside the timed region (their time is the row's weight_quant_ms)
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
   grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the common torch MoE path)
+  scaled_grouped_mm_pipe  the same pipeline in FP8 through torch._scaled_grouped_mm (e4m3, rowwise scales:
+                    one per row of the activations and per output column of each expert's weight; forward and
+                    input-gradient GEMMs), weight gradients by torch._grouped_mm in bf16 as in triton_fp8; weight
+                    copies made outside the timed region likewise
   gshard_padded     xmoe/dispatch/padded.py at capacity factor 1.25 + bmm experts (drops tokens; a baseline)
   dense_equiv       one dense SwiGLU over T*K rows, same FLOPs, no routing: the ceiling
   bmm_ceiling       every expert's SwiGLU over exactly T*K/E rows by torch.bmm (cuBLAS batched GEMMs), no
@@ -53,8 +60,8 @@ import torch.nn.functional as F
 from benchmarks.harness import RESULTS_ENV, environment, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
-METHODS = ["triton_fused", "triton_fused_legacy", "triton_fused_triton_wgrad", "triton_ops", "torch_backend",
-           "grouped_mm_pipe", "gshard_padded", "dense_equiv", "bmm_ceiling"]
+METHODS = ["triton_fused", "triton_fp8", "triton_fused_legacy", "triton_fused_triton_wgrad", "triton_ops",
+           "torch_backend", "grouped_mm_pipe", "scaled_grouped_mm_pipe", "gshard_padded", "dense_equiv", "bmm_ceiling"]
 
 
 def make_inputs(H, Fd, E, K, T, routing, seed=0):
@@ -110,6 +117,20 @@ def forward_fn(method, inp, E):
             p = build_plan(ids, inp["scores"], E)
             return triton_ops.moe_experts(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK,
                                           p.tokens_per_expert_E, w1, w3, w2)
+    elif method == "triton_fp8":
+        from xmoe.kernels.fp8_experts import moe_experts_fp8
+
+        fmt, qw = _fp8_weights(inp)
+
+        def fwd():
+            p = build_plan(ids, inp["scores"], E)
+            return moe_experts_fp8(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1,
+                                   w3, w2, qw, fmt)
+    elif method == "scaled_grouped_mm_pipe":
+        qw = _rowwise_weights(w1, w3, w2)
+
+        def fwd():
+            return ScaledGroupedMMPipe.apply(x, w, w1, w3, w2, ids, qw)
     elif method in ("triton_ops", "torch_backend"):
         ops = triton_ops if method == "triton_ops" else reference
 
@@ -160,6 +181,81 @@ def forward_fn(method, inp, E):
     return fwd, leaves
 
 
+def _fp8_weights(inp):
+    """(format, the FP8 copies of inp's expert weights): what reuse_weight_casts makes once per optimizer step."""
+    from xmoe.kernels.fp8_quant import fp8_format, quantize_expert_weights
+
+    fmt = fp8_format(inp["x"].device).name
+    return fmt, quantize_expert_weights(inp["w1"].detach(), inp["w3"].detach(), inp["w2"].detach(), fmt)
+
+
+def _rowwise(t_RC):
+    """(e4m3 values, fp32 scale per row): one scale per row, amax / 448."""
+    scale = t_RC.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    return (t_RC.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def _rowwise_weight(w_EKN):
+    """w (E, K, N) as _scaled_grouped_mm's right operand: e4m3 in (E, N, K) memory (K contiguous), viewed (E, K, N),
+    and the fp32 scale of each output column (E, N)."""
+    q, scale = _rowwise(w_EKN.transpose(1, 2))
+    return q.contiguous().transpose(1, 2), scale
+
+
+def _rowwise_weights(w1, w3, w2):
+    """{name: (values, scales)} for the forward (reduction over H, then F) and the input gradients."""
+    with torch.no_grad():
+        return {"w1": _rowwise_weight(w1), "w3": _rowwise_weight(w3), "w2": _rowwise_weight(w2),
+                "w1t": _rowwise_weight(w1.transpose(1, 2)), "w3t": _rowwise_weight(w3.transpose(1, 2)),
+                "w2t": _rowwise_weight(w2.transpose(1, 2))}
+
+
+def _sgmm(a_NK, weight, offs):
+    aq, sa = _rowwise(a_NK)
+    bq, sb = weight
+    return torch._scaled_grouped_mm(aq, bq, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+
+
+class ScaledGroupedMMPipe(torch.autograd.Function):
+    """grouped_mm_pipe with its forward and input-gradient GEMMs in FP8 (torch._scaled_grouped_mm, rowwise)."""
+
+    @staticmethod
+    def forward(ctx, x, w, w1, w3, w2, ids, qw):
+        T, K = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=w1.shape[0]), 0).to(torch.int32)
+        tok = order // K
+        x_NH = x[tok]
+        h1, h3 = _sgmm(x_NH, qw["w1"], offs), _sgmm(x_NH, qw["w3"], offs)
+        a = F.silu(h1) * h3
+        y = _sgmm(a, qw["w2"], offs)
+        w_N = w.reshape(-1)[order, None]
+        ctx.save_for_backward(x_NH, h1, h3, y, w_N, order, offs, tok)
+        ctx.qw, ctx.num_tokens = qw, T
+        return torch.zeros_like(x).index_add(0, tok, y * w_N.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g):
+        x_NH, h1, h3, y, w_N, order, offs, tok = ctx.saved_tensors
+        qw = ctx.qw
+        g_rows = g[tok]
+        grad_w = torch.zeros(order.numel(), dtype=w_N.dtype, device=g.device)
+        grad_w[order] = (g_rows.float() * y.float()).sum(-1)
+        g_NH = g_rows * w_N.to(g.dtype)
+        da = _sgmm(g_NH, qw["w2t"], offs).float()
+        sig = torch.sigmoid(h1.float())
+        a = (h1.float() * sig * h3.float()).to(g.dtype)
+        dh1 = (da * h3.float() * sig * (1 + h1.float() * (1 - sig))).to(g.dtype)
+        dh3 = (da * h1.float() * sig).to(g.dtype)
+        dx_NH = _sgmm(dh1, qw["w1t"], offs) + _sgmm(dh3, qw["w3t"], offs)
+        dx = torch.zeros(ctx.num_tokens, x_NH.shape[1], dtype=g.dtype, device=g.device).index_add(0, tok, dx_NH)
+        gm = torch._grouped_mm
+        dw2 = gm(a.t(), g_NH, offs=offs)
+        dw1, dw3 = gm(x_NH.t(), dh1, offs=offs), gm(x_NH.t(), dh3, offs=offs)
+        return dx, grad_w.view(ctx.num_tokens, -1), dw1, dw3, dw2, None, None
+
+
 def memory_split(fwd, leaves, grad):
     """(held, backward transient) bytes of one forward+backward; see the module docstring."""
     torch.cuda.synchronize()
@@ -202,6 +298,8 @@ def measure(method, inp, E, flops_fwd):
         row["held_gib"], row["bwd_transient_gib"] = held / 2**30, transient / 2**30
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] * 1e-9
         row["tflops"] = 3 * flops_fwd / row["fwd_bwd_ms"] * 1e-9
+        if method == "triton_fp8":
+            row["weight_quant_ms"] = time_ms(lambda: _fp8_weights(inp))
     except torch.OutOfMemoryError as exc:
         row["error"] = "OOM: " + str(exc).split("\n")[0][:120]
     except Exception as exc:  # record and go on: one failing peer must not lose the run
@@ -311,24 +409,60 @@ def _per_gemm_cell(name, T, routing):
     return rows
 
 
-def sweep(configs=("small", "medium", "large"), T=16384):
-    """Time every tile candidate of every kernel (tiles.CANDIDATES) in its fused-path use, per config."""
+def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
+    """{kernel: (products, call)} for each FP8 kernel in its fused-path use (full width), plus the (T, H)
+    quantisation of x (no products), on fresh inputs of one config."""
+    from xmoe.dispatch.routing import build_plan
+    from xmoe.kernels.fp8_gemm import _fp8_mm, fp8_grouped_mm, fp8_swiglu_up_fwd
+    from xmoe.kernels.fp8_quant import quantize_rows
+
+    inp = make_inputs(H, Fd, E, K, T, routing)
+    p = build_plan(inp["ids"], inp["scores"], E)
+    counts, tok, bf = p.tokens_per_expert_E, p.token_ids_N, torch.bfloat16
+    fmt, qw = _fp8_weights(inp)
+    x, g = inp["x"].detach(), inp["grad"]
+    xq, sx = quantize_rows(x, fmt)
+    gq, sg = quantize_rows(g, fmt)
+    up = (xq, sx, tok, qw.w1_EFH, qw.w3_EFH, qw.scale1.transpose(1, 2), qw.scale3.transpose(1, 2), counts, True,
+          fmt, bf)
+    h1, _, aq, sa = fp8_swiglu_up_fwd(*up)
+    dq, ds = quantize_rows(h1, fmt)  # stands in for dh1, dh3 (same shape and scales' layout)
+    return {
+        "fp8_up": (2, lambda: fp8_swiglu_up_fwd(*up)),
+        "fp8_mm": (1, lambda: fp8_grouped_mm(aq, sa, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None,
+                                             counts, bf)),
+        "fp8_dx": (2, lambda: fp8_grouped_mm(dq, ds, qw.w1_EHF, qw.scale1, dq, ds, qw.w3_EHF, qw.scale3, counts, bf)),
+        "fp8_down_bwd": (1, lambda: _fp8_mm(gq, sg, qw.w2_EFH, qw.scale2, None, None, None, None, counts, tok, bf,
+                                            "fp8_down_bwd")),
+        "quantize_x": (0, lambda: quantize_rows(x, fmt)),
+    }
+
+
+def sweep(configs=("small", "medium", "large"), T=16384, fp8=False):
+    """Time every tile candidate of every kernel (tiles.CANDIDATES) in its fused-path use, per config: the bf16
+    kernels, or with fp8 the FP8 ones (with TFLOP/s, 2*T*K*H*F per product)."""
     from xmoe.kernels import tiles
 
     rows = []
     for name in configs:
-        calls = _kernel_calls(*CONFIGS[name], T)
-        for kernel, candidates in tiles.CANDIDATES.items():
-            for cand in candidates:
-                row = {"config": name, "kernel": kernel, "tile": str(tuple(vars(cand).values()))}
+        H, Fd, E, K = CONFIGS[name]
+        if fp8:
+            calls = _fp8_kernel_calls(H, Fd, E, K, T)
+        else:
+            calls = {k: (0, fn) for k, fn in _kernel_calls(H, Fd, E, K, T).items()}
+        for kernel, (products, call) in calls.items():
+            for cand in tiles.CANDIDATES.get(kernel, [None]):
+                row = {"config": name, "kernel": kernel, "tile": str(tuple(vars(cand).values())) if cand else ""}
                 try:
-                    with tiles.force({kernel: cand}):
-                        row["ms"] = time_ms(calls[kernel], warmup_ms=10, rep_ms=40)
+                    with tiles.force({kernel: cand} if cand else {}):
+                        row["ms"] = time_ms(call, warmup_ms=10, rep_ms=40)
+                    if products:
+                        row["tflops"] = products * 2.0 * T * K * H * Fd / row["ms"] * 1e-9
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
                 rows.append(row)
-                print(f"sweep {name} {kernel:9s} {row['tile']}: {row.get('ms', float('nan')):.3f} ms "
-                      + row.get("error", ""), flush=True)
+                print(f"sweep {name} {kernel:12s} {row['tile']}: {row.get('ms', float('nan')):.3f} ms "
+                      f"{row.get('tflops', float('nan')):.0f} TFLOP/s " + row.get("error", ""), flush=True)
         del calls
         gc.collect()
         torch.cuda.empty_cache()
@@ -355,9 +489,9 @@ def _stream_gaps(prof):
     return gaps
 
 
-def profile(configs=("small", "medium"), T=16384, iters=3):
-    """Where the fused path's forward+backward time goes: GPU time per kernel (torch.profiler) against the
-    wall time of one call; the difference is launch gaps and host time."""
+def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"):
+    """Where the fused path's (or ``method``'s) forward+backward time goes: GPU time per kernel (torch.profiler)
+    against the wall time of one call; the difference is launch gaps and host time."""
     import time
 
     from torch.profiler import ProfilerActivity
@@ -367,7 +501,7 @@ def profile(configs=("small", "medium"), T=16384, iters=3):
     for name in configs:
         H, Fd, E, K = CONFIGS[name]
         inp = make_inputs(H, Fd, E, K, T, "uniform")
-        fwd, leaves = forward_fn("triton_fused", inp, E)
+        fwd, leaves = forward_fn(method, inp, E)
 
         def fwd_bwd():
             return torch.autograd.grad(fwd(), leaves, inp["grad"])
@@ -396,7 +530,7 @@ def profile(configs=("small", "medium"), T=16384, iters=3):
         print(f"profile {name} T={T}: wall {wall_ms:.2f} ms per fwd+bwd, GPU kernels {gpu_ms:.2f} ms")
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total):
             ms = e.self_device_time_total / 1e3 / iters
-            rows.append({"config": name, "kernel": e.key[:90], "calls": e.count // iters, "ms": ms})
+            rows.append({"config": name, "method": method, "kernel": e.key[:90], "calls": e.count // iters, "ms": ms})
             print(f"  {ms:8.3f} ms  x{e.count // iters:<3d} {e.key[:100]}")
         idle_ms = sum(g for g, _ in gaps) / iters
         print(f"  GPU idle between kernels: {idle_ms:.3f} ms per call; largest gaps (ms, after -> before):")
@@ -419,6 +553,8 @@ def main() -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--sweep", action="store_true", help="time every tile candidate per kernel first")
     parser.add_argument("--profile", action="store_true", help="then profile the fused path's kernels")
+    parser.add_argument("--profile-method", default="triton_fused", help="the method --profile profiles")
+    parser.add_argument("--sweep-fp8", action="store_true", help="time every tile candidate of the FP8 kernels first")
     parser.add_argument("--per-gemm", action="store_true",
                         help="time each GEMM of the fused path alone beside torch._grouped_mm (T=16384) first")
     parser.add_argument("--check", action="store_true",
@@ -443,13 +579,19 @@ def main() -> int:
     if args.check:
         from benchmarks import check_gpu
 
-        if check_gpu.main() != 0:
+        if check_gpu.main(["--fp8"] if "triton_fp8" in args.methods.split(",") else []) != 0:
             print("bench_experts: stopped, the GPU check failed")
             return 1
         meta["checked"] = "check_gpu.py passed (every tile candidate on the three model shapes)"
     if args.sweep:
         write_results("sweep_tiles", sweep(), ["config", "kernel", "tile", "ms", "error"], meta,
                       "Tile candidates of the Triton grouped-GEMM kernels, each in its fused-path use (T=16384)")
+    if args.sweep_fp8:
+        write_results("sweep_tiles_fp8", sweep(args.configs.split(","), fp8=True),
+                      ["config", "kernel", "tile", "ms", "tflops", "error"], meta,
+                      "Tile candidates of the FP8 kernels, each in its fused-path use (T=16384)",
+                      notes="tflops: 2*T*K*H*F per product (two for fp8_up and fp8_dx); quantize_x: the (T, H) "
+                            "quantisation of x, for scale.")
     if args.per_gemm:
         columns = ["config", "T", "routing", "gemm", "xmoe_ms", "xmoe_tflops", "grouped_mm_ms", "grouped_mm_tflops"]
         write_results("per_gemm", per_gemm(args.configs.split(","), routings=args.routing.split(",")), columns, meta,
@@ -458,12 +600,14 @@ def main() -> int:
                             "column excludes making the gathered rows (its own row); bmm: equal groups, no "
                             "routing.")
     if args.profile:
-        write_results("profile_experts", profile(args.configs.split(",")), ["config", "kernel", "calls", "ms"],
-                      meta, "GPU time per kernel of the fused path's forward+backward (T=16384, uniform)")
+        stem = "profile_experts" if args.profile_method == "triton_fused" else f"profile_experts_{args.profile_method}"
+        write_results(stem, profile(args.configs.split(","), method=args.profile_method),
+                      ["config", "method", "kernel", "calls", "ms"], meta,
+                      f"GPU time per kernel of {args.profile_method}'s forward+backward (T=16384, uniform)")
     rows = []
     columns = ["config", "T", "routing", "method", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "tflops", "peak_gib",
-               "held_gib", "bwd_transient_gib", "vs_grouped_mm", "vs_dense", "vs_bmm", "transient_vs_grouped_mm",
-               "error"]
+               "held_gib", "bwd_transient_gib", "vs_grouped_mm", "vs_triton_fused", "vs_scaled_grouped_mm",
+               "vs_dense", "vs_bmm", "transient_vs_grouped_mm", "weight_quant_ms", "error"]
     for cfg in args.configs.split(","):
         H, Fd, E, K = CONFIGS[cfg]
         for T in map(int, args.tokens.split(",")):
@@ -482,7 +626,8 @@ def main() -> int:
                     print(f"[{time.perf_counter() - start:.0f} s] " + " ".join(
                         f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
-                ref = {r["method"]: r for r in cell}.get("grouped_mm_pipe", {})
+                by_method = {r["method"]: r for r in cell}
+                ref = by_method.get("grouped_mm_pipe", {})
                 dense = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
                               and r["method"] == "dense_equiv"), None)
                 bmm = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
@@ -492,6 +637,10 @@ def main() -> int:
                         r["vs_bmm"] = bmm / r["fwd_bwd_ms"]
                     if r.get("fwd_bwd_ms") and ref.get("fwd_bwd_ms"):
                         r["vs_grouped_mm"] = ref["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+                    for peer in ("triton_fused", "scaled_grouped_mm"):
+                        peer_ms = by_method.get(peer if peer == "triton_fused" else f"{peer}_pipe", {}).get("fwd_bwd_ms")
+                        if r.get("fwd_bwd_ms") and peer_ms:
+                            r[f"vs_{peer}"] = peer_ms / r["fwd_bwd_ms"]
                     if r.get("fwd_bwd_ms") and dense:
                         r["vs_dense"] = dense / r["fwd_bwd_ms"]
                     if r.get("bwd_transient_gib") is not None and ref.get("bwd_transient_gib"):
@@ -500,7 +649,7 @@ def main() -> int:
                 del inp
                 gc.collect()
                 torch.cuda.empty_cache()
-                write_results("bench_experts", rows, columns, meta, "Routed SwiGLU experts, bf16",
+                write_results("bench_experts", rows, columns, meta, "Routed SwiGLU experts (bf16; triton_fp8 and scaled_grouped_mm_pipe: FP8)",
                               notes="fwd_bwd_ms: median forward+backward; tflops = 3*2*T*K*H*3F / fwd_bwd time; "
                                     "vs_*: speed relative to that method (>1 = faster); held_gib, "
                                     "bwd_transient_gib: see the script's docstring; transient_vs_grouped_mm: "
@@ -508,9 +657,10 @@ def main() -> int:
     print()
     from benchmarks.harness import markdown_table
 
-    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "triton_fused_legacy",
+    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "triton_fp8", "triton_fused_legacy",
                                                              "triton_fused_triton_wgrad", "grouped_mm_pipe",
-                                                             "dense_equiv", "bmm_ceiling")], columns))
+                                                             "scaled_grouped_mm_pipe", "dense_equiv", "bmm_ceiling")],
+                         columns))
     if tiles.OPTIONS.autotune:
         print("tuned tiles:", os.environ.get("XMOE_CACHE_DIR") or "~/.cache/xmoe")
     return 0

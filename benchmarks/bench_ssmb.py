@@ -68,6 +68,8 @@ def model_config(args):
 
 
 def build(cfg, dims, device, dtype, ssmb: bool, recompute: bool):
+    """TP then SSMB by hand, not through xmoe.parallel.build: the recompute baseline wraps each MoE block between
+    the two (so that SSMB's scatter runs before the checkpoint), a layout the trainer does not build."""
     from xmoe.model.transformer import Transformer
     from xmoe.parallel.ssmb import apply_ssmb
     from xmoe.parallel.tensor import apply_tensor_parallel

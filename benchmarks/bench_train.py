@@ -37,11 +37,13 @@ CASES = {
     "moe4_b8_eager": _case(4, 8, 4, "--compile", "off"),
     "moe4_b8_compiled": _case(4, 8, 4, "--compile", "on"),
     "moe4_b8_compiled_mb8": _case(4, 8, 8, "--compile", "on"),
+    "moe4_b8_compiled_mb8_fp8": _case(4, 8, 8, "--compile", "on", "--fp8", "experts"),
     # 8 layers, global batch 32 and 64
     "moe8_b32_compiled": _case(8, 32, 4, "--compile", "on"),
     "moe8_b64_eager": _case(8, 64, 8, "--compile", "off"),
     "moe8_b64_compiled": _case(8, 64, 8, "--compile", "on"),
     "moe8_b64_compiled_mb16": _case(8, 64, 16, "--compile", "on"),
+    "moe8_b64_compiled_mb16_fp8": _case(8, 64, 16, "--compile", "on", "--fp8", "experts"),
     "moe8_b64_compiled_mb32": _case(8, 64, 32, "--compile", "on"),
     "moe8_b64_compiled_torch": _case(8, 64, 8, "--compile", "on", "--kernel-backend", "torch"),
     "moe8_b64_compiled_moe_recompute": _case(8, 64, 8, "--compile", "on", "--recompute", "moe"),

@@ -8,8 +8,8 @@ variants, xmoe vs the padded baseline) and SSMB under TP=2 x EP.
 # W world size, mb micro-batch (sequences per rank per step), SEQxLAYERS a variant of the base preset
 
 Skips (exit 0, with the reason) without CUDA GPUs or with fewer than 2 ranks. The model is built from the trainer's
-own pieces, in the trainer's order (Transformer + init_weights from one seed on every rank, then TP / SSMB, then
-apply_expert_parallel = EP + FSDP2), fp32 master weights under bf16 autocast, fused AdamW, gradient clipping: one
+own construction pipeline (xmoe.parallel.build: meta build, TP / SSMB, then EP + FSDP2, each rank's shards
+initialised from one seed), fp32 master weights, bf16 FSDP2 mixed precision under autocast, fused AdamW, clipping: one
 step here is one optimizer step of `xmoe train` with one micro-batch, on uniform random tokens (routing from the
 random init is near uniform, as in the paper's throughput runs).
 Methods (every rank runs the same steps, so all collectives match):
@@ -83,30 +83,20 @@ def layout(method: str, world: int) -> tuple[int, int, int]:
 
 
 def build(cfg, method: str, device: torch.device, world: int):
-    """Trainer._parallelize's order, with SSMB optional: TP (+ SSMB) -> EP + FSDP2.
+    """The trainer's construction (xmoe.parallel.build: meta build, TP (+ SSMB) -> EP + FSDP2 in bf16 mixed precision,
+    local shards initialised from one seed), FSDP2 also at EP = TP = 1 where the trainer would use DDP: the padded
+    baseline's full expert set (15.5B parameters for small) cannot be replicated on every GPU with its AdamW state.
     Returns (model, optimizer, (dp, ep, tp), ParallelDims)."""
     from xmoe.config import ParallelConfig
-    from xmoe.model.transformer import Transformer
+    from xmoe.parallel.build import build_model
     from xmoe.parallel.dims import ParallelDims
-    from xmoe.parallel.expert_parallel import apply_expert_parallel
-    from xmoe.parallel.ssmb import apply_ssmb
-    from xmoe.parallel.tensor import apply_tensor_parallel
     from xmoe.train.trainer import _param_groups
 
     dp, ep, tp = layout(method, world)
     par = ParallelConfig(dp=dp, ep=ep, tp=tp)
     dims = ParallelDims.from_config(par, world, rank=dist.get_rank()).build_mesh(device.type)
-    torch.manual_seed(0)
-    with torch.device(device):  # not on the host first: small's 16B fp32 parameters are 66 GB per rank
-        model = Transformer(cfg)
-    model.init_weights(seed=0)  # identical on every rank, as in the trainer
-    if tp > 1:
-        apply_tensor_parallel(model, dims)
-        if METHODS[method][4]:
-            apply_ssmb(model, dims)
-    # always FSDP2 (also at EP = TP = 1, where the trainer would use DDP): the padded baseline's full expert
-    # set (15.5B parameters for small) cannot be replicated on every GPU with its AdamW state
-    model = apply_expert_parallel(model, dims)
+    model = build_model(cfg, device, dims, seed=0, ssmb=METHODS[method][4], fsdp=True,
+                        param_dtype=torch.bfloat16 if device.type == "cuda" else None).model
     opt = torch.optim.AdamW(_param_groups(model, 0.1), lr=1e-4, fused=device.type == "cuda")
     return model, opt, (dp, ep, tp), dims
 

@@ -11,6 +11,16 @@ and every gradient are compared with the torch backend run in float64
 output element a kernel forgets to write shows up as NaN and fails. The fused path runs twice and must be
 bitwise identical with each engine (no atomics). The torch backend's own bf16 error is printed beside ours for scale.
 
+FP8 (``--fp8``; moe.fp8 = "experts", xmoe/kernels/fp8_*.py): the quantisers on the GPU against the float64
+reference of tests/fp8_reference.py (bitwise: correctly rounded scales, round-to-nearest-even conversion), then
+the FP8 fused op (and once the FP8 grouped SwiGLU) forward and backward with bf16 activations and weights
+quantised from fp32, on the cases below with row and weight-block magnitudes spread over 100x (a scale read from
+the wrong group moves results far beyond rounding): against the float64 emulation of the same FP8 arithmetic,
+bf16 stores included (||got - emu|| / ||emu|| < 1e-2: what is left is the FP8 instructions' own accumulation
+inside each 128-deep step and fp32 against float64), against the exact float64 layer (< 0.25, a sanity bound:
+the FP8 error itself is printed beside the bf16 path's), bitwise deterministic; on the medium shape once more per
+round of FP8 tile candidates.
+
 Tiles: the checks run with autotuning off, so with the heuristic's tiles (on an H200 candidate 0 of every kernel
 in xmoe/kernels/tiles.py). On the three model shapes the fused path then runs once more per further round of
 candidates (round r forces candidate r of every kernel), so that every candidate autotuning may pick, the
@@ -22,6 +32,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -146,7 +157,161 @@ def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
                 "deterministic": deterministic, "errors": results}
 
 
-def main() -> int:
+FP8_EMU_TOLERANCE = 1e-2
+FP8_TOLERANCE = 0.25
+FP8_CASES = ("odd_shapes", "k1", "dropping", "empty_experts", "no_rows", "small_model", "medium_model", "large_model")
+
+
+def _spread(t, gen, rows, cols, block=128):
+    """t times a factor per (rows, cols) block drawn from 0.1 .. 10 (per row when rows == 1)."""
+    shape = t.shape[:-2] + (-(-t.shape[-2] // rows), -(-t.shape[-1] // cols))
+    mag = 10.0 ** (torch.rand(shape, device=t.device, generator=gen, dtype=torch.float64) * 2 - 1)
+    return t * mag.repeat_interleave(rows, -2).repeat_interleave(cols, -1)[..., :t.shape[-2], :t.shape[-1]]
+
+
+def _fp8_reference_module():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import fp8_reference
+
+    return fp8_reference
+
+
+def check_fp8_quantizers(fmt, seed=0):
+    """Mismatching elements of the GPU quantisers against the float64 reference (0 expected)."""
+    from xmoe.kernels.fp8_quant import quantize_blocks, quantize_rows
+
+    R = _fp8_reference_module()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = _spread(torch.randn(4099, 7168 + 72, device="cuda", generator=gen, dtype=torch.float64), gen, 1, 128)
+    x = x.to(torch.bfloat16)
+    q, s = quantize_rows(x, fmt)
+    q_ref, s_ref = R.quantize_rows(x, fmt)
+    w = _spread(torch.randn(4, 2048 + 40, 1408, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128)
+    qb, qbt, sb = quantize_blocks(w.float(), fmt)
+    qb_ref, sb_ref = R.quantize_blocks(w.float(), fmt)
+    return {"rows_values": int((q.double() != q_ref).sum()), "rows_scales": int((s.double() != s_ref).sum()),
+            "block_values": int((qb.double() != qb_ref).sum()), "block_scales": int((sb.double() != sb_ref).sum()),
+            "transposed_copy": int((qbt.view(torch.uint8) != qb.transpose(1, 2).view(torch.uint8)).sum())}
+
+
+def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt):
+    from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
+    from xmoe.kernels.fp8_quant import quantize_expert_weights
+    from xmoe.kernels import reference
+
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, w1, w3, w2)]
+    x_, w_, w1_, w3_, w2_ = leaves
+    _poison()
+    qw = quantize_expert_weights(w1, w3, w2, fmt)
+    if fused:
+        out = moe_experts_fp8(x_, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E,
+                              w1_, w3_, w2_, qw, fmt)
+    else:
+        x_NH = reference.gather_rows(x_, plan.token_ids_N, plan.row_of_slot_TK)
+        y_NH = grouped_swiglu_fp8(x_NH, w1_, w3_, w2_, plan.tokens_per_expert_E, qw, fmt)
+        out = reference.combine_rows(y_NH, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves)]
+
+
+def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
+    from xmoe.dispatch.routing import build_plan
+    from xmoe.kernels import reference
+
+    R = _fp8_reference_module()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = _routing(T, E, K, routing, gen)
+    K = ids.shape[1]
+    plan = build_plan(ids, torch.rand(T, K, device="cuda", generator=gen), E, capacity)
+    x = _spread(torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64), gen, 1, H)
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), -1).double()
+    w1, w3 = (_spread(torch.randn(E, H, Fd, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128)
+              / H**0.5 for _ in range(2))
+    w2 = _spread(torch.randn(E, Fd, H, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128) / Fd**0.5
+    grad_out = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64)
+    xb, wf = x.to(torch.bfloat16), w.float()
+    ref = _run(reference, False, xb.double(), w, w1, w3, w2, plan, grad_out)  # exact, from the inputs the layer sees
+    emu = R.moe_experts_fp8(xb, wf, plan, w1.float(), w3.float(), w2.float(), grad_out.to(torch.bfloat16), fmt,
+                            torch.bfloat16)
+    bf16 = _run(reference, False, xb, wf, *(t.to(torch.bfloat16) for t in (w1, w3, w2)), plan, grad_out)
+    names = ["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"]
+    results, ok = {}, True
+    runs = {"fused": lambda: _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)}
+    if name == "odd_shapes":
+        runs["grouped"] = lambda: _run_fp8(False, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)
+    if name == "medium_model":
+        for label, context in tile_rounds().items():
+            def run(context=context):
+                with context():
+                    return _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)
+            runs[f"fused.{label}"] = run
+    deterministic = True
+    for label, run in runs.items():
+        try:
+            got = run()
+        except Exception as exc:  # a candidate this compiler cannot build: autotuning skips it the same way
+            results[f"{label}.skipped"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"     {name} {label}: skipped, {results[f'{label}.skipped']}")
+            continue
+        for n, g, r, e, b in zip(names, got, ref, emu, bf16):
+            if label == "grouped" and n == "grad_weights":
+                e = r  # the grouped path quantises the weighted gradient rows: not the fused emulation's
+            err, err_emu = _rel(g, r), _rel(g, e)
+            if r.norm() > 0:
+                passed = err == err and err < FP8_TOLERANCE and (err_emu < FP8_EMU_TOLERANCE or label == "grouped")
+            else:
+                passed = err == 0.0
+            ok &= passed
+            results[f"{label}.{n}"] = {"err": err, "err_vs_emulation": err_emu, "bf16_err": _rel(b, r),
+                                       "pass": passed}
+        if label == "fused":
+            again = run()
+            deterministic = all(torch.equal(a, b) for a, b in zip(got, again))
+    return ok and deterministic, {"case": name, "format": fmt, "shape": [T, H, Fd, E, K, capacity],
+                                  "rows": plan.num_rows, "deterministic": deterministic, "errors": results}
+
+
+def main_fp8() -> tuple[bool, dict]:
+    from xmoe.kernels import tiles
+    from xmoe.kernels.fp8_quant import fp8_format
+
+    fmt = fp8_format(torch.device("cuda")).name
+    start = time.perf_counter()
+    mismatches = check_fp8_quantizers(fmt)
+    all_ok = not any(mismatches.values())
+    print(f"{'ok  ' if all_ok else 'FAIL'} fp8 quantisers ({fmt}) vs float64, mismatching elements: {mismatches}")
+    report = {"format": fmt, "quantizers": mismatches, "cases": []}
+    for name in FP8_CASES:
+        try:
+            with tiles.use_options(autotune=False):
+                ok, info = check_fp8_case(name, *CASES[name], fmt)
+        except Exception as exc:
+            ok, info = False, {"case": name, "error": f"{type(exc).__name__}: {exc}"}
+        all_ok &= ok
+        report["cases"].append(info)
+        if "error" in info:
+            print(f"FAIL fp8 {name}: {info['error']}")
+            continue
+        errors = [v for v in info["errors"].values() if isinstance(v, dict)]
+        fused = [v for k, v in info["errors"].items() if isinstance(v, dict) and k.startswith("fused.")
+                 and "tiles" not in k]
+        print(f"{'ok  ' if ok else 'FAIL'} fp8 {name:14s} rows={info['rows']:6d} worst rel err {max(v['err'] for v in errors):.2e} "
+              f"(bf16 path: {max(v['bf16_err'] for v in fused):.2e}), vs emulation {max(v['err_vs_emulation'] for v in fused):.2e} "
+              f"deterministic={info['deterministic']} [{time.perf_counter() - start:.0f} s]", flush=True)
+        if not ok:
+            for k, v in info["errors"].items():
+                if isinstance(v, dict) and not v["pass"]:
+                    print(f"     {k}: {v['err']:.3e} (vs emulation {v['err_vs_emulation']:.3e})")
+    return all_ok, report
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fp8", action="store_true", help="also check the FP8 experts (moe.fp8 = 'experts')")
+    parser.add_argument("--fp8-only", action="store_true", help="only the FP8 checks")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("check_gpu: skipped, no CUDA device (run it on the GPU machine; "
               "CPU coverage: tests/test_triton_kernels.py)")
@@ -162,7 +327,7 @@ def main() -> int:
 
     all_ok, report = True, []
     start = time.perf_counter()
-    for name, case in CASES.items():
+    for name, case in ({} if args.fp8_only else CASES).items():
         try:
             with tiles.use_options(autotune=False):  # checks need no tuning; tile rounds cover the candidates
                 ok, info = check_case(name, *case)
@@ -183,8 +348,14 @@ def main() -> int:
             for k, v in info["errors"].items():
                 if isinstance(v, dict) and not v["pass"]:
                     print(f"     {k}: {v['err']:.3e}")
-    (out_dir() / "check_gpu.json").write_text(json.dumps({"meta": environment(), "ok": all_ok, "cases": report},
-                                                         indent=1))
+    if not args.fp8_only:
+        (out_dir() / "check_gpu.json").write_text(json.dumps({"meta": environment(), "ok": all_ok, "cases": report},
+                                                             indent=1))
+    if args.fp8 or args.fp8_only:
+        ok, fp8_report = main_fp8()
+        all_ok &= ok
+        (out_dir() / "check_gpu_fp8.json").write_text(json.dumps({"meta": environment(), "ok": ok, **fp8_report},
+                                                                 indent=1))
     print("check_gpu:", "PASS" if all_ok else "FAIL")
     return 0 if all_ok else 1
 

@@ -125,3 +125,167 @@ def _expert_shard_shapes(rank: int, world_size: int, out: str) -> None:
     dist.all_gather_object(shapes, shape)
     if rank == 0:
         torch.save(set(shapes), out)
+
+
+def _sharded_logits(rank: int, world_size: int, hf_dir: str, layout: dict, out: str) -> None:
+    from xmoe.config import ParallelConfig
+    from xmoe.hf.checkpoint import read_config
+    from xmoe.hf.families import model_config_from_hf
+    from xmoe.parallel.build import build_model
+    from xmoe.parallel.dims import ParallelDims
+
+    cfg = model_config_from_hf(read_config(hf_dir))
+    dims = ParallelDims.from_config(ParallelConfig(**layout), world_size, rank=rank).build_mesh("cpu")
+    built = build_model(cfg, "cpu", dims, init_from=hf_dir)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = built.wrapped(tokens)
+    torch.save(logits, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("family,layout", [("deepseek_v3", dict(dp=1, ep=2)), ("qwen3_moe", dict(dp=2, ep=2))])
+def test_init_from_into_shards_gives_the_one_process_logits(tmp_path, family: str, layout: dict) -> None:
+    """Each rank reads only its part of each Hugging Face tensor; the sharded model's logits (every rank fed the
+    same tokens) equal those of the model loaded whole in one process, and transformers' own."""
+    from hf_models import rel_err, saved_reference
+
+    from xmoe.hf import load_pretrained
+
+    reference = saved_reference(family, tmp_path / "hf")
+    world = layout["dp"] * layout["ep"]
+    run_distributed(_sharded_logits, world, str(tmp_path / "hf"), layout, str(tmp_path / "logits"))
+    tokens = torch.randint(0, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = load_pretrained(tmp_path / "hf")(tokens)
+        theirs = reference(tokens).logits
+    assert rel_err(whole, theirs) < 1e-5
+    for rank in range(world):
+        assert rel_err(torch.load(tmp_path / f"logits.{rank}"), whole) < 1e-6, rank
+
+
+def _big_run(rank: int, world_size: int, layout: dict, out_dir: str, result: str) -> None:
+    """`xmoe train`'s Trainer on a model whose full fp32 weights are 4x what a rank should hold; peak RSS growth
+    after building, and after 2 steps and a checkpoint."""
+    import ctypes
+    import resource
+
+    import torch.distributed as dist
+
+    from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+    from xmoe.train.trainer import Trainer
+
+    def rss() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # RSS counts what glibc keeps of freed memory too; a fixed mmap threshold makes it return every large block (a
+    # tensor of >= 128 KiB) when it is freed, so RSS follows the live tensors (gloo's threads otherwise leave freed
+    # blocks in arenas of their own: +0.5 GiB here)
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+
+    moe = MoEConfig(hidden_size=256, ffn_hidden_size=256, num_experts=64, top_k=2, kernel_backend="torch")
+    model = ModelConfig(vocab_size=256, hidden_size=256, num_layers=8, num_heads=4, moe=moe, first_k_dense=0,
+                        max_seq_len=32)
+    train = TrainConfig(steps=2, global_batch_size=8, seq_len=32, log_every=1, ckpt_every=2, warmup_steps=1)
+    run = RunConfig(model=model, train=train, parallel=ParallelConfig(**layout))
+    base = rss()
+    trainer = Trainer(run, out_dir, device="cpu")
+    built = rss() - base
+    trainer.train()
+    stats = [None] * world_size
+    dist.all_gather_object(stats, (built, rss() - base, trainer.step))
+    if rank == 0:
+        torch.save(stats, result)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=1, ep=4), dict(dp=2, ep=2)], ids=["ep4", "ep2xdp2"])
+def test_no_rank_allocates_the_whole_model(tmp_path, layout: dict) -> None:
+    """4 gloo ranks train 2 steps and save a checkpoint; each one's memory grows by its share, not by the model."""
+    from xmoe.model.counting import count_params
+
+    from xmoe.config import ModelConfig, MoEConfig
+
+    moe = MoEConfig(hidden_size=256, ffn_hidden_size=256, num_experts=64, top_k=2)
+    params = count_params(ModelConfig(vocab_size=256, hidden_size=256, num_layers=8, num_heads=4, moe=moe,
+                                      first_k_dense=0, max_seq_len=32)).total
+    weights, state = 4 * params, 16 * params  # fp32 weights; with gradients and AdamW's two moments
+    run_distributed(_big_run, 4, layout, str(tmp_path / "run"), str(tmp_path / "rss.pt"), timeout_s=240)
+    for rank, (built, peak, steps) in enumerate(torch.load(tmp_path / "rss.pt")):
+        assert steps == 2
+        assert built < 0.5 * weights, (rank, built / 2**20, weights / 2**20)
+        assert peak < 0.5 * state, (rank, peak / 2**20, state / 2**20)
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+
+
+def _tiny_torch():
+    from xmoe.model.presets import get_preset
+
+    cfg = get_preset("tiny")
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend="torch"))
+
+
+def _real_rank(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from xmoe.config import ParallelConfig
+    from xmoe.train.simulate import measure_rank
+
+    m = measure_rank(_tiny_torch(), ParallelConfig(dp=2, ep=2), micro_batch=2, seq_len=64, rank=rank, device="cpu",
+                     simulate=False)
+    found = [None] * world_size
+    dist.all_gather_object(found, (m.measured_peak_bytes, m.measured_by_kind))
+    if rank == 0:
+        torch.save(found, out)
+
+
+def test_a_simulated_rank_allocates_what_a_real_rank_does(tmp_path) -> None:
+    """The same layout (dp 2 x ep 2) run for real on 4 gloo processes and simulated one rank at a time in torch's
+    fake process group: the peak and the local shard's weights, gradients and optimizer state agree within 10% on
+    every rank; activations within 25% (the real ranks route random tokens through a random router unevenly, the
+    simulated one receives the balanced count)."""
+    from xmoe.config import ParallelConfig
+    from xmoe.train.simulate import measure_rank
+
+    run_distributed(_real_rank, 4, str(tmp_path / "real.pt"), timeout_s=120)
+    for rank, (peak, by_kind) in enumerate(torch.load(tmp_path / "real.pt")):
+        sim = measure_rank(_tiny_torch(), ParallelConfig(dp=2, ep=2), micro_batch=2, seq_len=64, rank=rank,
+                           device="cpu")
+        assert sim.measured_peak_bytes == pytest.approx(peak, rel=0.1), rank
+        for kind in ("weights", "gradients", "optimizer"):
+            assert sim.measured_by_kind[kind] == pytest.approx(by_kind[kind], rel=0.1), (rank, kind)
+        assert sim.measured_by_kind["activations"] == pytest.approx(by_kind["activations"], rel=0.25), rank
+        assert sim.measured_by_kind["optimizer"] > 0 and sim.measured_by_kind["weights"] > 0
+
+
+def test_plan_memory_measure_runs_one_rank_of_a_64_gpu_world(capsys) -> None:
+    """`xmoe plan memory --measure --json` on CPU: rank 5 of tiny at ep 16 x dp 4, the planner's figure beside it."""
+    import json
+
+    from xmoe.cli import main
+
+    main(["plan", "memory", "--preset", "tiny", "--gpus", "64", "--ep", "16", "--tp", "1", "--micro-batch", "2",
+          "--seq", "64", "--recompute", "none", "--rank", "5", "--measure", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["layout"] == dict(world=64, rank=5, tp=1, ep=16, dp=4, placement="ep_first", micro_batch=2,
+                                    seq_len=64, recompute="none", imbalance=1.0, layers=4)
+    assert result["planned_peak_bytes"] > 0 and result["measured_peak_bytes"] > 0
+    assert result["compute_ms_per_step"] > 0 and "meaningless" in result["note"]
+    # the local shard: 1 of 16 experts per layer, all of it on this rank's dp share, 1/64 of the dense weights
+    from xmoe.model.counting import count_params
+
+    parts = count_params(_tiny_torch(), expert_matrices=3).total_by_part
+    own = parts["routed_experts"] / 64 + (sum(parts.values()) - parts["routed_experts"]) / 64
+    assert result["measured_by_kind"]["optimizer"] == pytest.approx(8 * own, rel=0.05)
+
+
+def test_router_output_flattens_to_its_tensors() -> None:
+    """FSDP2 finds the tensors of a unit's output by pytree flattening to hook its backward gather; the router is a
+    unit of its own under mixed precision, so its output must flatten to its tensors, not one opaque leaf."""
+    from torch.utils._pytree import tree_flatten
+
+    from xmoe.moe.router import Router
+
+    cfg = _config().moe
+    out = Router(cfg)(torch.randn(5, cfg.hidden_size))
+    leaves, _ = tree_flatten(out)
+    assert len(leaves) == 6 and all(isinstance(t, torch.Tensor) for t in leaves)
+    assert out.weights_TK.requires_grad

@@ -65,6 +65,8 @@ def test_config_values_are_type_and_range_checked(tmp_path, capsys, setting, exp
     (["--batch-size", "10", "--micro-batch-size", "4"], "per-rank batch (10) must be divisible by micro_batch_size (4)"),
     (["--batch-size", "10", "--dp", "4"], "global batch (10) must be divisible by the 4 data-parallel ranks"),
     (["--seq-len", "4096"], "seq_len (4096) exceeds the model's max_seq_len (256)"),
+    (["--seed", str(10**23)], f"seed ({10**23}) must be in [0, 2**63)"),
+    (["--device", "tpu"], "--device ('tpu') must be auto, cpu, cuda or cuda:N"),
 ])
 def test_bad_train_flags(tmp_path, capsys, argv, expected):
     base = ["train", "--dry-run"] + ([] if "--out" in argv else ["--out", str(tmp_path / "r")])
@@ -117,6 +119,57 @@ def test_precedence_defaults_file_set_flags_and_dp_after_merge(tmp_path, monkeyp
     assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (8, 1, 70)
 
 
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path, capsys):
+    out = tmp_path / "r"
+    err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--set",
+                                  "moe.num_experts=1000000000000"])
+    assert "7.41e+16 parameters" in err and "moe.num_experts (1000000000000)" in err and "GiB of memory" in err, err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_missing_paths_name_symlink_loops(tmp_path, capsys):
+    loop = tmp_path / "loop.npy"
+    loop.symlink_to(loop)
+    err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--data", str(loop)])
+    assert "is a symlink loop" in err, err
+    dangling = tmp_path / "gone.toml"
+    dangling.symlink_to(tmp_path / "nowhere.toml")
+    err = one_line_error(capsys, ["train", "--dry-run", "--config", str(dangling)])
+    assert "is a symlink to" in err and "which does not exist" in err, err
+
+
+def test_val_fraction_names_what_it_leaves_for_training(tmp_path, capsys):
+    np.save(tmp_path / "t.npy", np.arange(20000, dtype=np.uint16) % 256)
+    err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--steps", "1",
+                                  "--data", str(tmp_path / "t.npy"), "--val-fraction", "0.999"])
+    assert "leaves 20 of the 20000 tokens" in err and "lower val_fraction" in err, err
+
+
+def test_dispatcher_rbd_without_expert_parallelism_says_so(tmp_path):
+    with pytest.warns(UserWarning, match="'rbd'.*does nothing with ep == 1"):
+        build_run_config(_args("--dispatcher", "rbd"))
+
+
+def test_plan_and_bench_sizes_are_bounded(capsys):
+    assert "--mc-tokens (1000000000) must be <= 262144" in one_line_error(
+        capsys, ["plan", "comm", "--mc-tokens", "1000000000"], "plan")
+    assert "--gpus (1000000000) must be <= 1048576" in one_line_error(
+        capsys, ["plan", "memory", "--gpus", "1000000000"], "plan")
+    err = one_line_error(capsys, ["bench", "--device", "cpu", "--tokens", "100000000000"], "bench")
+    assert "--tokens (100000000000) needs at least" in err and "lower --tokens" in err, err
+
+
+def test_plan_memory_on_a_large_world_is_quick():
+    import time
+
+    from xmoe.model.presets import get_preset
+    from xmoe.plan.memory import search_layouts
+
+    start = time.perf_counter()
+    search_layouts(get_preset("small"), 65536, 80.0)  # minutes when every rank's EP group was looked up
+    assert time.perf_counter() - start < 30
+
+
 def test_plan_and_bench_flags_are_checked(capsys):
     assert "--gpu-mem (-1.0) must be a finite number > 0" in one_line_error(
         capsys, ["plan", "memory", "--gpu-mem", "-1"], "plan")
@@ -163,6 +216,38 @@ def test_disk_full_is_named(tmp_path, monkeypatch, failure):
     with pytest.raises(ckpt.CheckpointError, match="disk full on the filesystem of"):
         ckpt.save_checkpoint(tmp_path, 1, nn.Linear(2, 2))
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_")]
+
+
+@pytest.mark.parametrize("when", ["scheduled", "signal"])
+def test_disk_full_in_the_tensor_data_is_one_line_and_keeps_older_checkpoints(tmp_path, capsys, monkeypatch, when):
+    import signal
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from xmoe.train import trainer
+
+    original_write, original_step = dcp_fs._write_item, trainer.Trainer.train_step
+
+    def write_item(*args, **kwargs):  # what torch.save inside DCP raises when the disk fills under it
+        if (tmp_path / "r" / "checkpoints" / "step_000002").is_dir():
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return original_write(*args, **kwargs)
+
+    def train_step(self, *args, **kwargs):
+        if self.step == 2 and when == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_step(self, *args, **kwargs)
+
+    usage = collections.namedtuple("usage", "total used free")(1 << 30, (1 << 30) - (3 << 20), 3 << 20)
+    monkeypatch.setattr(dcp_fs, "_write_item", write_item)
+    monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage)
+    out = tmp_path / "r"
+    err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--steps", "4", "--ckpt-every", "2",
+                                  "--batch-size", "2", "--seq-len", "16"])
+    assert "disk full on the filesystem of" in err and "(3 MiB free)" in err and str(out) in err, err
+    assert [s for s, _ in ckpt.complete_checkpoints(out)] == [2]
+    ckpt.read_meta(out / "checkpoints" / "step_000002")  # the older checkpoint is whole
 
 
 def test_help_defaults_examples_version_and_usage(capsys):

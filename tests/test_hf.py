@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,42 @@ def test_export_refuses_a_model_the_family_cannot_express(tmp_path) -> None:
     model = load_pretrained(tmp_path / "q")
     with pytest.raises(ValueError, match="mixtral.*qk_norm"):
         save_pretrained(model, tmp_path / "out", family="mixtral")
+
+
+def _edit_config(directory, drop: str = "", **values) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config = {k: v for k, v in {**config, **values}.items() if k != drop}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("damage, file, message", [
+    (lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'), "model.safetensors.index.json",
+     "has no weight_map"),
+    (lambda d: (d / "model.safetensors.index.json").write_text("{not json"), "model.safetensors.index.json",
+     "is not valid JSON"),
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:3000]),
+     "model.safetensors", "is not a readable safetensors file"),
+    (lambda d: (d / "model.safetensors").write_bytes(bytes(64)), "model.safetensors",
+     "is not a readable safetensors file"),
+    (lambda d: _edit_config(d, hidden_size="32"), "config.json", "numbers written as strings (hidden_size: '32')"),
+    (lambda d: (d / "config.json").write_text("{corrupt"), "config.json", "is not valid JSON"),
+    (lambda d: _edit_config(d, drop="num_hidden_layers"), "config.json", "lacks the field 'num_hidden_layers'"),
+])
+def test_damaged_model_files_are_named(tmp_path, damage, file, message) -> None:
+    saved_reference("mixtral", tmp_path)
+    damage(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        load_pretrained(tmp_path)
+    assert str(tmp_path / file) in str(info.value)
+
+
+def test_export_of_a_model_no_family_fits_says_why_for_each(tmp_path) -> None:
+    from xmoe.model.presets import get_preset
+    from xmoe.model.transformer import Transformer
+
+    with pytest.raises(ValueError, match="no Hugging Face family xmoe writes can express this model") as info:
+        save_pretrained(Transformer(get_preset("tiny")), tmp_path)  # shared experts without a gate, a dense layer
+    assert all(f"{family}: " in str(info.value) for family in FAMILIES)
 
 
 def test_bf16_import_keeps_weights_close(tmp_path) -> None:

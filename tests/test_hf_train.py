@@ -163,3 +163,128 @@ def test_a_tokenizer_json_travels_from_import_to_generate_and_eval(tmp_path, cap
     num_bytes = sum(len(tok.decode(t).encode()) for t in targets)
     assert result["tokens"] == 10 * SEQ
     assert result["bits_per_byte"] == pytest.approx(result["loss"] * 10 * SEQ / math.log(2) / num_bytes, rel=1e-9)
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(f"xmoe {argv[0]}: error: "), err
+    return err
+
+
+@pytest.fixture
+def imported_run(tmp_path) -> Path:
+    """A run trained for 2 steps from a qwen3_moe directory, one checkpoint per step (keep_last 1)."""
+    saved_reference("qwen3_moe", tmp_path / "hf")
+    run = tmp_path / "run"
+    main(init_args(tmp_path / "hf", token_file(tmp_path), run, "--steps", "2", "--ckpt-every", "1",
+                   "--set", "train.keep_last=1"))
+    return run
+
+
+def test_export_refuses_its_run_directory_and_replaces_a_model_only_when_asked(imported_run, tmp_path, capsys):
+    run = imported_run
+    err = one_line_error(capsys, ["export", str(run), "--hf", str(run)])
+    assert f"is inside the run directory {run}" in err and "write it elsewhere" in err, err
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "mine"}')  # someone's model, sharded in two
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"stale")
+    (out / "model.safetensors.index.json").write_text("{}")
+    (out / "README.md").write_text("notes")
+    err = one_line_error(capsys, ["export", str(run), "--hf", str(out)])
+    assert "is not empty" in err and "--overwrite" in err, err
+    assert (out / "config.json").read_text() == '{"model_type": "mine"}'  # untouched
+    main(["export", str(run), "--hf", str(out), "--overwrite"])
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []  # the staging directory is gone
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("x")
+    err = one_line_error(capsys, ["export", str(run), "--hf", str(other), "--overwrite"])
+    assert "holds no config.json" in err, err
+
+
+def test_a_checkpoint_being_read_is_not_pruned_by_the_running_trainer(imported_run, monkeypatch):
+    from xmoe.train import checkpoint as ckpt
+
+    run = imported_run
+    newest = run / "checkpoints" / "step_000002"
+    original = ckpt.load_checkpoint
+
+    def load_while_the_trainer_saves(path, model, *args, **kwargs):
+        meta = ckpt.read_meta(path)
+        ckpt.save_checkpoint(run, 3, model, keep_last=1, config=meta["config"])  # prunes older ones it may
+        return original(path, model, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "load_checkpoint", load_while_the_trainer_saves)
+    model, _, _ = load_source(str(run))  # reads step 2 while step 3 is saved
+    assert newest.is_dir()  # pinned: pruning left it for a later save
+    monkeypatch.undo()
+    reference, _, _ = load_source(str(run), step=2)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_a_checkpoint_pruned_before_it_is_pinned_is_picked_again(imported_run, monkeypatch):
+    from xmoe import infer
+    from xmoe.train import checkpoint as ckpt
+
+    run = imported_run
+    original, picks = infer._run_checkpoint, []
+
+    def pick_then_lose_it(path, step):
+        found = original(path, step)
+        picks.append(found.name)
+        if len(picks) == 1:  # the trainer saves step 3 and prunes step 2 between the pick and the pin
+            model = infer._run_model(found, "cpu")
+            ckpt.save_checkpoint(run, 3, model, keep_last=1, config=ckpt.read_meta(found)["config"])
+        return found
+
+    monkeypatch.setattr(infer, "_run_checkpoint", pick_then_lose_it)
+    load_source(str(run))
+    assert picks == ["step_000002", "step_000003"]
+
+
+def test_eval_and_generate_flags_are_checked(imported_run, capsys):
+    run = str(imported_run)
+    if not torch.cuda.is_available():
+        assert "--device cuda was asked for but" in one_line_error(
+            capsys, ["eval", run, "--data", "markov", "--device", "cuda"])
+    assert "--device ('tpu') must be auto, cpu, cuda or cuda:N" in one_line_error(
+        capsys, ["generate", run, "--prompt", "x", "--device", "tpu"])
+    assert "--max-windows (-1) must be >= 0" in one_line_error(
+        capsys, ["eval", run, "--data", "markov", "--max-windows", "-1"])
+    assert "--prompt is empty" in one_line_error(capsys, ["generate", run, "--prompt", ""])
+    assert "--seed (100000000000000000000000) must be in [0, 2**63)" in one_line_error(
+        capsys, ["generate", run, "--prompt", "x", "--seed", "100000000000000000000000"])
+    assert "--max-shard-gb (0) must be a number of GiB > 0" in one_line_error(
+        capsys, ["export", run, "--hf", str(imported_run.parent / "o"), "--max-shard-gb", "0"])
+    (imported_run / "hf_config.json").write_text("{corrupt")
+    err = one_line_error(capsys, ["eval", run, "--data", "markov", "--seq-len", "8"])
+    assert f"{imported_run / 'hf_config.json'} is not valid JSON" in err, err
+    (imported_run / "tokenizer.json").write_text("{corrupt")
+    (imported_run / "hf_config.json").write_text("{}")
+    err = one_line_error(capsys, ["generate", run, "--prompt", "x"])
+    assert "tokenizer.json' is not a readable tokenizers JSON file" in err, err
+
+
+def test_init_from_refuses_a_preset_and_unasked_architecture_changes(tmp_path, capsys, monkeypatch):
+    from xmoe.train import metrics
+
+    saved_reference("qwen3_moe", tmp_path / "hf")
+    data, run = token_file(tmp_path), tmp_path / "run"
+    err = one_line_error(capsys, init_args(tmp_path / "hf", data, run, "--preset", "small"))
+    assert "--preset (small) and --init-from" in err, err
+    err = one_line_error(capsys, init_args(tmp_path / "hf", data, run, "--set", "model.num_layers=2"))
+    assert "model.num_layers: imported 3, now 2" in err and "--allow-changes" in err, err
+    titles = []
+    monkeypatch.setattr(metrics.MetricsLogger, "_plot", lambda self, losses, lines, title, val=None:
+                        titles.append(title))
+    main(init_args(tmp_path / "hf", data, run, "--steps", "1", "--set", "model.num_layers=2", "--allow-changes"))
+    out = capsys.readouterr().out
+    assert "--allow-changes: training the imported model with model.num_layers: imported 3, now 2" in out
+    assert "router_aux_loss_coef (0.001) is not imported" in out and "preset" not in titles[0], titles

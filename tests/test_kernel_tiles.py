@@ -156,7 +156,13 @@ def test_heuristic_fits_the_gpu():
             assert cfg.num_stages >= 2
     assert tiles.heuristic("mm", 16384, 64, a100).num_stages == 3  # 4 x 48 KB does not fit 164 KB
     for kernel, cands in tiles.CANDIDATES.items():
-        assert cands[0] == tiles.LEGACY[kernel] and len(set(cands)) == len(cands)
+        assert cands[0] == tiles.base_config(kernel) and len(set(cands)) == len(cands)
+    for kernel in tiles.FP8_KERNELS:  # FP8: steps inside one 128-wide scale group; AMD: the tiles that do not spill
+        for smem in (h200, a100, amd):
+            cfg = tiles.heuristic(kernel, 16384, 64, smem)
+            assert 128 % cfg.block_k == 0 and (kernel != "fp8_up" or cfg.block_n == 128), (kernel, cfg)
+        cfg = tiles.heuristic(kernel, 16384 * 6, 64, amd)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == (64, 128, 64, 4), (kernel, cfg)
 
 
 def test_autotune_keeps_the_fastest_candidate_that_runs(tmp_path):

@@ -98,3 +98,32 @@ def test_compiled_training_tracks_eager_over_20_steps(tmp_path):
     assert len(losses["on"]) == len(losses["off"]) == 20
     for step, (a, b) in enumerate(zip(losses["on"], losses["off"]), 1):
         assert abs(a - b) <= 1e-4 * abs(b), (step, a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_recompute_through_xmoe_train_gives_the_losses_of_none(tmp_path, monkeypatch, backend):
+    # as in a fresh `xmoe train`, the kernel backend is first resolved (and the torch backend first imported, which
+    # runs a small autograd probe) inside the first MoE branch, here inside its activation checkpoint
+    import json
+    import sys
+
+    from xmoe import kernels
+    from xmoe.cli import main
+
+    small = ["--set", "model.hidden_size=32", "--set", "moe.hidden_size=32", "--set", "model.num_layers=2",
+             "--set", "moe.ffn_hidden_size=16", "--set", "moe.num_experts=4", "--set", "moe.top_k=2",
+             "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--log-every", "1", "--ckpt-every", "0",
+             "--device", "cpu", "--kernel-backend", backend]
+    losses = {}
+    for mode in ("moe", "full", "none"):
+        monkeypatch.setattr(kernels, "_RESOLVED", {})
+        monkeypatch.delitem(sys.modules, "xmoe.kernels.reference", raising=False)
+        monkeypatch.delattr(kernels, "reference", raising=False)
+        out = tmp_path / mode
+        main(["train", "--out", str(out), "--recompute", mode, *small])
+        losses[mode] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        monkeypatch.undo()
+    assert len(losses["none"]) == 2
+    for mode in ("moe", "full"):
+        for a, b in zip(losses[mode], losses["none"]):
+            assert abs(a - b) <= 1e-5 * abs(b), (mode, a, b)

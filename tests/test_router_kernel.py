@@ -143,3 +143,13 @@ def test_rejects_unsupported_shapes():
         router_topk(torch.randn(3, 8, dtype=torch.float64), None, 2)
     weights, ids, _ = router_topk(torch.randn(0, 8), None, 2)  # no tokens: empty outputs, no launch
     assert weights.shape == ids.shape == (0, 2)
+
+
+def test_nan_logits_give_ids_in_range() -> None:
+    """A diverged step's NaN logits must not send rows to an expert that does not exist."""
+    from xmoe.kernels.router_topk import router_topk
+
+    logits = torch.randn(8, 12)
+    logits[2:5] = float("nan")
+    _, ids, _ = router_topk(logits, torch.zeros(12), 3, "softmax", True, 1.0)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 12

@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +101,116 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path, capsys):
     (out / "checkpoints" / "step_000009.tmp-dead").mkdir()  # a crashed save's leftover
     train(out, "--steps", "1", "--ckpt-every", "1", "--overwrite")
     text = capsys.readouterr().out
-    assert "--overwrite: deleting the previous run" in text and "leftover" not in text  # went with the old run
+    assert "--overwrite: set the previous run" in text and "--overwrite: deleted the previous run" in text
+    assert "leftover" not in text and not (out / rundir.REPLACED).exists()  # went with the old run
     assert sorted(losses(out)) == [1]
     assert [p.name for _, p in complete_checkpoints(out)] == ["step_000001"]
+
+
+def test_overwrite_that_fails_to_start_keeps_the_previous_run(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "3", "--ckpt-every", "1", "--set", "train.keep_last=3")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    code, err = fails(capsys, out, "--steps", "2", "--overwrite", "--data", str(tmp_path / "typo.txt"))
+    assert code == 2 and "typo.txt" in err
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before  # every file back, byte for byte, and nothing of the failed start left
+    assert [s for s, _ in complete_checkpoints(out)] == [1, 2, 3]
+
+
+def test_overwrite_killed_before_its_first_output_is_undone_by_the_next_start(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "2", "--ckpt-every", "2")
+    lock, _ = rundir._prepare(out, resume=False, overwrite=True)  # what an --overwrite start does first ...
+    (out / "metrics.jsonl").write_text("")  # ... and the empty log it opens, then it is killed:
+    lock._stop_beating.set()
+    os.close(lock._fd)  # the kernel drops its flock; nothing is restored by the dead process
+    assert (out / rundir.REPLACED).is_dir() and not complete_checkpoints(out)
+    train(out, "--steps", "3", "--resume")
+    text = capsys.readouterr().out
+    assert "killed before writing anything: restored the previous run" in text, text
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in text
+    assert sorted(losses(out)) == [2, 3] and not (out / rundir.REPLACED).exists()
+
+
+def test_a_set_aside_cut_short_by_a_kill_is_restored_whole(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "2", "--ckpt-every", "2")
+    moving = out / rundir.MOVING  # killed after moving the checkpoints aside, before the metrics
+    moving.mkdir()
+    (out / "checkpoints").rename(moving / "checkpoints")
+    train(out, "--steps", "3", "--resume")
+    assert "a killed start had left setting it aside or back unfinished" in capsys.readouterr().out
+    assert sorted(losses(out)) == [2, 3] and not moving.exists()
+
+
+def test_overwrite_removes_every_output_of_the_previous_run(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "1")
+    (out / "tokenizer.json").write_text("{}")  # what an --init-from run keeps for eval and generate
+    (out / "hf_config.json").write_text("{}")
+    train(out, "--steps", "1", "--overwrite")
+    assert not (out / "tokenizer.json").exists() and not (out / "hf_config.json").exists()
+
+
+def test_resume_of_a_run_without_checkpoints_is_refused(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "2", "--ckpt-every", "0")
+    before = {name: (out / name).read_bytes() for name in ("metrics.jsonl", "summary.json", "loss.png")}
+    code, err = fails(capsys, out, "--steps", "4", "--resume")
+    assert code == 2 and "no checkpoint to resume from" in err and "--overwrite" in err, err
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_what_a_failed_start_left_is_not_a_run(tmp_path, capsys):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # a start killed after opening its log
+    (out / "tokenizer.json").write_text("{}")  # and after copying an imported tokenizer
+    train(out, "--steps", "1")
+    assert "removed what an earlier start that failed left" in capsys.readouterr().out
+    assert sorted(losses(out)) == [1] and not (out / "tokenizer.json").exists()
+
+
+def test_stale_lock_message_says_what_was_checked(tmp_path, capsys):
+    host = os.uname().nodename
+    (tmp_path / rundir.LOCK).write_text(json.dumps({"pid": 1, "host": host}))  # pid 1 runs: a reused pid
+    lock, notes = rundir._prepare(tmp_path, resume=False, overwrite=False)
+    lock.release()
+    assert "no process holds its flock and pid 1 now belongs to another process" in notes[0], notes
+
+
+def test_another_hosts_lock_is_taken_over_only_once_its_heartbeat_stops(tmp_path, monkeypatch):
+    monkeypatch.setattr(rundir, "STALE_AFTER_S", 0.6)
+    path = tmp_path / rundir.LOCK
+    path.write_text(json.dumps({"pid": 4242, "host": "elsewhere"}))  # its flock is not visible from here
+    beating = [True]
+
+    def heartbeat():
+        while beating[0]:
+            os.utime(path)
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=heartbeat)
+    thread.start()
+    try:
+        with pytest.raises(rundir.RunDirError, match="pid 4242 on host elsewhere: its lock file is kept fresh"):
+            rundir.RunLock(tmp_path).acquire()
+    finally:
+        beating[0] = False
+        thread.join()
+    lock = rundir.RunLock(tmp_path).acquire()  # waits until it has been untouched for STALE_AFTER_S
+    assert lock.stale["host"] == "elsewhere" and "has not touched the lock file" in lock.stale_reason
+    lock.release()
+
+
+def test_lock_holder_keeps_its_lock_file_fresh(tmp_path, monkeypatch):
+    monkeypatch.setattr(rundir, "HEARTBEAT_S", 0.05)
+    lock = rundir.RunLock(tmp_path).acquire()
+    os.utime(tmp_path / rundir.LOCK, (0, 0))
+    time.sleep(0.3)
+    assert time.time() - (tmp_path / rundir.LOCK).stat().st_mtime < 5
+    lock.release()
 
 
 def test_empty_out_is_an_error(tmp_path, capsys):
@@ -165,6 +274,24 @@ def test_skip_policy_skips_isolated_bad_steps_and_stops_on_a_run_of_them(tmp_pat
     assert code == 3 and "at step 2" in err
 
 
+def test_skip_policy_saves_nothing_inside_a_run_of_skipped_steps(tmp_path, capsys, monkeypatch):
+    _nan_grad_norm_at(monkeypatch, {3, 4, 5})
+    out = tmp_path / "r"
+    code, err = fails(capsys, out, "--steps", "8", "--log-every", "8", "--ckpt-every", "1",
+                      "--set", "train.nonfinite_skips=2")
+    assert code == 3 and "non-finite at step 3 and stayed so through step 5" in err, err
+    assert f"the last good checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
+    assert "raise train.nonfinite_skips" in err
+    assert [s for s, _ in complete_checkpoints(out)] == [1, 2]  # no copies of step 2 saved as 3 and 4
+
+
+def test_skip_policy_saves_a_checkpoint_due_in_a_skipped_step_at_the_next_good_one(tmp_path, capsys, monkeypatch):
+    _nan_grad_norm_at(monkeypatch, {4})
+    out = tmp_path / "r"
+    train(out, "--steps", "6", "--ckpt-every", "4", "--set", "train.nonfinite_skips=1", "--set", "train.keep_last=4")
+    assert [s for s, _ in complete_checkpoints(out)] == [5, 6]
+
+
 # ------------------------------------------------------------------------------------------------ signals
 
 
@@ -222,6 +349,22 @@ def test_signal_mid_step_stops_at_the_boundary_and_resumes(tmp_path, capsys, mon
     assert losses(out) == losses(full)  # nothing lost, bit-identical
 
 
+def test_summary_of_a_run_stopped_between_logging_steps_reports_the_step_it_reached(tmp_path, capsys, monkeypatch):
+    original = trainer.Trainer._forward_backward
+
+    def forward_backward(self, accum):
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, accum)
+
+    monkeypatch.setattr(trainer.Trainer, "_forward_backward", forward_backward)
+    out = tmp_path / "r"
+    code, _ = fails(capsys, out, "--steps", "100", "--log-every", "50", "--ckpt-every", "100")
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 143 and summary["steps"] == 3 and summary["status"] == "stopped by SIGTERM at step 3", summary
+    assert [s for s, _ in complete_checkpoints(out)] == [3]
+
+
 def _signal_rank0_body(rank: int, world_size: int, out: str):
     from xmoe.cli import _parser
     from xmoe.train import safety
@@ -267,13 +410,25 @@ def test_resume_refuses_a_different_model_or_data_unless_allowed(tmp_path, capsy
     code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_a), "--set", "moe.top_k=2")
     assert code == 2 and "model.moe.top_k: checkpoint 4, now 2" in err and "--allow-changes" in err
     code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_b), "--set", "moe.top_k=4")
-    assert code == 2 and "data.sample_crc32" in err
+    assert code == 2 and "data.crc32" in err
     code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_a), "--set", "moe.top_k=4",
                       "--lr", "1e-3")
     assert code == 2 and "train.lr" in err
     train(out, "--steps", "4", "--resume", "--data", str(data_b), "--set", "moe.top_k=4", "--allow-changes")
     assert "--allow-changes: continuing from" in capsys.readouterr().out
     assert max(losses(out)) == 4
+
+
+def test_data_fingerprint_covers_the_whole_file(tmp_path):
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 256, 2**20, dtype=np.uint16))  # 2 MiB
+    dataset = type("Dataset", (), {"name": str(path), "vocab_size": 256})()
+    before = rundir.fingerprint(str(path), dataset)
+    data = bytearray(path.read_bytes())
+    data[230_000:230_004] = b"\x01\x00\x02\x00"  # between the blocks a sampled checksum would read
+    path.write_bytes(bytes(data))
+    after = rundir.fingerprint(str(path), dataset)
+    assert after["size"] == before["size"] and after != before
 
 
 def test_resume_with_nothing_to_do_is_an_error(tmp_path, capsys):
@@ -303,6 +458,26 @@ def test_resume_scans_past_a_stale_latest_pointer_and_resume_from_sets_newer_asi
     assert f"resumed from {root / 'step_000008'} at step 8" in capsys.readouterr().out
     code, err = fails(capsys, out, "--steps", "12", "--resume-from", str(root / "step_000005"))
     assert code == 2 and "step_000005 does not exist" in err
+
+
+def test_resume_falls_back_past_a_bit_flip_in_the_newest_checkpoint(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "4", "--log-every", "1", "--ckpt-every", "2")
+    shard = next((out / "checkpoints" / "step_000004").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"skipped 1 newer checkpoint.*step_000004 is corrupt: .*fails its crc32"):
+        train(out, "--steps", "5", "--log-every", "1", "--ckpt-every", "2", "--resume")
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in capsys.readouterr().out
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5]
+
+
+def test_resume_from_the_latest_pointer_resumes_what_it_names(tmp_path, capsys):
+    out = tmp_path / "r"
+    train(out, "--steps", "2", "--ckpt-every", "2")
+    train(out, "--steps", "3", "--resume-from", str(out / "checkpoints" / "latest"))
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in capsys.readouterr().out
 
 
 def test_lock_released_after_errors_in_setup(tmp_path, capsys):

@@ -137,6 +137,23 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_fits(shape: str, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a token count whose activations alone exceed the device's memory: the input, the routed rows and
+    their two SwiGLU halves, T x (H + K (H + 2F)) elements, a lower bound of what one call holds."""
+    import os
+
+    hidden, ffn, _, top_k = layer_shape(shape)
+    need = num_tokens * (hidden + top_k * (hidden + 2 * ffn)) * dtype.itemsize
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"--tokens ({num_tokens}) needs at least {need / 2**30:.3g} GiB for one call of the {shape} "
+                         f"layer's activations, more than this {device.type} device's {have / 2**30:.0f} GiB; lower "
+                         "--tokens")
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     check_args(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -144,6 +161,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    check_fits(args.shape, args.tokens, device, dtype)
     rows = [bench_layer(args.shape, args.tokens, d, device, dtype, args.backend, repeats=args.repeats)
             for d in ("pft", "padded")]
     print(format_table(rows))

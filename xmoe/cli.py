@@ -59,7 +59,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Errors a user's input or environment causes: reported in one line, not as a traceback."""
+    """Errors a user's input or environment causes: reported in one line, not as a traceback (DCP's
+    CheckpointException derives from BaseException, so the caller catches more than Exception)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from xmoe.train.checkpoint import CheckpointError
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "plan" and getattr(args, "measure", False):
             from xmoe.train import simulate  # one rank trained for a few steps: the training layer's work
 
-            simulate.run(args)
+            print(simulate.run(args))
         elif args.command == "plan":
             from xmoe.plan import cli as plan_cli
 
@@ -111,10 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # the reader went away (`xmoe plan comm | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         sys.exit(1)
-    except Exception as exc:  # noqa: BLE001 - sorted into user errors, stops and bugs below
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and exits 130 itself)
+        print(f"xmoe {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BaseException as exc:  # noqa: BLE001 - sorted into user errors, stops and bugs below
         from xmoe.train.safety import NonFiniteError, RunStopped
 
-        if args.debug:
+        if args.debug or not isinstance(exc, (Exception, *_user_error_types())):  # SystemExit and the like
             raise
         if isinstance(exc, RunStopped):
             print(f"xmoe {args.command}: {exc}", file=sys.stderr)
@@ -126,6 +130,3 @@ def main(argv: list[str] | None = None) -> None:
             print(f"xmoe {args.command}: error: {_message(exc)}", file=sys.stderr)
             sys.exit(2)
         raise
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and exits 130 itself)
-        print(f"xmoe {args.command}: interrupted", file=sys.stderr)
-        sys.exit(130)

@@ -7,7 +7,9 @@ One dataclass per component, validated on construction: a value a user can get w
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
 import types
 import typing
 import warnings
@@ -16,11 +18,26 @@ from typing import ClassVar, Literal, Optional
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
+Fp8Mode = Literal["off", "experts"]
 DispatcherName = Literal["pft", "padded", "rbd"]
 AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
 RopeScaling = Literal["none", "yarn"]
+
+
+def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundError:
+    """The error for a path that leads to no file or directory, ending in ``fix``: a looping or dangling symlink is
+    named as such (a plain existence check reports both as "not found")."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return FileNotFoundError(f"{what} {str(path)!r} is a symlink loop; point at the file itself")
+        if os.path.islink(path):
+            return FileNotFoundError(f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not "
+                                     "exist; point at the file itself")
+    return FileNotFoundError(f"{what} {str(path)!r} not found" + (f"; {fix}" if fix else ""))
 
 
 def _positive(name: str, value: int | float) -> None:
@@ -104,6 +121,9 @@ class MoEConfig:
     init_std: float = 0.02
     shared_ffn_hidden_size: int = 0  # shared experts' total width (0: num_shared_experts * ffn_hidden_size)
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w_gate) (Qwen2-MoE)
+    # "experts": the routed experts' GEMMs in FP8 (fine-grained scales, fp32 accumulation; weight gradients bf16)
+    # on GPUs with FP8 matrix instructions (NVIDIA sm_89+, AMD gfx942 / gfx950); docs/kernels.md, "FP8 experts"
+    fp8: Fp8Mode = "off"
     section: ClassVar[str] = "moe"
 
     def __post_init__(self) -> None:
@@ -124,6 +144,14 @@ class MoEConfig:
             raise ValueError(f"kernel_backend ({self.kernel_backend!r}) must be 'auto', 'torch' or 'triton'")
         if self.dispatcher not in ("pft", "padded", "rbd"):
             raise ValueError(f"dispatcher ({self.dispatcher!r}) must be 'pft', 'padded' or 'rbd'")
+        if self.fp8 not in ("off", "experts"):
+            raise ValueError(f"fp8 ({self.fp8!r}) must be 'off' or 'experts'")
+        if self.fp8 == "experts" and self.kernel_backend == "torch":
+            raise ValueError("fp8='experts' runs xmoe's Triton FP8 kernels, which kernel_backend='torch' does not "
+                             "use: set kernel_backend to 'auto' or 'triton', or fp8='off'")
+        if self.fp8 == "experts" and self.dispatcher == "padded":
+            raise ValueError("fp8='experts' has no FP8 path for the padded baseline's capacity buffers: use "
+                             "dispatcher 'pft' or 'rbd', or fp8='off'")
         _positive("num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
             raise ValueError(
@@ -393,8 +421,8 @@ class TrainConfig:
             raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))
-        if self.seed < 0:
-            raise ValueError(f"seed ({self.seed}) must be >= 0")
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit signed integer
+            raise ValueError(f"seed ({self.seed}) must be in [0, 2**63)")
         if self.nonfinite_skips < 0:
             raise ValueError(f"nonfinite_skips ({self.nonfinite_skips}) must be >= 0 (0: stop at the first)")
         for name in ("beta1", "beta2"):

@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from xmoe.config import ModelConfig, MoEConfig
+from xmoe.config import ModelConfig, MoEConfig, missing
 
 # torch and the checkpoint readers are imported inside the commands: `xmoe --help` builds these parsers without them
-
-
+# what an export writes into a Hugging Face directory, and so what --overwrite removes from one
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "model.safetensors.index.json")
 
 def model_config_from_dict(values: dict) -> ModelConfig:
     """A ModelConfig from its asdict() form (as a run's checkpoint meta.json stores it)."""
@@ -40,50 +41,61 @@ def _run_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
 
 
 def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
-    """(model in eval mode, tokenizer path or None, imported HF config or None) of a SOURCE."""
-    import torch
-
-    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
+    """(model in eval mode, tokenizer path or None, imported HF config or None) of a SOURCE. A run that is still
+    training may prune the checkpoint being read: it is pinned while read (and picked again if it went first)."""
+    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
+    from xmoe.parallel.build import build_model
 
     path = Path(source)
+    if not path.exists():
+        raise missing(path, "source", "pass an xmoe run directory or a Hugging Face directory")
     if (path / "config.json").is_file():
-        from xmoe.hf.checkpoint import load_pretrained
+        from xmoe.hf.checkpoint import read_model_config
 
         if step is not None:
             raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
-        model = load_pretrained(path, device=device)
+        hf, cfg = read_model_config(path)
+        model = build_model(cfg, device, init_from=str(path)).model
+        model.hf_config = hf
         tokenizer = path / RUN_TOKENIZER
-        return model, str(tokenizer) if tokenizer.is_file() else None, model.hf_config
+        return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
     if not (path / "checkpoints").is_dir():
         raise FileNotFoundError(f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run "
                                 "directory (checkpoints/)")
-    from xmoe.model.transformer import Transformer
     from xmoe.train import checkpoint as ckpt
 
-    found = _run_checkpoint(path, step)
-    cfg = model_config_from_dict(ckpt.read_meta(found)["config"]["model"])
-    with torch.device(device):
-        model = Transformer(cfg)
-    ckpt.load_checkpoint(found, model, restore_rng=False, restore_extra=False)
+    model = ckpt.read_pinned(lambda: _run_checkpoint(path, step), lambda found: _run_model(found, device))
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
-    hf = json.loads(hf_file.read_text()) if hf_file.is_file() else None
+    hf = read_json(hf_file, "copy the config.json of the directory the run was imported from to it") \
+        if hf_file.is_file() else None
     return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
+
+
+def _run_model(found: Path, device: str):
+    """The model of run checkpoint ``found``, built from the config its meta.json stores."""
+    from xmoe.parallel.build import build_model
+    from xmoe.train import checkpoint as ckpt
+
+    cfg = model_config_from_dict(ckpt.read_meta(found)["config"]["model"])
+    model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
+    ckpt.load_checkpoint(found, model, restore_rng=False, restore_extra=False)
+    return model
 
 
 def _encode(text: str, tokenizer: Optional[str]) -> list[int]:
     if tokenizer is None:
         return list(text.encode("utf-8"))
-    from tokenizers import Tokenizer
+    from xmoe.train.data import load_tokenizer
 
-    return Tokenizer.from_file(tokenizer).encode(text).ids
+    return load_tokenizer(tokenizer)[0].encode(text).ids
 
 
 def _decode(ids: list[int], tokenizer: Optional[str]) -> str:
     if tokenizer is None:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-    from tokenizers import Tokenizer
+    from xmoe.train.data import load_tokenizer
 
-    return Tokenizer.from_file(tokenizer).decode(ids)
+    return load_tokenizer(tokenizer)[0].decode(ids)
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -97,9 +109,54 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                                     "inferred from the architecture)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB (index past it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the model files of a Hugging Face directory already at --hf (else it must be empty)")
+
+
+def _is_run_dir(path: Path) -> bool:
+    ckpts = path / "checkpoints"
+    return (path / "metrics.jsonl").is_file() or (ckpts.is_dir() and any(ckpts.glob("step_*")))
+
+
+def _check_export_target(out: Path, overwrite: bool) -> None:
+    """Refuse a target inside a run directory (its readers would take the export for the run), and a non-empty
+    one unless ``overwrite`` (then it must be a model directory: its model files are replaced)."""
+    for parent in (out.resolve(), *out.resolve().parents):
+        if _is_run_dir(parent):
+            raise ValueError(f"--hf {out} is inside the run directory {parent}, where eval, export and generate "
+                             f"would read it instead of the run's checkpoints; write it elsewhere, e.g. --hf "
+                             f"{parent.with_name(parent.name + '-hf')}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--hf {out} is a file; pass a directory")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not overwrite:
+        raise ValueError(f"--hf {out} is not empty ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''}); "
+                         "pass --overwrite to replace the model in it, or choose an empty or new directory")
+    if entries and not (out / "config.json").is_file():
+        raise ValueError(f"--overwrite replaces a Hugging Face model directory, and {out} holds no config.json; "
+                         "choose an empty or new directory")
+
+
+def _move_into(staged: Path, out: Path) -> None:
+    """Replace ``out``'s model files by those written to ``staged`` (a sibling), then remove ``staged``: a failed
+    export never leaves ``out`` half written, and no stale shard, index or config of an earlier one stays."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    old = [p for p in out.iterdir() if p.name in MODEL_FILES or p.name.endswith(".safetensors")]
+    trash = staged.with_name(staged.name + "-old")
+    trash.mkdir()
+    for path in old:
+        path.rename(trash / path.name)
+    for path in staged.iterdir():
+        path.rename(out / path.name)
+    staged.rmdir()
+    shutil.rmtree(trash)
 
 
 def run_export(args: argparse.Namespace) -> Path:
+    import math
+    import secrets
     import shutil
 
     import torch
@@ -108,12 +165,21 @@ def run_export(args: argparse.Namespace) -> Path:
 
     if (Path(args.run_dir) / "config.json").is_file():
         raise ValueError(f"{args.run_dir} is already a Hugging Face directory; export takes an xmoe run directory")
+    if not (args.max_shard_gb > 0 and math.isfinite(args.max_shard_gb)):
+        raise ValueError(f"--max-shard-gb ({args.max_shard_gb:g}) must be a number of GiB > 0, e.g. 5")
+    out = Path(args.hf)
+    _check_export_target(out, args.overwrite)
     model, tokenizer, hf = load_source(args.run_dir, args.step)
     family = args.family or (hf or {}).get("model_type")
-    out = save_pretrained(model, args.hf, family=family, base_config=hf, dtype=getattr(torch, args.dtype),
-                          max_shard_bytes=int(args.max_shard_gb * 2**30))
-    if tokenizer is not None:
-        shutil.copy(tokenizer, out / RUN_TOKENIZER)
+    staged = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        save_pretrained(model, staged, family=family, base_config=hf, dtype=getattr(torch, args.dtype),
+                        max_shard_bytes=int(args.max_shard_gb * 2**30))
+        if tokenizer is not None:
+            shutil.copy(tokenizer, staged / RUN_TOKENIZER)
+        _move_into(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     print(f"wrote {out} ({json.loads((out / 'config.json').read_text())['model_type']})")
     return out
 
@@ -134,8 +200,15 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 def run_eval(args: argparse.Namespace) -> dict:
     import torch
 
+    from xmoe.train.cli import check_device
     from xmoe.train.evaluate import bits_per_byte, evaluate, perplexity, text_bytes_of, validation_windows
 
+    args.device = check_device(args.device)
+    for name in ("seq_len", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    if args.max_windows < 0:
+        raise ValueError(f"--max-windows ({args.max_windows}) must be >= 0 (0: every window)")
     model, tokenizer, _ = load_source(args.source, args.step, args.device)
     if args.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
@@ -172,13 +245,21 @@ def run_generate(args: argparse.Namespace) -> list[int]:
     import torch
 
     from xmoe.model.generate import generate
+    from xmoe.train.cli import check_device
 
+    args.device = check_device(args.device)
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed ({args.seed}) must be in [0, 2**63)")
+    if args.prompt is not None and not args.prompt:
+        raise ValueError("--prompt is empty; give at least one character of text (or token ids with --prompt-ids)")
     model, tokenizer, hf = load_source(args.source, args.step, args.device)
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) must be comma-separated integers") from None
+        if not ids:
+            raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) holds no token id; give at least one")
     else:
         ids = _encode(args.prompt, tokenizer)
     bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]

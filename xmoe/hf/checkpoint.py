@@ -19,14 +19,16 @@ import json
 import os
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from xmoe.hf.families import (DEEPSEEK, SCORE_BIAS_FAMILIES, expert_index, hf_config_from_model, infer_family,
+from xmoe.config import ModelConfig, missing
+from xmoe.hf.families import (DEEPSEEK, SCORE_BIAS_FAMILIES, expert_index, fitting_family, hf_config_from_model,
                               mla_rope_rows, model_config_from_hf, tensor_names)
 from xmoe.model.init import local_box
 from xmoe.model.transformer import Transformer
@@ -39,19 +41,69 @@ RUN_TOKENIZER = "tokenizer.json"  # in a run or HF directory: the tokenizer text
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def read_json(file: Path, fix: str) -> dict:
+    """A JSON object from ``file``; ValueError naming the file and ``fix`` when it is not one."""
+    try:
+        value = json.loads(file.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"{file} is not text (not UTF-8); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} holds a JSON {type(value).__name__}, not an object; {fix}")
+    return value
+
+
 def read_config(path: str | os.PathLike) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"{file} does not exist: point at a Hugging Face model directory")
-    return json.loads(file.read_text())
+        raise missing(file, "config file", "point at a Hugging Face model directory")
+    return read_json(file, "restore the model directory's config.json")
+
+
+def read_model_config(path: str | os.PathLike, max_seq_len: Optional[int] = None) -> tuple[dict, ModelConfig]:
+    """(config.json, the ModelConfig it describes) of a Hugging Face directory; errors name the file."""
+    hf = read_config(path)
+    try:
+        return hf, model_config_from_hf(hf, max_seq_len)
+    except KeyError as e:
+        raise ValueError(f"{Path(path) / 'config.json'} lacks the field {e} that a {hf.get('model_type')} config "
+                         "needs") from None
+    except (TypeError, ValueError) as e:  # "hidden_size": "128" reaches arithmetic or the config's type check
+        quoted = [f"{k}: {v!r}" for k, v in hf.items() if isinstance(v, str) and _numeric(v)]
+        why = f"numbers written as strings ({', '.join(quoted)}); write them without quotes" if quoted else str(e)
+        raise ValueError(f"{Path(path) / 'config.json'}: {why}") from None
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@contextmanager
+def _open_shard(file: Path):
+    """safe_open, with errors that name the shard (a truncated or zeroed file fails in its header)."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file ({e}); download or export it again") from None
+    with handle as f:
+        yield f
 
 
 def _weight_map(path: Path) -> dict[str, str]:
     """HF tensor name -> the shard file holding it."""
     if (path / INDEX_FILE).is_file():
-        return json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        fix = "download or export the model again"
+        weight_map = read_json(path / INDEX_FILE, fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{path / INDEX_FILE} has no weight_map of tensor names to shard files; {fix}")
+        return weight_map
     if (path / SINGLE_FILE).is_file():
-        with safe_open(path / SINGLE_FILE, framework="pt") as f:
+        with _open_shard(path / SINGLE_FILE) as f:
             return {name: SINGLE_FILE for name in f.keys()}
     raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -89,11 +141,15 @@ def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optiona
     for name in wanted:
         by_file[weight_map[name]].append(name)
     for file in sorted(by_file):
-        with safe_open(path / file, framework="pt", device="cpu") as f:
+        with _open_shard(path / file) as f:
             for name in by_file[file]:
                 ours, matrix = wanted[name]
                 rows = mla_rope_rows(cfg, ours) if deinterleave and matrix is None else None
-                _read_into(f, name, targets[ours], matrix is not None, rows, path)
+                try:
+                    _read_into(f, name, targets[ours], matrix is not None, rows, path)
+                except SafetensorError as e:  # a shard whose header is whole but whose data is not
+                    raise ValueError(f"{path / file}: tensor {name} is unreadable ({e}); download or export the "
+                                     "model again") from None
 
 
 def _read_into(f, name: str, target: torch.Tensor, is_expert: bool, rope_rows: Optional[torch.Tensor],
@@ -131,8 +187,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     ``model(tokens)`` returns logits. ``max_seq_len`` caps the rotary tables (default: the config's
     max_position_embeddings). The imported config.json stays on the model as ``model.hf_config``.
     """
-    hf = read_config(path)
-    cfg = model_config_from_hf(hf, max_seq_len)
+    hf, cfg = read_model_config(path, max_seq_len)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)
@@ -164,13 +219,13 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: Opti
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory loadable by AutoModelForCausalLM.from_pretrained.
 
-    ``family`` defaults to ``infer_family(model.cfg)``; ``base_config`` (default: the ``hf_config`` an import left
+    ``family`` defaults to ``fitting_family(model.cfg)``; ``base_config`` (default: the ``hf_config`` an import left
     on the model) supplies the config fields xmoe does not model (token ids and the like).
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes ({max_shard_bytes}) must be > 0")
     cfg = model.cfg
-    family = family or infer_family(cfg)
+    family = family or fitting_family(cfg)
     hf = hf_config_from_model(cfg, family, base_config if base_config is not None else getattr(model, "hf_config", None))
     out_dtype = dtype or model.embed.weight.dtype
     if out_dtype not in _DTYPE_NAMES:

@@ -160,11 +160,21 @@ def infer_family(cfg: ModelConfig) -> str:
     return {"head": "qwen3_moe", "proj": "olmoe"}.get(cfg.qk_norm, "mixtral")
 
 
-def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = None) -> dict:
-    """A config.json for ``cfg`` in ``family``'s terms; ``base`` (an imported config.json) keeps its other fields
-    (token ids, generation settings). Refuses a model the family cannot express, naming the field."""
-    if family not in FAMILIES:
-        raise ValueError(f"family {family!r} is not supported; choose one of {', '.join(FAMILIES)}")
+def fitting_family(cfg: ModelConfig) -> str:
+    """``infer_family(cfg)`` when that family can express ``cfg``, else the first that can; a ValueError saying
+    what keeps each family from expressing it when none can."""
+    best = infer_family(cfg)
+    reasons = {family: _problems(cfg, family) for family in (best, *(f for f in FAMILIES if f != best))}
+    fits = [family for family, problems in reasons.items() if not problems]
+    if fits:
+        return fits[0]
+    raise ValueError("no Hugging Face family xmoe writes can express this model; " + "; ".join(
+        f"{family}: {', '.join(problems)}" for family, problems in reasons.items()) + ". Export a model whose "
+        "architecture one family has, e.g. one trained with --init-from a Hugging Face directory")
+
+
+def _problems(cfg: ModelConfig, family: str) -> list[str]:
+    """What keeps ``family`` from expressing ``cfg`` (empty when it can)."""
     moe = cfg.moe
     want_attention = "mla" if family in DEEPSEEK else "mha"
     want_qk_norm = {"qwen3_moe": "head", "olmoe": "proj"}.get(family, "none")
@@ -196,9 +206,18 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
             problems.append("moe.norm_topk_prob=False (Mixtral always renormalises)")
         if family in ("mixtral", "olmoe") and cfg.first_k_dense:
             problems.append(f"first_k_dense={cfg.first_k_dense} (the family has no dense layers)")
+    return problems
+
+
+def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = None) -> dict:
+    """A config.json for ``cfg`` in ``family``'s terms; ``base`` (an imported config.json) keeps its other fields
+    (token ids, generation settings). Refuses a model the family cannot express, naming the field."""
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not supported; choose one of {', '.join(FAMILIES)}")
+    problems = _problems(cfg, family)
     if problems:
         raise ValueError(f"this model cannot be written as {family}: " + "; ".join(problems))
-
+    moe = cfg.moe
     out = dict(base or {})
     for stale in ("rope_scaling", "torch_dtype", "quantization_config"):
         out.pop(stale, None)

@@ -6,6 +6,8 @@
   moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2) -> out_TH
 
 The Triton backend also has ``router_topk`` (router_topk.py), which the router uses when its backend provides it.
+FP8 experts (``moe.fp8 = "experts"``) call the Triton FP8 ops directly, on GPUs with FP8 matrix instructions:
+fp8_experts.py (``moe_experts_fp8``, ``grouped_swiglu_fp8``), with their quantisers in fp8_quant.py.
 
 ``torch`` (reference.py) runs anywhere. ``triton`` (triton_ops.py) runs on any Triton backend (NVIDIA, AMD) and
 on CPU tensors under TRITON_INTERPRET=1 (fp32 only). ``auto`` picks triton for GPU tensors when Triton imports,

@@ -221,8 +221,10 @@ def _swiglu_bwd_kernel(
         tl.store(grad_w_ptr + offs_r, gw, mask=mask_r)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact; 16-bit inputs ignore the setting
+def _dot_precision(dtype: torch.dtype) -> Optional[str]:
+    # fp32 stays exact; 16-bit dots ignore the setting, so they take the backend's default (HIP on gfx90a refuses
+    # to compile a dot that names "tf32", whatever its inputs)
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _launch_kwargs(cfg: TileConfig, dtype: torch.dtype) -> dict:

@@ -76,14 +76,17 @@ def combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK):
 
 
 def _probe_cpu_grouped_mm() -> bool:
-    """Whether this torch build runs torch._grouped_mm on CPU in fp32, backward included (a tiny call)."""
+    """Whether this torch build runs torch._grouped_mm on CPU in fp32, backward included (a tiny call).
+
+    The first get_ops call imports this module, and that call may come from inside a model's forward: under
+    no_grad, autocast, or an activation checkpoint, whose saved-tensor hooks would count the probe's saved
+    tensors as the forward's (the recompute, importing nothing, then saves fewer and checkpoint refuses). So the
+    probe runs with gradients on, autocast off and saved tensors kept plainly, whatever its caller set."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        # identity saved-tensor hooks: get_ops first imports this module inside a forward, possibly under an
-        # activation checkpoint, whose hooks would otherwise count the probe's tensors as the block's and then find
-        # fewer when the block is recomputed (torch.utils.checkpoint's CheckpointError)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             x = torch.ones(3, 8, requires_grad=True)
             w = torch.ones(2, 8, 8, requires_grad=True)
             torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32)).backward(torch.ones(3, 8))

@@ -69,6 +69,9 @@ def _router_topk_fwd_kernel(
         best = tl.max(choice, axis=1)
         # lowest column among equal maxima: a deterministic choice (ties have measure zero for real logits)
         idx = tl.min(tl.where(choice == best[:, None], offs_e[None, :], BLOCK_E), axis=1)
+        # a row of NaN scores (a diverged step, or a simulated rank's uninitialised inputs) equals no maximum: keep
+        # its ids in range, so it ends in the trainer's non-finite stop rather than an out-of-bounds gather
+        idx = tl.minimum(idx, E - 1)
         hit = offs_e[None, :] == idx[:, None]
         s_idx = tl.sum(tl.where(hit, s, 0.0), axis=1)
         choice = tl.where(hit, float("-inf"), choice)

@@ -55,7 +55,13 @@ class TileConfig:
 #   down_bwd  da = g[tok] w2^T                                         reduction H, width F
 #   wgrad     dW2 = (w a)^T g[tok]                                     reduction: the expert's rows
 #   wgrad2    dW1, dW3 = x[tok]^T (dh1, dh3) (two accumulators)        reduction: the expert's rows
-KERNELS = ("up_fwd", "mm", "dx", "down_bwd", "wgrad", "wgrad2")
+# and their FP8 forms (fp8_gemm.py; moe.fp8 = "experts"):
+#   fp8_up        h1, h3 = x[tok] w1, x[tok] w3, a quantised              reduction H, width F (BLOCK_N = 128)
+#   fp8_mm        y = a w2                                                 reduction F, width H (one column chunk)
+#   fp8_dx        dx = dh1 w1^T + dh3 w3^T                                 reduction F, width H (one column chunk)
+#   fp8_down_bwd  da = g[tok] w2^T                                         reduction H, width F
+KERNELS = ("up_fwd", "mm", "dx", "down_bwd", "wgrad", "wgrad2", "fp8_up", "fp8_mm", "fp8_dx", "fp8_down_bwd")
+FP8_KERNELS = KERNELS[6:]
 
 # The hand-picked H200 table of before (one config per kernel whatever the shape): the heuristic's base, and
 # what ``legacy=True`` runs. Winners of bench_experts.py --sweep at T=16384, small and medium shapes.
@@ -68,7 +74,22 @@ LEGACY: dict[str, TileConfig] = {
     "wgrad2": TileConfig(128, 128, 32, 8, 4),
 }
 
-# What autotuning tries, per kernel (the LEGACY entry first). wgrad groups: several experts per program for
+# The FP8 kernels' base configs (they have no earlier table). BLOCK_K divides the 128-wide scale groups. Each
+# output tile holds its fp32 accumulator and the fresh one of the current step's product (fp8_gemm.py): 128 x 128
+# tiles need 8 warps or more, 16 for the up kernel's two of each. Compiled for sm_90 (Triton 3.9, ahead of time)
+# none of these spills; 256-column tiles at 16 warps did (at most 128 registers per thread there: 160-192 bytes of
+# stack). H200, up kernel, T = 16384 (sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps 4.52 ms (medium) and
+# 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps.
+FP8_BASE: dict[str, TileConfig] = {
+    "fp8_up": TileConfig(128, 128, 128, 16, 3),
+    "fp8_mm": TileConfig(128, 128, 128, 8, 4),
+    "fp8_dx": TileConfig(128, 128, 128, 8, 4),
+    "fp8_down_bwd": TileConfig(128, 128, 128, 8, 4),
+}
+_FP8_MM_CANDIDATES = [TileConfig(128, 128, 128, 8, 4), TileConfig(128, 128, 128, 16, 3), TileConfig(128, 128, 128, 16, 4),
+                      TileConfig(64, 256, 128, 8, 3), TileConfig(64, 128, 128, 4, 4)]
+
+# What autotuning tries, per kernel (the LEGACY or FP8_BASE entry first). wgrad groups: several experts per program for
 # experts with few rows (E = 256, ~512 rows each on the large shape), where every output tile otherwise refills
 # its pipeline after 16 row blocks.
 CANDIDATES: dict[str, list[TileConfig]] = {
@@ -81,6 +102,10 @@ CANDIDATES: dict[str, list[TileConfig]] = {
               TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
     "wgrad2": [LEGACY["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
                TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
+    "fp8_up": [FP8_BASE["fp8_up"], TileConfig(128, 128, 128, 16, 4), TileConfig(64, 128, 128, 8, 4)],
+    "fp8_mm": _FP8_MM_CANDIDATES,
+    "fp8_dx": _FP8_MM_CANDIDATES,
+    "fp8_down_bwd": _FP8_MM_CANDIDATES,
 }
 
 INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per program
@@ -136,11 +161,15 @@ def shape_class(kernel: str, depth: int, width: int, num_rows: int, num_experts:
     return f"{kernel}|k{next_pow2(depth)}|n{next_pow2(width)}|r{rows}"
 
 
-def smem_bytes(kernel: str, cfg: TileConfig, elem_bytes: int = 2) -> int:
-    """Shared memory of a config's pipeline: num_stages copies of the operand tiles one step loads."""
+def smem_bytes(kernel: str, cfg: TileConfig, elem_bytes: Optional[int] = None) -> int:
+    """Shared memory of a config's pipeline: num_stages copies of the operand tiles one step loads (16-bit
+    operands, 8-bit for the FP8 kernels, unless elem_bytes says otherwise)."""
+    if elem_bytes is None:
+        elem_bytes = 1 if kernel in FP8_KERNELS else 2
     a = cfg.block_m * cfg.block_k
     b = cfg.block_k * cfg.block_n
-    per_step = a + 2 * b if kernel in ("up_fwd", "wgrad2") else a + b  # dx runs its two pairs one after the other
+    two_b = kernel in ("up_fwd", "wgrad2", "fp8_up")
+    per_step = a + 2 * b if two_b else a + b  # dx runs its two pairs one after the other
     return per_step * elem_bytes * cfg.num_stages
 
 
@@ -161,14 +190,34 @@ def fit_to_gpu(kernel: str, cfg: TileConfig, max_shared: int) -> Optional[TileCo
     return cfg if smem_bytes(kernel, cfg) <= max_shared else None
 
 
+def base_config(kernel: str) -> TileConfig:
+    """The heuristic's starting point: the LEGACY entry, or FP8_BASE's for the FP8 kernels."""
+    return LEGACY[kernel] if kernel in LEGACY else FP8_BASE[kernel]
+
+
 def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> TileConfig:
-    cfg = LEGACY[kernel]
-    if kernel in ("up_fwd", "mm", "dx", "down_bwd") and num_rows < 64 * max(num_experts, 1):
+    cfg = base_config(kernel)
+    if kernel not in ("wgrad", "wgrad2") and num_rows < 64 * max(num_experts, 1):
         cfg = replace(cfg, block_m=64)  # 128-row tiles would run more than half empty
+    if kernel in FP8_KERNELS and max_shared <= 64 * 1024:
+        # AMD (64 KB of LDS): compiled for gfx942 (Triton 3.9, ahead of time), 128 x 128 x 128 FP8 tiles at 8 warps
+        # spill (144-700 bytes of scratch), and so does the dx kernel at 64 x 128 x 128, 4 warps (264); 64 x 128 x 64
+        # at 4 warps spills in none of the four
+        cfg = replace(cfg, block_m=64, block_k=64, num_warps=4)
     fitted = fit_to_gpu(kernel, cfg, max_shared)
     if fitted is None:  # a small shared memory (e.g. 64 KB): narrow the tile, then fit the stages again
-        fitted = fit_to_gpu(kernel, replace(cfg, block_n=64, block_k=32), max_shared) or TileConfig(64, 64, 32, 4, 2)
+        # (fp8_up keeps its 128 columns: one scale group of its output per row)
+        narrow = replace(cfg, block_k=32) if kernel == "fp8_up" else replace(cfg, block_n=64, block_k=32)
+        fitted = fit_to_gpu(kernel, narrow, max_shared) or replace(narrow, num_stages=2)
     return fitted
+
+
+def device_budget(device: torch.device) -> tuple[int, dict[str, TileConfig]]:
+    """(shared memory per block, shipped table) of the device: all that steps 4 and 5 of a pick know of it (the
+    ahead-of-time compile checks in aot.py stand other GPUs in here)."""
+    if device.type != "cuda":
+        return 227 * 1024, {}
+    return _max_shared(device.index or 0), shipped_table(_gpu_name(device))
 
 
 def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, width: int, num_rows: int,
@@ -182,16 +231,14 @@ def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, widt
     if dtype == torch.float32:
         return FP32_CONFIG
     if OPTIONS.legacy:
-        return LEGACY[kernel]
+        return base_config(kernel)
     key = shape_class(kernel, depth, width, num_rows, num_experts)
     memo = (key, device.index, OPTIONS.autotune)
     cfg = _PICKED.get(memo)
     if cfg is not None:
         return cfg
-    max_shared = _max_shared(device.index or 0) if device.type == "cuda" else 227 * 1024
-    cfg = heuristic(kernel, num_rows, num_experts, max_shared)
-    if device.type == "cuda":
-        cfg = shipped_table(_gpu_name(device)).get(key, cfg)
+    max_shared, table = device_budget(device)
+    cfg = table.get(key) or heuristic(kernel, num_rows, num_experts, max_shared)
     if OPTIONS.autotune and device.type == "cuda" and run is not None:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return cfg  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
@@ -207,13 +254,16 @@ def _bench_ms(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
 
 
+def candidates(kernel: str, max_shared: int) -> list[TileConfig]:
+    """The kernel's autotuning candidates whose pipeline fits max_shared bytes."""
+    return [cand for cand in CANDIDATES[kernel] if smem_bytes(kernel, cand) <= max_shared]
+
+
 def _tune(kernel: str, run: Callable[[TileConfig], object], max_shared: int,
           timer: Callable[[Callable[[], object]], float] = _bench_ms) -> Optional[TileConfig]:
     """The fastest of the kernel's candidates that fit max_shared, timed by ``timer`` (median ms of a call)."""
     best = None
-    for cand in CANDIDATES[kernel]:
-        if smem_bytes(kernel, cand) > max_shared:
-            continue
+    for cand in candidates(kernel, max_shared):
         try:
             ms = timer(lambda: run(cand))
         except Exception:  # out of resources, or a compiler that cannot pipeline this form: not a candidate here

@@ -25,6 +25,8 @@ opaque calls and traces the code around them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from xmoe.kernels import tiles
@@ -45,14 +47,16 @@ def _mark_overwritten(*saved: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(t)
 
 
-def column_chunks(hidden: int, num_rows: int, num_tokens: int) -> list[tuple[int, int]]:
+def column_chunks(hidden: int, num_rows: int, num_tokens: int, quantum: int = 1) -> list[tuple[int, int]]:
     """Column ranges of H for the (N, H) results that are summed per token at once (y, dx): each chunk's (N, C)
     buffer is about as large as the (T, H) output it is summed into (C ~ H * T / N = H / K), at least 1024
-    columns (4 of the widest 256-column tiles: each chunk's launch keeps several waves of programs). Under
-    torch.compile and in legacy mode one chunk."""
+    columns (4 of the widest 256-column tiles: each chunk's launch keeps several waves of programs), and every
+    chunk starts at a multiple of ``quantum`` (the FP8 weights' 128-column scale blocks). Under torch.compile and
+    in legacy mode one chunk."""
     if tiles.OPTIONS.legacy or torch.compiler.is_compiling() or hidden == 0:
         return [(0, hidden)]
     align, floor = (32, 32) if interpreting() else (256, 1024)
+    align = math.lcm(align, quantum)
     cols = max(cdiv(cdiv(hidden * num_tokens, max(num_rows, 1)), align) * align, floor)
     return [(c0, min(c0 + cols, hidden)) for c0 in range(0, hidden, cols)]
 

@@ -23,17 +23,24 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts: y = (silu(x w1_e) * (x w3_e)) w2_e, weights w1/w3 (E, H, F) and w2 (E, F, H)."""
+    """E SwiGLU experts: y = (silu(x w1_e) * (x w3_e)) w2_e, weights w1/w3 (E, H, F) and w2 (E, F, H).
+
+    ``fp8``: the GEMMs run in FP8 with fine-grained scales (xmoe/kernels/fp8_experts.py; ``moe.fp8 = "experts"``),
+    on GPUs with FP8 matrix instructions; the weights stay what they are (fp32 parameters) and are quantised once
+    per optimizer step inside reuse_weight_casts(), else once per forward."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float = 0.02,
-                 kernel_backend: str = "auto"):
+                 kernel_backend: str = "auto", fp8: bool = False):
         super().__init__()
         self.kernel_backend = kernel_backend
         self.init_std = init_std
+        self.fp8 = fp8
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
-        self._casts: Optional[tuple] = None  # compute-dtype (w1, w3, w2), made by reuse_weight_casts() at entry
+        # made by reuse_weight_casts() at entry (make_casts): compute-dtype (w1, w3, w2), or with fp8 the tensors the
+        # weight gradients go to (w1, w3, w2) and the FP8 copies (fp8_quant.Fp8ExpertWeights)
+        self._casts: Optional[tuple] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -45,15 +52,46 @@ class RoutedExperts(nn.Module):
         at its entry serve every call with gradients on (the micro-batches of one step): the gradients of all of
         them flow back through the one cast into the fp32 parameters."""
         cache = self._casts
-        if cache is not None and cache[0].dtype == dtype and torch.is_grad_enabled():
+        if cache is not None and not self.fp8 and cache[0].dtype == dtype and torch.is_grad_enabled():
             return cache
         return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+
+    def fp8_weights(self, fmt: str) -> tuple:
+        """(w1, w3, w2, Fp8ExpertWeights): what the FP8 GEMMs read and the tensors their weight gradients are
+        returned for; inside reuse_weight_casts() the ones made at its entry serve every call with gradients on."""
+        from xmoe.kernels.fp8_quant import quantize_expert_weights  # imports triton: only when FP8 is asked for
+
+        cache = self._casts
+        if cache is not None and self.fp8 and torch.is_grad_enabled():
+            return cache
+        local = tuple(_local(w) for w in (self.w1, self.w3, self.w2))
+        return (*local, quantize_expert_weights(*(w.detach() for w in local), fmt))
+
+    def make_casts(self, dtype: torch.dtype, detach: bool) -> tuple:
+        """The weight copies one optimizer step's micro-batches share (reuse_weight_casts calls this at its entry).
+
+        bf16: ``dtype`` copies; with ``detach`` (and a dtype other than the parameters'), leaves of their own whose
+        gradient is added straight into the fp32 .grad. FP8: the FP8 copies (one quantising pass per weight,
+        fp8_quant.quantize_expert_weights), and as gradient receivers the parameters themselves, or with
+        ``detach`` zero-stride stand-ins of dtype ``dtype`` (no memory: the FP8 GEMMs never read them) whose
+        gradient is added into the fp32 .grad the same way."""
+        params = (self.w1, self.w3, self.w2)
+        if self.fp8:
+            from xmoe.kernels.fp8_quant import fp8_format
+
+            receivers = tuple(_leaf_into(w, _stand_in(w, dtype)) for w in params) if detach else params
+            return (*receivers, self.fp8_weights(fp8_format(self.w1.device).name)[3])
+        if detach and dtype != self.w1.dtype:
+            return tuple(_leaf_into(w, w.detach().to(dtype)) for w in params)
+        return tuple(w.to(dtype) for w in params)
 
     def forward(self, x: torch.Tensor, tokens_per_expert_E: torch.Tensor, plan: Optional[RoutingPlan] = None,
                 weights_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows (N, H) grouped by expert -> (N, H); or, with ``plan`` and ``weights_TK``, tokens (T, H) -> the
         weighted sum of each token's expert outputs (T, H): gather, experts and combine in one backend op
         (fused by the Triton backend). Called as a module either way, so wrappers' hooks (FSDP) run."""
+        if self.fp8:
+            return self._forward_fp8(x, tokens_per_expert_E, plan, weights_TK)
         w1, w3, w2 = self.local_weights(x.dtype)
         ops = get_ops(self.kernel_backend, x.device)
         if plan is not None:
@@ -62,6 +100,34 @@ class RoutedExperts(nn.Module):
         if x.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
             return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
         return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
+
+    def _forward_fp8(self, x, tokens_per_expert_E, plan, weights_TK):
+        from xmoe.kernels.fp8_quant import fp8_format
+
+        fmt = fp8_format(x.device).name  # refuses devices without FP8 matrix instructions, naming the fix
+        if x.dim() != 2:
+            raise ValueError("FP8 experts take rows (N, H) or tokens with a plan, not the padded baseline's "
+                             "(E, C, H) buffers; use dispatcher 'pft' or 'rbd', or moe.fp8='off'")
+        from xmoe.kernels import fp8_experts
+
+        w1, w3, w2, qw = self.fp8_weights(fmt)
+        if plan is not None:
+            return fp8_experts.moe_experts_fp8(x, weights_TK, plan.token_ids_N, plan.slot_ids_N,
+                                               plan.row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, fmt)
+        return fp8_experts.grouped_swiglu_fp8(x, w1, w3, w2, tokens_per_expert_E, qw, fmt)
+
+
+def _stand_in(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of param's shape holding one element (zero strides): a leaf to receive gradients for param."""
+    return torch.zeros((), dtype=dtype, device=param.device).expand(param.shape)
+
+
+def _leaf_into(param: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """leaf as an autograd leaf of its own whose gradient each backward adds into param's .grad."""
+    leaf.requires_grad_(param.requires_grad)
+    if param.requires_grad:
+        leaf.register_post_accumulate_grad_hook(functools.partial(_accumulate_fp32, param))
+    return leaf
 
 
 def _accumulate_fp32(param: torch.Tensor, cast: torch.Tensor) -> None:
@@ -76,7 +142,8 @@ def _accumulate_fp32(param: torch.Tensor, cast: torch.Tensor) -> None:
 @contextlib.contextmanager
 def reuse_weight_casts(model: nn.Module, dtype: Optional[torch.dtype], detach: bool = False) -> Iterator[None]:
     """Within: each RoutedExperts of ``model`` computes with ``dtype`` copies of its weights made once, at entry,
-    not once per forward (``dtype`` None, or gradients off at entry: nothing is cast ahead).
+    not once per forward (``dtype`` None, or gradients off at entry: nothing is cast ahead); FP8 experts with their
+    FP8 copies instead (RoutedExperts.make_casts, the hook this calls for each expert module).
 
     For one optimizer step's micro-batches, whose weights do not change: with fp32 parameters and bf16 compute
     each cast reads 4 and writes 2 bytes per expert weight (measured: docs/architecture.md, "Measured reasons").
@@ -93,15 +160,7 @@ def reuse_weight_casts(model: nn.Module, dtype: Optional[torch.dtype], detach: b
                and not any(hasattr(w, "to_local") for w in (m.w1, m.w3, m.w2))]
     if dtype is not None and torch.is_grad_enabled():
         for m in experts:
-            params = (m.w1, m.w3, m.w2)
-            if detach and dtype != m.w1.dtype:
-                casts = tuple(w.detach().to(dtype).requires_grad_(w.requires_grad) for w in params)
-                for w, c in zip(params, casts):
-                    if w.requires_grad:
-                        c.register_post_accumulate_grad_hook(functools.partial(_accumulate_fp32, w))
-                m._casts = casts
-            else:
-                m._casts = tuple(w.to(dtype) for w in params)
+            m._casts = m.make_casts(dtype, detach)
     try:
         yield
     finally:

@@ -63,7 +63,8 @@ class MoELayer(nn.Module):
         self.cfg = cfg
         self.router = Router(cfg)
         self.experts = RoutedExperts(
-            cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.kernel_backend
+            cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.kernel_backend,
+            fp8=cfg.fp8 == "experts",
         )
         self.shared_experts = (
             SwiGLU(cfg.hidden_size, cfg.shared_width, cfg.init_std) if cfg.num_shared_experts > 0 else None
@@ -138,5 +139,6 @@ class MoELayer(nn.Module):
         return (
             f"experts={cfg.num_experts}, top_k={cfg.top_k}, hidden={cfg.hidden_size}, ffn={cfg.ffn_hidden_size}, "
             f"shared={cfg.num_shared_experts}, capacity_factor={cfg.capacity_factor}, dispatcher={cfg.dispatcher}"
+            + (", fp8=experts" if cfg.fp8 == "experts" else "")
         )
 

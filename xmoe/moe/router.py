@@ -20,7 +20,7 @@ Aux-loss-free balancing: ``load_E`` accumulates the routed counts of every train
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +31,12 @@ from xmoe.dispatch.routing import count_ids
 from xmoe.kernels import get_ops
 
 
-@dataclass
-class RouterOutput:
+class RouterOutput(NamedTuple):
+    """What the router returns. A NamedTuple, not a dataclass: wrappers find the tensors of a module's output by
+    pytree flattening, where a dataclass is one opaque leaf. FSDP2 hooks those tensors to gather the router's weight
+    again before its backward; with a dataclass, torch 2.11's FSDP2 found none, and a GPU step without recompute
+    failed in the router's backward (on storage freed after forward)."""
+
     weights_TK: torch.Tensor  # fp32 combine weights of the selected experts
     expert_ids_TK: torch.Tensor  # int64
     scores_TK: torch.Tensor  # fp32 raw scores of the selected experts (the capacity rule ranks by these)

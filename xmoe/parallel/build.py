@@ -57,7 +57,7 @@ def parallelize(model: Transformer, dims: Optional[ParallelDims], *, sequence_pa
     if fsdp or (fsdp is None and (dims.tp > 1 or dims.ep > 1)):
         apply_expert_parallel(model, dims, param_dtype=param_dtype)
         return False
-    return True
+    return dims.tp == dims.ep == 1
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dims: Optional[ParallelDims] = None, *, seed: int = 0,

@@ -178,11 +178,14 @@ class ParallelDims:
         if self.tp > 1 and len(self.nodes_of_group("tp", 0)) > 1:
             warnings.warn(f"tp ({self.tp}) spans nodes (node size {self.node_size}): TP traffic crosses the network")
         if self.placement == "ep_first" and self.ep > 1:
-            spans = {len(self.nodes_of_group("ep", r)) for r in range(self.world_size)}
+            # nodes each EP group (one per (dp, tp) coordinate) spans, for all groups at once: one pass over the
+            # grid, not a group lookup per rank (which made `xmoe plan` quadratic in the world size)
+            nodes = (self.grid // self.node_size).sort(dim=1).values
+            spans = int(((nodes.diff(dim=1) != 0).sum(dim=1) + 1).max())
             ideal = -(-self.ep * self.tp // self.node_size)  # ceil: fewest nodes an EP group can live on
-            if max(spans) > ideal:
+            if spans > ideal:
                 warnings.warn(
-                    f"ep_first: some EP groups span {max(spans)} nodes where {ideal} would do (ep * tp = "
+                    f"ep_first: some EP groups span {spans} nodes where {ideal} would do (ep * tp = "
                     f"{self.ep * self.tp}, node size {self.node_size}); choose ep * tp dividing, or a multiple of, "
                     "the node size"
                 )

@@ -159,8 +159,9 @@ def apply_expert_parallel(
     for block in getattr(model, "layers", []):
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **cast)
     # the root's parameters (final norm, head; the embedding when tied) are used last in forward, first in
-    # backward: keeping them unsharded after forward saves one all-gather per step
-    fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **cast)
+    # backward: keeping them unsharded after forward saves one all-gather per step. A tied embedding keeps the root
+    # in fp32, so that the residual stream starts in fp32 either way.
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=False, **(fp32 if tied else cast))
     return model
 
 

@@ -15,6 +15,8 @@ from xmoe.model.presets import PRESETS, get_preset
 GIB = 2**30
 RECOMPUTE = ("none", "moe", "full")  # xmoe.plan.memory.RECOMPUTE, checked in run()
 ASSUMED_GPU_MEM = 64.0  # GiB: an MI250X GCD, when no GPU is visible and --gpu-mem is not given
+MAX_GPUS = 2**20  # the layouts are built rank by rank: a (dp, ep, tp) grid of this many ranks is 8 MiB
+MAX_MC_TOKENS = 2**18  # tokens x experts float64 draws per source: 512 MiB for 256 experts
 
 EXAMPLES = """examples:
   xmoe plan memory --preset medium --gpus 64            # search layouts that fit this machine's GPUs
@@ -111,6 +113,12 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} ({value}) must be a finite number >= {low:g}")
     if getattr(args, "seed", 0) < 0:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
+    if args.gpus > MAX_GPUS:
+        raise ValueError(f"--gpus ({args.gpus}) must be <= {MAX_GPUS}: the planner lays out every rank")
+    if getattr(args, "mc_tokens", 0) > MAX_MC_TOKENS:
+        raise ValueError(f"--mc-tokens ({args.mc_tokens}) must be <= {MAX_MC_TOKENS} (it draws tokens x experts "
+                         "random numbers per source GPU; the default 4096 came within 0.05% of the exact count in "
+                         "docs/planning.md's example)")
 
 
 def _gpu_memory_gib() -> tuple[float, str]:

@@ -13,11 +13,12 @@ Conventions: the trainer's (xmoe/parallel/build.py, expert_parallel.py; docs/pla
   * Layout. With ep or tp > 1, FSDP2 shards each MoE layer's experts (E_local of them, the same on the tp peers)
     over "dp", each block (attention and dense FFN split by tp first; norms, shared experts and, on CPUs, the
     router whole) over "dp_ep", the router and the untied embedding (GPUs) over "dp_ep" as fp32 units of their
-    own, and the root (final norm and head; the embedding too on CPUs or when tied) over "dp_ep". The root is
-    gathered at the start of forward and stays so until the end of backward (reshard_after_forward=False), and
-    its unsharded gradient (the head's, V x H) exists from the loss on: the root reduces last. Embedding, head,
-    norms, router and experts are replicated over TP. With ep = tp = 1 on several GPUs: DDP replicas (whole
-    parameters, gradients, AdamW, and DDP's fp32 gradient buckets); on one GPU the trainer itself.
+    own, and the root (final norm and head; the embedding too on CPUs or when tied, the root then fp32) over
+    "dp_ep". The root is gathered at the start of forward and stays so until the end of backward
+    (reshard_after_forward=False), and its unsharded gradient (the head's, V x H) exists from the loss on: the root
+    reduces last. Embedding, head, norms, router and experts are replicated over TP. With ep = tp = 1 on several
+    GPUs: DDP replicas (whole parameters, gradients, AdamW, and DDP's fp32 gradient buckets); on one GPU the
+    trainer itself.
   * Activations: what autograd saves in xmoe's code, counted tensor by tensor in the functions below. TP (without
     sequence parallelism) replicates the residual stream: norms and the inputs of the column-parallel
     projections are full size on every TP rank, the head-parallel parts 1/tp. The MoE block (ffn norm, router,
@@ -298,6 +299,8 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
         notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {T} tokens")
     if imbalance == 1.0 and not padded and n_moe:
         notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
+    if cfg.moe.fp8 != "off":
+        notes.append(f"moe.fp8={cfg.moe.fp8!r}: planned as bf16 experts (the FP8 weight copies are not modelled)")
     return MemoryBreakdown(
         name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
         padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and tp > 1, tokens=T, moe_tokens=T_moe,
@@ -396,7 +399,8 @@ def _fsdp_units(cfg: ModelConfig, par: ParallelConfig, precision: str) -> _Units
                                   H + shared + in_block))
     tied = cfg.tie_embeddings
     embed_in_root = tied or not gpu
-    root = _Unit(V * H + H + (V * H if embed_in_root and not tied else 0), dense_group, b)
+    # a tied embedding keeps the root an fp32 unit (the residual stream starts in fp32)
+    root = _Unit(V * H + H + (V * H if embed_in_root and not tied else 0), dense_group, 4 if tied else b)
     embed = None if embed_in_root else _Unit(V * H, dense_group, 4)
     return _Units(layers, root, embed, V * H)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import random
@@ -41,11 +42,12 @@ import shutil
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -63,10 +65,15 @@ FORMAT = "xmoe-checkpoint-v1"
 _TMP = ".tmp-"
 _CHUNK = 8 << 20  # crc32 read size: large enough that Python overhead is negligible
 _LOW_SPACE = 16 << 20  # a failed write with less free space than this is reported as a full disk
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read (incomplete, corrupt, or a rank failed during save)."""
+
+
+# DCP reports a failed save or load as a CheckpointException, which derives from BaseException, not Exception
+FAILURES = (Exception, CheckpointException)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -95,10 +102,17 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def _underlying(exc: BaseException) -> BaseException:
+    """The first rank's own exception inside a DCP CheckpointException (whose text is a whole traceback)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return next(iter(exc.failures.values()))[0]
+    return exc
+
+
 def _disk_full(exc: BaseException, where: Path) -> bool:
     """ENOSPC / EDQUOT anywhere in the exception chain or its text (DCP and torch.save report write failures
     as strings, torch.save even as "unexpected pos"), or less than _LOW_SPACE left where we were writing."""
-    seen: Optional[BaseException] = exc
+    seen: Optional[BaseException] = _underlying(exc)
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -112,7 +126,8 @@ def _disk_full(exc: BaseException, where: Path) -> bool:
 
 
 def _explain(exc: BaseException, where: Path) -> str:
-    text = f"{type(exc).__name__}: {exc}"
+    cause = _underlying(exc)
+    text = f"{type(cause).__name__}: {cause}"
     if _disk_full(exc, where):
         try:
             free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2**20:.0f} MiB free"
@@ -249,19 +264,23 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ public API
 
 
-def find_latest(out_dir: str | os.PathLike) -> Optional[Path]:
+def find_latest(out_dir: str | os.PathLike, *, checksums: bool = False) -> Optional[Path]:
     """Newest complete, verified checkpoint under ``out_dir`` (the run dir or its ``checkpoints/``), or None.
 
     Found by scanning, never by trusting the ``latest`` pointer (a failed pointer update must not send a resume
     back to an older step). A checkpoint counts when it has COMPLETE, a readable meta.json and every file at
-    its recorded size (checksums are checked when it is loaded). Newer checkpoints that fail this are skipped
-    with a warning; if every complete one fails, CheckpointError names them.
+    its recorded size; with ``checksums`` (collective: every rank calls it) also every file's crc32, read once,
+    split over the ranks, so the caller loads it with ``verify=False``. Newer checkpoints that fail this are
+    skipped with a warning naming each and why; if every complete one fails, CheckpointError names them.
     """
     root = _ckpt_root(Path(out_dir))
     problems = []
     for _, path in reversed(_complete_checkpoints(root)):
         try:
-            _check_sizes(path, read_meta(path))
+            meta = read_meta(path)
+            _check_sizes(path, meta)
+            if checksums:
+                _verify_files(path, meta, checksums=True)
         except CheckpointError as e:
             problems.append(str(e).split(". ")[0])
             continue
@@ -397,7 +416,7 @@ def _write(tmp: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     try:
         with _dcp_quietly():
             dcp.save(state, checkpoint_id=str(tmp))
-    except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+    except FAILURES as e:  # re-raised on every rank by _agree
         exc = e
     _agree(exc, f"writing checkpoint {tmp}", tmp)
 
@@ -462,9 +481,55 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def _prune(root: Path, step: int, keep: Path, keep_last: int) -> None:
+    """Discard the older checkpoints past ``keep_last``, except those a reader has pinned (``pinned``): they stay
+    until a later save finds them unpinned."""
     older = [p for s, p in _complete_checkpoints(root) if s < step and p != keep]
     for path in older[: max(0, len(older) - (keep_last - 1))]:
-        _discard(path)
+        try:
+            fd = os.open(path / COMPLETE, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being read: never wait for a reader
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise  # where flock is unsupported, readers retry instead (read_pinned)
+            _discard(path)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def pinned(ckpt: Path):
+    """Within: ``ckpt`` is not pruned (a shared flock on its COMPLETE file, which pruning takes exclusively or
+    leaves the checkpoint alone). FileNotFoundError when it was pruned before the pin took hold."""
+    fd = os.open(ckpt / COMPLETE, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # unsupported (some network filesystems): unpinned, read_pinned retries
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        if not (ckpt / COMPLETE).is_file():  # renamed away by a prune that held the lock first
+            raise FileNotFoundError(f"checkpoint {ckpt} was pruned by its run while being opened")
+        yield ckpt
+    finally:
+        os.close(fd)
+
+
+def read_pinned(pick: Callable[[], Path], read: Callable[[Path], T], attempts: int = 5) -> T:
+    """``read(pick())`` with the picked checkpoint pinned against pruning, for readers of a run that is still
+    training (``xmoe eval`` / ``export`` / ``generate``). A checkpoint pruned between the pick and the pin (or, where
+    pins are unsupported, during the read) is picked again, up to ``attempts`` times."""
+    for attempt in range(1, attempts + 1):
+        path = pick()
+        try:
+            with pinned(path):
+                return read(path)
+        except (FileNotFoundError, CheckpointError):
+            if (path / COMPLETE).is_file() or attempt == attempts:
+                raise  # a real error of a checkpoint still there, or no end to the pruning
+    raise ValueError(f"attempts ({attempts}) must be >= 1")
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -570,6 +635,14 @@ def _verify_files(ckpt: Path, meta: dict[str, Any], checksums: bool) -> None:
         )
 
 
+def verify_checkpoint(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """Collective: meta.json of a checkpoint whose every file has its recorded size and crc32 (read once, split
+    over the ranks), for a load with ``verify=False``; CheckpointError naming what is wrong otherwise."""
+    meta = read_meta(ckpt)
+    _verify_files(Path(ckpt), meta, checksums=True)
+    return meta
+
+
 def _check_compatible(ckpt: Path, state: dict[str, Any]) -> None:
     """Compare tensor keys and global shapes with the DCP metadata; ValueError naming the first offenders."""
     stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
@@ -643,9 +716,10 @@ def load_checkpoint(
     try:
         with _dcp_quietly():
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001 - DCP raises many types; name the dir and the way out
+    except FAILURES as e:  # DCP raises many types; name the dir and the way out
+        cause = _underlying(e)
         raise CheckpointError(
-            f"reading checkpoint {path} failed ({type(e).__name__}: {e}). {_suggest_previous(path)}"
+            f"reading checkpoint {path} failed ({type(cause).__name__}: {cause}). {_suggest_previous(path)}"
         ) from e
     if optimizer is None:
         set_model_state_dict(model, state["model"])

@@ -11,13 +11,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig, missing
+
+log = logging.getLogger(__name__)
 
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "parallel": ParallelConfig}
+# fields of an imported model that training may set freely: they change how it is trained, not which weights it has
+# or what it computes
+TRAINING_FIELDS = ("model.max_seq_len", "model.init_std", "model.moe.init_std", "model.moe.aux_loss_coef",
+                   "model.moe.aux_loss_type", "model.moe.z_loss_coef", "model.moe.bias_update_rate",
+                   "model.moe.capacity_factor", "model.moe.kernel_backend", "model.moe.dispatcher")
 _TINY, _PAPER = TrainConfig(), TrainConfig(lr=3e-4, global_batch_size=8, warmup_steps=100)  # see _default_train
 
 EXAMPLES = """examples:
@@ -28,7 +37,8 @@ EXAMPLES = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", help="model preset: tiny (default), small, medium, large, super")
+    p.add_argument("--preset", help="model preset: tiny (default), small, medium, large, super (not with "
+                                    "--init-from, whose directory sets the architecture)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {_TINY.steps})")
     p.add_argument("--out", default="runs/default", help="run directory: metrics, checkpoints, plot "
                    "(default runs/default); one run at a time")
@@ -43,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="delete the run already in --out (metrics, summary, plot, checkpoints) and start again")
     p.add_argument("--allow-changes", action="store_true",
                    help="with --resume: accept a checkpoint whose model, data or schedule differ from this run's "
-                        "(fine-tuning); without it such a resume is refused")
+                        "(fine-tuning); with --init-from: accept --set / --config values that change the imported "
+                        "architecture (e.g. fewer layers); without it either is refused")
     p.add_argument("--seed", type=int, help=f"seed of model init and data order (default {_TINY.seed})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (ep * tp))")
     p.add_argument("--ep", type=int, help="expert-parallel degree (default 1)")
@@ -54,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)")
     p.add_argument("--dispatcher", choices=["pft", "padded", "rbd"], help="token dispatcher (default pft)")
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
+    p.add_argument("--fp8", choices=["off", "experts"],
+                   help="FP8 GEMMs for the routed experts (moe.fp8; default off; GPUs with FP8 matrix instructions)")
     p.add_argument("--batch-size", type=int, help=f"global batch in sequences (default {_TINY.global_batch_size}; "
                    f"paper presets {_PAPER.global_batch_size})")
     p.add_argument("--micro-batch-size", type=int, help="sequences per forward per rank (default: the whole "
@@ -96,7 +109,7 @@ def _load_file(path: str) -> dict[str, dict[str, Any]]:
     if file.is_dir():
         raise ValueError(f"config file {file} is a directory; pass a .json or .toml file")
     if not file.is_file():
-        raise FileNotFoundError(f"config file {file} does not exist")
+        raise missing(file, "config file")
     if file.suffix not in (".toml", ".json"):
         raise ValueError(f"config file {file} must end in .json or .toml")
     try:
@@ -139,20 +152,43 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
     if not str(args.out).strip():
         raise ValueError(f"--out ({args.out!r}) must name a run directory, e.g. runs/a")
-    if args.allow_changes and not (args.resume or args.resume_from):
-        raise ValueError("--allow-changes only applies with --resume or --resume-from")
+    if args.allow_changes and not (args.resume or args.resume_from or getattr(args, "init_from", None)):
+        raise ValueError("--allow-changes only applies with --resume, --resume-from or --init-from")
+    if getattr(args, "init_from", None) and getattr(args, "preset", None):
+        raise ValueError(f"--preset ({args.preset}) and --init-from ({args.init_from}) both choose the architecture; "
+                         "drop --preset (the Hugging Face directory's config.json sets it)")
+
+
+def check_device(device: str, flag: str = "--device") -> str:
+    """``device`` ("auto", "cpu", "cuda" or "cuda:N") if this machine has it, "auto" resolved; ValueError naming
+    ``flag`` and the fix otherwise."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"{flag} ({device!r}) must be auto, cpu, cuda or cuda:N")
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None and torch.version.hip is None else \
+            "torch sees no GPU"
+        raise ValueError(f"{flag} {device} was asked for but {why}; use {flag} cpu")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"{flag} {device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
+    return device
 
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     from xmoe.model.presets import get_preset
 
     _check_flags(args)
-    model = get_preset(args.preset)
-    if getattr(args, "init_from", None):
-        from xmoe.hf.checkpoint import read_config
-        from xmoe.hf.families import model_config_from_hf
+    init_from = getattr(args, "init_from", None)
+    model = imported = get_preset(getattr(args, "preset", None) or "tiny")
+    if init_from:
+        from xmoe.hf.checkpoint import read_model_config
 
-        model = model_config_from_hf(read_config(args.init_from))
+        hf, model = read_model_config(init_from)
+        imported = model
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if args.config:
         for name, values in _load_file(args.config).items():
@@ -172,7 +208,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     sections["train"].update({k: v for k, v in flags.items() if v is not None})
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
-    for field, value in (("dispatcher", args.dispatcher), ("kernel_backend", args.kernel_backend)):
+    for field, value in (("dispatcher", args.dispatcher), ("kernel_backend", args.kernel_backend),
+                         ("fp8", getattr(args, "fp8", None))):
         if value is not None:
             sections["moe"][field] = value
 
@@ -183,7 +220,9 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
     moe = _apply(model.moe, "moe", sections["moe"])
     model = _apply(model, "model", {**sections["model"], "moe": moe})
-    default_train = TrainConfig(lr=1e-4) if getattr(args, "init_from", None) else _default_train(args.preset, model)
+    if init_from:
+        _check_imported(init_from, hf, imported, model, args.allow_changes)
+    default_train = TrainConfig(lr=1e-4) if init_from else _default_train(getattr(args, "preset", None), model)
     train = _apply(default_train, "train", sections["train"])
 
     par_values = dict(sections["parallel"])
@@ -197,18 +236,67 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     from xmoe.dispatch.base import experts_per_rank  # imports torch: not at module level (xmoe --help)
 
     experts_per_rank(model.moe.num_experts, parallel.ep)  # the one home of that check; names the fix
+    if model.moe.dispatcher == "rbd" and parallel.ep == 1:
+        warnings.warn("moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
+                      "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1", stacklevel=2)
     return RunConfig(model=model, train=train, parallel=parallel)
 
 
-def _default_train(preset: str, model: ModelConfig) -> TrainConfig:
+def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: ModelConfig, allow_changes: bool) -> None:
+    """Overrides that change an imported architecture (fewer layers drop checkpoint tensors without a word) are
+    refused unless ``allow_changes``; the router's auxiliary-loss weight, which xmoe defines per layer, is not
+    imported and is said so."""
+    from xmoe.train.rundir import flatten
+
+    then: dict[str, Any] = {}
+    now: dict[str, Any] = {}
+    flatten("model", dataclasses.asdict(imported), then)
+    flatten("model", dataclasses.asdict(model), now)
+    changed = [f"{k}: imported {then[k]!r}, now {v!r}" for k, v in now.items()
+               if then[k] != v and k not in TRAINING_FIELDS]
+    if changed and not allow_changes:
+        raise ValueError(f"--init-from {init_from}: {len(changed)} setting(s) change the imported model "
+                         f"({'; '.join(changed[:6])}), so checkpoint weights would be dropped or not match; drop "
+                         "them, or pass --allow-changes to train the changed model")
+    if changed:
+        log.info(f"--allow-changes: training the imported model with {'; '.join(changed[:6])}")
+    coef = hf.get("router_aux_loss_coef")
+    if coef and not model.moe.aux_loss_coef:
+        log.info(f"--init-from: the load-balancing loss is off; {init_from}'s router_aux_loss_coef ({coef}) is not "
+                 "imported, as xmoe's balance loss is defined per layer (docs/routing.md): set one with --set "
+                 "moe.aux_loss_coef=VALUE")
+
+
+def _default_train(preset: str | None, model: ModelConfig) -> TrainConfig:
     """tiny trains on CPU in minutes; the paper presets default to their sequence length and a small batch."""
-    if preset == "tiny":
+    if preset in (None, "tiny"):
         return _TINY
     return dataclasses.replace(_PAPER, seq_len=model.max_seq_len)
 
 
+def _check_fits(run_cfg: RunConfig, device: str) -> None:
+    """Refuse a model whose fp32 weights alone, split evenly over every rank, exceed one machine's memory (host and
+    one GPU): building it could only fail, after minutes or by the kernel's OOM killer."""
+    import torch
+
+    from xmoe.model.counting import count_params
+
+    model, world = run_cfg.model, run_cfg.parallel.world_size
+    params = count_params(model).total
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device.startswith("cuda"):
+        memory += torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if 4 * params / world > memory:
+        raise ValueError(
+            f"the model has {params:.3g} parameters ({4 * params / world / 2**30:.3g} GiB of fp32 weights per rank "
+            f"over {world} rank(s), 16 bytes per parameter to train), more than this machine's "
+            f"{memory / 2**30:.0f} GiB of memory; lower moe.num_experts ({model.moe.num_experts}), "
+            f"model.num_layers ({model.num_layers}) or hidden sizes (`xmoe plan memory` predicts what fits)")
+
+
 def run(args: argparse.Namespace) -> dict | None:
     run_cfg = build_run_config(args)
+    device = check_device(args.device)
     if args.dry_run:
         from xmoe.model.counting import describe
 
@@ -216,6 +304,7 @@ def run(args: argparse.Namespace) -> dict | None:
 
         print(describe(run_cfg.model, run_cfg.train.seq_len, run_cfg.train.global_batch_size))
         return None
+    _check_fits(run_cfg, device)
     from xmoe.train.trainer import Trainer
 
     init_from = getattr(args, "init_from", None)
@@ -225,7 +314,7 @@ def run(args: argparse.Namespace) -> dict | None:
     trainer = Trainer(run_cfg, args.out, data=args.data, device=args.device, resume=args.resume,
                       init_from=init_from, val_data=getattr(args, "val_data", None), tokenizer=tokenizer,
                       overwrite=args.overwrite, resume_from=args.resume_from, allow_changes=args.allow_changes,
-                      preset=args.preset)
+                      preset="" if init_from else args.preset or "tiny")
     return trainer.train()
 
 

@@ -26,6 +26,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from xmoe.config import missing
+
 # Legend: N samples, S seq_len, V vocab, G hash buckets, C contexts (= G * V), K successors per context.
 
 MAX_TEXT_BYTES = 256 * 2**20  # text is tokenized in memory (~4-8 bytes per token); larger: tokenize_file
@@ -280,7 +282,7 @@ def _check_is_file(path: str, what: str) -> None:
     if os.path.isdir(path):
         raise ValueError(f"{what} {path!r} is a directory; pass a file")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{what} {path!r} not found")
+        raise missing(path, what)
 
 
 def _load_npy(path: str) -> np.ndarray:
@@ -299,18 +301,22 @@ def _load_npy(path: str) -> np.ndarray:
         raise ValueError(f"{path!r} is not a readable .npy file: {e}") from None
 
 
-def _load_tokenizer(tokenizer: str):
+def load_tokenizer(tokenizer: str):
     """(tokenizers.Tokenizer or None for bytes, vocab size)."""
     if tokenizer == "bytes":
         return None, 256
     if not os.path.isfile(tokenizer):
-        raise FileNotFoundError(f"tokenizer {tokenizer!r} not found; pass 'bytes' or a tokenizers JSON file")
+        raise missing(tokenizer, "tokenizer", "pass 'bytes' or a tokenizers JSON file")
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
         raise ImportError("a tokenizers JSON file needs the `tokenizers` package: pip install "
                           "'xmoe[tokenizers]', or use tokenizer='bytes'") from e
-    tok = Tokenizer.from_file(tokenizer)
+    try:
+        tok = Tokenizer.from_file(tokenizer)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
+        raise ValueError(f"tokenizer {tokenizer!r} is not a readable tokenizers JSON file ({e}); restore it from the "
+                         "model it came with") from None
     return tok, tok.get_vocab_size()
 
 
@@ -335,7 +341,7 @@ def tokenize_file(text_path: str, out_path: str, tokenizer: str = "bytes") -> in
         raise FileNotFoundError(f"text file {text_path!r} not found")
     if not out_path.endswith(".npy"):
         raise ValueError(f"out_path {out_path!r} must end in .npy")
-    tok, vocab = _load_tokenizer(tokenizer)
+    tok, vocab = load_tokenizer(tokenizer)
     dt = np.dtype("<u2" if vocab <= 2**16 else "<u4")
     raw_path, num_tokens = out_path + ".tmp", 0
     with open(raw_path, "wb") as f:
@@ -396,8 +402,8 @@ def build_dataset(spec: str, seq_len: int, vocab_size: Optional[int] = None, see
     if os.path.isdir(spec):
         raise ValueError(f"data file {spec!r} is a directory; pass a .npy/.bin/.txt file or 'markov'")
     if not os.path.isfile(spec):
-        raise FileNotFoundError(f"data file {spec!r} not found; pass an existing .npy/.bin/.txt path or "
-                                "'markov[:opt=value,...]' for the built-in source")
+        raise missing(spec, "data file", "pass an existing .npy/.bin/.txt path or 'markov[:opt=value,...]' for the "
+                                         "built-in source")
     if dtype is not None and ext != ".bin":
         warnings.warn(f"dtype ({dtype!r}) only applies to .bin files; ignored for {spec!r}")
     if tokenizer != "bytes" and ext != ".txt":
@@ -408,7 +414,7 @@ def build_dataset(spec: str, seq_len: int, vocab_size: Optional[int] = None, see
             raise ValueError(f"{spec!r} has {size} bytes, more than MAX_TEXT_BYTES ({MAX_TEXT_BYTES}) that are "
                              "tokenized in memory; pre-tokenize once with tokenize_file(text, 'out.npy') and "
                              "train on the .npy")
-        tok, tok_vocab = _load_tokenizer(tokenizer)
+        tok, tok_vocab = load_tokenizer(tokenizer)
         chunks = list(_text_chunks(spec, tok))
         tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)
         if len(tokens) == 0:

@@ -46,6 +46,9 @@ def validation_split(dataset: TokenDataset, fraction: float, max_windows: int) -
     if not isinstance(dataset, TokenArrayDataset):
         raise ValueError(f"val_fraction needs a token dataset, not {type(dataset).__name__}")
     cut = int(len(dataset.tokens) * (1 - fraction))
+    if cut < S + 1:
+        raise ValueError(f"val_fraction ({fraction}) leaves {cut} of the {len(dataset.tokens)} tokens of "
+                         f"{dataset.name} for training, fewer than seq_len + 1 = {S + 1}; lower val_fraction")
     train = TokenArrayDataset(dataset.tokens[:cut], dataset.name, S, dataset.vocab_size, dataset.seed)
     return train, windows_of(dataset.tokens[cut:], S, max_windows)
 

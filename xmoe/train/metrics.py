@@ -296,10 +296,13 @@ class MetricsLogger:
         references: Optional[dict[str, float]] = None,
         status: Optional[str] = None,
         title: Optional[str] = None,
+        step: Optional[int] = None,
     ) -> dict[str, Any]:
         """Print a summary, write ``summary.json`` and ``loss.png`` (loss vs step over the whole run, with
         dashed lines for ``floor`` (entropy rate), ``baseline`` (unigram entropy) and any ``references``).
-        Means of tokens/s, TFLOP/s and MFU skip this process's first record (it includes start-up time)."""
+        Means of tokens/s, TFLOP/s and MFU skip this process's first record (it includes start-up time).
+        ``step``: the last step trained (default: the last one logged; a run stopped between logging steps
+        trained further)."""
         if not self.active:
             return {}
         for handle in (self._bar, self._tb, self._file):
@@ -315,7 +318,7 @@ class MetricsLogger:
         mems = [r["mem_bytes"] for r in self.records if isinstance(r.get("mem_bytes"), (int, float))]
         finite = [v for _, v in losses if math.isfinite(v)]
         summary = {
-            "steps": self.records[-1]["step"] if self.records else 0,
+            "steps": step if step is not None else self.records[-1]["step"] if self.records else 0,
             "final_loss": losses[-1][1] if losses else None,
             "best_loss": min(finite) if finite else None,
             "mean_tokens_per_s": mean("tokens_per_s"),

@@ -128,8 +128,8 @@ def _sync(device: torch.device) -> None:
 
 def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, rank: int = 0,
                  recompute: str = "none", imbalance: float = 1.0, steps: int = 3, device: str = "auto",
-                 seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1, simulate: bool = True,
-                 ssmb: bool = True) -> Measurement:
+                 ssmb: bool = True, seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1,
+                 simulate: bool = True) -> Measurement:
     """Rank ``rank`` of ``parallel`` (all ``parallel.world_size`` ranks of it) training ``cfg``: ``steps`` >= 3 steps
     of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
     ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
@@ -199,9 +199,9 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
 # ------------------------------------------------------------------------------------------------ the command
 
 
-def run(args) -> dict[str, Any]:
+def run(args) -> str:
     """`xmoe plan memory ... --measure`: the planner's proposed layout (or the one given), rank ``--rank`` of it
-    measured here; prints a table, or with ``--json`` one JSON object. Returns that object."""
+    measured here; returns the table to print, or with ``--json`` one JSON object."""
     from xmoe.plan import cli as plan_cli
 
     if args.trainer:
@@ -221,10 +221,11 @@ def run(args) -> dict[str, Any]:
     best = plan_cli.rank_layouts(cfg, args, precision="bf16" if device.type == "cuda" else "fp32")[0]
     kernel_backend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
+    header = (f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of tp "
+              f"{best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
+              f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}")
     if not args.json:
-        print(f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of "
-              f"tp {best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
-              f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}", flush=True)
+        log.info(f"xmoe plan memory --measure: building rank {args.rank} and running {args.steps} steps")
     m = measure_rank(cfg, best.parallel, micro_batch=best.micro_batch, seq_len=best.seq_len, rank=args.rank,
                      recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device),
                      ssmb=not args.no_ssmb)
@@ -236,8 +237,7 @@ def run(args) -> dict[str, Any]:
         "planned_by_kind": {k: int(v) for k, v in best.tracker_parts().items()},
         "ratio": m.measured_peak_bytes / best.peak,
     }
-    print(json.dumps(result, indent=2) if args.json else _table(result, note))
-    return result
+    return json.dumps(result, indent=2) if args.json else header + "\n" + _table(result, note)
 
 
 def _device(name: str) -> torch.device:
@@ -251,10 +251,10 @@ def _device(name: str) -> torch.device:
 
 
 def _table(r: dict[str, Any], note: Optional[str]) -> str:
-    gib = 2.0**30
+    unit, gib = ("GiB", 2.0**30) if r["planned_peak_bytes"] >= 2**30 else ("MiB", 2.0**20)
     planned, measured = r["planned_by_kind"], dict(r["measured_by_kind"])
     measured["temporaries"] = sum(measured.pop(k, 0) for k in ("temporaries", "buffers", "other"))
-    lines = [f"  {'':<30}{'planned GiB':>12}{'measured GiB':>14}"]
+    lines = [f"  {'':<30}{'planned ' + unit:>12}{'measured ' + unit:>14}"]
     lines += [f"  {kind:<30}{planned[kind] / gib:>12.3f}{measured.get(kind, 0) / gib:>14.3f}" for kind in planned]
     lines.append(f"  {'peak (planned: less reserve)':<30}{r['planned_peak_bytes'] / gib:>12.3f}"
                  f"{r['measured_peak_bytes'] / gib:>14.3f}   measured / planned {r['ratio']:.3f}")

@@ -115,8 +115,14 @@ class Trainer:
             self.close()
             raise
 
+    def _wrote_output(self) -> None:
+        """This run has written a log line or a checkpoint: a run it replaces (--overwrite) can go now."""
+        if self.lock is not None:
+            self.lock.commit()
+
     def close(self) -> None:
-        """Release the run directory (train() does it when it ends)."""
+        """Release the run directory (train() does it when it ends; a run that has written nothing yet takes its
+        partial outputs back and restores the run it was replacing)."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -196,17 +202,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ state
 
     def _checkpoint_to_resume(self, resume_from: Optional[str], allow_changes: bool) -> Optional[Path]:
-        """The checkpoint a resume continues (None: nothing saved yet), its stored model, data and schedule compared
-        with this run's (rundir.check_resume) from its meta.json alone, before the model is built."""
-        found = Path(resume_from) if resume_from else ckpt.find_latest(self.out_dir)
-        if resume_from and not found.is_dir():
-            raise FileNotFoundError(f"--resume-from {found} does not exist; pass a checkpoint directory such as "
-                                    f"{self.out_dir}/checkpoints/step_000100")
-        if found is None:
-            if self.rank == 0:
-                log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
-            return None
-        rundir.check_resume(found, ckpt.read_meta(found), self.run, self.data_info, allow_changes)
+        """The checkpoint a resume continues (None: nothing saved yet), verified (sizes and crc32) and its stored
+        model, data and schedule compared with this run's (rundir.resume_checkpoint), before the model is built."""
+        found = rundir.resume_checkpoint(self.out_dir, resume_from, self.run, self.data_info, allow_changes)
+        if found is None and self.rank == 0:
+            log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
         return found
 
     def _resume(self, found: Path, chosen: bool) -> None:
@@ -215,7 +215,7 @@ class Trainer:
         meta = ckpt.read_meta(found)
         saved_world = meta["world_size"]
         same_world = saved_world == self.world
-        extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer, restore_extra=same_world)
+        extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer, restore_extra=same_world, verify=False)
         if not same_world:
             # DCP resharded model and optimizer (experts too: they are saved under their full shape). The data
             # position and the expert bias are the same on every rank, so rank 0's copy serves; per-rank RNG
@@ -295,6 +295,7 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         window_rows = torch.zeros((), dtype=torch.long, device=self.device)
         window_load = None
+        due = False  # a scheduled checkpoint not yet written
         while self.step < t.steps:
             loss, stats, grad_norm, lr = self.train_step(accum, guard)
             window_steps += 1
@@ -309,10 +310,14 @@ class Trainer:
                 val_loss = self._validate()
                 window_start += time.perf_counter() - evaluating  # evaluation time is not training time
             log_now = self.step % t.log_every == 0 or self.step == t.steps
-            ckpt_now = bool(t.ckpt_every) and (self.step % t.ckpt_every == 0 or self.step == t.steps)
+            # a save due inside a run of skipped non-finite steps waits for the first good step: those states are
+            # the last good step's, and saving them would prune good checkpoints for copies
+            due = due or (bool(t.ckpt_every) and self.step % t.ckpt_every == 0)
+            ckpt_now = bool(t.ckpt_every) and (self.step == t.steps or due and not guard.skipped_in_row)
             if log_now:
                 self._log(loss, stats["aux"], grad_norm, lr, window_steps, window_rows, window_load, window_start,
                           val_loss)
+                self._wrote_output()
                 window_start, window_steps = time.perf_counter(), 0
                 window_rows = torch.zeros_like(window_rows)
                 window_load = None
@@ -331,6 +336,8 @@ class Trainer:
             if ckpt_now or (signum and t.ckpt_every):
                 saving = time.perf_counter()
                 self.save()
+                self._wrote_output()
+                due = False
                 window_start += time.perf_counter() - saving  # checkpoint time is not training time
             if signum:
                 self._stop_signal(signum)
@@ -343,7 +350,7 @@ class Trainer:
         """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""
         floor = getattr(self.dataset, "loss_floor", None)
         summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None),
-                                     status=status, title=f"{self.out_dir} ({self._preset_text()})")
+                                     status=status, title=f"{self.out_dir} ({self._preset_text()})", step=self.step)
         if self.rank == 0:
             if floor is not None and isinstance(summary.get("final_loss"), float):
                 log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token "
@@ -365,9 +372,14 @@ class Trainer:
         last = self._last_good_checkpoint(first_bad)
         where = (f"the last good checkpoint is {last} (continue from it with --resume-from {last})" if last
                  else "no checkpoint was saved before it")
-        message = (f"the loss or gradient norm became non-finite at step {first_bad} "
-                   f"(lr {lr_at(first_bad, self.run):.3g}); nothing after it was saved and {where}. Lower --lr, "
-                   "check the data, or let up to N bad steps be skipped with --set train.nonfinite_skips=N")
+        skips = self.run.train.nonfinite_skips
+        when = (f"at step {first_bad}" if not skips else
+                f"at step {first_bad} and stayed so through step {self.step}, more steps in a row than "
+                f"train.nonfinite_skips={skips} lets skip")
+        fix = ("let up to N bad steps be skipped with --set train.nonfinite_skips=N" if not skips else
+               "raise train.nonfinite_skips")
+        message = (f"the loss or gradient norm became non-finite {when} (lr {lr_at(first_bad, self.run):.3g}); "
+                   f"nothing from step {first_bad} on was saved and {where}. Lower --lr, check the data, or {fix}")
         self._finish(status=f"stopped: non-finite loss or gradient norm at step {first_bad}")
         raise safety.NonFiniteError(message)
 

@@ -1,0 +1,126 @@
+"""Every Triton kernel of xmoe compiles ahead of time for cuda:90, hip:gfx90a and hip:gfx942 at every shipped tile
+configuration, without spilling registers (xmoe/kernels/aot.py says what is compiled and how resources are read).
+
+The compiles run in one subprocess, benchmarks/aot_report.py, without TRITON_INTERPRET: conftest.py sets it for the
+interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 284 distinct
+launches in parallel processes: 105-140 s on 2 idle CPU cores with an empty Triton cache (up to ~280 s on cores
+shared with other work), ~10 s with a warm one ($TRITON_CACHE_DIR, default ~/.triton/cache); the huge-tile check
+adds ~10-20 s. Skipped when the installed Triton cannot make these compiles.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="the compile checks need the triton package (pip install triton)")
+
+from xmoe.kernels import aot  # noqa: E402  (here under the interpreter: only its tables and parsers are used)
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(aot.unsupported() is not None, reason=str(aot.unsupported()))
+
+
+def _report(out: Path, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_report.py"), "--out", str(out),
+                           "--jobs", str(min(os.cpu_count() or 1, 8)), *args],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-4000:]  # 1: problems, checked below
+    (path,) = out.glob("aot_triton*.json")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    report = _report(tmp_path_factory.mktemp("aot"))
+    assert report["uncovered"] == [], f"kernels no workload launches: {report['uncovered']}"
+    assert report["missed_classes"] == [], f"shipped classes no workload reaches: {report['missed_classes']}"
+    return report["rows"]
+
+
+def _where(r: dict) -> str:
+    return f"{r['target']} {r['kernel']} {r['tile']} {r['flags']} ({r['uses'][0]})"
+
+
+def test_every_launch_compiles(rows):
+    failed = [f"{_where(r)}: {r['error'][:300]}" for r in rows if not r["ok"]]
+    assert failed == [], "\n".join(failed)
+
+
+def test_no_shipped_configuration_spills(rows):
+    spilled = [_where(r) for r in rows if r["ok"] and r["spills"] and r["shipped"] and not r["known_spill"]]
+    assert spilled == [], "new spills (fix the tile, or add them to aot.KNOWN_SPILLS with the numbers):\n" + \
+        "\n".join(spilled)
+
+
+def test_known_spills_name_shipped_configurations(rows):
+    shipped = {(r["target"], r["kernel"], r["tile"]) for r in rows if r["shipped"]}
+    assert set(aot.KNOWN_SPILLS) <= shipped, set(aot.KNOWN_SPILLS) - shipped
+
+
+def test_every_shipped_kernel_compiles_for_every_target(rows):
+    everywhere = {w.name for w in aot.WORKLOADS if w.shipped and not w.fp8}
+    wanted = {r["kernel"] for r in rows if any(u.split(" | ")[1] in everywhere for u in r["uses"])}
+    for target in aot.TARGETS:
+        assert wanted <= {r["kernel"] for r in rows if r["target"] == target}, target
+
+
+def test_16_bit_gemms_run_on_matrix_instructions(rows):
+    gemms = [r for r in rows if r["ok"] and "BLOCK_N" in r["tile"] and "BLOCK_K" in r["tile"]
+             and "DOT_PRECISION=None" in r["flags"]]
+    assert {r["target"] for r in gemms} == set(aot.TARGETS)
+    assert [_where(r) for r in gemms if not r["mma"]] == []
+
+
+def test_fp8_dot_compiles_to_fp8_matrix_instructions(rows):
+    mma = {r["target"]: r["mma"] for r in rows if r["kernel"] == "_fp8_dot_kernel" and r["ok"]}
+    assert set(mma) == {"cuda:90", "hip:gfx942"}  # gfx90a has no fp8 matrix instructions
+    assert any("e4m3" in m for m in mma["cuda:90"]), mma
+    assert any("fp8" in m for m in mma["hip:gfx942"]), mma
+
+
+def test_the_spill_check_catches_a_huge_tile(tmp_path):
+    # two 256 x 256 fp32 accumulators over 8 warps: 512 registers a thread on NVIDIA (255 at most), 256 VGPRs a
+    # lane on AMD (the most a wave of an 8-wave program gets), before any operand
+    report = _report(tmp_path, "--devices", "H200,MI300X", "--workloads", "fused", "--shapes", "tiny T=512",
+                     "--force", "up_fwd=256,256,16,8,2")
+    huge = [r for r in report["rows"] if r["kernel"] == "_swiglu_up_fwd_kernel"]
+    assert {r["target"] for r in huge} == {"cuda:90", "hip:gfx942"}
+    assert all(r["ok"] and r["spills"] and not r["known_spill"] for r in huge), huge
+
+
+def test_shapes_and_plan_are_the_packages():
+    import torch
+
+    from xmoe.dispatch.routing import build_plan
+    from xmoe.model.presets import get_preset
+
+    for name, layer in aot.PRESET_LAYERS.items():
+        moe = get_preset(name).moe
+        assert layer == (moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k), name
+    shape = aot.Shape.preset("small", 100)
+    meta = torch.device("meta")
+    plan = build_plan(torch.empty(shape.tokens, shape.top_k, dtype=torch.long, device=meta),
+                      torch.empty(shape.tokens, shape.top_k, device=meta), shape.experts)
+    wanted = (plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E)
+    got = aot.layer_tensors(shape, torch.bfloat16).plan_args
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in wanted]
+
+
+def test_resource_parsers():
+    usage = " Function _k:\n  REG:255 STACK:56 SHARED:0 LOCAL:0 CONSTANT[0]:640 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+    assert aot.nvidia_resources(usage) == {"regs": 255, "local_bytes": 56, "spills": True}
+    assert not aot.nvidia_resources(usage.replace("STACK:56", "STACK:0"))["spills"]
+    meta = ("  - .agpr_count:     4\n    .private_segment_fixed_size: 0\n    .sgpr_spill_count: 12\n"
+            "    .vgpr_count:     128\n    .vgpr_spill_count: 0\n")
+    amd = aot.amd_resources(meta)
+    assert (amd["vgprs"], amd["agprs"], amd["sgpr_spills"], amd["spills"]) == (128, 4, 12, False)  # SGPRs: in VGPRs
+    assert aot.amd_resources(meta.replace("vgpr_spill_count: 0", "vgpr_spill_count: 3"))["spills"]
+    assert aot.amd_resources(meta.replace("segment_fixed_size: 0", "segment_fixed_size: 16"))["spills"]
+    with pytest.raises(ValueError):
+        aot.amd_resources("no metadata")

@@ -1,0 +1,274 @@
+"""FP8 quantisers of the routed experts' operands: fine-grained fp32 scales, FP8 values, nothing else quantised.
+
+# T tokens, H hidden, F expert ffn, E experts, N rows; R x C a matrix's rows and columns; G = 128 (GROUP)
+
+DeepSeek-V3's scaling: activations and gradients in 1 x 128 groups along the reduction dimension (one scale per
+row and 128 columns), weights in 128 x 128 blocks (one scale per block, so one quantised weight serves both
+GEMMs it is used in, transposed or not). A group's scale is amax / max in fp32 (max: the format's largest value),
+its values x * (max / amax) rounded to FP8; both divisions are correctly rounded (tl.div_rn), so the scales and
+values are the same on every device and in a float64 reference. Powers of two (scaling and dequantising then
+exact) were measured and not taken: in 1 x 128 groups they err 1.02-1.9x as much (relative to the norm; 1.9x with
+outlier columns), in 128 x 128 blocks 1.00-1.03x, because the exact scale puts each group's largest element
+exactly on the format's max and a power of two rounds it (benchmarks/fp8_scales.py, results/fp8_scales.md).
+
+  quantize_rows(x_RC, fmt) -> (q_RC, scale_RG)        1 x G groups, the scale of q[r, c] is scale[r, c // G]
+  quantize_expert_weights(w1_EHF, w3_EHF, w2_EFH, fmt) -> Fp8ExpertWeights
+                                                       G x G blocks; each weight in its layout and transposed,
+                                                       so that both GEMMs read it reduction-dimension-contiguous
+Kernels: _quant_rows_kernel, _quant_blocks_kernel; _group_scale and _store_fp8 are shared with fp8_gemm.py, whose
+producers quantise in their epilogues.
+
+Formats (``FORMATS``): e4m3fn (NVIDIA sm_89 and newer, AMD gfx950) and e4m3fnuz (AMD gfx942, bias 8, no negative
+zero, largest value 240). ``fp8_format(device)`` names the one a device multiplies in, and refuses devices with no
+FP8 matrix instructions. Under TRITON_INTERPRET=1 (tests on CPU) the quantised values are stored as float32: the
+interpreter's casts to FP8 flush subnormals and mis-encode e4m3fnuz, so ``_store_fp8`` rounds to the format's grid
+in fp32 arithmetic instead, exactly as the hardware's round-to-nearest-even conversion does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from xmoe.kernels._common import cdiv, check_float, interpreting, kernel_op
+
+GROUP = 128  # columns per activation scale, rows and columns per weight scale
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    name: str
+    dtype: torch.dtype  # its torch dtype (Triton: float8e4nv, float8e4b8)
+    max: float  # largest finite value
+    min_exp: int  # exponent of the smallest normal value (subnormals below share its spacing)
+
+    def storage(self) -> torch.dtype:
+        """What quantised tensors are held in: the FP8 dtype, or float32 holding its values under the interpreter."""
+        return torch.float32 if interpreting() else self.dtype
+
+
+FORMATS = {
+    "e4m3fn": Fp8Format("e4m3fn", torch.float8_e4m3fn, 448.0, -6),
+    "e4m3fnuz": Fp8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, -7),
+}
+
+FIX = "set moe.fp8='off' (xmoe train --fp8 off) to run the experts in bf16"
+
+
+@torch.compiler.assume_constant_result  # a property of the device: a constant to torch.compile, traced once
+def _format_name(device_type: str, device_index: int) -> str:
+    if device_type != "cuda":
+        if device_type == "cpu" and interpreting():
+            return "e4m3fn"  # tests: the kernels in Triton's interpreter, FP8 values held in float32
+        raise ValueError(f"moe.fp8='experts' needs a GPU with FP8 matrix instructions; a {device_type} device has "
+                         f"none: {FIX}")
+    props = torch.cuda.get_device_properties(device_index)
+    if torch.version.hip is not None:
+        arch = props.gcnArchName.split(":")[0]
+        if arch == "gfx942":
+            return "e4m3fnuz"
+        if arch == "gfx950":
+            return "e4m3fn"
+        raise ValueError(f"moe.fp8='experts' needs FP8 matrix instructions (AMD gfx942 or gfx950); {props.name} "
+                         f"({arch}) has none: {FIX}")
+    if (props.major, props.minor) >= (8, 9):
+        return "e4m3fn"
+    raise ValueError(f"moe.fp8='experts' needs FP8 matrix instructions (NVIDIA sm_89 or newer: Ada, Hopper, "
+                     f"Blackwell); {props.name} (sm_{props.major}{props.minor}) has none: {FIX}")
+
+
+def fp8_format(device: torch.device) -> Fp8Format:
+    """The FP8 format this device's matrix instructions take; ValueError naming the device and the fix if none."""
+    return FORMATS[_format_name(device.type, device.index or 0)]
+
+
+def _format(fmt: str) -> Fp8Format:
+    if fmt not in FORMATS:
+        raise ValueError(f"FP8 format {fmt!r} must be one of {sorted(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def format_constexprs(fmt: Fp8Format) -> dict:
+    """The kernels' compile-time description of a format."""
+    return dict(FP8_MAX=fmt.max, MIN_EXP=fmt.min_exp)
+
+
+@triton.jit
+def _group_scale(amax, FP8_MAX: tl.constexpr):
+    """(scale, max / amax) of groups whose largest magnitude is amax: scale = amax / max, both divisions correctly
+    rounded. amax is floored at 1e-30, so an all-zero group gets finite factors and quantises to zeros; an infinite
+    amax gives an infinite scale and a zero factor, so the group dequantises to NaN: non-finite values survive
+    (a saturating conversion would turn inf into the format's max)."""
+    amax = tl.maximum(amax, 1e-30)
+    return tl.div_rn(amax, FP8_MAX), tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
+
+
+@triton.jit
+def _round_to_fp8_grid(v, MIN_EXP: tl.constexpr):
+    """v (fp32, |v| <= the format's max) rounded to nearest-even on the grid of 3 mantissa bits whose smallest
+    normal exponent is MIN_EXP: what the hardware conversion does, in fp32 arithmetic (the interpreter's path)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 + 3 - e) << 23).to(tl.float32, bitcast=True)
+    y = v * inv_step  # exact: |y| < 16
+    y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 addition rounds y to an integer, ties to even
+    return y * step
+
+
+@triton.jit
+def _store_fp8(ptr, v, mask, MIN_EXP: tl.constexpr):
+    """Store v (already scaled into the format's range, at most an fp32 rounding above max, which rounds to max)
+    as FP8 at ptr; float32 storage (the interpreter) gets the same values rounded in fp32."""
+    if ptr.dtype.element_ty == tl.float32:
+        v = _round_to_fp8_grid(v, MIN_EXP)
+    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr,  # (R, C) fp32/bf16/fp16, row stride stride_x, unit column stride
+    q_ptr,  # (R, C) FP8 (float32 under the interpreter), contiguous
+    s_ptr,  # (R, cdiv(C, GROUP)) fp32, contiguous
+    R, C, stride_x,
+    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+):
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    mask_r = offs_r < R
+    mask = mask_r[:, None] & (offs_c < C)[None, :]
+    rows = offs_r.to(tl.int64)
+    v = tl.load(x_ptr + rows[:, None] * stride_x + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale, inv = _group_scale(tl.max(tl.abs(v), axis=1), FP8_MAX)
+    _store_fp8(q_ptr + rows[:, None] * C + offs_c[None, :], v * inv[:, None], mask, MIN_EXP)
+    tl.store(s_ptr + rows * tl.num_programs(1) + tl.program_id(1), scale, mask=mask_r)
+
+
+@triton.jit
+def _quant_blocks_kernel(
+    w_ptr,  # (E, R, C) fp32/bf16/fp16, strides (stride_we, stride_wr, unit)
+    q_ptr,  # (E, R, C) FP8, contiguous
+    qt_ptr,  # (E, C, R) FP8, contiguous: the transposed copy
+    s_ptr,  # (E, cdiv(R, GROUP), cdiv(C, GROUP)) fp32, contiguous
+    R, C, stride_we, stride_wr,
+    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # one G x G block per program, walked CHUNK rows at a time, in loops that are not unrolled: the whole fp32 block
+    # in registers spilled on sm_90 (255 registers and a 40-byte stack at 8 warps), and so did the chunks unrolled
+    # (a 616-byte stack). Pass 1: amax; pass 2: quantise into q; pass 3: the transposed copy, from the block loaded
+    # in transposed order (the same products, so the same values), which the compiler lays out for coalesced
+    # stores. Transposing in registers (tl.trans of the values and of the mask) gave a wrong copy on an H200 with
+    # Triton 3.6 (37% of the elements), though right in the interpreter and in compiles with Triton 3.9.
+    pid_c, pid_r, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_c = pid_c * GROUP + tl.arange(0, GROUP)
+    in_c = offs_c < C
+    e64 = e.to(tl.int64)
+    w_e = w_ptr + e64 * stride_we
+    amax = tl.zeros((CHUNK,), dtype=tl.float32)
+    for r0 in range(0, GROUP, CHUNK):
+        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
+        mask = (offs_r < R)[:, None] & in_c[None, :]
+        v = tl.load(w_e + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    scale, inv = _group_scale(tl.max(amax, axis=0), FP8_MAX)
+    for r0 in range(0, GROUP, CHUNK):
+        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
+        mask = (offs_r < R)[:, None] & in_c[None, :]
+        v = tl.load(w_e + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
+        _store_fp8(q_ptr + e64 * R * C + offs_r[:, None] * C + offs_c[None, :], v * inv, mask, MIN_EXP)
+    for r0 in range(0, GROUP, CHUNK):
+        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
+        mask_t = in_c[:, None] & (offs_r < R)[None, :]
+        vt = tl.load(w_e + offs_c[:, None] + offs_r[None, :] * stride_wr, mask=mask_t, other=0.0).to(tl.float32)
+        _store_fp8(qt_ptr + e64 * R * C + offs_c[:, None] * R + offs_r[None, :], vt * inv, mask_t, MIN_EXP)
+    tl.store(s_ptr + (e64 * tl.num_programs(1) + pid_r) * tl.num_programs(0) + pid_c, scale)
+
+
+@kernel_op("fp8_quantize_rows")
+def quantize_rows(x_RC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_RC, scale_RG): x_RC in 1 x GROUP groups of format ``fmt``; x ~ q * scale[:, c // GROUP]."""
+    check_float("x_RC", x_RC, 2)
+    form = _format(fmt)
+    if x_RC.stride(-1) != 1:
+        x_RC = x_RC.contiguous()
+    rows, cols = x_RC.shape
+    q = torch.empty(rows, cols, dtype=form.storage(), device=x_RC.device)
+    scale = torch.empty(rows, cdiv(cols, GROUP), dtype=torch.float32, device=x_RC.device)
+    if rows == 0 or cols == 0:
+        return q, scale
+    block_r = 16 if interpreting() else 32
+    _quant_rows_kernel[(cdiv(rows, block_r), cdiv(cols, GROUP))](
+        x_RC, q, scale, rows, cols, x_RC.stride(0), **format_constexprs(form), BLOCK_R=block_r, GROUP=GROUP,
+        num_warps=4,
+    )
+    return q, scale
+
+
+@quantize_rows.register_fake
+def _(x_RC, fmt):
+    rows, cols = x_RC.shape
+    return (x_RC.new_empty(rows, cols, dtype=_format(fmt).storage()),
+            x_RC.new_empty(rows, cdiv(cols, GROUP), dtype=torch.float32))
+
+
+@kernel_op("fp8_quantize_blocks")
+def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_ERC, q_ECR, scale): w_ERC in GROUP x GROUP blocks of format ``fmt``, and the same values transposed;
+    w[e, r, c] ~ q[e, r, c] * scale[e, r // GROUP, c // GROUP]."""
+    check_float("w_ERC", w_ERC, 3)
+    form = _format(fmt)
+    if w_ERC.stride(-1) != 1:
+        w_ERC = w_ERC.contiguous()
+    experts, rows, cols = w_ERC.shape
+    q = torch.empty(experts, rows, cols, dtype=form.storage(), device=w_ERC.device)
+    qt = torch.empty(experts, cols, rows, dtype=form.storage(), device=w_ERC.device)
+    scale = torch.empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32, device=w_ERC.device)
+    if q.numel() == 0:
+        return q, qt, scale
+    _quant_blocks_kernel[(cdiv(cols, GROUP), cdiv(rows, GROUP), experts)](
+        w_ERC, q, qt, scale, rows, cols, w_ERC.stride(0), w_ERC.stride(1), **format_constexprs(form), GROUP=GROUP,
+        CHUNK=32, num_warps=4,
+    )
+    return q, qt, scale
+
+
+@quantize_blocks.register_fake
+def _(w_ERC, fmt):
+    experts, rows, cols = w_ERC.shape
+    storage = _format(fmt).storage()
+    return (w_ERC.new_empty(experts, rows, cols, dtype=storage), w_ERC.new_empty(experts, cols, rows, dtype=storage),
+            w_ERC.new_empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32))
+
+
+class Fp8ExpertWeights(NamedTuple):
+    """The routed experts' weights in FP8, each laid out for the GEMMs that read it (reduction dimension last):
+    w1_EFH, w3_EFH feed the up GEMM (x w1, x w3; reduction H), w2_EHF the down GEMM (a w2; reduction F), w1_EHF,
+    w3_EHF the input gradient (dh1 w1^T + dh3 w3^T; reduction F) and w2_EFH the down dgrad (g w2^T; reduction H).
+    scale1, scale3: (E, cdiv(H, G), cdiv(F, G)) and scale2: (E, cdiv(F, G), cdiv(H, G)), fp32, one per 128 x 128
+    block of the weight in its (E, H, F) / (E, F, H) layout, shared by both copies."""
+    w1_EFH: torch.Tensor
+    w3_EFH: torch.Tensor
+    w2_EHF: torch.Tensor
+    w1_EHF: torch.Tensor
+    w3_EHF: torch.Tensor
+    w2_EFH: torch.Tensor
+    scale1: torch.Tensor
+    scale3: torch.Tensor
+    scale2: torch.Tensor
+
+
+def quantize_expert_weights(w1_EHF: torch.Tensor, w3_EHF: torch.Tensor, w2_EFH: torch.Tensor,
+                            fmt: str) -> Fp8ExpertWeights:
+    """The FP8 copies the experts' GEMMs read (one pass over each weight): once per optimizer step, by
+    ``reuse_weight_casts`` (xmoe/moe/experts.py), or once per forward where the weights are not cached there."""
+    q1, q1t, s1 = quantize_blocks(w1_EHF, fmt)
+    q3, q3t, s3 = quantize_blocks(w3_EHF, fmt)
+    q2, q2t, s2 = quantize_blocks(w2_EFH, fmt)
+    return Fp8ExpertWeights(w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w1_EHF=q1, w3_EHF=q3, w2_EFH=q2, scale1=s1,
+                            scale3=s3, scale2=s2)
