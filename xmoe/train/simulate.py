@@ -192,7 +192,7 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
             dist.destroy_process_group()
     layout = dict(world=world, rank=rank, tp=parallel.tp, ep=parallel.ep, dp=parallel.dp,
                   placement=parallel.placement, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                  imbalance=imbalance, layers=cfg.num_layers, ssmb=ssmb and parallel.tp > 1)
+                  imbalance=imbalance, layers=cfg.num_layers)
     return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, micro_batch * seq_len / (ms / 1e3))
 
 
