@@ -183,7 +183,9 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
             one_step()
         _sync(dev)
         ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
-        snapshot = tracker.get_tracker_snapshot("peak").get(dev, {})
+        # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
+        snapshot = next((kinds for where, kinds in tracker.get_tracker_snapshot("peak").items()
+                         if torch.device(where).type == dev.type), {})
         by_kind = {KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items()
                    if str(k) != "Total"}
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
