@@ -1,11 +1,13 @@
-"""Every Triton kernel of xmoe compiles ahead of time for cuda:90, hip:gfx90a and hip:gfx942 at every shipped tile
-configuration, without spilling registers (xmoe/kernels/aot.py says what is compiled and how resources are read).
+"""Every Triton kernel of xmoe compiles ahead of time for cuda:90, hip:gfx90a and hip:gfx942 (the FP8 kernels for
+the two with FP8 matrix instructions) at every shipped tile configuration, without spilling registers
+(xmoe/kernels/aot.py says what is compiled and how resources are read).
 
 The compiles run in one subprocess, benchmarks/aot_report.py, without TRITON_INTERPRET: conftest.py sets it for the
-interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 284 distinct
-launches in parallel processes: 105-140 s on 2 idle CPU cores with an empty Triton cache (up to ~280 s on cores
-shared with other work), ~10 s with a warm one ($TRITON_CACHE_DIR, default ~/.triton/cache); the huge-tile check
-adds ~10-20 s. Skipped when the installed Triton cannot make these compiles.
+interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 381 distinct
+launches in parallel processes. With an empty Triton cache the test takes ~255 s of CPU time: 5.7 min on 2 CPU
+cores shared with other work (about half that on 2 idle ones); with a warm one ($TRITON_CACHE_DIR, default
+~/.triton/cache) ~15 s for the compiles and ~30 s in all, the huge-tile check included. Skipped when the installed
+Triton cannot make these compiles.
 """
 
 import json
@@ -82,6 +84,27 @@ def test_fp8_dot_compiles_to_fp8_matrix_instructions(rows):
     assert set(mma) == {"cuda:90", "hip:gfx942"}  # gfx90a has no fp8 matrix instructions
     assert any("e4m3" in m for m in mma["cuda:90"]), mma
     assert any("fp8" in m for m in mma["hip:gfx942"]), mma
+
+
+def test_fp8_kernels_take_each_targets_format_and_tiles(rows):
+    from xmoe.kernels import tiles
+
+    fp8 = [r for r in rows if r["module"] in ("xmoe.kernels.fp8_quant", "xmoe.kernels.fp8_gemm")]
+    flavour = {"cuda:90": ("*fp8e4nv", "FP8_MAX=448.0", "e4m3"), "hip:gfx942": ("*fp8e4b8", "FP8_MAX=240.0", "fp8")}
+    assert {r["target"] for r in fp8} == set(flavour)  # gfx90a has no fp8 matrix instructions
+    for r in fp8:
+        pointer, fp8_max, mma = flavour[r["target"]]
+        assert pointer in r["signature"].values(), _where(r)
+        assert fp8_max in r["flags"] or "FP8_MAX" not in r["flags"], _where(r)
+        if "BLOCK_K" in r["tile"]:
+            assert r["ok"] and any(mma in m for m in r["mma"]), _where(r)
+    # gfx942 compiles an MI300X's picks, the 64 KB heuristic's (the H200's 128 x 128 x 128 tiles spill there), for
+    # experts of fewer than 64 rows and of more
+    mi300x = {f"BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_K={c.block_k} GROUP=128 num_stages={c.num_stages} "
+              f"num_warps={c.num_warps}" for kernel in tiles.FP8_KERNELS for n in (1, 64)
+              for c in [tiles.heuristic(kernel, n, 1, 64 * 1024)]}
+    picked = {r["tile"] for r in fp8 if r["target"] == "hip:gfx942" and r["shipped"] and "BLOCK_K" in r["tile"]}
+    assert picked and picked <= mi300x, picked - mi300x
 
 
 def test_the_spill_check_catches_a_huge_tile(tmp_path):

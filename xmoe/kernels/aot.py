@@ -17,17 +17,21 @@ the binary: NVIDIA registers and local memory per thread from ``cuobjdump -res-u
 reports as n_regs and, in 4-byte words, n_spills); AMD VGPRs, AGPRs, spill counts and scratch from the amdgcn
 metadata; shared memory / LDS from the compile's metadata, checked against the target's limit.
 
-Adding a kernel: launch it from a workload (an existing one if a public op already reaches it), e.g.
+Adding a kernel: launch it from a workload (an existing one if a public op already reaches it), as the FP8 fused
+path's does:
 
     @workload("fp8_fused", fp8=True)
     def _fp8_fused(shape: Shape, device: Device) -> None:
-        "fp8 fused experts, forward and backward"
-        t = layer_tensors(shape, torch.bfloat16)
-        out = fp8_moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
+        "moe_experts_fp8 (...), forward and backward"
+        from xmoe.kernels.fp8_experts import moe_experts_fp8
+
+        t, qw, fmt = fp8_layer(shape, device)
+        out = moe_experts_fp8(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2, qw, fmt)
         out.backward(torch.empty_like(out))
 
 ``fp8=True`` runs it only on devices with fp8 matrix instructions, whose ``device.fp8`` is the e4m3 dtype they
-take (float8_e4m3fn on sm_90, float8_e4m3fnuz on gfx942). ``benchmarks/aot_report.py`` writes the table;
+take (float8_e4m3fn on sm_90, float8_e4m3fnuz on gfx942; the FP8 kernels' pointers are then ``*fp8e4nv`` and
+``*fp8e4b8``, their FP8_MAX and MIN_EXP those of fp8_quant.FORMATS). ``benchmarks/aot_report.py`` writes the table;
 ``tests/test_aot_compile.py`` fails on a compile error, an uncovered kernel or a spill.
 """
 
@@ -44,13 +48,16 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from xmoe.kernels import tiles
+
+if TYPE_CHECKING:
+    from xmoe.kernels.fp8_quant import Fp8ExpertWeights
 
 META = torch.device("meta")
 
@@ -193,14 +200,67 @@ def _router(shape: Shape, device: Device) -> None:
         weights_TK.backward(torch.empty_like(weights_TK))
 
 
+def fp8_layer(shape: Shape, device: Device) -> tuple[SimpleNamespace, "Fp8ExpertWeights", str]:
+    """(layer_tensors in bf16, the FP8 copies of its weights, the device's format name): the copies quantised
+    from fp32 weights, as reuse_weight_casts makes them from the parameters once per step (outside it, one process
+    quantises them once per forward); the bf16 w1, w3, w2 receive the weight gradients, as make_casts' stand-ins
+    do."""
+    from xmoe.kernels.fp8_quant import FORMATS, quantize_expert_weights
+
+    t = layer_tensors(shape, torch.bfloat16)
+    (fmt,) = (f.name for f in FORMATS.values() if f.dtype == device.fp8)
+    params = (torch.empty_like(w, dtype=torch.float32) for w in (t.w1, t.w3, t.w2))
+    return t, quantize_expert_weights(*params, fmt), fmt
+
+
+@workload("fp8_fused", fp8=True)
+def _fp8_fused(shape: Shape, device: Device) -> None:
+    """moe_experts_fp8 (quantize_rows of x and grad_out, the FP8 GEMMs, the SwiGLU backward pass quantising dh1,
+    dh3; weight gradients and combines in bf16), forward and backward"""
+    from xmoe.kernels.fp8_experts import moe_experts_fp8
+
+    t, qw, fmt = fp8_layer(shape, device)
+    out = moe_experts_fp8(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2, qw, fmt)
+    out.backward(torch.empty_like(out))
+
+
+@workload("fp8_grouped", fp8=True)
+def _fp8_grouped(shape: Shape, device: Device) -> None:
+    """grouped_swiglu_fp8 over a dispatcher's expert-major rows (no gathers, no combine weights, dx unchunked),
+    forward and backward"""
+    from xmoe.kernels.fp8_experts import grouped_swiglu_fp8
+
+    t, qw, fmt = fp8_layer(shape, device)
+    token_ids_N, _, _, counts_E = t.plan_args
+    x_NH = torch.empty(token_ids_N.shape[0], shape.hidden, dtype=torch.bfloat16, device=META, requires_grad=True)
+    y_NH = grouped_swiglu_fp8(x_NH, t.w1, t.w3, t.w2, counts_E, qw, fmt)
+    y_NH.backward(torch.empty_like(y_NH))
+
+
+@workload("fp8_weights", fp8=True)
+def _fp8_weights(shape: Shape, device: Device) -> None:
+    """quantize_expert_weights of bf16 weights: FSDP2's gathers under mixed precision, quantised per forward (the
+    fp32 parameters' quantisation is fp8_layer's)"""
+    from xmoe.kernels.fp8_quant import quantize_expert_weights
+
+    t, _, fmt = fp8_layer(shape, device)
+    quantize_expert_weights(t.w1.detach(), t.w3.detach(), t.w2.detach(), fmt)
+
+
 @workload("candidates", shapes=(Shape.preset("medium", 8192),), shipped=False)
 def _candidates(shape: Shape, device: Device) -> None:
-    """every autotuning candidate (XMOE_AUTOTUNE=1) that fits the GPU, in the fused and the three-op paths"""
+    """every autotuning candidate (XMOE_AUTOTUNE=1) that fits the GPU, in the fused and the three-op paths, and in
+    the FP8 fused and grouped paths where FP8 candidates fit (none fits AMD's 64 KB: autotuning keeps the
+    heuristic's FP8 tiles there)"""
     fitting = {kernel: tiles.candidates(kernel, device.max_shared) for kernel in tiles.KERNELS}
+    fp8 = device.fp8 is not None and any(fitting[kernel] for kernel in tiles.FP8_KERNELS)
     for i in range(max(map(len, fitting.values()))):
         with tiles.force({kernel: c[i] for kernel, c in fitting.items() if i < len(c)}):
             _fused_experts(shape, device)
             _three_ops(shape, device)
+            if fp8:
+                _fp8_fused(shape, device)
+                _fp8_grouped(shape, device)
 
 
 @triton.jit
@@ -521,6 +581,8 @@ KNOWN_SPILLS = {
         "Triton 3.6: 8 B (dx, a ragged column tile), 3.9: none",
     ("cuda:90", "_grouped_mm_kernel", "BLOCK_M=64 BLOCK_N=64 BLOCK_K=32 num_stages=3 num_warps=4"):
         "Triton 3.6: 16 B (dx in fp32), 3.9: none",
+    ("cuda:90", "_fp8_up_fwd_kernel", "BLOCK_M=128 BLOCK_N=128 BLOCK_K=128 GROUP=128 num_stages=3 num_warps=16"):
+        "Triton 3.6: 8 B, 3.9: 8 B (the grouped path at the tiny preset: rows not gathered, F = 64 a ragged tile)",
 }
 
 

@@ -166,7 +166,8 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
         batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
 
         def one_step() -> None:
-            _, stats = forward_backward(built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=False)
+            _, stats = forward_backward(built.model, built.wrapped, batches, 1, dev, autocast,
+                                        detach_casts=world == 1)  # as the trainer
             clip_grad_norm_(params, 1.0, dims=dims)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
