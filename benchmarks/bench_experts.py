@@ -8,16 +8,18 @@
     PYTHONPATH=. python benchmarks/bench_experts.py --per-gemm      # and each GEMM alone vs torch._grouped_mm
     PYTHONPATH=. python benchmarks/bench_experts.py --check         # check_gpu.py's bf16 checks first
     PYTHONPATH=. XMOE_AUTOTUNE=1 python benchmarks/bench_experts.py --check --out DIR \
-        --methods triton_fused,triton_fused_legacy,grouped_mm_pipe,dense_equiv   # tuned vs before, side by side
+        --methods triton_fused,triton_fused_triton_wgrad,grouped_mm_pipe,dense_equiv   # tuned, both engines
 
 Methods, all including their routing bookkeeping (plan / sort) inside the timed region:
   triton_fused      build_plan + triton_ops.moe_experts (gather into the up GEMM, weights into the down dgrad),
-                    tiles per shape class (autotuned under XMOE_AUTOTUNE=1), lean backward
-  triton_fused_legacy  the same op with the one hand-picked tile table and the backward buffers of before
-                    (xmoe.kernels.tiles.use_options(legacy=True))
+                    tiles per shape class (autotuned under XMOE_AUTOTUNE=1, kernels.autotune's default), lean
+                    backward, weight gradients by the engine kernels.wgrad's default picks (XMOE_WGRAD, else
+                    auto: the Hopper torch._grouped_mm path where xmoe.kernels.grouped_wgrad.wgrad_engine picks it)
   triton_fused_triton_wgrad  triton_fused with its weight gradients always by the Triton kernels
-                    (use_options(wgrad="triton"); triton_fused takes the Hopper torch._grouped_mm path where
-                    xmoe.kernels.grouped_wgrad.wgrad_engine picks it)
+                    (xmoe.kernels.tiles.use_options(wgrad="triton"))
+(triton_fused_legacy, the one hand-picked tile table with the backward's buffers of before, was timed beside these
+until the legacy path was removed after commit c30d1c7; its numbers stay in results/bench_experts_tiles.md, 0-3%
+slower than the tuned tiles with 1.2-1.3x their backward transient, and bench_experts_wgrad.md.)
   triton_fp8        build_plan + fp8_experts.moe_experts_fp8 (moe.fp8 = "experts": FP8 GEMMs with 1x128 / 128x128
                     scales, bf16 weight gradients); the weights' FP8 copies are made once per optimizer step in
                     training, so outside the timed region (their time is the row's weight_quant_ms)
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 from benchmarks.harness import RESULTS_ENV, environment, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
-METHODS = ["triton_fused", "triton_fp8", "triton_fused_legacy", "triton_fused_triton_wgrad", "triton_ops",
+METHODS = ["triton_fused", "triton_fp8", "triton_fused_triton_wgrad", "triton_ops",
            "torch_backend", "grouped_mm_pipe", "scaled_grouped_mm_pipe", "gshard_padded", "dense_equiv", "bmm_ceiling"]
 
 
@@ -112,7 +114,7 @@ def forward_fn(method, inp, E):
     x, w, w1, w3, w2, ids = inp["x"], inp["w"], inp["w1"], inp["w3"], inp["w2"], inp["ids"]
     T, K = ids.shape
     leaves = [x, w, w1, w3, w2]
-    if method in ("triton_fused", "triton_fused_legacy", "triton_fused_triton_wgrad"):
+    if method in ("triton_fused", "triton_fused_triton_wgrad"):
         def fwd():
             p = build_plan(ids, inp["scores"], E)
             return triton_ops.moe_experts(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK,
@@ -276,8 +278,7 @@ def memory_split(fwd, leaves, grad):
 def measure(method, inp, E, flops_fwd):
     fwd, leaves = forward_fn(method, inp, E)
     grad = {"dense_equiv": inp.get("grad_dense"), "bmm_ceiling": inp.get("grad_bmm")}.get(method, inp["grad"])
-    mode = {"triton_fused_legacy": tiles_legacy, "triton_fused_triton_wgrad": triton_wgrad}.get(
-        method, contextlib.nullcontext)
+    mode = triton_wgrad if method == "triton_fused_triton_wgrad" else contextlib.nullcontext
 
     def fwd_only():
         with mode(), torch.no_grad():
@@ -307,12 +308,6 @@ def measure(method, inp, E, flops_fwd):
     gc.collect()
     torch.cuda.empty_cache()
     return row
-
-
-def tiles_legacy():
-    from xmoe.kernels import tiles
-
-    return tiles.use_options(legacy=True)
 
 
 def triton_wgrad():
@@ -575,7 +570,8 @@ def main() -> int:
     meta = environment()
     meta["autotune"] = tiles.OPTIONS.autotune
     meta["tile_candidates"] = {k: [list(vars(c).values()) for c in v] for k, v in tiles.CANDIDATES.items()}
-    meta["legacy_tiles"] = {k: list(vars(v).values()) for k, v in tiles.LEGACY.items()}
+    meta["wgrad"] = tiles.OPTIONS.wgrad
+    meta["base_tiles"] = {k: list(vars(v).values()) for k, v in tiles.BASE.items()}
     if args.check:
         from benchmarks import check_gpu
 
@@ -657,8 +653,8 @@ def main() -> int:
     print()
     from benchmarks.harness import markdown_table
 
-    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "triton_fp8", "triton_fused_legacy",
-                                                             "triton_fused_triton_wgrad", "grouped_mm_pipe",
+    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "triton_fp8", "triton_fused_triton_wgrad",
+                                                             "grouped_mm_pipe",
                                                              "scaled_grouped_mm_pipe", "dense_equiv", "bmm_ceiling")],
                          columns))
     if tiles.OPTIONS.autotune:

@@ -1,20 +1,20 @@
 """Typed configuration for every xmoe component.
 
-One dataclass per component, validated on construction: a value a user can get wrong raises
-``ValueError`` naming the value and the fix. Presets are plain functions returning configs.
+One dataclass per component, validated on construction (the checks in xmoe/checks.py): a value a user can get
+wrong raises ``ValueError`` naming the value and the fix. Presets are plain functions returning configs.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import math
 import os
-import types
-import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal, Optional, get_args
+
+from xmoe.checks import check_types
+from xmoe.checks import missing as missing  # re-exported: the commands import it from here
+from xmoe.checks import positive as _positive
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
@@ -24,64 +24,7 @@ AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
 RopeScaling = Literal["none", "yarn"]
-
-
-def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundError:
-    """The error for a path that leads to no file or directory, ending in ``fix``: a looping or dangling symlink is
-    named as such (a plain existence check reports both as "not found")."""
-    try:
-        os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return FileNotFoundError(f"{what} {str(path)!r} is a symlink loop; point at the file itself")
-        if os.path.islink(path):
-            return FileNotFoundError(f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not "
-                                     "exist; point at the file itself")
-    return FileNotFoundError(f"{what} {str(path)!r} not found" + (f"; {fix}" if fix else ""))
-
-
-def _positive(name: str, value: int | float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} ({value}) must be finite and > 0")
-
-
-def _describe(kind: typing.Any) -> str:
-    """What a value of annotation ``kind`` looks like, for error messages."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        kind, getattr(kind, "__name__", str(kind)))
-
-
-def _conforms(value: typing.Any, kind: typing.Any) -> bool:
-    if typing.get_origin(kind) is Literal:
-        return any(value == a and type(value) is type(a) for a in typing.get_args(kind))
-    if typing.get_args(kind) and typing.get_origin(kind) is not Literal:  # Optional[X] / X | None
-        return any(_conforms(value, a) for a in typing.get_args(kind))
-    if kind is type(None):
-        return value is None
-    if kind is float:  # an integer is a fine number (JSON and TOML write 1 for 1.0); a bool is not
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:  # 16.0 or true as a count is a mistake to report, not to round
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
-
-def check_types(obj: typing.Any) -> None:
-    """Raise ValueError naming ``section.field``, the value and the expected type for any field of the config
-    dataclass ``obj`` whose value does not match its annotation; integers given for float fields become floats.
-    Runs first in every config's __post_init__, so range checks below compare numbers, never strings."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, kind = getattr(obj, f.name), hints[f.name]
-        if not _conforms(value, kind):
-            raise ValueError(f"{obj.section}.{f.name} ({value!r}) must be {_describe(kind)}, "
-                             f"not {type(value).__name__}")
-        if kind in (float, Optional[float]) and isinstance(value, int):
-            setattr(obj, f.name, float(value))
+WgradEngine = Literal["auto", "triton", "grouped_mm"]
 
 
 @dataclass
@@ -446,6 +389,36 @@ class TrainConfig:
             raise ValueError(f"grad_clip ({self.grad_clip}) must be finite and >= 0 (0 disables clipping)")
 
 
+def _from_env(name: str, field_name: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment's default of ``kernels.<field_name>``, checked when a KernelConfig is made."""
+    value = os.environ.get(name) or default
+    if value not in choices:
+        raise ValueError(f"{name} ({value!r}) must be one of {', '.join(choices)} (it sets the default of "
+                         f"kernels.{field_name}); set one of them or unset it")
+    return value
+
+
+@dataclass
+class KernelConfig:
+    """How the Triton kernels compute (docs/kernels.md, "Kernel choices"): speed, memory and rounding, never the
+    model. Defaults come from the environment (XMOE_WGRAD, XMOE_AUTOTUNE=1), read when the config is made; the
+    trainer applies its run's choice to the kernels (``xmoe.kernels.choice``) and records what it resolved to.
+
+    ``wgrad``: what computes the fused backward's weight gradients: "auto" (torch._grouped_mm over gathered rows on
+    sm_90 in bf16 with at least 128 experts per rank averaging at most 1024 rows, the Triton kernels elsewhere),
+    "triton", or "grouped_mm" (wherever torch._grouped_mm runs: bf16, H and F multiples of 8).
+    ``autotune``: on a GPU, time every tile candidate of a shape class at its first launch and keep the fastest
+    (cached in $XMOE_CACHE_DIR, default ~/.cache/xmoe) instead of the shipped table or the heuristic."""
+
+    wgrad: WgradEngine = field(
+        default_factory=lambda: _from_env("XMOE_WGRAD", "wgrad", get_args(WgradEngine), "auto"))
+    autotune: bool = field(default_factory=lambda: _from_env("XMOE_AUTOTUNE", "autotune", ("0", "1"), "0") == "1")
+    section: ClassVar[str] = "kernels"
+
+    def __post_init__(self) -> None:
+        check_types(self)
+
+
 @dataclass
 class RunConfig:
     """Everything one ``xmoe train`` run needs."""
@@ -453,6 +426,7 @@ class RunConfig:
     model: ModelConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def batch_layout(self) -> tuple[int, int, int]:
         """(sequences per data-parallel rank per step, per micro-batch, micro-batches per step). Data is sharded over

@@ -11,17 +11,19 @@ fp8_experts.py (``moe_experts_fp8``, ``grouped_swiglu_fp8``), with their quantis
 
 ``torch`` (reference.py) runs anywhere. ``triton`` (triton_ops.py) runs on any Triton backend (NVIDIA, AMD) and
 on CPU tensors under TRITON_INTERPRET=1 (fp32 only). ``auto`` picks triton for GPU tensors when Triton imports,
-torch otherwise.
+torch otherwise. How the Triton kernels compute (weight-gradient engine, autotuning) is a run's ``kernels`` section
+(``KernelConfig``), applied through tiles.use_options; choice.py resolves it on a device for the run's records.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
 from types import ModuleType
 
 import torch
+
+from xmoe.kernels._common import interpreting
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,9 +48,15 @@ def get_ops(backend: str, device: torch.device) -> ModuleType:
     return ops
 
 
-def _resolve(backend: str, device: torch.device) -> ModuleType:
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"torch" or "triton": the backend that ``backend`` ("auto" included) names on ``device``."""
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" and triton_available() else "torch"
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return backend
+
+
+def _resolve(backend: str, device: torch.device) -> ModuleType:
+    backend = resolve_backend(backend, device)
     if backend == "torch":
         from xmoe.kernels import reference
 
@@ -56,7 +64,7 @@ def _resolve(backend: str, device: torch.device) -> ModuleType:
     if backend == "triton":
         if not triton_available():
             raise ValueError("kernel_backend='triton' needs the triton package: pip install triton")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"kernel_backend='triton' on a {device.type} tensor needs a GPU, or TRITON_INTERPRET=1 to run the "
                 "kernels in Triton's CPU interpreter (fp32 only); use kernel_backend='torch' or 'auto' on CPU"

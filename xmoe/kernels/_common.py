@@ -24,8 +24,8 @@ def next_pow2(n: int) -> int:
 
 @functools.cache
 def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1: kernels run on CPU tensors in numpy, so launchers pick tiny blocks. Read once,
-    like triton itself, which decides when the kernels are defined."""
+    """True under TRITON_INTERPRET=1: kernels run on CPU tensors in numpy, so launchers pick tiny blocks. The one
+    place xmoe reads the variable, once, like triton itself, which decides when the kernels are defined."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

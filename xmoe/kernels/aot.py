@@ -422,7 +422,7 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
     tiles.pick, tiles.device_budget = recording_pick, lambda dev: (device.max_shared, table)
     tiles.clear_memo()
     try:
-        with tiles.use_options(autotune=False, legacy=False, wgrad="triton"):
+        with tiles.use_options(autotune=False, wgrad="triton"):
             yield
     finally:
         tiles.pick, tiles.device_budget = pick, budget

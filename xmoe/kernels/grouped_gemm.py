@@ -363,7 +363,7 @@ def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH
     num_rows, ffn = h1_NF.shape
     has_w = row_weights_N is not None
     da = _grouped_mm(g, w2_EFH.transpose(1, 2), None, None, tokens_per_expert_E, token_ids_N, "down_bwd")
-    dh1 = torch.empty_like(da) if tiles.OPTIONS.legacy else da  # legacy: the buffers of before, for comparison
+    dh1 = da
     dh3, a = (h3_NF, h1_NF) if reuse_h else (torch.empty_like(h1_NF), torch.empty_like(h1_NF))
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
     if num_rows == 0 or ffn == 0:
@@ -387,5 +387,5 @@ def _(g, token_ids_N, w2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, 
 
 def can_reuse_saved() -> bool:
     """Whether a backward may write gradients over its saved h1/h3: not under torch.compile (the ops declare no
-    mutation) and not in the legacy mode kept for comparison."""
-    return not tiles.OPTIONS.legacy and not torch.compiler.is_compiling()
+    mutation)."""
+    return not torch.compiler.is_compiling()

@@ -285,16 +285,13 @@ def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, 
     """"grouped_mm" or "triton": what computes the weight gradients for these operands (grouped_wgrad without row
     ids; the fused backward gathers its rows first when this says "grouped_mm"). hidden, ffn: the two widths.
 
-    ``tiles.OPTIONS.wgrad`` (env ``XMOE_WGRAD``): "triton" always the kernels above; "grouped_mm" torch._grouped_mm
-    wherever it runs (bf16; on CPU also fp32 in builds with its CPU kernel; tests use this on CPU); "auto" (default)
-    grouped_mm on sm_90 in bf16 with at least GROUPED_MM_MIN_EXPERTS experts averaging at most
-    GROUPED_MM_MAX_ROWS_PER_EXPERT rows. Either way H and F must be multiples of 8 (its 16-byte stride rule) and
-    there must be rows; otherwise, and in legacy mode, "triton"."""
+    ``tiles.OPTIONS.wgrad`` (a run's ``kernels.wgrad``): "triton" always the kernels above; "grouped_mm"
+    torch._grouped_mm wherever it runs (bf16; on CPU also fp32 in builds with its CPU kernel; tests use this on
+    CPU); "auto" (default) grouped_mm on sm_90 in bf16 with at least GROUPED_MM_MIN_EXPERTS experts averaging at
+    most GROUPED_MM_MAX_ROWS_PER_EXPERT rows. Either way H and F must be multiples of 8 (its 16-byte stride rule)
+    and there must be rows; otherwise "triton"."""
     mode = tiles.OPTIONS.wgrad
-    if mode not in ("auto", "triton", "grouped_mm"):
-        raise ValueError(f"XMOE_WGRAD / tiles.OPTIONS.wgrad is {mode!r}; use auto, triton or grouped_mm")
     usable = (hasattr(torch, "_grouped_mm") and hidden % 8 == 0 and ffn % 8 == 0 and num_rows > 0
-              and not tiles.OPTIONS.legacy
               # its GPU kernels and torch.compile's shape function take bf16 only; the CPU kernel fp32 too
               and (x.dtype == torch.bfloat16
                    or (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling())))

@@ -1,24 +1,25 @@
 """Tile configurations of the grouped-GEMM kernels: per-kernel candidates, a pick per shape class and GPU, and
-optional autotuning (``XMOE_AUTOTUNE=1``) whose winners persist on disk.
+optional autotuning (``kernels.autotune``) whose winners persist on disk.
 
 # H hidden, F expert ffn, E experts, N rows (expert-major)
 
 A launch is described by its shape class: the kernel, the GEMM's reduction length and output width (powers of
 two at or above them) and the rows per expert (N // E, also a power of two). How these pick a config:
-  1. TRITON_INTERPRET=1: one tiny config (the interpreter costs ~0.5 ms per program); tests may force others.
+  1. Triton's interpreter (TRITON_INTERPRET=1): one tiny config (the interpreter costs ~0.5 ms per program);
+     tests may force others.
   2. fp32 on a GPU (exact "ieee" dots, a correctness path): small tiles that do not spill.
-  3. ``XMOE_AUTOTUNE=1`` on a GPU: the cached winner of this class, or, on a miss, every candidate timed on the
-     launch's own arguments (kernels that write only their outputs, so re-running is harmless), the fastest
+  3. autotuning (``kernels.autotune``) on a GPU: the cached winner of this class, or, on a miss, every candidate
+     timed on the launch's own arguments (kernels that write only their outputs, so re-running is harmless), the fastest
      kept in memory and in ``$XMOE_CACHE_DIR`` (default ~/.cache/xmoe), one JSON file per GPU name and Triton
      version. Candidates that fail to compile or launch are skipped.
   4. The tuned table shipped for this GPU model, if any (xmoe/kernels/tuned/<GPU name>.json: the winners of an
-     ``XMOE_AUTOTUNE=1`` run of benchmarks/bench_experts.py over the three model shapes), for the classes it has.
+     autotuning run of benchmarks/bench_experts.py over the three model shapes), for the classes it has.
   5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
      experts average fewer than 64 rows, and pipeline stages cut until they fit the GPU's shared memory (an
      A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
-``LEGACY`` (the one hand-picked table used before shape classes, and the backward that kept every (N, F) and
-(N, H) buffer) stays selectable through ``use_options(legacy=True)``, so benchmarks can run old and new side by
-side.
+What is chosen (autotuning, and the weight-gradient engine of grouped_wgrad.py) is a ``KernelConfig``
+(xmoe/config.py, a run's ``kernels`` section): ``OPTIONS``, the environment's defaults unless a caller applies
+another with ``use_options`` (the trainer does, for its run; ``source`` says in words where the picks come from).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from xmoe.config import KernelConfig
 from xmoe.kernels._common import interpreting, next_pow2
 
 
@@ -63,9 +65,9 @@ class TileConfig:
 KERNELS = ("up_fwd", "mm", "dx", "down_bwd", "wgrad", "wgrad2", "fp8_up", "fp8_mm", "fp8_dx", "fp8_down_bwd")
 FP8_KERNELS = KERNELS[6:]
 
-# The hand-picked H200 table of before (one config per kernel whatever the shape): the heuristic's base, and
-# what ``legacy=True`` runs. Winners of bench_experts.py --sweep at T=16384, small and medium shapes.
-LEGACY: dict[str, TileConfig] = {
+# The hand-picked H200 table (one config per kernel whatever the shape): the heuristic's base for the 16-bit
+# kernels. Winners of bench_experts.py --sweep at T=16384, small and medium shapes.
+BASE: dict[str, TileConfig] = {
     "up_fwd": TileConfig(128, 128, 32, 8, 6),
     "mm": TileConfig(128, 256, 64, 8, 4),
     "dx": TileConfig(128, 256, 64, 8, 4),
@@ -89,18 +91,18 @@ FP8_BASE: dict[str, TileConfig] = {
 _FP8_MM_CANDIDATES = [TileConfig(128, 128, 128, 8, 4), TileConfig(128, 128, 128, 16, 3), TileConfig(128, 128, 128, 16, 4),
                       TileConfig(64, 256, 128, 8, 3), TileConfig(64, 128, 128, 4, 4)]
 
-# What autotuning tries, per kernel (the LEGACY or FP8_BASE entry first). wgrad groups: several experts per program for
+# What autotuning tries, per kernel (the BASE or FP8_BASE entry first). wgrad groups: several experts per program for
 # experts with few rows (E = 256, ~512 rows each on the large shape), where every output tile otherwise refills
 # its pipeline after 16 row blocks.
 CANDIDATES: dict[str, list[TileConfig]] = {
-    "up_fwd": [LEGACY["up_fwd"], TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 4)],
-    "mm": [LEGACY["mm"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
-    "dx": [LEGACY["dx"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
-    "down_bwd": [LEGACY["down_bwd"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
-    "wgrad": [LEGACY["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(256, 128, 64, 8, 3),
+    "up_fwd": [BASE["up_fwd"], TileConfig(128, 128, 64, 8, 4), TileConfig(64, 128, 64, 4, 4)],
+    "mm": [BASE["mm"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
+    "dx": [BASE["dx"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
+    "down_bwd": [BASE["down_bwd"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
+    "wgrad": [BASE["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(256, 128, 64, 8, 3),
               TileConfig(128, 128, 32, 4, 6, 2),
               TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
-    "wgrad2": [LEGACY["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
+    "wgrad2": [BASE["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
                TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
     "fp8_up": [FP8_BASE["fp8_up"], TileConfig(128, 128, 128, 16, 4), TileConfig(64, 128, 128, 8, 4)],
     "fp8_mm": _FP8_MM_CANDIDATES,
@@ -112,28 +114,24 @@ INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpret
 FP32_CONFIG = TileConfig(64, 64, 32, 4, 3)  # exact fp32 dots use no tensor cores: small tiles keep them from spilling
 
 
-@dataclass
-class Options:
-    legacy: bool = os.environ.get("XMOE_KERNELS_LEGACY") == "1"  # the LEGACY tiles and the backward that stores every buffer (for comparison)
-    autotune: bool = os.environ.get("XMOE_AUTOTUNE") == "1"
-    # weight gradients of the fused backward: "auto", "triton" or "grouped_mm" (grouped_wgrad.wgrad_engine)
-    wgrad: str = os.environ.get("XMOE_WGRAD", "auto")
-
-
-OPTIONS = Options()
+OPTIONS = KernelConfig()  # what the kernels run under when no caller applied a config: the environment's defaults
 _FORCED: dict[str, TileConfig] = {}
 _PICKED: dict[tuple, TileConfig] = {}
 
 
 @contextlib.contextmanager
-def use_options(**changes) -> Iterator[Options]:
-    """Temporarily change OPTIONS (e.g. ``legacy=True``); picks made under other options are not reused."""
+def use_options(config: Optional[KernelConfig] = None, **changes) -> Iterator[KernelConfig]:
+    """Run the kernels under ``config`` (a run's kernels section), or under OPTIONS with ``changes`` (e.g.
+    ``wgrad="triton"``, validated as the config validates them), until the block ends; picks made under other
+    options are not reused. A module attribute set for a block, not an argument (it would have to pass through
+    the custom ops) nor a context variable (torch.compile cannot trace ContextVar.get into one graph, torch 2.13)."""
     global OPTIONS
+    names = list(KernelConfig.__dataclass_fields__)
     for name in changes:
-        if not hasattr(OPTIONS, name):
-            raise ValueError(f"unknown kernel option {name!r}; the options are {list(vars(OPTIONS))}")
+        if name not in names:
+            raise ValueError(f"unknown kernel option {name!r}; the options are {names}")
     saved = OPTIONS
-    OPTIONS = replace(OPTIONS, **changes)
+    OPTIONS = replace(config or OPTIONS, **changes)
     try:
         yield OPTIONS
     finally:
@@ -191,8 +189,8 @@ def fit_to_gpu(kernel: str, cfg: TileConfig, max_shared: int) -> Optional[TileCo
 
 
 def base_config(kernel: str) -> TileConfig:
-    """The heuristic's starting point: the LEGACY entry, or FP8_BASE's for the FP8 kernels."""
-    return LEGACY[kernel] if kernel in LEGACY else FP8_BASE[kernel]
+    """The heuristic's starting point: the BASE entry, or FP8_BASE's for the FP8 kernels."""
+    return BASE[kernel] if kernel in BASE else FP8_BASE[kernel]
 
 
 def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> TileConfig:
@@ -230,8 +228,6 @@ def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, widt
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return FP32_CONFIG
-    if OPTIONS.legacy:
-        return base_config(kernel)
     key = shape_class(kernel, depth, width, num_rows, num_experts)
     memo = (key, device.index, OPTIONS.autotune)
     cfg = _PICKED.get(memo)
@@ -246,6 +242,20 @@ def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, widt
         cfg = cache.get(key) or cache.put(key, _tune(kernel, run, max_shared) or cfg)
     _PICKED[memo] = cfg
     return cfg
+
+
+def source(dtype: torch.dtype, device: torch.device) -> str:
+    """Where ``pick`` takes the configs of launches in ``dtype`` on ``device`` from, in the run header's words (the
+    order of ``pick``): "interpreter", "fp32", "autotune", "table <GPU name>" (the shipped table; the heuristic
+    for classes it lacks) or "heuristic"."""
+    if interpreting():
+        return "interpreter"
+    if dtype == torch.float32:
+        return "fp32"
+    if OPTIONS.autotune and device.type == "cuda":
+        return "autotune"
+    name = _gpu_name(device) if device.type == "cuda" else ""
+    return f"table {name}" if name and shipped_table(name) else "heuristic"
 
 
 def _bench_ms(fn: Callable[[], object]) -> float:

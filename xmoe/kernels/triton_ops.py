@@ -29,7 +29,6 @@ import math
 
 import torch
 
-from xmoe.kernels import tiles
 from xmoe.kernels._common import cdiv, interpreting
 from xmoe.kernels.combine import combine_fwd, combine_into, combine_rows
 from xmoe.kernels.grouped_gemm import can_reuse_saved, grouped_mm, swiglu_down_bwd, swiglu_up_fwd
@@ -51,9 +50,9 @@ def column_chunks(hidden: int, num_rows: int, num_tokens: int, quantum: int = 1)
     """Column ranges of H for the (N, H) results that are summed per token at once (y, dx): each chunk's (N, C)
     buffer is about as large as the (T, H) output it is summed into (C ~ H * T / N = H / K), at least 1024
     columns (4 of the widest 256-column tiles: each chunk's launch keeps several waves of programs), and every
-    chunk starts at a multiple of ``quantum`` (the FP8 weights' 128-column scale blocks). Under torch.compile and
-    in legacy mode one chunk."""
-    if tiles.OPTIONS.legacy or torch.compiler.is_compiling() or hidden == 0:
+    chunk starts at a multiple of ``quantum`` (the FP8 weights' 128-column scale blocks). Under torch.compile one
+    chunk."""
+    if torch.compiler.is_compiling() or hidden == 0:
         return [(0, hidden)]
     align, floor = (32, 32) if interpreting() else (256, 1024)
     align = math.lcm(align, quantum)

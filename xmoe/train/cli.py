@@ -1,8 +1,9 @@
 """Arguments of `xmoe train` and how they become a RunConfig.
 
-Precedence, lowest first: the preset's defaults, then a config file (--config, JSON or TOML with optional
-sections ``model``, ``moe``, ``train``, ``parallel``), then ``--set section.field=value`` overrides, then the
-dedicated flags (--steps, --seed, --ep, --tp, --dp, ...). ``dp`` is derived last, from the merged ep and tp:
+Precedence, lowest first: the preset's defaults (for ``kernels``, the environment's: XMOE_WGRAD, XMOE_AUTOTUNE),
+then a config file (--config, JSON or TOML with optional sections ``model``, ``moe``, ``train``, ``parallel``,
+``kernels``), then ``--set section.field=value`` overrides, then the dedicated flags (--steps, --seed, --ep, --tp,
+--dp, --wgrad, ...). ``dp`` is derived last, from the merged ep and tp:
 processes / (ep * tp) unless given. Unknown fields and values of the wrong type are errors naming them.
 """
 
@@ -17,11 +18,12 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig, missing
+from xmoe.config import KernelConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig, missing
 
 log = logging.getLogger(__name__)
 
-SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "parallel": ParallelConfig}
+SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "parallel": ParallelConfig,
+            "kernels": KernelConfig}
 # fields of an imported model that training may set freely: they change how it is trained, not which weights it has
 # or what it computes
 TRAINING_FIELDS = ("model.max_seq_len", "model.init_std", "model.moe.init_std", "model.moe.aux_loss_coef",
@@ -67,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
     p.add_argument("--fp8", choices=["off", "experts"],
                    help="FP8 GEMMs for the routed experts (moe.fp8; default off; GPUs with FP8 matrix instructions)")
+    p.add_argument("--wgrad", choices=["auto", "triton", "grouped_mm"],
+                   help="what computes the Triton backward's weight gradients (kernels.wgrad; default $XMOE_WGRAD, "
+                        "else auto: torch._grouped_mm on sm_90 GPUs with >= 128 experts per rank, else Triton)")
+    p.add_argument("--autotune", action=argparse.BooleanOptionalAction,
+                   help="time every tile candidate of each new GPU kernel shape and keep the fastest (kernels.autotune;"
+                        " default on if XMOE_AUTOTUNE=1, else off: the shipped tile table or the heuristic)")
     p.add_argument("--batch-size", type=int, help=f"global batch in sequences (default {_TINY.global_batch_size}; "
                    f"paper presets {_PAPER.global_batch_size})")
     p.add_argument("--micro-batch-size", type=int, help="sequences per forward per rank (default: the whole "
@@ -208,6 +216,9 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     sections["train"].update({k: v for k, v in flags.items() if v is not None})
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
+    for field, value in (("wgrad", getattr(args, "wgrad", None)), ("autotune", getattr(args, "autotune", None))):
+        if value is not None:
+            sections["kernels"][field] = value
     for field, value in (("dispatcher", args.dispatcher), ("kernel_backend", args.kernel_backend),
                          ("fp8", getattr(args, "fp8", None))):
         if value is not None:
@@ -239,7 +250,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     if model.moe.dispatcher == "rbd" and parallel.ep == 1:
         warnings.warn("moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
                       "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1", stacklevel=2)
-    return RunConfig(model=model, train=train, parallel=parallel)
+    kernels = _apply(KernelConfig(), "kernels", sections["kernels"])
+    return RunConfig(model=model, train=train, parallel=parallel, kernels=kernels)
 
 
 def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: ModelConfig, allow_changes: bool) -> None:

@@ -297,12 +297,13 @@ class MetricsLogger:
         status: Optional[str] = None,
         title: Optional[str] = None,
         step: Optional[int] = None,
+        info: Optional[dict[str, Any]] = None,
     ) -> dict[str, Any]:
         """Print a summary, write ``summary.json`` and ``loss.png`` (loss vs step over the whole run, with
         dashed lines for ``floor`` (entropy rate), ``baseline`` (unigram entropy) and any ``references``).
         Means of tokens/s, TFLOP/s and MFU skip this process's first record (it includes start-up time).
         ``step``: the last step trained (default: the last one logged; a run stopped between logging steps
-        trained further)."""
+        trained further). ``info``: what else describes the run (the trainer's kernel choices), kept as given."""
         if not self.active:
             return {}
         for handle in (self._bar, self._tb, self._file):
@@ -334,6 +335,7 @@ class MetricsLogger:
             summary.update(final_val_loss=val[-1][1], best_val_loss=min(v for _, v in val))
         lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
         lines = {k: v for k, v in lines.items() if v is not None}
+        summary.update(info or {})
         _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
         self._plot(losses, lines, title or str(self.out_dir), val)
         self._emit(summary_text(summary))

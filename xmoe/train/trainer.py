@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from xmoe.config import RunConfig
+from xmoe.kernels.choice import resolve_choice
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import clip_grad_norm_
@@ -143,6 +144,7 @@ class Trainer:
         self.local_batch, self.micro_batch, _ = run.batch_layout()
         assert self.dp_size == run.parallel.dp * run.parallel.ep  # the ranks batch_layout split the batch over
         self.autocast = self.device.type == "cuda"
+        self.kernels = resolve_choice(run, self.device, torch.bfloat16 if self.autocast else torch.float32)
 
         # 1. the data (checked against the model's vocabulary)
         self.dataset = dataset = build_dataset(data, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed,
@@ -242,7 +244,8 @@ class Trainer:
         }
         return ckpt.save_checkpoint(self.out_dir, self.step, self.wrapped, self.optimizer, extra,
                                     keep_last=self.run.train.keep_last,
-                                    config={**asdict(self.run), "data": self.data_info})
+                                    config={**asdict(self.run), "data": self.data_info,
+                                            "kernels": self.kernels.record()})
 
     # ------------------------------------------------------------------------------------------- loop
 
@@ -282,7 +285,7 @@ class Trainer:
         """Run to ``train.steps``; raises safety.RunStopped after a stop signal (a checkpoint saved first) and
         safety.NonFiniteError on a NaN / inf loss or gradient norm (nothing saved after it)."""
         try:
-            with safety.RunGuard(self.device, self.run.train.nonfinite_skips) as guard:
+            with safety.RunGuard(self.device, self.run.train.nonfinite_skips) as guard, self.kernels.applied():
                 return self._train(guard)
         finally:
             self.close()
@@ -350,7 +353,8 @@ class Trainer:
         """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""
         floor = getattr(self.dataset, "loss_floor", None)
         summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None),
-                                     status=status, title=f"{self.out_dir} ({self._preset_text()})", step=self.step)
+                                     status=status, title=f"{self.out_dir} ({self._preset_text()})", step=self.step,
+                                     info={"kernels": self.kernels.record()})
         if self.rank == 0:
             if floor is not None and isinstance(summary.get("final_loss"), float):
                 log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token "
@@ -454,6 +458,7 @@ class Trainer:
             f"data {self.data_spec}: vocab {self.dataset.vocab_size}, seq {t.seq_len}, global batch "
             f"{t.global_batch_size} ({self.micro_batch} x {accum} micro-batches x {self.dp_size} ranks), "
             f"compiled regions {'on' if self.compiled else 'off'}, recompute {t.recompute}",
+            self.kernels.describe(),
         ]
         floor = getattr(self.dataset, "loss_floor", None)
         if floor is not None:
