@@ -363,7 +363,7 @@ def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH
     num_rows, ffn = h1_NF.shape
     has_w = row_weights_N is not None
     da = _grouped_mm(g, w2_EFH.transpose(1, 2), None, None, tokens_per_expert_E, token_ids_N, "down_bwd")
-    dh1 = da
+    dh1 = da  # the elementwise pass writes dh1 over da
     dh3, a = (h3_NF, h1_NF) if reuse_h else (torch.empty_like(h1_NF), torch.empty_like(h1_NF))
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
     if num_rows == 0 or ffn == 0:

@@ -9,9 +9,9 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
      tests may force others.
   2. fp32 on a GPU (exact "ieee" dots, a correctness path): small tiles that do not spill.
   3. autotuning (``kernels.autotune``) on a GPU: the cached winner of this class, or, on a miss, every candidate
-     timed on the launch's own arguments (kernels that write only their outputs, so re-running is harmless), the fastest
-     kept in memory and in ``$XMOE_CACHE_DIR`` (default ~/.cache/xmoe), one JSON file per GPU name and Triton
-     version. Candidates that fail to compile or launch are skipped.
+     timed on the launch's own arguments (kernels that write only their outputs, so re-running is harmless), the
+     fastest kept in memory and in ``$XMOE_CACHE_DIR`` (default ~/.cache/xmoe), one JSON file per GPU name and
+     Triton version. Candidates that fail to compile or launch are skipped.
   4. The tuned table shipped for this GPU model, if any (xmoe/kernels/tuned/<GPU name>.json: the winners of an
      autotuning run of benchmarks/bench_experts.py over the three model shapes), for the classes it has.
   5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
