@@ -26,6 +26,7 @@ GIB = 2**30
 
 
 def main() -> None:
+    from xmoe.config import RECOMPUTE_MODES
     from xmoe.plan.memory import estimate_trainer_memory
     from benchmarks.harness import parse_trainer_args
     from xmoe.train.cli import build_run_config
@@ -35,7 +36,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16, 32])
-    p.add_argument("--modes", nargs="+", default=["none", "moe", "full"])
+    p.add_argument("--modes", nargs="+", default=list(RECOMPUTE_MODES))
     p.add_argument("--results", help="directory for memory_fit.json / .md")
     args = parse_trainer_args(p, sys.argv[1:])
     if not torch.cuda.is_available():

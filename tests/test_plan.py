@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xmoe.cli import main
-from xmoe.config import ParallelConfig
+from xmoe.config import RECOMPUTE_MODES, ParallelConfig
 from xmoe.model.counting import count_params
 from xmoe.model.presets import get_preset, tiny
 from xmoe.model.transformer import Block, rope_tables
@@ -169,7 +169,7 @@ def test_ssmb_divides_the_moe_block_by_tp() -> None:
 def test_recompute_reduces_the_peak() -> None:
     # Large at ep 256: activations set the peak (about 2 GiB per layer per sequence), so each mode lowers it
     cfg, par = get_preset("large"), ParallelConfig(dp=1, ep=256, tp=1, gpus_per_node=8)
-    none, moe_rc, full = (memory.estimate_memory(cfg, par, recompute=r) for r in memory.RECOMPUTE)
+    none, moe_rc, full = (memory.estimate_memory(cfg, par, recompute=r) for r in RECOMPUTE_MODES)
     assert none.peak > moe_rc.peak > full.peak
     assert none.activations > moe_rc.activations > full.activations
 

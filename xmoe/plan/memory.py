@@ -42,7 +42,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from xmoe.config import ModelConfig, MoEConfig, ParallelConfig
+from xmoe.config import RECOMPUTE_MODES, ModelConfig, MoEConfig, ParallelConfig
 from xmoe.dispatch.base import experts_per_rank
 from xmoe.model.counting import count_params
 from xmoe.model.flops import attention_matrix_params
@@ -55,7 +55,6 @@ GRAD_BYTES = 4  # fp32 gradients once reduced (FSDP2's reduce dtype), and a repl
 ADAM_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32
 RESIDUAL_BYTES = 4  # the residual stream between blocks, fp32 in both precisions
 INDEX_BYTES = 8  # int64 routing arrays
-RECOMPUTE = ("none", "moe", "full")  # also the search's order of preference: each one costs more compute
 LOSS_CHUNK_TOKENS = 4096  # Transformer(loss_chunk_tokens=...) default: one chunk's logits exist at a time
 TP_CHOICES = (1, 2, 4, 8)
 
@@ -256,8 +255,8 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
                     name: str = "") -> MemoryBreakdown:
     """The per-GPU peak memory of training ``cfg`` under ``parallel`` in ``precision`` ("bf16": a GPU run, "fp32":
     a CPU run); the module docstring gives the model."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE_MODES}")
     if imbalance < 1.0:
         raise ValueError(f"imbalance ({imbalance}) is max/mean rows per rank and must be >= 1")
     b = activation_bytes(precision)
@@ -596,7 +595,7 @@ def _preference(m: MemoryBreakdown) -> tuple:
     GPU all-gather E/EP experts' weights each pass, a large EP moves rows instead), then EP inside a node."""
     par = m.parallel
     node = par.gpus_per_node or par.world_size
-    return (RECOMPUTE.index(m.recompute), par.tp, -m.micro_batch, round(sum(m.traffic.values()) / 1e6),
+    return (RECOMPUTE_MODES.index(m.recompute), par.tp, -m.micro_batch, round(sum(m.traffic.values()) / 1e6),
             par.ep * par.tp > node)
 
 
@@ -632,7 +631,7 @@ def search_layouts(cfg: ModelConfig, gpus: int, gpu_mem_gib: float, *, gpus_per_
     if max_micro_batch < 1:
         raise ValueError(f"max_micro_batch ({max_micro_batch}) must be >= 1")
     mbs = [micro_batch] if micro_batch else [2**i for i in range(max_micro_batch.bit_length())]
-    recs = [recompute] if recompute else list(RECOMPUTE)
+    recs = [recompute] if recompute else list(RECOMPUTE_MODES)
     results, errors = [], []
     for t in tps:
         eps = [ep] if ep else [e for e in _divisors(cfg.moe.num_experts) if (gpus // t) % e == 0]
@@ -739,8 +738,8 @@ def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Opti
       activations, "full" only each block's fp32 input.
     benchmarks/memory_fit.py measures the peaks this predicts (docs/training-speed.md has the table).
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE_MODES}")
     if micro_batch < 1 or accumulation < 1:
         raise ValueError(f"micro_batch ({micro_batch}) and accumulation ({accumulation}) must be >= 1")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
