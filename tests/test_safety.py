@@ -20,7 +20,7 @@ import torch
 
 from xmoe.cli import main
 from xmoe.train import rundir, trainer
-from xmoe.train.checkpoint import complete_checkpoints
+from xmoe.train.checkpoint_dir import complete_checkpoints
 
 from test_train import SMALL, losses
 

@@ -63,7 +63,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     CheckpointException derives from BaseException, so the caller catches more than Exception)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from xmoe.train.checkpoint import CheckpointError
+    from xmoe.train.checkpoint_dir import CheckpointError
 
     return ValueError, OSError, CheckpointError, CheckpointException
 

@@ -315,7 +315,7 @@ def _describe_run(out_dir: Path, found: list[str]) -> str:
 
 def _check_resumable(out_dir: Path, found: list[str]) -> None:
     """A resume of a run that has work but no checkpoint would start at step 0 over its metrics: refuse."""
-    from xmoe.train.checkpoint import complete_checkpoints
+    from xmoe.train.checkpoint_dir import complete_checkpoints
 
     if not complete_checkpoints(out_dir):
         raise RunDirError(
@@ -368,7 +368,7 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock, lis
             _check_resumable(out_dir, _present(out_dir))
         else:  # a resume with nothing to resume is a fresh start (a requeue loop's first run)
             notes += _start_new(out_dir, lock, overwrite)
-        from xmoe.train.checkpoint import remove_leftovers
+        from xmoe.train.checkpoint_dir import remove_leftovers
 
         removed = remove_leftovers(out_dir)
         if removed:
@@ -458,7 +458,7 @@ def resume_mismatches(saved: Optional[dict[str, Any]], run: Any, data: dict[str,
 
 def _named_checkpoint(out_dir: Path, resume_from: str) -> Path:
     """--resume-from's checkpoint directory; the ``latest`` file stands for the one it names."""
-    from xmoe.train.checkpoint import LATEST
+    from xmoe.train.checkpoint_dir import LATEST
 
     path = Path(resume_from)
     if path.is_file() and path.name == LATEST:

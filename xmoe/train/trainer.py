@@ -36,6 +36,7 @@ from xmoe.parallel.expert_parallel import clip_grad_norm_
 from xmoe.parallel.grads import set_accumulation_scale
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
+from xmoe.train import checkpoint_dir
 from xmoe.train import metrics, rundir, safety
 from xmoe.train.step import forward_backward, update_expert_bias
 from xmoe.train.data import TokenLoader, build_dataset
@@ -230,7 +231,7 @@ class Trainer:
         if self.rank == 0:
             log.info(f"resumed from {found} at step {self.step}")
             if chosen:  # later checkpoints of this directory belong to the timeline being replaced
-                for path in ckpt.set_aside_newer(self.out_dir, self.step):
+                for path in checkpoint_dir.set_aside_newer(self.out_dir, self.step):
                     log.info(f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) "
                              f"as {path.name}")
 
@@ -365,7 +366,7 @@ class Trainer:
                 f"data {self.dataset.name.split('(')[0]}")
 
     def _last_good_checkpoint(self, before: int) -> Optional[Path]:
-        good = [p for s, p in ckpt.complete_checkpoints(self.out_dir) if s < before]
+        good = [p for s, p in checkpoint_dir.complete_checkpoints(self.out_dir) if s < before]
         return good[-1] if good else None
 
     def _stop_nonfinite(self, first_bad: int) -> None:
