@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import checkpoint_dir
+from xmoe.train import checkpoint_dir, checkpoint_verify
 from xmoe.train.checkpoint import CheckpointError, find_latest, load_checkpoint, save_checkpoint
 
 V, H = 17, 8  # vocab, hidden
@@ -99,7 +99,7 @@ def test_keep_last_and_latest_pointer(tmp_path):
         save_checkpoint(tmp_path, 6, model, opt, keep_last=0)
 
 
-@pytest.mark.parametrize("module, fail_in", [(ckpt, "_crc32"), (checkpoint_dir, "_publish")],
+@pytest.mark.parametrize("module, fail_in", [(checkpoint_verify, "_crc32"), (checkpoint_dir, "_publish")],
                          ids=["after the DCP write", "after COMPLETE"])
 def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch, module, fail_in):
     model, opt, sched = _model()
