@@ -247,7 +247,7 @@ def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: Mode
     """Overrides that change an imported architecture (fewer layers drop checkpoint tensors without a word) are
     refused unless ``allow_changes``; the router's auxiliary-loss weight, which xmoe defines per layer, is not
     imported and is said so."""
-    from xmoe.train.rundir import flatten
+    from xmoe.train.resume import flatten
 
     then: dict[str, Any] = {}
     now: dict[str, Any] = {}
