@@ -213,9 +213,9 @@ def run_memory(cfg, args) -> str:
 
 
 def run_trainer_memory(cfg, args) -> str:
-    """The peak of one `xmoe train` step on one GPU (plan.memory.estimate_trainer_memory) per recompute mode and
-    micro-batch: the given ones, or micro-batches 1, 2, 4, ... up to --max-micro-batch."""
-    from xmoe.plan import memory
+    """The peak of one `xmoe train` step on one GPU (plan.trainer_memory.estimate_trainer_memory) per recompute mode
+    and micro-batch: the given ones, or micro-batches 1, 2, 4, ... up to --max-micro-batch."""
+    from xmoe.plan.trainer_memory import estimate_trainer_memory
 
     seq = args.seq or cfg.max_seq_len
     modes = [args.recompute] if args.recompute else list(RECOMPUTE_MODES)
@@ -228,8 +228,8 @@ def run_trainer_memory(cfg, args) -> str:
              f"{'peak GiB':>10}  fits"]
     for mode in modes:
         for mb in batches:
-            m = memory.estimate_trainer_memory(cfg, micro_batch=mb, seq_len=seq, recompute=mode,
-                                               accumulation=args.accumulation, compiled=not args.eager)
+            m = estimate_trainer_memory(cfg, micro_batch=mb, seq_len=seq, recompute=mode,
+                                        accumulation=args.accumulation, compiled=not args.eager)
             lines.append(f"  {mode:<10}{mb:>12}{m.states / GIB:>9.1f}{m.grads / GIB:>9.1f}{m.activations / GIB:>9.1f}"
                          f"{m.working / GIB:>9.1f}{m.total / GIB:>10.1f}  {'yes' if m.total <= args.gpu_mem * GIB else 'no'}")
     lines.append("states: fp32 weights, AdamW moments, bf16 expert copies; grads, activations, working: at the peak "
