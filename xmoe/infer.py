@@ -26,11 +26,11 @@ def model_config_from_dict(values: dict) -> ModelConfig:
 
 
 def _run_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
-    from xmoe.train import checkpoint as ckpt
     from xmoe.train.checkpoint_dir import step_of
+    from xmoe.train.checkpoint_verify import find_latest
 
     if step is None:
-        found = ckpt.find_latest(run_dir)
+        found = find_latest(run_dir)
         if found is None:
             raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
         return found
@@ -74,11 +74,12 @@ def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
 def _run_model(found: Path, device: str):
     """The model of run checkpoint ``found``, built from the config its meta.json stores."""
     from xmoe.parallel.build import build_model
-    from xmoe.train import checkpoint as ckpt
+    from xmoe.train.checkpoint import load_checkpoint
+    from xmoe.train.checkpoint_verify import read_meta
 
-    cfg = model_config_from_dict(ckpt.read_meta(found)["config"]["model"])
+    cfg = model_config_from_dict(read_meta(found)["config"]["model"])
     model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
-    ckpt.load_checkpoint(found, model, restore_rng=False, restore_extra=False)
+    load_checkpoint(found, model, restore_rng=False, restore_extra=False)
     return model
 
 
