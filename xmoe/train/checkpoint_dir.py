@@ -1,6 +1,6 @@
 """The checkpoint directory protocol: the names under ``OUT/checkpoints/``, how a save becomes visible, who may
-delete what, and how ranks agree on a failure. What a checkpoint holds, and writing and verifying it, is
-``checkpoint.py``.
+delete what, and how ranks agree on a failure. What a checkpoint holds, saving and loading it, is ``checkpoint.py``;
+checking its files, ``checkpoint_verify.py``.
 
 Names under the run directory OUT::
 
