@@ -6,9 +6,9 @@ cuda:90, hip:gfx90a and hip:gfx942 without a GPU, with its registers / VGPRs, sh
         --shapes "small T=8192" --force up_fwd=256,256,16,8,2     # one forced tile (block_m, n, k, warps, stages)
 
 A compile report, not a timing: any machine makes it, a CPU one included (Triton compiles for every target
-without a GPU). What is compiled and how resources are read: xmoe/kernels/aot.py. Exit status 1 on a compile
-error, a kernel no workload launches, a shipped-table class no workload reaches, or a spill of a shipped
-configuration not in aot.KNOWN_SPILLS.
+without a GPU). What is compiled: xmoe/kernels/aot_workloads.py; how it is compiled and resources are read:
+xmoe/kernels/aot.py. Exit status 1 on a compile error, a kernel no workload launches, a shipped-table class no
+workload reaches, or a spill of a shipped configuration not in aot.KNOWN_SPILLS.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.harness import environment, markdown_table
-from xmoe.kernels import aot
+from xmoe.kernels import aot, aot_workloads
 from xmoe.kernels.tiles import TileConfig
 
 
@@ -138,10 +138,10 @@ def markdown(report: dict) -> str:
     if known:
         out.append("Known spills of shipped configurations (aot.KNOWN_SPILLS):\n\n" + "\n".join(
             f"* {r['target']} {r['kernel']} {r['tile']} {r['flags']}: {_spill(r)}" for r in known) + "\n")
-    for target in aot.TARGETS:
+    for target in aot_workloads.TARGETS:
         if any(r["target"] == target for r in rows):
             out.append(f"## {target}: shipped configurations\n\n{condensed(rows, target)}\n")
-    for target in aot.TARGETS:
+    for target in aot_workloads.TARGETS:
         if any(r["target"] == target for r in rows):
             out.append(f"## {target}: every compile\n\n{full(rows, target)}\n")
     return "\n".join(out)
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for aot_triton<version>.json and .md")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
-    parser.add_argument("--devices", help="comma-separated names of aot.DEVICES (default: all)")
-    parser.add_argument("--workloads", help="comma-separated names of aot.WORKLOADS (default: all)")
+    parser.add_argument("--devices", help="comma-separated names of aot_workloads.DEVICES (default: all)")
+    parser.add_argument("--workloads", help="comma-separated names of aot_workloads.WORKLOADS (default: all)")
     parser.add_argument("--shapes", help="comma-separated shape names, e.g. 'small T=8192' (default: each "
                                          "workload's own)")
     parser.add_argument("--force", action="append", default=[], metavar="KERNEL=M,N,K,WARPS,STAGES[,GROUP]",
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(reason, file=sys.stderr)
         return 2
-    devices = [d for d in aot.DEVICES if not args.devices or d.name in args.devices.split(",")]
-    workloads = [w for w in aot.WORKLOADS if w.name in args.workloads.split(",")] if args.workloads else None
+    devices = [d for d in aot_workloads.DEVICES if not args.devices or d.name in args.devices.split(",")]
+    workloads = [w for w in aot_workloads.WORKLOADS if w.name in args.workloads.split(",")] if args.workloads else None
     shapes = set(args.shapes.split(",")) if args.shapes else None
     report = aot.check(devices, workloads, shapes, _forced(args.force), args.jobs)
     import triton

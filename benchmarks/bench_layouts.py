@@ -95,7 +95,7 @@ def largest_one_gpu(device: str, timeout: float) -> dict:
     import torch
 
     from xmoe.model.presets import get_preset
-    from xmoe.plan.memory import estimate_trainer_memory
+    from xmoe.plan.trainer_memory import estimate_trainer_memory
 
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 8 * GIB
     base = get_preset("small")

@@ -89,11 +89,11 @@ def build(cfg, dims, device, dtype, ssmb: bool, recompute: bool):
 
 
 def predicted(cfg, world: int, micro_batch: int, seq: int, ssmb: bool, recompute: bool, kernel: str, b: int) -> dict:
-    """This script's layout from xmoe.plan.memory's per-layer terms: a bf16 module (no autocast, no FSDP2), so not
+    """This script's layout from the per-layer terms of xmoe.plan.terms: a bf16 module (no autocast, no FSDP2), so not
     estimate_memory, which models the trainer's. Saved: every layer's attention and MoE block (or the block's kept
     input), the final norm and the head's input; plus the largest backward transient, a layer's activations again
     (and its MoE block rebuilt) or the loss chunk (the head is replicated over TP: all V logits)."""
-    from xmoe.plan.memory import LOSS_CHUNK_TOKENS, attention_activations, moe_activations, norm_activations
+    from xmoe.plan.terms import LOSS_CHUNK_TOKENS, attention_activations, moe_activations, norm_activations
 
     T, H = micro_batch * seq, cfg.hidden_size
     T_moe = T // world if ssmb else T

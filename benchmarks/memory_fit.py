@@ -5,7 +5,7 @@
 Builds the trainer once (small preset shape, seq 2048, compiled regions as on any GPU by default), runs one real
 optimizer step per (recompute mode, micro-batch) with that micro-batch as the whole per-rank batch, and reads
 torch.cuda.max_memory_allocated over the step; a micro-batch that does not fit is reported as such. Each row also
-holds the planner's estimate for the same layout (xmoe.plan.memory.estimate_trainer_memory) and their ratio.
+holds the planner's estimate for the same layout (xmoe.plan.trainer_memory.estimate_trainer_memory) and their ratio.
 Writes memory_fit.json / .md into --out. Skips without a GPU.
 """
 
@@ -26,7 +26,8 @@ GIB = 2**30
 
 
 def main() -> None:
-    from xmoe.plan.memory import estimate_trainer_memory
+    from xmoe.config import RECOMPUTE_MODES
+    from xmoe.plan.trainer_memory import estimate_trainer_memory
     from benchmarks.harness import parse_trainer_args
     from xmoe.train.cli import build_run_config
     from xmoe.train.data import TokenLoader
@@ -35,7 +36,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16, 32])
-    p.add_argument("--modes", nargs="+", default=["none", "moe", "full"])
+    p.add_argument("--modes", nargs="+", default=list(RECOMPUTE_MODES))
     p.add_argument("--results", help="directory for memory_fit.json / .md")
     args = parse_trainer_args(p, sys.argv[1:])
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """Every Triton kernel of xmoe compiles ahead of time for cuda:90, hip:gfx90a and hip:gfx942 (the FP8 kernels for
 the two with FP8 matrix instructions) at every shipped tile configuration, without spilling registers
-(xmoe/kernels/aot.py says what is compiled and how resources are read).
+(xmoe/kernels/aot.py says how launches are recorded and resources read, aot_workloads.py what is launched).
 
 The compiles run in one subprocess, benchmarks/aot_report.py, without TRITON_INTERPRET: conftest.py sets it for the
 interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 381 distinct
@@ -20,7 +20,8 @@ import pytest
 
 pytest.importorskip("triton", reason="the compile checks need the triton package (pip install triton)")
 
-from xmoe.kernels import aot  # noqa: E402  (here under the interpreter: only its tables and parsers are used)
+# here under the interpreter: only their tables and parsers are used
+from xmoe.kernels import aot, aot_workloads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(aot.unsupported() is not None, reason=str(aot.unsupported()))
@@ -66,16 +67,16 @@ def test_known_spills_name_shipped_configurations(rows):
 
 
 def test_every_shipped_kernel_compiles_for_every_target(rows):
-    everywhere = {w.name for w in aot.WORKLOADS if w.shipped and not w.fp8}
+    everywhere = {w.name for w in aot_workloads.WORKLOADS if w.shipped and not w.fp8}
     wanted = {r["kernel"] for r in rows if any(u.split(" | ")[1] in everywhere for u in r["uses"])}
-    for target in aot.TARGETS:
+    for target in aot_workloads.TARGETS:
         assert wanted <= {r["kernel"] for r in rows if r["target"] == target}, target
 
 
 def test_16_bit_gemms_run_on_matrix_instructions(rows):
     gemms = [r for r in rows if r["ok"] and "BLOCK_N" in r["tile"] and "BLOCK_K" in r["tile"]
              and "DOT_PRECISION=None" in r["flags"]]
-    assert {r["target"] for r in gemms} == set(aot.TARGETS)
+    assert {r["target"] for r in gemms} == set(aot_workloads.TARGETS)
     assert [_where(r) for r in gemms if not r["mma"]] == []
 
 
@@ -123,15 +124,15 @@ def test_shapes_and_plan_are_the_packages():
     from xmoe.dispatch.routing import build_plan
     from xmoe.model.presets import get_preset
 
-    for name, layer in aot.PRESET_LAYERS.items():
+    for name, layer in aot_workloads.PRESET_LAYERS.items():
         moe = get_preset(name).moe
         assert layer == (moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k), name
-    shape = aot.Shape.preset("small", 100)
+    shape = aot_workloads.Shape.preset("small", 100)
     meta = torch.device("meta")
     plan = build_plan(torch.empty(shape.tokens, shape.top_k, dtype=torch.long, device=meta),
                       torch.empty(shape.tokens, shape.top_k, device=meta), shape.experts)
     wanted = (plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E)
-    got = aot.layer_tensors(shape, torch.bfloat16).plan_args
+    got = aot_workloads.layer_tensors(shape, torch.bfloat16).plan_args
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in wanted]
 
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xmoe.train import checkpoint as ckpt
+from xmoe.train import checkpoint_dir, checkpoint_verify
 from xmoe.train.checkpoint import CheckpointError, find_latest, load_checkpoint, save_checkpoint
 
 V, H = 17, 8  # vocab, hidden
@@ -86,7 +87,7 @@ def test_keep_last_and_latest_pointer(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000003", "step_000004", "step_000005"]
     assert (root / "latest").read_text().strip() == "step_000003"
     assert find_latest(tmp_path) == root / "step_000005"
-    moved = ckpt.set_aside_newer(tmp_path, 3)
+    moved = checkpoint_dir.set_aside_newer(tmp_path, 3)
     assert sorted(p.name.split(".")[0] for p in moved) == ["step_000004", "step_000005"]
     assert find_latest(tmp_path) == root / "step_000003"
     for path in moved:
@@ -98,15 +99,16 @@ def test_keep_last_and_latest_pointer(tmp_path):
         save_checkpoint(tmp_path, 6, model, opt, keep_last=0)
 
 
-@pytest.mark.parametrize("fail_in", ["_crc32", "_publish"])  # after the DCP write; after COMPLETE
-def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch, fail_in):
+@pytest.mark.parametrize("module, fail_in", [(checkpoint_verify, "_crc32"), (checkpoint_dir, "_publish")],
+                         ids=["after the DCP write", "after COMPLETE"])
+def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch, module, fail_in):
     model, opt, sched = _model()
     good = _save(tmp_path, 1, model, opt, sched)
 
     def crash(*args, **kwargs):
         raise OSError("simulated crash")
 
-    monkeypatch.setattr(ckpt, fail_in, crash)
+    monkeypatch.setattr(module, fail_in, crash)
     with pytest.raises(CheckpointError, match="simulated crash"):
         _save(tmp_path, 2, model, opt, sched)
     assert sorted(p.name for p in good.parent.iterdir()) == ["latest", "step_000001"]  # temp dir removed

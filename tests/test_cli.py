@@ -17,6 +17,7 @@ import pytest
 
 from xmoe.cli import _parser, main
 from xmoe.train import checkpoint as ckpt
+from xmoe.train import checkpoint_dir
 from xmoe.train.cli import build_run_config
 from xmoe.train.metrics import MetricsLogger, describe_outputs, fit_postfix, summary_text
 
@@ -212,7 +213,7 @@ def test_disk_full_is_named(tmp_path, monkeypatch, failure):
     monkeypatch.setattr(ckpt.torch, "save", full)
     if failure == "stream_writer":  # torch.save does not say why; the free space does
         usage = collections.namedtuple("usage", "total used free")(1 << 30, (1 << 30) - (1 << 20), 1 << 20)
-        monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage)
+        monkeypatch.setattr(checkpoint_dir.shutil, "disk_usage", lambda path: usage)
     with pytest.raises(ckpt.CheckpointError, match="disk full on the filesystem of"):
         ckpt.save_checkpoint(tmp_path, 1, nn.Linear(2, 2))
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_")]
@@ -241,12 +242,12 @@ def test_disk_full_in_the_tensor_data_is_one_line_and_keeps_older_checkpoints(tm
     usage = collections.namedtuple("usage", "total used free")(1 << 30, (1 << 30) - (3 << 20), 3 << 20)
     monkeypatch.setattr(dcp_fs, "_write_item", write_item)
     monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(checkpoint_dir.shutil, "disk_usage", lambda path: usage)
     out = tmp_path / "r"
     err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--steps", "4", "--ckpt-every", "2",
                                   "--batch-size", "2", "--seq-len", "16"])
     assert "disk full on the filesystem of" in err and "(3 MiB free)" in err and str(out) in err, err
-    assert [s for s, _ in ckpt.complete_checkpoints(out)] == [2]
+    assert [s for s, _ in checkpoint_dir.complete_checkpoints(out)] == [2]
     ckpt.read_meta(out / "checkpoints" / "step_000002")  # the older checkpoint is whole
 
 

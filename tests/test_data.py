@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from xmoe.train.data import MarkovSource, TokenLoader, build_dataset, load_tokens, tokenize_file
+from xmoe.train.data import TokenLoader, build_dataset, load_tokens, tokenize_file
+from xmoe.train.markov import MarkovSource
 
 
 def _dense_reference(src: MarkovSource):

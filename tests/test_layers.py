@@ -1,4 +1,5 @@
-"""The package graph runs one way: no module of xmoe imports a module of a layer above its own.
+"""The package graph runs one way: no module of xmoe imports a module of a layer above its own, and no module
+imports itself through others (no circle of imports, file by file, inside a layer either).
 
 The allowed order is written once, in LAYERS below (docs/architecture.md shows it); a module may import its own
 layer and any layer below. Imports inside functions count too: a lazy import is still a dependency.
@@ -77,6 +78,51 @@ def upward_imports(sources: dict[str, str]) -> list[str]:
     return bad
 
 
+def import_cycles(sources: dict[str, str]) -> list[str]:
+    """One circle of imports per strongly connected group of modules, as ``a -> b -> a`` from its first module
+    (Tarjan's algorithm; then the shortest way round through the group)."""
+    known = set(sources)
+    graph = {name: sorted(imported_modules(name, source, known) & known - {name}) for name, source in sources.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = set()
+            while node not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                groups.append(group)
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    cycles = []
+    for group in groups:
+        start = min(group)
+        paths, frontier = {start: [start]}, [start]
+        while frontier:  # breadth first inside the group, until a module leads back to the start
+            node = frontier.pop(0)
+            if start in graph[node]:
+                cycles.append(" -> ".join(paths[node] + [start]))
+                break
+            for target in graph[node]:
+                if target in group and target not in paths:
+                    paths[target] = paths[node] + [target]
+                    frontier.append(target)
+    return sorted(cycles)
+
+
 def render_layers() -> str:
     """The order as docs/architecture.md shows it, bottom first."""
     return " < ".join(", ".join(f"`{e}`" for e in entries) for entries in LAYERS)
@@ -86,6 +132,27 @@ def test_no_module_imports_a_layer_above_it():
     sources = module_sources()
     assert len(sources) > 30  # the walk found the package
     assert upward_imports(sources) == []
+
+
+def test_no_circle_of_imports():
+    assert import_cycles(module_sources()) == []
+
+
+def test_checker_finds_planted_circles():
+    fake = {
+        "xmoe": "",
+        "xmoe.a": "from xmoe import b\n",
+        "xmoe.b": "def f():\n    from xmoe.c import thing\n",  # a lazy import closes the circle
+        "xmoe.c": "from . import a\nimport xmoe.d\n",
+        "xmoe.d": "from xmoe.a import thing\n",  # a second way round the same group
+        "xmoe.e": "from xmoe import a\n",  # imports into the circle, is not part of it
+        "xmoe.p": "from xmoe.p import q\n",  # a package importing its own module, which imports it back
+        "xmoe.p.q": "from xmoe.p import VALUE\n",
+        "xmoe.self": "import xmoe.self\n",  # a module naming itself is no circle
+    }
+    assert import_cycles(fake) == ["xmoe.a -> xmoe.b -> xmoe.c -> xmoe.a", "xmoe.p -> xmoe.p.q -> xmoe.p"]
+    del fake["xmoe.b"], fake["xmoe.p.q"]
+    assert import_cycles(fake) == []
 
 
 def test_every_layer_entry_exists():

@@ -262,7 +262,8 @@ def test_layer_with_triton_backend_matches_float64_reference(kw):
 def test_bench_pft_saves_less_activation_memory_than_padded():
     import argparse
 
-    from xmoe.bench import add_arguments, run
+    from xmoe.bench import run
+    from xmoe.bench_cli import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

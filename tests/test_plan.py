@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from xmoe.cli import main
-from xmoe.config import ParallelConfig
+from xmoe.config import RECOMPUTE_MODES, ParallelConfig
 from xmoe.model.counting import count_params
 from xmoe.model.presets import get_preset, tiny
 from xmoe.model.transformer import Block, rope_tables
-from xmoe.plan import comm, memory
+from xmoe.plan import comm, memory, terms
 
 # ------------------------------------------------------------------------------------------- count_rows
 
@@ -139,9 +139,9 @@ def test_buffers_scale_as_the_paper_says() -> None:
     moe = get_preset("small").moe
     H, K, E = moe.hidden_size, moe.top_k, moe.num_experts
     for T in (1000, 2048, 4096):
-        pft = memory.moe_activations(moe, T)
+        pft = terms.moe_activations(moe, T)
         assert pft["dispatch_buffer"] == pft["combine_buffer"] == 2 * T * K * H  # A = s*k*h
-        padded = memory.moe_activations(moe, T, padded=True, capacity_factor=1.25)
+        padded = terms.moe_activations(moe, T, padded=True, capacity_factor=1.25)
         C = math.ceil(1.25 * T * K / E)
         assert padded["dispatch_buffer"] == 2 * E * C * H
         assert padded["dispatch_masks"] == (2 + 4) * T * E * C
@@ -153,8 +153,8 @@ def test_ssmb_divides_the_moe_block_by_tp() -> None:
     H, E = cfg.hidden_size, cfg.moe.num_experts
     # what does not scale with tokens: the fp32 copy of the norm weight, and of the router weight in a module cast
     # to bf16 (the trainer's router weight is an fp32 parameter, used as is)
-    assert sum(memory.moe_activations(cfg.moe, 0).values()) == 4 * E * H + 4 * H
-    per_layer_constant = sum(memory.moe_activations(cfg.moe, 0, router_fp32=True).values())
+    assert sum(terms.moe_activations(cfg.moe, 0).values()) == 4 * E * H + 4 * H
+    per_layer_constant = sum(terms.moe_activations(cfg.moe, 0, router_fp32=True).values())
     assert per_layer_constant == 4 * H
     for tp in (2, 4, 8):
         par = ParallelConfig(dp=1, ep=8 // tp, tp=tp, gpus_per_node=8)
@@ -169,7 +169,7 @@ def test_ssmb_divides_the_moe_block_by_tp() -> None:
 def test_recompute_reduces_the_peak() -> None:
     # Large at ep 256: activations set the peak (about 2 GiB per layer per sequence), so each mode lowers it
     cfg, par = get_preset("large"), ParallelConfig(dp=1, ep=256, tp=1, gpus_per_node=8)
-    none, moe_rc, full = (memory.estimate_memory(cfg, par, recompute=r) for r in memory.RECOMPUTE)
+    none, moe_rc, full = (memory.estimate_memory(cfg, par, recompute=r) for r in RECOMPUTE_MODES)
     assert none.peak > moe_rc.peak > full.peak
     assert none.activations > moe_rc.activations > full.activations
 
@@ -192,7 +192,7 @@ def test_bf16_end_of_backward_holds_14_bytes_per_vocab_weight() -> None:
 def test_ddp_replica_adds_its_buckets() -> None:
     cfg = tiny()
     total = count_params(cfg).total
-    for precision in memory.PRECISIONS:
+    for precision in terms.PRECISIONS:
         one = memory.estimate_memory(cfg, ParallelConfig(), micro_batch=2, precision=precision)
         ddp = memory.estimate_memory(cfg, ParallelConfig(dp=4), micro_batch=2, precision=precision)
         assert (one.wrapper, ddp.wrapper) == ("none", "DDP") and one.peak_at == ddp.peak_at
@@ -225,11 +225,11 @@ def test_layer_model_matches_autograd(dtype: torch.dtype, layer_id: int, padded:
         block(x, cos, sin)
     measured = sum(storages.values()) - cos.nbytes - sin.nbytes  # the rotary tables are shared by all layers
     b, T = dtype.itemsize, B * S
-    model = sum(memory.attention_activations(T, cfg.hidden_size, cfg.num_heads, 1, b).values())
+    model = sum(terms.attention_activations(T, cfg.hidden_size, cfg.num_heads, 1, b).values())
     if block.is_moe:
-        model += sum(memory.moe_activations(cfg.moe, T, padded=padded, kernel="torch", b=b).values())
+        model += sum(terms.moe_activations(cfg.moe, T, padded=padded, kernel="torch", b=b).values())
     else:
-        model += sum(memory.dense_ffn_activations(T, cfg.hidden_size, cfg.ffn_hidden_size, 1, b).values())
+        model += sum(terms.dense_ffn_activations(T, cfg.hidden_size, cfg.ffn_hidden_size, 1, b).values())
     assert model == pytest.approx(measured, rel=0.01)
 
 
@@ -290,7 +290,7 @@ def test_trainer_memory_walk_and_cli(capsys):
     from xmoe.cli import main
     from xmoe.model.counting import count_params
     from xmoe.model.presets import get_preset
-    from xmoe.plan.memory import estimate_trainer_memory
+    from xmoe.plan.trainer_memory import estimate_trainer_memory
 
     cfg = replace(get_preset("small"), num_layers=4)
     parts = count_params(cfg).total_by_part

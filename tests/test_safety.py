@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from xmoe.cli import main
-from xmoe.train import rundir, trainer
-from xmoe.train.checkpoint import complete_checkpoints
+from xmoe.train import rundir, runlock, trainer
+from xmoe.train.checkpoint_dir import complete_checkpoints
+from xmoe.train.resume import fingerprint
 
 from test_train import SMALL, losses
 
@@ -59,19 +60,19 @@ def wait_for_line(proc: subprocess.Popen, prefix: str) -> None:
 
 def test_lock_is_exclusive_and_names_its_holder(tmp_path):
     first = rundir.RunLock(tmp_path).acquire()
-    holder = json.loads((tmp_path / rundir.LOCK).read_text())
+    holder = json.loads((tmp_path / runlock.LOCK).read_text())
     assert holder["pid"] == os.getpid()
     with pytest.raises(rundir.RunDirError, match=f"pid {os.getpid()} on host {holder['host']}"):
         rundir.RunLock(tmp_path).acquire()  # flock conflicts between two opens, even in one process
     first.release()
-    assert not (tmp_path / rundir.LOCK).exists()
+    assert not (tmp_path / runlock.LOCK).exists()
     rundir.RunLock(tmp_path).acquire().release()
 
 
 def test_stale_lock_is_taken_over(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = {"pid": int(dead.stdout), "host": os.uname().nodename, "started": "yesterday"}
-    (tmp_path / rundir.LOCK).write_text(json.dumps(stale))  # left by a killed run: no flock held on it
+    (tmp_path / runlock.LOCK).write_text(json.dumps(stale))  # left by a killed run: no flock held on it
     lock = rundir.RunLock(tmp_path).acquire()
     assert lock.stale["pid"] == stale["pid"]
     lock.release()
@@ -81,13 +82,13 @@ def test_lock_without_flock_uses_pid_liveness(tmp_path, monkeypatch):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(rundir.fcntl, "flock", no_flock)
+    monkeypatch.setattr(runlock.fcntl, "flock", no_flock)
     lock = rundir.RunLock(tmp_path).acquire()
     with pytest.raises(rundir.RunDirError, match=f"pid {os.getpid()}"):
         rundir.RunLock(tmp_path).acquire()  # alive on this host: refused
     lock.release()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / rundir.LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename}))
+    (tmp_path / runlock.LOCK).write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename}))
     assert rundir.RunLock(tmp_path).acquire().stale["pid"] == int(dead.stdout)
 
 
@@ -174,15 +175,15 @@ def test_what_a_failed_start_left_is_not_a_run(tmp_path, capsys):
 
 def test_stale_lock_message_says_what_was_checked(tmp_path, capsys):
     host = os.uname().nodename
-    (tmp_path / rundir.LOCK).write_text(json.dumps({"pid": 1, "host": host}))  # pid 1 runs: a reused pid
+    (tmp_path / runlock.LOCK).write_text(json.dumps({"pid": 1, "host": host}))  # pid 1 runs: a reused pid
     lock, notes = rundir._prepare(tmp_path, resume=False, overwrite=False)
     lock.release()
     assert "no process holds its flock and pid 1 now belongs to another process" in notes[0], notes
 
 
 def test_another_hosts_lock_is_taken_over_only_once_its_heartbeat_stops(tmp_path, monkeypatch):
-    monkeypatch.setattr(rundir, "STALE_AFTER_S", 0.6)
-    path = tmp_path / rundir.LOCK
+    monkeypatch.setattr(runlock, "STALE_AFTER_S", 0.6)
+    path = tmp_path / runlock.LOCK
     path.write_text(json.dumps({"pid": 4242, "host": "elsewhere"}))  # its flock is not visible from here
     beating = [True]
 
@@ -205,11 +206,11 @@ def test_another_hosts_lock_is_taken_over_only_once_its_heartbeat_stops(tmp_path
 
 
 def test_lock_holder_keeps_its_lock_file_fresh(tmp_path, monkeypatch):
-    monkeypatch.setattr(rundir, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(runlock, "HEARTBEAT_S", 0.05)
     lock = rundir.RunLock(tmp_path).acquire()
-    os.utime(tmp_path / rundir.LOCK, (0, 0))
+    os.utime(tmp_path / runlock.LOCK, (0, 0))
     time.sleep(0.3)
-    assert time.time() - (tmp_path / rundir.LOCK).stat().st_mtime < 5
+    assert time.time() - (tmp_path / runlock.LOCK).stat().st_mtime < 5
     lock.release()
 
 
@@ -423,11 +424,11 @@ def test_data_fingerprint_covers_the_whole_file(tmp_path):
     path = tmp_path / "tokens.npy"
     np.save(path, np.random.default_rng(0).integers(0, 256, 2**20, dtype=np.uint16))  # 2 MiB
     dataset = type("Dataset", (), {"name": str(path), "vocab_size": 256})()
-    before = rundir.fingerprint(str(path), dataset)
+    before = fingerprint(str(path), dataset)
     data = bytearray(path.read_bytes())
     data[230_000:230_004] = b"\x01\x00\x02\x00"  # between the blocks a sampled checksum would read
     path.write_bytes(bytes(data))
-    after = rundir.fingerprint(str(path), dataset)
+    after = fingerprint(str(path), dataset)
     assert after["size"] == before["size"] and after != before
 
 
@@ -483,6 +484,6 @@ def test_resume_from_the_latest_pointer_resumes_what_it_names(tmp_path, capsys):
 def test_lock_released_after_errors_in_setup(tmp_path, capsys):
     out = tmp_path / "r"
     code, _ = fails(capsys, out, "--steps", "1", "--data", str(tmp_path / "missing.npy"))
-    assert code == 2 and not (out / rundir.LOCK).exists()
+    assert code == 2 and not (out / runlock.LOCK).exists()
     train(out, "--steps", "1")  # not blocked by the failed attempt
     assert sorted(losses(out)) == [1]

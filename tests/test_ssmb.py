@@ -1,6 +1,6 @@
 """SSMB (xmoe/parallel/ssmb.py) on gloo worlds: TP=2, TP=4 and TP=2 x EP=2 against one process (also with sequence
 parallelism), TP-peer routers after optimizer steps, saved-activation bytes of the MoE block against
-xmoe.plan.memory, and `xmoe train --tp 2`.
+xmoe.plan.terms, and `xmoe train --tp 2`.
 
 The reference is one process on the same data: with several data shards (EP), the mean of the shards' losses, as the
 data-parallel ranks average. The balance loss is per sequence over whole sequences (each TP rank gets whole
@@ -168,15 +168,15 @@ def _moe_saved_bytes(cfg, dims, num_tokens: int, ssmb: bool, dtype: torch.dtype)
 
 def _check_memory(dims, cfg) -> None:
     """SSMB divides the MoE block's saved activations by tp (up to the per-layer constants), as the plan predicts."""
-    from xmoe.plan import memory
+    from xmoe.plan.terms import moe_activations
 
     T = 256 * dims.tp
     for dtype in (torch.float32, torch.bfloat16):
         b = dtype.itemsize
         off, on = (_moe_saved_bytes(cfg, dims, T, ssmb, dtype) for ssmb in (False, True))
-        predicted_off, predicted_on = (sum(memory.moe_activations(cfg.moe, n, kernel="torch", b=b).values())
+        predicted_off, predicted_on = (sum(moe_activations(cfg.moe, n, kernel="torch", b=b).values())
                                        for n in (T, T // dims.tp))
-        constant = sum(memory.moe_activations(cfg.moe, 0, kernel="torch", b=b).values())  # fp32 weight copies
+        constant = sum(moe_activations(cfg.moe, 0, kernel="torch", b=b).values())  # fp32 weight copies
         assert off == pytest.approx(predicted_off, rel=0.01), (dtype, off, predicted_off)
         assert on == pytest.approx(predicted_on, rel=0.01), (dtype, on, predicted_on)
         assert (off - constant) / (on - constant) == pytest.approx(dims.tp, rel=0.01), (dtype, off, on, constant)

@@ -36,9 +36,3 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--repeats ({args.repeats}) must be >= 1")
     if args.device not in ("auto", "cpu") and not args.device.startswith("cuda"):
         raise ValueError(f"--device ({args.device!r}) must be auto, cpu or cuda")
-
-
-def run(args: argparse.Namespace) -> list[dict]:
-    from xmoe import bench
-
-    return bench.run(args)

@@ -63,7 +63,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     CheckpointException derives from BaseException, so the caller catches more than Exception)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from xmoe.train.checkpoint import CheckpointError
+    from xmoe.train.checkpoint_dir import CheckpointError
 
     return ValueError, OSError, CheckpointError, CheckpointException
 
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> None:
 
             train_cli.run(args)
         elif args.command == "bench":
-            from xmoe import bench_cli
+            from xmoe import bench
 
-            bench_cli.run(args)
+            bench.run(args)
         elif args.command == "plan" and getattr(args, "measure", False):
             from xmoe.train import simulate  # one rank trained for a few steps: the training layer's work
 

@@ -25,6 +25,8 @@ AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
 RopeScaling = Literal["none", "yarn"]
 WgradEngine = Literal["auto", "triton", "grouped_mm"]
+RECOMPUTE_MODES = ("none", "moe", "full")  # cheapest first: the planner's search prefers them in this order
+COMPILE_MODES = ("auto", "on", "off")
 
 
 @dataclass
@@ -358,9 +360,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        if self.compile not in ("auto", "on", "off"):
+        if self.compile not in COMPILE_MODES:
             raise ValueError(f"train.compile ({self.compile!r}) must be 'auto', 'on' or 'off'")
-        if self.recompute not in ("none", "moe", "full"):
+        if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             _positive(name, getattr(self, name))

@@ -26,15 +26,15 @@ def model_config_from_dict(values: dict) -> ModelConfig:
 
 
 def _run_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
-    from xmoe.train import checkpoint as ckpt
+    from xmoe.train.checkpoint_dir import step_of
+    from xmoe.train.checkpoint_verify import find_latest
 
     if step is None:
-        found = ckpt.find_latest(run_dir)
+        found = find_latest(run_dir)
         if found is None:
             raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
         return found
-    matches = [p for p in (run_dir / "checkpoints").glob("step_*") if p.name.split("_")[-1].isdigit()
-               and int(p.name.split("_")[-1]) == step]
+    matches = [p for p in (run_dir / "checkpoints").glob("step_*") if step_of(p) == step]
     if not matches:
         raise FileNotFoundError(f"no checkpoint of step {step} under {run_dir}/checkpoints")
     return matches[0]
@@ -62,9 +62,9 @@ def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
     if not (path / "checkpoints").is_dir():
         raise FileNotFoundError(f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run "
                                 "directory (checkpoints/)")
-    from xmoe.train import checkpoint as ckpt
+    from xmoe.train.checkpoint_dir import read_pinned
 
-    model = ckpt.read_pinned(lambda: _run_checkpoint(path, step), lambda found: _run_model(found, device))
+    model = read_pinned(lambda: _run_checkpoint(path, step), lambda found: _run_model(found, device))
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
     hf = read_json(hf_file, "copy the config.json of the directory the run was imported from to it") \
         if hf_file.is_file() else None
@@ -74,11 +74,12 @@ def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
 def _run_model(found: Path, device: str):
     """The model of run checkpoint ``found``, built from the config its meta.json stores."""
     from xmoe.parallel.build import build_model
-    from xmoe.train import checkpoint as ckpt
+    from xmoe.train.checkpoint import load_checkpoint
+    from xmoe.train.checkpoint_verify import read_meta
 
-    cfg = model_config_from_dict(ckpt.read_meta(found)["config"]["model"])
+    cfg = model_config_from_dict(read_meta(found)["config"]["model"])
     model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
-    ckpt.load_checkpoint(found, model, restore_rng=False, restore_extra=False)
+    load_checkpoint(found, model, restore_rng=False, restore_extra=False)
     return model
 
 

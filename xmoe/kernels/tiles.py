@@ -343,6 +343,7 @@ class _DiskCache:
 
 
 def clear_memo() -> None:
-    """Forget in-process picks (after changing OPTIONS.autotune or the cache folder)."""
+    """Forget in-process picks: their key holds the device's index, not what ``device_budget`` answers for it, so
+    whoever changes that answer (aot's stand-in GPUs, each on the meta device) must forget them."""
     _PICKED.clear()
     _DiskCache._open.clear()

@@ -49,9 +49,6 @@ from xmoe.moe.layer import MoELayer, moe_layers
 IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
 
 
-RECOMPUTE_MODES = ("none", "moe", "full")
-
-
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x)); ffn is dense or MoE.
 

@@ -67,7 +67,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dims: Optional[Par
     """Steps 1-6 for ``cfg`` on ``device`` (``dims``: a built ParallelDims for several processes, else None).
 
     ``init_from``: a Hugging Face directory whose weights replace the initial values (``cfg`` must be its
-    architecture). ``recompute`` ("none", "moe", "full") and ``compile`` ("auto", "on", "off"): regions.py."""
+    architecture). ``recompute`` (config.RECOMPUTE_MODES) and ``compile`` (config.COMPILE_MODES): regions.py."""
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens)

@@ -17,8 +17,9 @@ import logging
 import torch
 from torch import nn
 
+from xmoe.config import COMPILE_MODES, RECOMPUTE_MODES
 from xmoe.kernels import get_ops
-from xmoe.model.transformer import RECOMPUTE_MODES, Block, Transformer
+from xmoe.model.transformer import Block, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
 def should_compile(setting: str, device: torch.device, ep: int = 1, tp: int = 1) -> bool:
     """``setting`` "on"/"off" as said; "auto": on for GPUs unless experts or heads are sharded (EP / TP add
     collectives with host-read split sizes inside the MoE branch, which would split its graph)."""
-    if setting not in ("auto", "on", "off"):
+    if setting not in COMPILE_MODES:
         raise ValueError(f"compile ({setting!r}) must be 'auto', 'on' or 'off'")
     if setting != "auto":
         return setting == "on"

@@ -17,8 +17,8 @@ identical gradients on all TP peers and need no reduction over "tp".
 Collectives per layer (bytes each rank sends, ring algorithm): forward one all-reduce of the attention output and one
 of the dense FFN output, 2*b*T*H*(tp-1)/tp each; backward the same two, on the input gradients. Without sequence
 parallelism (the default; the layout below is opt-in) norms and the inputs of the colwise projections are full size
-on every rank, which is what ``xmoe.plan.memory`` models (``attention_activations``: qkv_input full, q/k/v and
-the attention output 1/tp).
+on every rank, which is what ``xmoe.plan.memory`` models (``terms.attention_activations``: qkv_input full, q/k/v
+and the attention output 1/tp).
 
 Mesh. The "tp" axis of ``dims.dense_mesh`` ("dp_ep", "tp"), not of ``dims.mesh``: FSDP2 shards TP weights over the
 "dp_ep" axis of the same mesh and requires both axes to share a parent mesh (the ranks are the same either way).

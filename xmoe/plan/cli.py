@@ -9,11 +9,11 @@ import argparse
 import math
 from typing import Optional
 
+from xmoe.config import RECOMPUTE_MODES
 from xmoe.model.presets import PRESETS, get_preset
 
 # The models (and, through them, torch) are imported when a plan runs: `xmoe --help` stays quick.
 GIB = 2**30
-RECOMPUTE = ("none", "moe", "full")  # xmoe.plan.memory.RECOMPUTE, checked in run()
 ASSUMED_GPU_MEM = 64.0  # GiB: an MI250X GCD, when no GPU is visible and --gpu-mem is not given
 MAX_GPUS = 2**20  # the layouts are built rank by rank: a (dp, ep, tp) grid of this many ranks is 8 MiB
 MAX_MC_TOKENS = 2**18  # tokens x experts float64 draws per source: 512 MiB for 256 experts
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--micro-batch", type=int, help="sequences per GPU per micro-batch (default: searched)")
     mem.add_argument("--max-micro-batch", type=int, default=8, help="largest micro-batch the search tries")
     mem.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    mem.add_argument("--recompute", choices=RECOMPUTE, help="activation recompute (default: searched)")
+    mem.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute (default: searched)")
     mem.add_argument("--padded", action="store_true", help="GShard/DeepSpeed-MoE capacity buffers instead of PFT")
     mem.add_argument("--capacity-factor", type=float,
                      help="capacity factor (default: 1.25 with --padded, dropless otherwise)")
@@ -154,9 +154,6 @@ def prepare_memory(args: argparse.Namespace) -> tuple[object, Optional[str]]:
 
 def run(args: argparse.Namespace) -> None:
     if args.plan_command == "memory":
-        from xmoe.plan import memory
-
-        assert memory.RECOMPUTE == RECOMPUTE
         cfg, note = prepare_memory(args)
         text = run_trainer_memory(cfg, args) if args.trainer else run_memory(cfg, args)
         print(text if note is None else text.replace("\n", f"\n{note}\n", 1))
@@ -216,12 +213,12 @@ def run_memory(cfg, args) -> str:
 
 
 def run_trainer_memory(cfg, args) -> str:
-    """The peak of one `xmoe train` step on one GPU (plan.memory.estimate_trainer_memory) per recompute mode and
-    micro-batch: the given ones, or micro-batches 1, 2, 4, ... up to --max-micro-batch."""
-    from xmoe.plan import memory
+    """The peak of one `xmoe train` step on one GPU (plan.trainer_memory.estimate_trainer_memory) per recompute mode
+    and micro-batch: the given ones, or micro-batches 1, 2, 4, ... up to --max-micro-batch."""
+    from xmoe.plan.trainer_memory import estimate_trainer_memory
 
     seq = args.seq or cfg.max_seq_len
-    modes = [args.recompute] if args.recompute else list(RECOMPUTE)
+    modes = [args.recompute] if args.recompute else list(RECOMPUTE_MODES)
     batches = [args.micro_batch] if args.micro_batch else \
         [2**i for i in range(int(math.log2(args.max_micro_batch)) + 1)]
     lines = [f"xmoe plan memory --trainer: {args.preset} with {cfg.num_layers} layers, seq {seq}, one GPU of "
@@ -231,8 +228,8 @@ def run_trainer_memory(cfg, args) -> str:
              f"{'peak GiB':>10}  fits"]
     for mode in modes:
         for mb in batches:
-            m = memory.estimate_trainer_memory(cfg, micro_batch=mb, seq_len=seq, recompute=mode,
-                                               accumulation=args.accumulation, compiled=not args.eager)
+            m = estimate_trainer_memory(cfg, micro_batch=mb, seq_len=seq, recompute=mode,
+                                        accumulation=args.accumulation, compiled=not args.eager)
             lines.append(f"  {mode:<10}{mb:>12}{m.states / GIB:>9.1f}{m.grads / GIB:>9.1f}{m.activations / GIB:>9.1f}"
                          f"{m.working / GIB:>9.1f}{m.total / GIB:>10.1f}  {'yes' if m.total <= args.gpu_mem * GIB else 'no'}")
     lines.append("states: fp32 weights, AdamW moments, bf16 expert copies; grads, activations, working: at the peak "

@@ -1,15 +1,15 @@
-"""Atomic, sharded checkpoints through torch.distributed.checkpoint (DCP).
+"""Atomic, sharded checkpoints through torch.distributed.checkpoint (DCP): what a checkpoint holds, saving it and
+loading it. The directory they live in (names, staging, COMPLETE, the ``latest`` pointer, pruning, pins) follows
+``checkpoint_dir.py``; whether a checkpoint's files check out (meta.json, sizes, crc32) is ``checkpoint_verify.py``.
 
-Layout under the run directory OUT::
+One checkpoint, ``OUT/checkpoints/step_000100/``::
 
-    OUT/checkpoints/step_000100/      one complete checkpoint
-        .metadata, __<rank>_0.distcp  DCP files: model + optimizer, each rank writes its own shards
-        rank_00000.pt ...             per-rank extra state (data loader, LR scheduler, RNG states)
-        meta.json                     step, config, versions, world size, every file's size and crc32
-        COMPLETE                      written last; a directory without it is never loaded
-    OUT/checkpoints/latest            name of the newest checkpoint written (for scripts; resume scans)
+    .metadata, __<rank>_0.distcp  DCP files: model + optimizer, each rank writes its own shards
+    rank_00000.pt ...             per-rank extra state (data loader, LR scheduler, RNG states)
+    meta.json                     step, config, versions, world size, every file's size and crc32
+    COMPLETE                      written last; a directory without it is never loaded
 
-Save protocol, one function per step (why each exists):
+Save protocol, one function per step (why each exists; 1, 4 and 5 are checkpoint_dir's, 3 checkpoint_verify's):
   1. ``_stage``: rank 0 removes ``*.tmp-*`` leftovers of crashed saves and creates ``step_XXXXXX.tmp-<random>``;
      the name is broadcast so every rank writes into the same directory (a shared filesystem is assumed).
   2. ``_write``: every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards.
@@ -32,20 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
-import json
 import os
 import random
-import secrets
-import shutil
 import warnings
-import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -56,21 +49,26 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from xmoe._version import __version__
-
-CKPT_SUBDIR = "checkpoints"
-LATEST = "latest"
-META = "meta.json"
-COMPLETE = "COMPLETE"
-FORMAT = "xmoe-checkpoint-v1"
-_TMP = ".tmp-"
-_CHUNK = 8 << 20  # crc32 read size: large enough that Python overhead is negligible
-_LOW_SPACE = 16 << 20  # a failed write with less free space than this is reported as a full disk
-T = TypeVar("T")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read (incomplete, corrupt, or a rank failed during save)."""
-
+from xmoe.train.checkpoint_dir import (
+    _TMP,
+    CKPT_SUBDIR,
+    COMPLETE,
+    META,
+    CheckpointError,
+    _agree,
+    _all_gather,
+    _ckpt_root,
+    _discard,
+    _point_and_prune,
+    _publish_collective,
+    _rank_world,
+    _stage,
+    _suggest_previous,
+    _underlying,
+    step_dir_name,
+    step_of,
+)
+from xmoe.train.checkpoint_verify import FORMAT, _verify, _verify_files, find_latest, read_meta
 
 # DCP reports a failed save or load as a CheckpointException, which derives from BaseException, not Exception
 FAILURES = (Exception, CheckpointException)
@@ -79,150 +77,12 @@ FAILURES = (Exception, CheckpointException)
 # --------------------------------------------------------------------------------------------- helpers
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    _, world = _rank_world()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast(obj: Any) -> Any:
-    if _rank_world()[1] == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _underlying(exc: BaseException) -> BaseException:
-    """The first rank's own exception inside a DCP CheckpointException (whose text is a whole traceback)."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        return next(iter(exc.failures.values()))[0]
-    return exc
-
-
-def _disk_full(exc: BaseException, where: Path) -> bool:
-    """ENOSPC / EDQUOT anywhere in the exception chain or its text (DCP and torch.save report write failures
-    as strings, torch.save even as "unexpected pos"), or less than _LOW_SPACE left where we were writing."""
-    seen: Optional[BaseException] = _underlying(exc)
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        return shutil.disk_usage(where if where.exists() else where.parent).free < _LOW_SPACE
-    except OSError:
-        return False
-
-
-def _explain(exc: BaseException, where: Path) -> str:
-    cause = _underlying(exc)
-    text = f"{type(cause).__name__}: {cause}"
-    if _disk_full(exc, where):
-        try:
-            free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2**20:.0f} MiB free"
-        except OSError:
-            free = "free space unknown"
-        return (f"disk full on the filesystem of {where} ({free}); free some space or write to another --out "
-                f"({text})")
-    return text
-
-
-def _agree(exc: Optional[BaseException], what: str, where: Path) -> None:
-    """Collective: raise the same CheckpointError on every rank if any rank failed."""
-    errors = _all_gather(None if exc is None else _explain(exc, where))
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(
-            f"{what} failed on rank {rank} ({len(failed)} rank(s) failed): {message}"
-        ) from exc
-
-
 @contextlib.contextmanager
 def _dcp_quietly():
     """DCP warns that it 'assumes a single process' when no group exists; that is our intent there."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
         yield
-
-
-def _fsync_dir(path: Path) -> None:
-    # Make a rename durable: the directory entry itself must reach the disk (some network FSs refuse).
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write via a temp file + fsync + os.replace so a reader sees the old or the new content only."""
-    tmp = path.with_name(f"{path.name}{_TMP}{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _step_of(path: Path) -> Optional[int]:
-    name = path.name
-    if not name.startswith("step_") or _TMP in name:
-        return None
-    try:
-        return int(name[len("step_") :])
-    except ValueError:
-        return None
-
-
-def _ckpt_root(out_dir: Path) -> Path:
-    # Accept the run directory OUT or OUT/checkpoints itself.
-    if out_dir.name == CKPT_SUBDIR or not (out_dir / CKPT_SUBDIR).is_dir():
-        return out_dir
-    return out_dir / CKPT_SUBDIR
-
-
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = [(_step_of(p), p) for p in root.iterdir() if p.is_dir()]
-    return sorted((s, p) for s, p in found if s is not None and (p / COMPLETE).is_file())
-
-
-def _discard(path: Path) -> None:
-    """Rename out of the way first (atomic), then delete: a half-deleted checkpoint never looks complete."""
-    doomed = path.with_name(f"{path.name}{_TMP}del-{secrets.token_hex(4)}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _suggest_previous(ckpt: Path) -> str:
-    step = _step_of(ckpt)
-    older = [p for s, p in _complete_checkpoints(ckpt.parent) if p != ckpt and (step is None or s < step)]
-    if older:
-        return f"Load the previous complete checkpoint instead: {older[-1]} (xmoe train --resume-from {older[-1]})"
-    return f"No older complete checkpoint exists in {ckpt.parent}."
 
 
 # ------------------------------------------------------------------------------------------ RNG state
@@ -264,70 +124,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------ public API
 
 
-def find_latest(out_dir: str | os.PathLike, *, checksums: bool = False) -> Optional[Path]:
-    """Newest complete, verified checkpoint under ``out_dir`` (the run dir or its ``checkpoints/``), or None.
-
-    Found by scanning, never by trusting the ``latest`` pointer (a failed pointer update must not send a resume
-    back to an older step). A checkpoint counts when it has COMPLETE, a readable meta.json and every file at
-    its recorded size; with ``checksums`` (collective: every rank calls it) also every file's crc32, read once,
-    split over the ranks, so the caller loads it with ``verify=False``. Newer checkpoints that fail this are
-    skipped with a warning naming each and why; if every complete one fails, CheckpointError names them.
-    """
-    root = _ckpt_root(Path(out_dir))
-    problems = []
-    for _, path in reversed(_complete_checkpoints(root)):
-        try:
-            meta = read_meta(path)
-            _check_sizes(path, meta)
-            if checksums:
-                _verify_files(path, meta, checksums=True)
-        except CheckpointError as e:
-            problems.append(str(e).split(". ")[0])
-            continue
-        if problems:
-            warnings.warn(f"skipped {len(problems)} newer checkpoint(s) that fail verification "
-                          f"({'; '.join(problems)}); using {path}")
-        return path
-    if problems:
-        raise CheckpointError(f"no usable checkpoint under {root}: {'; '.join(problems)}. Start again with "
-                              "--overwrite, or repair or remove the damaged checkpoint(s)")
-    return None
-
-
-def complete_checkpoints(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint dir with a COMPLETE marker, oldest first."""
-    return _complete_checkpoints(_ckpt_root(Path(out_dir)))
-
-
-def remove_leftovers(out_dir: str | os.PathLike) -> list[str]:
-    """Delete ``*.tmp-*`` dirs and files of interrupted saves (only safe while no save is running: the trainer
-    calls it under the run lock, save_checkpoint on rank 0 before staging); return their names."""
-    root = _ckpt_root(Path(out_dir))
-    if not root.is_dir():
-        return []
-    removed = []
-    for leftover in root.iterdir():
-        if _TMP in leftover.name:  # a crashed save's dir or pointer file; nothing references it
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-            removed.append(leftover.name)
-    return removed
-
-
-def set_aside_newer(out_dir: str | os.PathLike, step: int) -> list[Path]:
-    """Rename complete checkpoints above ``step`` to ``step_XXXXXX.superseded-<hex>`` (kept, but never found by
-    a resume again): after resuming from an older checkpoint, the newer ones belong to the abandoned run."""
-    moved = []
-    for s, path in complete_checkpoints(out_dir):
-        if s > step:
-            target = path.with_name(f"{path.name}.superseded-{secrets.token_hex(2)}")
-            os.rename(path, target)
-            moved.append(target)
-    return moved
-
-
 def save_checkpoint(
     out_dir: str | os.PathLike,
     step: int,
@@ -352,7 +148,7 @@ def save_checkpoint(
     if step < 0:
         raise ValueError(f"step ({step}) must be >= 0")
     root = Path(out_dir) / CKPT_SUBDIR
-    final = root / f"step_{step:06d}"
+    final = root / step_dir_name(step)
     tmp = _stage(root, final)
     try:
         _write(tmp, model, optimizer, extra)
@@ -379,23 +175,6 @@ def save_checkpoint(
     return final
 
 
-def _stage(root: Path, final: Path) -> Path:
-    """Step 1. Rank 0 removes ``*.tmp-*`` leftovers of crashed saves and creates a fresh temp dir; every rank
-    learns its name (or rank 0's error)."""
-    tmp, exc = None, None
-    if _rank_world()[0] == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(root)
-            tmp = root / f"{final.name}{_TMP}{secrets.token_hex(4)}"
-            tmp.mkdir()
-        except OSError as e:
-            exc = e
-    tmp = _broadcast(tmp)
-    _agree(exc, f"preparing checkpoint dir in {root}", root)
-    return tmp
-
-
 def _write(tmp: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
            extra: Optional[dict[str, Any]]) -> None:
     """Step 2. Every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards."""
@@ -419,117 +198,6 @@ def _write(tmp: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     except FAILURES as e:  # re-raised on every rank by _agree
         exc = e
     _agree(exc, f"writing checkpoint {tmp}", tmp)
-
-
-def _verify(tmp: Path, checksum: bool) -> dict[str, dict[str, Any]]:
-    """Step 3. Sizes + checksums of what was written, split round-robin over ranks (a big checkpoint is read
-    once, in parallel). Rank 0 lists the files so that every rank works from the same list even where a shared
-    filesystem shows new files to ranks at different times."""
-    rank, world = _rank_world()
-    exc, entries = None, {}
-    try:
-        names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.is_file()) if rank == 0 else None)
-        for name in names[rank::world]:
-            entries[name] = {"size": (tmp / name).stat().st_size}
-            if checksum:
-                entries[name]["crc32"] = _crc32(tmp / name)
-    except OSError as e:
-        exc = e
-    gathered = _all_gather(entries)
-    _agree(exc, f"checksumming checkpoint {tmp}", tmp)
-    return {k: v for part in gathered for k, v in part.items()}
-
-
-def _publish_collective(tmp: Path, final: Path, meta: dict[str, Any]) -> None:
-    """Step 4. Rank 0 writes meta.json, then COMPLETE, then renames the directory to its final name; its
-    outcome is broadcast so no rank waits forever on a failed rank 0."""
-    exc, error = None, None
-    if _rank_world()[0] == 0:
-        try:
-            _write_text(tmp / META, json.dumps(meta, indent=1, default=str))
-            _write_text(tmp / COMPLETE, f"{meta['step']}\n")
-            _publish(tmp, final)
-        except Exception as e:  # noqa: BLE001 - broadcast to all ranks below
-            exc, error = e, _explain(e, tmp)
-    error = _broadcast(error)
-    if error is not None:
-        raise CheckpointError(f"publishing checkpoint {final} failed on rank 0: {error}") from exc
-
-
-def _point_and_prune(root: Path, step: int, final: Path, keep_last: int) -> None:
-    """Step 5. The checkpoint is durable now; pointer and pruning failures only warn (resume scans for the
-    newest complete checkpoint, and a failed prune leaves an extra good checkpoint rather than losing one)."""
-    if _rank_world()[0] != 0:
-        return
-    try:
-        _write_text(root / LATEST, final.name + "\n")
-        _prune(root, step, final, keep_last)
-    except OSError as e:
-        warnings.warn(f"checkpoint {final} is saved, but updating '{LATEST}' or pruning failed: {e}")
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename tmp -> final. A same-step checkpoint (re-saved after resuming earlier) is swapped out."""
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}{_TMP}old-{secrets.token_hex(4)}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _prune(root: Path, step: int, keep: Path, keep_last: int) -> None:
-    """Discard the older checkpoints past ``keep_last``, except those a reader has pinned (``pinned``): they stay
-    until a later save finds them unpinned."""
-    older = [p for s, p in _complete_checkpoints(root) if s < step and p != keep]
-    for path in older[: max(0, len(older) - (keep_last - 1))]:
-        try:
-            fd = os.open(path / COMPLETE, os.O_RDONLY)
-        except FileNotFoundError:
-            continue  # gone meanwhile
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # being read: never wait for a reader
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise  # where flock is unsupported, readers retry instead (read_pinned)
-            _discard(path)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def pinned(ckpt: Path):
-    """Within: ``ckpt`` is not pruned (a shared flock on its COMPLETE file, which pruning takes exclusively or
-    leaves the checkpoint alone). FileNotFoundError when it was pruned before the pin took hold."""
-    fd = os.open(ckpt / COMPLETE, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):  # unsupported (some network filesystems): unpinned, read_pinned retries
-            fcntl.flock(fd, fcntl.LOCK_SH)
-        if not (ckpt / COMPLETE).is_file():  # renamed away by a prune that held the lock first
-            raise FileNotFoundError(f"checkpoint {ckpt} was pruned by its run while being opened")
-        yield ckpt
-    finally:
-        os.close(fd)
-
-
-def read_pinned(pick: Callable[[], Path], read: Callable[[Path], T], attempts: int = 5) -> T:
-    """``read(pick())`` with the picked checkpoint pinned against pruning, for readers of a run that is still
-    training (``xmoe eval`` / ``export`` / ``generate``). A checkpoint pruned between the pick and the pin (or, where
-    pins are unsupported, during the read) is picked again, up to ``attempts`` times."""
-    for attempt in range(1, attempts + 1):
-        path = pick()
-        try:
-            with pinned(path):
-                return read(path)
-        except (FileNotFoundError, CheckpointError):
-            if (path / COMPLETE).is_file() or attempt == attempts:
-                raise  # a real error of a checkpoint still there, or no end to the pruning
-    raise ValueError(f"attempts ({attempts}) must be >= 1")
 
 
 def _state_dicts(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -576,71 +244,6 @@ def _warn_unsynced_replicas(prints: dict[str, tuple[tuple[int, ...], float]]) ->
 
 def _same(a: float, b: float) -> bool:
     return a == b or (a != a and b != b)  # NaN sums compare equal to each other
-
-
-def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
-    """meta.json of a complete checkpoint dir; CheckpointError if it is incomplete or unreadable."""
-    ckpt = Path(ckpt)
-    if _TMP in ckpt.name:
-        raise CheckpointError(f"{ckpt} is the temporary dir of an unfinished save. {_suggest_previous(ckpt)}")
-    if not (ckpt / COMPLETE).is_file():
-        raise CheckpointError(
-            f"checkpoint {ckpt} is incomplete (no {COMPLETE} marker: the save was interrupted). "
-            f"{_suggest_previous(ckpt)}"
-        )
-    try:
-        meta = json.loads((ckpt / META).read_text())
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-            raise ValueError(f"not an {FORMAT} meta.json")
-        int(meta["step"]), int(meta["world_size"]), bool(meta["has_optimizer"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"checkpoint {ckpt} has a missing or corrupt {META} ({type(e).__name__}: {e}). {_suggest_previous(ckpt)}"
-        ) from e
-    return meta
-
-
-def _check_sizes(ckpt: Path, meta: dict[str, Any]) -> None:
-    """Every recorded file present at its recorded size (cheap: no reads); CheckpointError otherwise."""
-    problems = []
-    for name, want in sorted(meta["files"].items()):
-        path = ckpt / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != want.get("size"):
-            problems.append(f"{name} has {path.stat().st_size} bytes, expected {want.get('size')} (truncated?)")
-    if problems:
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}")
-
-
-def _verify_files(ckpt: Path, meta: dict[str, Any], checksums: bool) -> None:
-    """Collective: sizes on every rank (cheap), checksums split round-robin; same error everywhere."""
-    rank, world = _rank_world()
-    problems = []
-    names = sorted(meta["files"])
-    for i, name in enumerate(names):
-        want = meta["files"][name]
-        path = ckpt / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != want.get("size"):
-            size = path.stat().st_size
-            problems.append(f"{name} has {size} bytes, expected {want.get('size')} (truncated?)")
-        elif checksums and "crc32" in want and i % world == rank and _crc32(path) != want["crc32"]:
-            problems.append(f"{name} fails its crc32 check (content corrupted)")
-    problems = sorted({p for part in _all_gather(problems) for p in part})
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}"
-        )
-
-
-def verify_checkpoint(ckpt: str | os.PathLike) -> dict[str, Any]:
-    """Collective: meta.json of a checkpoint whose every file has its recorded size and crc32 (read once, split
-    over the ranks), for a load with ``verify=False``; CheckpointError naming what is wrong otherwise."""
-    meta = read_meta(ckpt)
-    _verify_files(Path(ckpt), meta, checksums=True)
-    return meta
 
 
 def _check_compatible(ckpt: Path, state: dict[str, Any]) -> None:
@@ -692,7 +295,7 @@ def load_checkpoint(
     path = Path(path_or_out_dir)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
-    if _step_of(path) is None and _TMP not in path.name and not (path / META).exists():
+    if step_of(path) is None and _TMP not in path.name and not (path / META).exists():
         root = _ckpt_root(path)
         found = find_latest(path)
         if found is None:

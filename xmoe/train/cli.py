@@ -18,7 +18,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from xmoe.config import KernelConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig, missing
+from xmoe.config import (COMPILE_MODES, RECOMPUTE_MODES, KernelConfig, ModelConfig, MoEConfig, ParallelConfig,
+                         RunConfig, TrainConfig, missing)
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-every", type=int, help=f"checkpoint every N steps and at the end (default "
                    f"{_TINY.ckpt_every}; 0: never)")
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to --out")
-    p.add_argument("--compile", choices=["auto", "on", "off"],
+    p.add_argument("--compile", choices=COMPILE_MODES,
                    help="torch.compile each block's two branches and the loss (default auto: on for one GPU or pure "
                         "data parallelism on GPUs, off on CPU)")
-    p.add_argument("--recompute", choices=["none", "moe", "full"],
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES,
                    help="activation recompute in backward: none (default), moe (MoE branches), full (every block)")
     p.add_argument("--device", default="auto", help="auto (GPU if present, default), cpu or cuda")
     p.add_argument("--config", help="JSON or TOML file of config sections")
@@ -258,7 +259,7 @@ def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: Mode
     """Overrides that change an imported architecture (fewer layers drop checkpoint tensors without a word) are
     refused unless ``allow_changes``; the router's auxiliary-loss weight, which xmoe defines per layer, is not
     imported and is said so."""
-    from xmoe.train.rundir import flatten
+    from xmoe.train.resume import flatten
 
     then: dict[str, Any] = {}
     now: dict[str, Any] = {}

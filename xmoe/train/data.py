@@ -1,4 +1,4 @@
-"""Training data: an embedded Markov source with exact entropy, token files, text files, and a sharded loader.
+"""Training data: the embedded Markov source (``markov.py``), token files, text files, and a sharded loader.
 
 A dataset yields samples of ``seq_len + 1`` tokens (inputs plus the target shifted by one) at positions of a
 seeded, per-epoch order; ``TokenLoader`` walks that order one global batch per step and hands each
@@ -27,122 +27,12 @@ import numpy as np
 import torch
 
 from xmoe.config import missing
+from xmoe.train.markov import MarkovSource
 
-# Legend: N samples, S seq_len, V vocab, G hash buckets, C contexts (= G * V), K successors per context.
+# Legend: N samples, S seq_len.
 
 MAX_TEXT_BYTES = 256 * 2**20  # text is tokenized in memory (~4-8 bytes per token); larger: tokenize_file
 _SCAN_CHUNK = 2**24  # tokens per chunk when checking a memory-mapped file's range
-
-
-def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Entropy in nats along ``axis``, with 0 log 0 = 0."""
-    logp = np.log(np.where(p > 0, p, 1.0))
-    return -(p * logp).sum(axis)
-
-
-class MarkovSource:
-    """Seeded sparse Markov source over ``vocab`` tokens whose entropy rate is computed exactly.
-
-    order=1: x_{t+1} ~ P[x_t]. order=2: x_{t+1} ~ P[bucket[x_{t-1}] * vocab + x_t], where ``bucket`` hashes a
-    token into one of ``buckets`` (default 2) classes, so the next token also depends on a few bits of the
-    token before the current one, which a model can only read with attention. Each of the C = buckets * vocab
-    contexts has ``branch`` likely successors with Dirichlet(alpha) weights, mixed with ``smooth`` uniform
-    mass, which makes the chain irreducible and aperiodic: pi is unique and power iteration converges.
-
-    The state (bucket[x_{t-1}], x_t) is an ordinary Markov chain on C states, so with pi its stationary
-    distribution: entropy_rate = sum_s pi_s H(P[s]); unigram_entropy = H(token marginal), the best loss
-    without context; bigram_entropy = H(x_{t+1} | x_t), the best loss from the current token alone.
-
-    Defaults chosen by a sweep (300 steps, batch 16 x 128, AdamW 3e-3, dense 4-layer transformer): unigram
-    4.06, bigram 1.75, entropy rate 1.18 nats; a 1.8M-parameter model ends 0.035 above the floor, a 0.8M
-    one 0.20 above (0.016 after 600 steps). vocab 256 / 4 buckets left a 0.8-1.2 nat gap at 300 steps.
-    """
-
-    def __init__(self, vocab: int = 64, order: int = 2, buckets: Optional[int] = None, branch: int = 4,
-                 alpha: float = 1.0, smooth: float = 0.01, source_seed: int = 0) -> None:
-        if vocab < 2:
-            raise ValueError(f"markov vocab ({vocab}) must be >= 2")
-        if order not in (1, 2):
-            raise ValueError(f"markov order ({order}) must be 1 or 2 (order 2 hashes the older token)")
-        if order == 1 and buckets not in (None, 1):
-            raise ValueError(f"markov buckets ({buckets}) only applies to order 2; drop it or set order=2")
-        buckets = (2 if order == 2 else 1) if buckets is None else buckets
-        if not 1 <= buckets <= vocab:
-            raise ValueError(f"markov buckets ({buckets}) must be in [1, vocab={vocab}]")
-        if not 1 <= branch <= vocab:
-            raise ValueError(f"markov branch ({branch}) must be in [1, vocab={vocab}]")
-        if buckets * vocab * vocab > 2**22:  # 2**23 already takes ~13 s to build
-            raise ValueError(f"markov buckets * vocab**2 ({buckets * vocab * vocab}) must be <= 2**22; "
-                             "lower vocab or buckets")
-        if not alpha > 0:
-            raise ValueError(f"markov alpha ({alpha}) must be > 0")
-        if not 0 < smooth <= 1:
-            raise ValueError(f"markov smooth ({smooth}) must be in (0, 1]; it keeps the chain irreducible")
-        if source_seed < 0:
-            raise ValueError(f"markov source_seed ({source_seed}) must be >= 0")
-        self.vocab, self.order, self.buckets = vocab, order, buckets
-        self.options = dict(vocab=vocab, order=order, buckets=buckets, branch=branch, alpha=alpha,
-                            smooth=smooth, source_seed=source_seed)
-        V, G = vocab, buckets
-        rng = np.random.default_rng([source_seed, V, G, branch])
-        # Balanced hash: every bucket gets vocab / G tokens.
-        self.bucket_V = rng.permutation(V) % G
-        succ_CK = rng.random((G * V, V)).argsort(axis=1)[:, :branch]
-        w_CK = rng.dirichlet(np.full(branch, alpha), size=G * V)
-        probs_CV = np.full((G * V, V), smooth / V)
-        np.put_along_axis(probs_CV, succ_CK, smooth / V + (1 - smooth) * w_CK, axis=1)
-        self.probs_CV = probs_CV / probs_CV.sum(1, keepdims=True)
-        self.pi_C = self._stationary()
-
-        # Exact entropies, all float64 nats.
-        self.entropy_rate = float(self.pi_C @ _entropy(self.probs_CV))
-        pi_GV = self.pi_C.reshape(G, V)
-        self.marginal_V = pi_GV.sum(0)
-        self.unigram_entropy = float(_entropy(self.marginal_V))
-        joint_VV = np.einsum("gb,gbc->bc", pi_GV, self.probs_CV.reshape(G, V, V))  # P(x_t=b, x_{t+1}=c)
-        self.bigram_entropy = float(_entropy(joint_VV.ravel()) - self.unigram_entropy)
-        # Sampling tables: cumulative rows, last entry +inf so rounding never runs past the end.
-        self._cdf_CV = np.cumsum(self.probs_CV, axis=1)
-        self._cdf_CV[:, -1] = np.inf
-        self._cdf_pi_C = np.cumsum(self.pi_C)
-        self._cdf_pi_C[-1] = np.inf
-
-    def _stationary(self, tol: float = 1e-14, max_iter: int = 10_000) -> np.ndarray:
-        """pi_C with pi P = pi, by power iteration in float64 on the C-state chain (~80 iterations: the
-        smoothing makes every state reachable from every other in two steps)."""
-        G, V = self.buckets, self.vocab
-        probs_GVV = self.probs_CV.reshape(G, V, V)
-        onehot_GV = (self.bucket_V[None, :] == np.arange(G)[:, None]).astype(np.float64)
-        pi_GV = np.full((G, V), 1.0 / (G * V))
-        for _ in range(max_iter):
-            # State (h, b) emits c and moves to (bucket[b], c).
-            flow_VV = np.einsum("hb,hbc->bc", pi_GV, probs_GVV)
-            new_GV = onehot_GV @ flow_VV
-            new_GV /= new_GV.sum()
-            done = np.abs(new_GV - pi_GV).sum() < tol
-            pi_GV = new_GV
-            if done:
-                return pi_GV.ravel()
-        raise RuntimeError(f"stationary distribution did not converge in {max_iter} iterations")
-
-    def loss_floor(self, seq_len: int) -> float:
-        """Least expected mean loss over a window's seq_len predictions: the first prediction sees only
-        x_0 (bigram entropy), the rest see their full context (entropy rate). Equal to the entropy rate
-        for order 1."""
-        return (self.bigram_entropy + (seq_len - 1) * self.entropy_rate) / seq_len
-
-    def sample(self, seed: int, indices: np.ndarray, length: int) -> np.ndarray:
-        """(N, length) int64: sample i is a stationary stretch drawn from uniforms of rng (seed, i) only, so it
-        does not depend on which other samples are drawn with it."""
-        u_NT = np.stack([np.random.default_rng([seed, int(i)]).random(length) for i in indices])
-        out_NT = np.empty(u_NT.shape, dtype=np.int64)
-        state_N = np.searchsorted(self._cdf_pi_C, u_NT[:, 0], side="right")  # (h, x_0) ~ pi
-        out_NT[:, 0] = state_N % self.vocab
-        for t in range(1, length):
-            # Inverse-CDF draw from each sample's context row, vectorized over the N samples.
-            out_NT[:, t] = (self._cdf_CV[state_N] <= u_NT[:, t, None]).sum(1)
-            state_N = self.bucket_V[out_NT[:, t - 1]] * self.vocab + out_NT[:, t]
-        return out_NT
 
 
 class TokenDataset:

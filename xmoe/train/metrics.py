@@ -20,7 +20,7 @@ from typing import Any, Optional, TextIO
 import torch
 
 from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
-from xmoe.train.checkpoint import _write_text  # the one atomic file write (temp file, fsync, rename)
+from xmoe.train.checkpoint_dir import _write_text  # the one atomic file write (temp file, fsync, rename)
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,9 @@ from xmoe.parallel.expert_parallel import clip_grad_norm_
 from xmoe.parallel.grads import set_accumulation_scale
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
+from xmoe.train import checkpoint_dir
 from xmoe.train import metrics, rundir, safety
+from xmoe.train.resume import fingerprint, resume_checkpoint
 from xmoe.train.step import forward_backward, update_expert_bias
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
@@ -149,7 +151,7 @@ class Trainer:
         # 1. the data (checked against the model's vocabulary)
         self.dataset = dataset = build_dataset(data, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed,
                                                tokenizer=tokenizer)
-        self.data_info = rundir.fingerprint(data, dataset)  # stored in checkpoints; a resume must match it
+        self.data_info = fingerprint(data, dataset)  # stored in checkpoints; a resume must match it
         self.val_windows = None
         if val_data is not None and t.val_fraction > 0:
             raise ValueError(f"--val-data ({val_data}) and val_fraction ({t.val_fraction}) both choose validation "
@@ -205,8 +207,8 @@ class Trainer:
 
     def _checkpoint_to_resume(self, resume_from: Optional[str], allow_changes: bool) -> Optional[Path]:
         """The checkpoint a resume continues (None: nothing saved yet), verified (sizes and crc32) and its stored
-        model, data and schedule compared with this run's (rundir.resume_checkpoint), before the model is built."""
-        found = rundir.resume_checkpoint(self.out_dir, resume_from, self.run, self.data_info, allow_changes)
+        model, data and schedule compared with this run's (resume.resume_checkpoint), before the model is built."""
+        found = resume_checkpoint(self.out_dir, resume_from, self.run, self.data_info, allow_changes)
         if found is None and self.rank == 0:
             log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
         return found
@@ -232,7 +234,7 @@ class Trainer:
         if self.rank == 0:
             log.info(f"resumed from {found} at step {self.step}")
             if chosen:  # later checkpoints of this directory belong to the timeline being replaced
-                for path in ckpt.set_aside_newer(self.out_dir, self.step):
+                for path in checkpoint_dir.set_aside_newer(self.out_dir, self.step):
                     log.info(f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) "
                              f"as {path.name}")
 
@@ -369,7 +371,7 @@ class Trainer:
                 f"data {self.dataset.name.split('(')[0]}")
 
     def _last_good_checkpoint(self, before: int) -> Optional[Path]:
-        good = [p for s, p in ckpt.complete_checkpoints(self.out_dir) if s < before]
+        good = [p for s, p in checkpoint_dir.complete_checkpoints(self.out_dir) if s < before]
         return good[-1] if good else None
 
     def _stop_nonfinite(self, first_bad: int) -> None:

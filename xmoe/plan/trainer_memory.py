@@ -1,0 +1,181 @@
+"""The memory of a whole replica: `xmoe train` on one GPU (``estimate_trainer_memory``: fp32 weights, AdamW, the
+experts' bf16 copies, compiled regions), the same backward walk over eager fp32 blocks on a CPU, and a DDP rank's
+(the replica plus its gradient buckets). Letters and conventions: ``memory.py``'s docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
+from xmoe.model.counting import count_params
+from xmoe.model.flops import attention_matrix_params
+from xmoe.plan.terms import (
+    ADAM_BYTES,
+    GRAD_BYTES,
+    LOSS_CHUNK_TOKENS,
+    MASTER_BYTES,
+    RESIDUAL_BYTES,
+    _adam_step,
+    _keeps,
+    _LayerActivations,
+    attention_activations,
+    dense_ffn_activations,
+    moe_activations,
+    norm_activations,
+)
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Peak bytes of `xmoe train` on one GPU (see estimate_trainer_memory); ``total`` is the predicted peak."""
+
+    states: float  # fp32 parameters, AdamW moments, bf16 expert weight copies held for the step
+    grads: float  # fp32 gradients alive at the peak
+    activations: float  # saved activations alive at the peak
+    working: float  # the backward's transient at the peak (recomputed block, bf16 weight gradients, loss chunk)
+    blocks_done: int  # blocks whose backward has run at the peak (0: the peak is at the start of backward)
+
+    @property
+    def total(self) -> float:
+        return self.states + self.grads + self.activations + self.working
+
+
+def block_activations(cfg: ModelConfig, T: int, i: int, *, compiled: bool = True, fused: bool = True,
+                      b: int = 2) -> tuple[float, float]:
+    """(attention branch, FFN branch) bytes block ``i`` of `xmoe train`'s model saves for T tokens, autocast bf16.
+
+    Each branch keeps its fp32 residual input (RMSNorm's backward reads it) and the bf16 weight copies autocast
+    made for its matmuls; compiled regions keep RMSNorm's fp32 1/rms only beyond that (the compiler rebuilds the
+    normalised tensor), eager RMSNorm its fp32 copies (norm_activations). ``fused``: the one-rank Triton path
+    (gather, experts and combine in one op) keeps no dispatch or combine buffer, only the bf16 tokens it reads."""
+    H, moe = cfg.hidden_size, cfg.moe
+    norm = 4 * T if compiled else norm_activations(T, H)
+    attn = dict(attention_activations(T, H, cfg.num_heads, 1, b), norm=norm)
+    attn_bytes = sum(attn.values()) + b * attention_matrix_params(cfg) + 4 * T * H
+    if i < cfg.first_k_dense:
+        ffn = dict(dense_ffn_activations(T, H, cfg.ffn_hidden_size, 1, b), norm=norm)
+        return attn_bytes, sum(ffn.values()) + b * 3 * H * cfg.ffn_hidden_size + 4 * T * H
+    ffn = dict(moe_activations(moe, T, kernel="triton" if fused else "torch", b=b), norm=norm)
+    if fused:
+        ffn["dispatch_buffer"], ffn["combine_buffer"] = b * T * H, 0.0
+    shared_w = 3 * H * moe.shared_width
+    return attn_bytes, sum(ffn.values()) + b * shared_w + 4 * T * H
+
+
+def _block_weights(cfg: ModelConfig, parts: dict[str, int]) -> list[float]:
+    """Parameters of each block, from the one parameter count (attention variants, shared-expert widths included)."""
+    L, H = cfg.num_layers, cfg.hidden_size
+    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
+    attn_w = parts["attention"] / L + 2 * H  # + the block's two RMSNorm weights
+    moe_w = (parts["routed_experts"] + parts["router"] + parts["shared_experts"]) / max(1, n_moe)
+    dense_w = parts["dense_ffn"] / max(1, n_dense)
+    return [attn_w + (moe_w if i >= cfg.first_k_dense else dense_w) for i in range(L)]
+
+
+def _backward_walk(states: float, blocks: list[tuple[float, float, float, float]], start_grads: float,
+                   tail: float, loss_chunk: float, accumulating: bool = False) -> TrainerMemory:
+    """The peak of a replica's backward: the loss chunk at its start, then block by block top-down, each freeing
+    its saved activations while its gradients appear (with ``accumulating`` every gradient exists throughout, in
+    ``start_grads``). ``blocks``: (saved, rebuilt in backward, gradient bytes, transient) per block, bottom first."""
+    saved_left = sum(saved for saved, *_ in blocks)
+    best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
+    grads = start_grads
+    for j, (saved, regen, grad_bytes, transient) in enumerate(reversed(blocks), 1):
+        made = 0.0 if accumulating else grad_bytes  # this block's gradients appear as it runs
+        here = TrainerMemory(states, grads + made, saved_left, regen + transient, j)
+        if here.total > best.total:
+            best = here
+        grads += made
+        saved_left -= saved
+    return best
+
+
+def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Optional[int] = None,
+                            recompute: str = "none", accumulation: int = 1, compiled: bool = True,
+                            fused: bool = True) -> TrainerMemory:
+    """The peak of one `xmoe train` step on one GPU, in the trainer's own precision layout:
+
+    * states: fp32 parameters (4 B), AdamW's two fp32 moments (8 B), and the bf16 copies of the routed experts made
+      once per step (2 B per expert weight);
+    * the last micro-batch's backward walks the blocks top-down (``_backward_walk``): the LM head's fp32 gradient
+      first, then each block frees its saved activations while its fp32 parameter gradients appear (with
+      ``accumulation`` > 1 every gradient exists from the first micro-batch on). The peak is the largest sum of
+      gradients plus activations of the blocks left plus the transient of the block in hand: its bf16 weight
+      gradients before they are added into fp32, and with recompute its activations rebuilt; or the loss chunk's
+      logits at the start of backward;
+    * saved activations per block: block_activations. "moe" keeps the MoE branch's fp32 input instead of its
+      activations, "full" only each block's fp32 input.
+    benchmarks/memory_fit.py measures the peaks this predicts (docs/training-speed.md has the table).
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE_MODES}")
+    if micro_batch < 1 or accumulation < 1:
+        raise ValueError(f"micro_batch ({micro_batch}) and accumulation ({accumulation}) must be >= 1")
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    H, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    T, b = micro_batch * seq_len, 2
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    total_params = sum(parts.values())
+    states = 12 * total_params + 2 * parts["routed_experts"]
+    blocks = []  # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
+    for i, weights in enumerate(_block_weights(cfg, parts)):
+        is_moe = i >= cfg.first_k_dense
+        attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
+        if recompute == "full":
+            saved, regen = 4 * T * H, attn + ffn
+        elif recompute == "moe" and is_moe:
+            saved, regen = attn + 4 * T * H, ffn
+        else:
+            saved, regen = attn + ffn, 0.0
+        blocks.append((saved, regen, 4 * weights, b * weights))
+    accumulating = accumulation > 1
+    start_grads = 4 * total_params if accumulating else 4 * (parts["head"] or parts["embedding"])
+    tail = 4 * T * H + b * T * H  # final norm's input and the head's input
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V  # bf16 logits, fp32 log-softmax and their gradients
+    return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)
+
+
+def _fp32_replica(cfg: ModelConfig, acts: _LayerActivations, recompute: str, kernel: str) -> TrainerMemory:
+    """estimate_trainer_memory's walk for an fp32 eager replica (the trainer on a CPU): no casts, fp32 gradients
+    made directly, and each block's activation gradients (as in _fsdp_moments) as its transient."""
+    H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+    T, b, moe = acts.tokens, 4, cfg.moe
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    residual = RESIDUAL_BYTES * T * H
+    rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if kernel == "torch" else 2 * moe.ffn_hidden_size))
+    weights = _block_weights(cfg, parts)
+    attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
+    blocks = []
+    for i in range(L):
+        is_moe = i >= cfg.first_k_dense
+        kept, regen, *_ = _keeps(recompute, attn_b, moe_b if is_moe else dense_b, residual, is_moe)
+        transient = residual + (rows_grad if is_moe else 2 * b * T * cfg.ffn_hidden_size)
+        blocks.append((kept, regen, GRAD_BYTES * weights[i], transient))
+    tail = norm_activations(T, H) + b * T * H
+    head = parts["head"] or parts["embedding"]
+    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * head, tail,
+                          12 * min(T, LOSS_CHUNK_TOKENS) * V)
+
+
+def _replica_peak(cfg: ModelConfig, par: ParallelConfig, acts: _LayerActivations, micro_batch: int, seq_len: int,
+                  recompute: str, precision: str, kernel: str) -> tuple[str, dict[str, float]]:
+    """The peak of a whole replica: the trainer on one process, or a DDP rank (the same plus DDP's fp32 gradient
+    buckets, as large as the gradients): the larger of backward's and the optimizer step's. bf16:
+    estimate_trainer_memory (compiled regions, as the trainer runs them with ep = tp = 1 on a GPU); fp32: the same
+    backward walk over the eager fp32 blocks."""
+    parts = count_params(cfg, expert_matrices=3).total_by_part
+    P = sum(parts.values())
+    if precision == "bf16":
+        m = estimate_trainer_memory(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                                    fused=kernel == "triton")
+    else:
+        m = _fp32_replica(cfg, acts, recompute, kernel)
+    buckets = GRAD_BYTES * P if par.world_size > 1 else 0.0
+    states = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P, "buckets": buckets}
+    backward = states | {"casts": m.states - 12 * P, "grads": m.grads, "activations": m.activations,
+                         "transient": m.working}
+    step = states | {"grads": GRAD_BYTES * P, "adam_step": _adam_step(cfg, par, precision, sharded=False)}
+    where = f"backward, {m.blocks_done} of {cfg.num_layers} blocks done" if m.blocks_done else "loss backward"
+    return max((where, backward), ("optimizer step", step), key=lambda moment: sum(moment[1].values()))

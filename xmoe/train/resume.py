@@ -1,0 +1,126 @@
+"""What a resume must match: the data's fingerprint, the model and schedule fields a checkpoint shares with the
+run resuming it, and the checkpoint a resume picks, checked before anything is built.
+
+``fingerprint`` and ``resume_mismatches`` say what a checkpoint must share with the run resuming it;
+``check_resume`` compares a checkpoint's stored config with a RunConfig without building anything;
+``resume_checkpoint`` picks the checkpoint (``--resume-from``, or the newest whose files check out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from xmoe.train.checkpoint_dir import LATEST
+from xmoe.train.checkpoint_verify import find_latest, read_meta, verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+# train fields a bit-identical continuation depends on (steps, cadences and micro-batching may change freely)
+RESUME_TRAIN_FIELDS = ("seed", "global_batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
+                       "weight_decay", "beta1", "beta2", "grad_clip")
+
+
+def _file_fingerprint(path: str) -> dict[str, Any]:
+    """Size and the crc32 of the whole file, streamed: any edit changes it. It costs one read of the file per
+    start, about 0.3 s per GB from the page cache (measured: 20 MB in 0.01 s, 200 MB in 0.06-0.09 s; 2-core
+    CPU), the disk's read time otherwise."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return {"size": os.path.getsize(path), "crc32": f"{crc:08x}"}
+
+
+def fingerprint(data_spec: str, dataset: Any) -> dict[str, Any]:
+    """Collective when torch.distributed is initialised (rank 0 reads the file, the others receive its result).
+    What identifies the training data: the dataset's name (markov options included), its vocabulary and, for a
+    file, its size and the crc32 of its whole content."""
+    info: dict[str, Any] = {"name": dataset.name, "vocab_size": dataset.vocab_size}
+    if os.path.isfile(data_spec):
+        parts = [_file_fingerprint(data_spec) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(parts, src=0)
+        info.update(parts[0])
+    return info
+
+
+def flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """``out[prefix.key.subkey] = value`` for every leaf of the nested dict ``value``."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            flatten(f"{prefix}.{k}" if prefix else k, v, out)
+    else:
+        out[prefix] = value
+
+
+def resume_mismatches(saved: Optional[dict[str, Any]], run: Any, data: dict[str, Any]) -> list[str]:
+    """``section.field: checkpoint X, now Y`` for every model field, data property and schedule field
+    (RESUME_TRAIN_FIELDS) that differs between a checkpoint's stored config and this run."""
+    if not isinstance(saved, dict):
+        return []  # written before configs were stored: nothing to compare
+    now: dict[str, Any] = {}
+    flatten("model", dataclasses.asdict(run.model), now)
+    flatten("data", data, now)
+    for name in RESUME_TRAIN_FIELDS:
+        now[f"train.{name}"] = getattr(run.train, name)
+    then: dict[str, Any] = {}
+    flatten("", {k: saved.get(k) for k in ("model", "data", "train") if isinstance(saved.get(k), dict)}, then)
+    return [f"{key}: checkpoint {then[key]!r}, now {value!r}" for key, value in now.items()
+            if key in then and then[key] != value]
+
+
+def _named_checkpoint(out_dir: Path, resume_from: str) -> Path:
+    """--resume-from's checkpoint directory; the ``latest`` file stands for the one it names."""
+    path = Path(resume_from)
+    if path.is_file() and path.name == LATEST:
+        named = path.parent / path.read_text().strip()
+        log.info(f"--resume-from {path}: the pointer names {named}")
+        path = named
+    if not path.is_dir():
+        what = "is a file" if path.is_file() else "does not exist"
+        raise FileNotFoundError(f"--resume-from {path} {what}; pass a checkpoint directory such as "
+                                f"{out_dir}/checkpoints/step_000100")
+    return path
+
+
+def resume_checkpoint(out_dir: Path, resume_from: Optional[str], run: Any, data: dict[str, Any],
+                      allow_changes: bool) -> Optional[Path]:
+    """Collective. The checkpoint a resume continues from, verified (sizes and crc32) and checked against
+    ``run`` and ``data`` before anything is built: ``resume_from`` (a checkpoint directory, or the ``latest``
+    file), else the newest under ``out_dir`` whose files check out, newer damaged ones skipped with a warning
+    saying why; None when ``out_dir`` has no checkpoint. Load it with ``verify=False``."""
+    if resume_from is not None:
+        found = _named_checkpoint(out_dir, resume_from)
+        meta = verify_checkpoint(found)
+    else:
+        found = find_latest(out_dir, checksums=True)
+        if found is None:
+            return None
+        meta = read_meta(found)
+    check_resume(found, meta, run, data, allow_changes)
+    return found
+
+
+def check_resume(ckpt_path: Path, meta: dict[str, Any], run: Any, data: dict[str, Any], allow_changes: bool) -> None:
+    """Refuse a checkpoint that has nothing left to do, or (unless ``allow_changes``) a different model, data or
+    schedule; ValueError listing the differing fields."""
+    step = int(meta["step"])
+    if step >= run.train.steps:
+        raise ValueError(f"nothing to do: checkpoint {ckpt_path} is at step {step} and --steps is {run.train.steps}; "
+                         "pass a larger --steps to train further")
+    differ = resume_mismatches(meta.get("config"), run, data)
+    if differ and not allow_changes:
+        raise ValueError(
+            f"checkpoint {ckpt_path} was saved by a different run ({len(differ)} field(s) differ: "
+            f"{'; '.join(differ[:8])}); resume with the same settings, or pass --allow-changes to continue from "
+            "it anyway (fine-tuning on new data or with a new schedule)")
+    if differ:
+        log.info(f"--allow-changes: continuing from {ckpt_path} with {len(differ)} changed field(s): "
+                 f"{'; '.join(differ[:8])}")
