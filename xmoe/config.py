@@ -78,8 +78,8 @@ def check_types(obj: typing.Any) -> None:
     for f in dataclasses.fields(obj):
         value, kind = getattr(obj, f.name), hints[f.name]
         if not _conforms(value, kind):
-            raise ValueError(f"{obj.section}.{f.name} ({value!r}) must be {_describe(kind)}, "
-                             f"not {type(value).__name__}")
+            name = f"{obj.section}.{f.name}" if obj.section else f.name
+            raise ValueError(f"{name} ({value!r}) must be {_describe(kind)}, not {type(value).__name__}")
         if kind in (float, Optional[float]) and isinstance(value, int):
             setattr(obj, f.name, float(value))
 
@@ -447,12 +447,42 @@ class TrainConfig:
 
 
 @dataclass
+class DataConfig:
+    """What a run trains on: ``path``, "markov[:opt=value,...]" (the synthetic source) or a .npy / .bin / .txt file;
+    ``val_path``, validation data of the same kinds (None: train.val_fraction of ``path``, or none); ``tokenizer``,
+    for .txt files: "bytes" or a tokenizers JSON file."""
+
+    path: str = "markov"
+    val_path: Optional[str] = None
+    tokenizer: str = "bytes"
+    section: ClassVar[str] = "data"
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        for name, fix in (("path", "'markov' or a .npy / .bin / .txt file"), ("val_path", "a file, 'markov' or null"),
+                          ("tokenizer", "'bytes' or a tokenizers JSON file")):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"data.{name} ({value!r}) is empty; name {fix}")
+
+
+@dataclass
 class RunConfig:
-    """Everything one ``xmoe train`` run needs."""
+    """Everything one ``xmoe train`` run needs (a TOML file's worth: docs/example_run.toml): the model, how it is
+    trained and laid out, its data, and where the model starts. ``init_from``: a Hugging Face directory whose
+    weights replace the seeded initialisation (``model`` is then its architecture); ``preset``: the name of the
+    preset ``model`` was made from, which labels the run's header and plot ("" for none)."""
 
     model: ModelConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    init_from: Optional[str] = None
+    preset: str = ""
+    section: ClassVar[str] = ""  # its own fields are top-level keys of a config file
+
+    def __post_init__(self) -> None:
+        check_types(self)
 
     def batch_layout(self) -> tuple[int, int, int]:
         """(sequences per data-parallel rank per step, per micro-batch, micro-batches per step). Data is sharded over
