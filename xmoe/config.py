@@ -6,15 +6,12 @@ One dataclass per component, validated on construction: a value a user can get w
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import math
-import os
-import types
-import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
+
+from xmoe.checks import check_types, positive
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
@@ -24,64 +21,6 @@ AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
 RopeScaling = Literal["none", "yarn"]
-
-
-def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundError:
-    """The error for a path that leads to no file or directory, ending in ``fix``: a looping or dangling symlink is
-    named as such (a plain existence check reports both as "not found")."""
-    try:
-        os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            return FileNotFoundError(f"{what} {str(path)!r} is a symlink loop; point at the file itself")
-        if os.path.islink(path):
-            return FileNotFoundError(f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not "
-                                     "exist; point at the file itself")
-    return FileNotFoundError(f"{what} {str(path)!r} not found" + (f"; {fix}" if fix else ""))
-
-
-def _positive(name: str, value: int | float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} ({value}) must be finite and > 0")
-
-
-def _describe(kind: typing.Any) -> str:
-    """What a value of annotation ``kind`` looks like, for error messages."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        kind, getattr(kind, "__name__", str(kind)))
-
-
-def _conforms(value: typing.Any, kind: typing.Any) -> bool:
-    if typing.get_origin(kind) is Literal:
-        return any(value == a and type(value) is type(a) for a in typing.get_args(kind))
-    if typing.get_args(kind) and typing.get_origin(kind) is not Literal:  # Optional[X] / X | None
-        return any(_conforms(value, a) for a in typing.get_args(kind))
-    if kind is type(None):
-        return value is None
-    if kind is float:  # an integer is a fine number (JSON and TOML write 1 for 1.0); a bool is not
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:  # 16.0 or true as a count is a mistake to report, not to round
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
-
-def check_types(obj: typing.Any) -> None:
-    """Raise ValueError naming ``section.field``, the value and the expected type for any field of the config
-    dataclass ``obj`` whose value does not match its annotation; integers given for float fields become floats.
-    Runs first in every config's __post_init__, so range checks below compare numbers, never strings."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value, kind = getattr(obj, f.name), hints[f.name]
-        if not _conforms(value, kind):
-            name = f"{obj.section}.{f.name}" if obj.section else f.name
-            raise ValueError(f"{name} ({value!r}) must be {_describe(kind)}, not {type(value).__name__}")
-        if kind in (float, Optional[float]) and isinstance(value, int):
-            setattr(obj, f.name, float(value))
 
 
 @dataclass
@@ -129,7 +68,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts}); lower top_k or add experts"
@@ -152,7 +91,7 @@ class MoEConfig:
         if self.fp8 == "experts" and self.dispatcher == "padded":
             raise ValueError("fp8='experts' has no FP8 path for the padded baseline's capacity buffers: use "
                              "dispatcher 'pft' or 'rbd', or fp8='off'")
-        _positive("num_expert_groups", self.num_expert_groups)
+        positive("num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by num_expert_groups "
@@ -181,7 +120,7 @@ class MoEConfig:
             raise ValueError(
                 f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless routing"
             )
-        _positive("init_std", self.init_std)
+        positive("init_std", self.init_std)
         if self.shared_ffn_hidden_size < 0:
             raise ValueError(f"shared_ffn_hidden_size ({self.shared_ffn_hidden_size}) must be >= 0 (0: "
                              "num_shared_experts * ffn_hidden_size)")
@@ -219,9 +158,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("dp", "ep", "tp"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.gpus_per_node is not None:
-            _positive("gpus_per_node", self.gpus_per_node)
+            positive("gpus_per_node", self.gpus_per_node)
         if self.placement not in ("ep_first", "dp_first"):
             raise ValueError(f"placement ({self.placement!r}) must be 'ep_first' or 'dp_first'")
         if self.sequence_parallel and self.tp == 1:
@@ -283,10 +222,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         # norm_eps <= 0 divides by zero in RMSNorm on an all-zero row (and a negative one takes a NaN sqrt)
         for name in ("norm_eps", "rope_theta", "init_std"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.attention == "mla":
             self._check_mla()
         elif self.attention == "mha":
@@ -296,8 +235,8 @@ class ModelConfig:
         if self.rope_scaling not in ("none", "yarn"):
             raise ValueError(f"rope_scaling ({self.rope_scaling!r}) must be 'none' or 'yarn'")
         if self.rope_scaling == "yarn":
-            _positive("rope_factor", self.rope_factor)
-            _positive("rope_original_max_len", self.rope_original_max_len)
+            positive("rope_factor", self.rope_factor)
+            positive("rope_original_max_len", self.rope_original_max_len)
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"first_k_dense ({self.first_k_dense}) must be in [0, num_layers={self.num_layers}]")
         if self.moe.hidden_size != self.hidden_size:
@@ -306,7 +245,7 @@ class ModelConfig:
             )
         if self.ffn_hidden_size == 0:
             self.ffn_hidden_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
-        _positive("ffn_hidden_size", self.ffn_hidden_size)
+        positive("ffn_hidden_size", self.ffn_hidden_size)
 
     def _check_mha(self) -> None:
         for name in ("num_kv_heads", "attn_head_dim"):
@@ -336,7 +275,7 @@ class ModelConfig:
 
     def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         for name in ("q_lora_rank", "qk_nope_head_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
@@ -347,7 +286,7 @@ class ModelConfig:
                 "num_kv_heads, attn_head_dim, qk_norm and qkv_bias do not apply to attention='mla' (its widths are "
                 "qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave them at 0 / 'none'"
             )
-        _positive("latent_norm_eps", self.latent_norm_eps)
+        positive("latent_norm_eps", self.latent_norm_eps)
 
     @property
     def head_dim(self) -> int:
@@ -420,7 +359,7 @@ class TrainConfig:
         if self.recompute not in ("none", "moe", "full"):
             raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit signed integer
             raise ValueError(f"seed ({self.seed}) must be in [0, 2**63)")
         if self.nonfinite_skips < 0:

@@ -19,7 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from xmoe.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig, missing
+from xmoe.checks import missing
+from xmoe.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 

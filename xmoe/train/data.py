@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from xmoe.config import missing
+from xmoe.checks import missing
 
 # Legend: N samples, S seq_len, V vocab, G hash buckets, C contexts (= G * V), K successors per context.
 

@@ -2,7 +2,8 @@
 
 Order of set-up (fixed, so every rank does the same thing):
   1. process group + device from the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK)
-  2. parallel dims -> one DeviceMesh (xmoe.parallel.dims); nothing else creates groups
+  2. parallel dims -> one DeviceMesh (xmoe.parallel.dims); the one other group is the run guard's, for the
+     stop-signal vote (xmoe.train.safety)
   3. data loader (``run.data``, sharded over data-parallel ranks); the checkpoint to resume, checked against this
      run's model, data and schedule from its meta.json before anything large is built
   4. the model through xmoe.parallel.build: on the meta device, parallelism applied from outside in a fixed order

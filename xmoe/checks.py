@@ -1,0 +1,71 @@
+"""The checks every config dataclass of xmoe/config.py runs on its values, and the error for a path that leads
+nowhere: a value a user can get wrong raises an error naming the value (and its ``section.field``) and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import math
+import os
+import types
+import typing
+from typing import Literal, Optional
+
+
+def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundError:
+    """The error for a path that leads to no file or directory, ending in ``fix``: a looping or dangling symlink is
+    named as such (a plain existence check reports both as "not found")."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return FileNotFoundError(f"{what} {str(path)!r} is a symlink loop; point at the file itself")
+        if os.path.islink(path):
+            return FileNotFoundError(f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not "
+                                     "exist; point at the file itself")
+    return FileNotFoundError(f"{what} {str(path)!r} not found" + (f"; {fix}" if fix else ""))
+
+
+def positive(name: str, value: int | float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} ({value}) must be finite and > 0")
+
+
+def _describe(kind: typing.Any) -> str:
+    """What a value of annotation ``kind`` looks like, for error messages."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
+def _conforms(value: typing.Any, kind: typing.Any) -> bool:
+    if typing.get_origin(kind) is Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(kind))
+    if typing.get_args(kind) and typing.get_origin(kind) is not Literal:  # Optional[X] / X | None
+        return any(_conforms(value, a) for a in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is float:  # an integer is a fine number (JSON and TOML write 1 for 1.0); a bool is not
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:  # 16.0 or true as a count is a mistake to report, not to round
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_types(obj: typing.Any) -> None:
+    """Raise ValueError naming ``section.field``, the value and the expected type for any field of the config
+    dataclass ``obj`` whose value does not match its annotation; integers given for float fields become floats.
+    Runs first in every config's __post_init__, so range checks below compare numbers, never strings."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, kind = getattr(obj, f.name), hints[f.name]
+        if not _conforms(value, kind):
+            name = f"{obj.section}.{f.name}" if obj.section else f.name
+            raise ValueError(f"{name} ({value!r}) must be {_describe(kind)}, not {type(value).__name__}")
+        if kind in (float, Optional[float]) and isinstance(value, int):
+            setattr(obj, f.name, float(value))
