@@ -3,7 +3,7 @@
 # L MoE layers, E experts, A micro-batches per optimizer step
 
 A training loop (xmoe/train/step.py, which the trainer and the simulated rank share) makes one ``MoEStep`` per
-optimizer step and asks it; it sets and reads no attribute of an MoE module itself (tests/test_seam.py):
+optimizer step and asks it; nothing in xmoe/train/ sets or reads an attribute of an MoE module (tests/test_seam.py):
 
     moe = MoEStep(model, A, device, cast_dtype=torch.bfloat16, detach_casts=True)
     with moe:                                   # the layers report to it; each expert stack is cast once

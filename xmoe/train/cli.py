@@ -44,7 +44,7 @@ EXAMPLES = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="model preset: tiny (default), small, medium, large, super (not with "
-                                    "--init-from, whose directory sets the architecture)")
+                                    "--init-from, whose directory sets the architecture; a config file's preset)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {_TINY.steps})")
     p.add_argument("--out", default="runs/default", help="run directory: metrics, checkpoints, plot "
                    "(default runs/default); one run at a time")
@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set moe.top_k=2 (repeatable)")
     p.add_argument("--init-from", metavar="HF_DIR",
-                   help="start from a Hugging Face directory: its architecture, weights and tokenizer.json")
+                   help="start from a Hugging Face directory: its architecture, weights and tokenizer.json (a "
+                        "config file's init_from)")
     p.add_argument("--val-data", help="validation data (.txt / .npy / .bin / markov; data.val_path); else "
                                       "--val-fraction of --data")
     p.add_argument("--val-fraction", type=float, help="hold out this fraction of --data for validation")

@@ -12,9 +12,10 @@ as many rows as it routes (T * K, dropless, balanced), times ``imbalance``, spre
 its local experts (xmoe/parallel/simulated.py, ``PlannedCounts``).
 
 Each step is the trainer's (xmoe/train/step.py: forward and backward under its precision, clipping, AdamW, the
-expert-bias update through the step's MoEStep). Measured: the peak (GPU: the caching allocator's peak of allocated bytes; CPU: bytes of live
-tensor storages, counted by torch's MemTracker), the bytes by kind at the peak (MemTracker, one step after a
-warm-up step), and the compute time of the steps after those two, beside ``xmoe.plan.memory``'s prediction.
+expert-bias update of the step's MoEStep). Measured: the peak (GPU: the caching allocator's peak of allocated
+bytes; CPU: bytes of live tensor storages, counted by torch's MemTracker), the bytes by kind at the peak
+(MemTracker, one step after a warm-up step), and the compute time of the steps after those two, beside
+``xmoe.plan.memory``'s prediction.
 """
 
 from __future__ import annotations
