@@ -184,7 +184,7 @@ def forward_fn(method, inp, E):
 
 
 def _fp8_weights(inp):
-    """(format, the FP8 copies of inp's expert weights): what reuse_weight_casts makes once per optimizer step."""
+    """(format, the FP8 copies of inp's expert weights): what an optimizer step (MoEStep) makes once."""
     from xmoe.kernels.fp8_quant import fp8_format, quantize_expert_weights
 
     fmt = fp8_format(inp["x"].device).name

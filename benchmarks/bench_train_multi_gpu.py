@@ -90,14 +90,14 @@ def build(cfg, method: str, device: torch.device, world: int):
     from xmoe.config import ParallelConfig
     from xmoe.parallel.build import build_model
     from xmoe.parallel.dims import ParallelDims
-    from xmoe.train.trainer import _param_groups
+    from xmoe.train.optim import param_groups
 
     dp, ep, tp = layout(method, world)
     par = ParallelConfig(dp=dp, ep=ep, tp=tp)
     dims = ParallelDims.from_config(par, world, rank=dist.get_rank()).build_mesh(device.type)
     model = build_model(cfg, device, dims, seed=0, ssmb=METHODS[method][4], fsdp=True,
                         param_dtype=torch.bfloat16 if device.type == "cuda" else None).model
-    opt = torch.optim.AdamW(_param_groups(model, 0.1), lr=1e-4, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=device.type == "cuda")
     return model, opt, (dp, ep, tp), dims
 
 
@@ -116,6 +116,7 @@ def _agree(values: list[float], device, op=dist.ReduceOp.MAX) -> list[float]:
 
 def measure(model, opt, dims, cfg, seq: int, mb: int, warmup: int, args, device) -> dict:
     """Warm-up then timed optimizer steps at micro-batch mb; OOM -> {'status': 'OOM'} agreed by all ranks."""
+    from xmoe.moe.step import MoEStep
     from xmoe.parallel.expert_parallel import clip_grad_norm_
 
     rank, cuda = dist.get_rank(), device.type == "cuda"
@@ -129,13 +130,14 @@ def measure(model, opt, dims, cfg, seq: int, mb: int, warmup: int, args, device)
         tokens = torch.randint(0, cfg.vocab_size, (mb, seq + 1), device=device, generator=gen)
 
         def step(count_rows: bool):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            moe = MoEStep(model, 1, device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda), moe:
                 loss = model(tokens[:, :-1], tokens[:, 1:])
                 loss.backward()
+                if count_rows:
+                    moe.end_micro_batch()
             if count_rows:  # routed rows kept (dropped slots excluded), as the trainer counts them
-                stats = model.moe_stats()
-                if stats:
-                    rows.add_(stats["tokens_per_expert"].sum() - stats["num_dropped"])
+                rows.add_(moe.finish(update_bias=False).rows)
             clip_grad_norm_(params, 1.0, dims=dims)  # as the trainer clips
             opt.step()
             opt.zero_grad(set_to_none=True)

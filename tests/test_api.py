@@ -18,7 +18,7 @@ CLI_MODULES = {"xmoe/cli.py", "xmoe/train/cli.py", "xmoe/plan/cli.py", "xmoe/ben
 
 
 def test_public_names_are_the_module_objects():
-    from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+    from xmoe.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
     from xmoe.model.presets import get_preset
     from xmoe.model.transformer import Transformer
     from xmoe.moe.layer import MoELayer
@@ -26,7 +26,7 @@ def test_public_names_are_the_module_objects():
 
     expected = dict(MoEConfig=MoEConfig, MoELayer=MoELayer, ModelConfig=ModelConfig, ParallelConfig=ParallelConfig,
                     RunConfig=RunConfig, TrainConfig=TrainConfig, Transformer=Transformer, get_preset=get_preset,
-                    Trainer=Trainer)
+                    Trainer=Trainer, DataConfig=DataConfig)
     for name, obj in expected.items():
         assert getattr(xmoe, name) is obj, name
         assert name in xmoe.__all__

@@ -47,6 +47,8 @@ def one_line_error(capsys, argv: list[str], command: str = "train") -> str:
     ("train.lr=0", "lr (0.0) must be finite and > 0"),
     ("train.beta2=1", "beta2 (1.0) must be in [0, 1)"),
     ("parallel.sequence_parallel=1", "parallel.sequence_parallel (1) must be true or false"),
+    ("data.path=3", "data.path (3) must be a string, not int"),
+    ("data.tokenizer=", "data.tokenizer ('') is empty; name 'bytes' or a tokenizers JSON file"),
 ])
 def test_config_values_are_type_and_range_checked(tmp_path, capsys, setting, expected):
     err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--set", setting, "--dry-run"])
@@ -82,6 +84,9 @@ def test_config_file_errors_name_the_file(tmp_path, capsys):
         "broken.json": (b"{", "is not valid JSON"),
         "list.json": (b"[1]", "must hold sections"),
         "types.toml": (b"[moe]\ntop_k = 'four'\n", "moe.top_k ('four') must be an integer"),
+        "preset.toml": (b"preset = 3\n", "preset (3) must be a string naming a preset"),
+        "both.toml": (b"preset = 'small'\ninit_from = 'hf'\n", "both choose the architecture"),
+        "unknown.toml": (b"name = 'a'\n", "unknown sections ['name']"),
     }
     for name, (content, expected) in cases.items():
         (tmp_path / name).write_bytes(content)
@@ -118,6 +123,36 @@ def test_precedence_defaults_file_set_flags_and_dp_after_merge(tmp_path, monkeyp
     assert (run.parallel.ep, run.parallel.dp, run.train.steps, run.train.lr) == (2, 4, 60, 2e-3)  # flags win
     run = build_run_config(_args("--config", str(cfg), "--set", "parallel.ep=8", "--steps", "70"))
     assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (8, 1, 70)
+
+
+def test_the_run_data_and_preset_come_from_the_file_then_set_then_flags(tmp_path):
+    from xmoe.config import DataConfig
+    from xmoe.model.presets import get_preset
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('preset = "small"\n[data]\npath = "a.npy"\nval_path = "v.npy"\n')
+    run = build_run_config(_args("--config", str(cfg)))
+    assert (run.preset, run.data.path, run.data.val_path, run.data.tokenizer) == ("small", "a.npy", "v.npy", "bytes")
+    assert run.model == get_preset("small") and run.init_from is None
+    run = build_run_config(_args("--config", str(cfg), "--set", "data.path=b.npy", "--set", "data.tokenizer=t.json"))
+    assert (run.data.path, run.data.tokenizer) == ("b.npy", "t.json")
+    run = build_run_config(_args("--config", str(cfg), "--set", "data.path=b.npy", "--data", "c.npy", "--preset",
+                                 "tiny", "--val-data", "markov"))
+    assert (run.preset, run.data.path, run.data.val_path, run.model) == ("tiny", "c.npy", "markov", get_preset("tiny"))
+    assert build_run_config(_args()).data == DataConfig()  # the synthetic source
+
+
+def test_a_config_file_describes_a_whole_run(tmp_path):
+    # the example run: model, schedule, layout and data from the file; the invocation adds --out and --device
+    out = tmp_path / "r"
+    main(["train", "--config", str(ROOT / "docs" / "example_run.toml"), "--out", str(out), "--device", "cpu"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15, 20] and "val_loss" in records[-1]
+    config = json.loads((out / "checkpoints" / "step_000020" / "meta.json").read_text())["config"]
+    assert (config["preset"], config["init_from"], config["model"]["num_layers"]) == ("tiny", None, 2)
+    # the data section as run, with the fingerprint a resume compares
+    assert config["data"] == {"path": "markov", "val_path": "markov", "tokenizer": "bytes", "vocab_size": 256,
+                              "name": config["data"]["name"]} and config["data"]["name"].startswith("markov(")
 
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path, capsys):

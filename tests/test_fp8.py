@@ -292,8 +292,8 @@ def test_fp8_layer_close_to_unquantised_layer():
         assert 1e-3 < err < bound, (name, err)  # quantised (not exact), and within the stated bound
 
 
-def test_reuse_weight_casts_quantises_once_and_accumulates_into_fp32_grads(monkeypatch):
-    from xmoe.moe import experts as experts_mod
+def test_step_casts_quantise_once_and_accumulate_into_fp32_grads(monkeypatch):
+    from xmoe.moe.step import MoEStep
 
     torch.manual_seed(1)
     layer = MoELayer(MoEConfig(hidden_size=160, ffn_hidden_size=136, num_experts=3, top_k=2, kernel_backend="triton",
@@ -303,13 +303,14 @@ def test_reuse_weight_casts_quantises_once_and_accumulates_into_fp32_grads(monke
     real = fp8_quant.quantize_expert_weights
     monkeypatch.setattr(fp8_quant, "quantize_expert_weights", lambda *a: calls.append(1) or real(*a))
     grads = {}
-    for detach in (None, False, True):  # None: outside the context, quantised per forward
+    for detach in (None, False, True):  # None: outside an optimizer step, quantised per forward
         layer.zero_grad(set_to_none=True)
         calls.clear()
-        ctx = experts_mod.reuse_weight_casts(layer, torch.float32, detach=bool(detach)) if detach is not None else None
-        if ctx is not None:
-            ctx.__enter__()
-            cache = layer.experts._casts
+        step = (MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.float32, detach_casts=bool(detach))
+                if detach is not None else None)
+        if step is not None:
+            step.__enter__()
+            cache = layer.moe_step.casts
             assert len(cache) == 4 and isinstance(cache[3], fp8_quant.Fp8ExpertWeights)
             if detach:  # stand-ins: one element each, the parameters' shapes
                 assert all(c.shape == w.shape and c.untyped_storage().nbytes() == 4
@@ -318,9 +319,9 @@ def test_reuse_weight_casts_quantises_once_and_accumulates_into_fp32_grads(monke
                 assert cache[0] is layer.experts.w1
         for x in xs:
             layer(x).square().sum().backward()
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
-            assert layer.experts._casts is None
+        if step is not None:
+            step.__exit__(None, None, None)
+            assert layer.moe_step is None
         assert len(calls) == (2 if detach is None else 1)
         grads[detach] = [w.grad.clone() for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2)]
     for detach in (False, True):

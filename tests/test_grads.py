@@ -1,13 +1,10 @@
 """The gradient scales of xmoe/parallel/grads.py against plain autograd (the multi-process scales are checked end to
 end by test_expert_parallel.py and test_ssmb.py against single-process runs)."""
 
-import pytest
 import torch
 from torch import nn
 
-from xmoe.model.presets import tiny
-from xmoe.model.transformer import Transformer
-from xmoe.parallel.grads import ScaleGrad, scale_weight_grads, set_accumulation_scale
+from xmoe.parallel.grads import ScaleGrad, scale_weight_grads
 
 
 def test_scale_weight_grads_scales_weights_only():
@@ -34,13 +31,3 @@ def test_scale_grad_is_identity_forward():
     assert torch.equal(y, x)
     y.sum().backward()
     assert torch.equal(x.grad, torch.full((4,), 3.0))
-
-
-def test_set_accumulation_scale_reaches_every_moe_layer():
-    model = Transformer(tiny())
-    set_accumulation_scale(model, 4)
-    layers = model.moe_layers()
-    assert len(layers) == tiny().num_layers - tiny().first_k_dense
-    assert all(layer.aux_loss_scale == 0.25 for layer in layers)
-    with pytest.raises(ValueError, match=r"micro_batches \(0\) must be >= 1"):
-        set_accumulation_scale(model, 0)

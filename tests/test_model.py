@@ -269,22 +269,6 @@ def test_a_few_adamw_steps_reduce_the_loss(dense: int | None) -> None:
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_moe_stats_collects_every_moe_layer() -> None:
-    cfg = small_cfg(layers=3, dense=1, shared=1)
-    model = Transformer(cfg)
-    B, S = 2, 10
-    model(rand_tokens(cfg, B, S), rand_tokens(cfg, B, S, seed=1))
-    stats = model.moe_stats()
-    tpe = stats["tokens_per_expert"]
-    assert tpe.shape == (2, cfg.moe.num_experts) and tpe.dtype == torch.int64
-    assert torch.equal(tpe.sum(1), torch.full((2,), B * S * cfg.moe.top_k))  # dropless: every slot kept
-    assert stats["num_dropped"].item() == 0
-    assert stats["aux_loss"].ndim == 0 and not stats["aux_loss"].requires_grad
-    assert Transformer(small_cfg(layers=1)).moe_stats() == {}
-    with pytest.raises(RuntimeError, match="forward pass first"):
-        Transformer(cfg).moe_stats()
-
-
 # --- bad inputs --------------------------------------------------------------------------------------------
 
 

@@ -190,19 +190,21 @@ def test_aux_loss_reaches_router_gradient_without_caller():
 
 
 def test_aux_loss_free_bias_update_balances_selection():
+    from xmoe.moe.step import MoEStep
+
     layer = make_layer(bias_update_rate=0.05)
     with torch.no_grad():
         layer.router.expert_bias[2] = 1.0  # start heavily unbalanced towards expert 2
     x = torch.randn(64, 16)
     first = None
     for _ in range(40):
-        layer(x)
-        counts = layer.last_stats["tokens_per_expert"].float()
+        with MoEStep(layer, 1, torch.device("cpu")) as step:
+            layer(x)
+            step.end_micro_batch()
+        counts = step.finish().load_LE[0].float()  # the load the bias moved by
         first = counts if first is None else first
-        layer.update_expert_bias()
     assert counts.max() / counts.mean() < first.max() / first.mean()
     assert layer.router.expert_bias[2] < 1.0
-    assert layer.router.load_E.sum() == 0  # the accumulator is reset after each update
 
 
 @pytest.mark.parametrize(
@@ -234,13 +236,19 @@ def test_bad_inputs_raise():
 
 
 def test_aux_loss_scale_scales_only_the_aux_gradient():
+    # an optimizer step of A micro-batches gives the attached aux losses gradient 1 / A; outside a step they get 1
+    from xmoe.moe.step import MoEStep
+
     grads = []
-    for scale in (1.0, 0.25):
+    for micro_batches in (None, 1, 4):
         layer = make_layer(aux_loss_coef=1.0, z_loss_coef=0.1)
-        layer.aux_loss_scale = scale
-        (layer(torch.randn(10, 16, generator=torch.Generator().manual_seed(0))) * 0).sum().backward()
+        x = torch.randn(10, 16, generator=torch.Generator().manual_seed(0))
+        step = MoEStep(layer, micro_batches, torch.device("cpu")) if micro_batches else contextlib.nullcontext()
+        with step:
+            (layer(x) * 0).sum().backward()
         grads.append(layer.router.weight.grad)
-    assert torch.allclose(grads[1], 0.25 * grads[0], rtol=1e-6, atol=0)
+    assert torch.equal(grads[0], grads[1])
+    assert torch.allclose(grads[2], 0.25 * grads[0], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -274,20 +282,24 @@ def test_bench_pft_saves_less_activation_memory_than_padded():
 
 
 def test_weight_casts_reused_across_micro_batches():
-    # bf16 compute on fp32 weights, two micro-batches accumulating into .grad: inside reuse_weight_casts the
-    # experts cast once, at entry (the same tensors serve both) and the accumulated fp32 gradients are bitwise those of
-    # casting per micro-batch; outside the scope, and under no_grad, every call casts afresh
-    from xmoe.moe.experts import reuse_weight_casts
+    # bf16 compute on fp32 weights, two micro-batches accumulating into .grad: inside an optimizer step (MoEStep) the
+    # experts are cast once, when it opens (the same tensors serve both), and the accumulated fp32 gradients are
+    # bitwise those of casting per micro-batch; outside a step, and in one opened under no_grad, every call casts
+    from xmoe.moe.step import MoEStep
 
     torch.manual_seed(0)
     xs = [torch.randn(12, 32).bfloat16() for _ in range(2)]
 
+    def step_casts(layer):
+        return layer.moe_step.casts if layer.moe_step is not None else None
+
     def run(scoped, detach=False):
         layer = make_layer(seed=3, hidden_size=32, ffn_hidden_size=24, num_experts=4, top_k=2)
-        with reuse_weight_casts(layer, torch.bfloat16, detach) if scoped else contextlib.nullcontext():
+        step = MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.bfloat16, detach_casts=detach)
+        with step if scoped else contextlib.nullcontext():
             casts = []
             for x in xs:
-                casts.append(layer.experts.local_weights(torch.bfloat16))
+                casts.append(layer.experts.local_weights(torch.bfloat16, step_casts(layer)))
                 layer(x).float().square().mean().backward()
         return [p.grad.clone() for p in layer.parameters() if p.grad is not None], casts, layer
 
@@ -296,10 +308,10 @@ def test_weight_casts_reused_across_micro_batches():
     assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(a is b for a, b in zip(*casts_scoped)) and all(w.dtype == torch.bfloat16 for w in casts_scoped[0])
     assert not any(a is b for a, b in zip(*casts_plain))
-    assert layer.experts._casts is None  # dropped on exit
+    assert layer.moe_step is None  # the step let go of the layer, and its casts, on exit
     # detached casts: each backward adds its bf16 gradient into the fp32 .grad itself - bitwise the same sums
     got_detached, casts_detached, _ = run(True, detach=True)
     assert all(torch.equal(a, b) for a, b in zip(got_detached, want))
     assert all(c.grad is None and c.is_leaf for c in casts_detached[0])
-    with reuse_weight_casts(layer, torch.bfloat16), torch.no_grad():
-        assert layer.experts.local_weights(torch.bfloat16)[0] is not layer.experts.local_weights(torch.bfloat16)[0]
+    with torch.no_grad(), MoEStep(layer, 1, torch.device("cpu"), cast_dtype=torch.bfloat16):
+        assert layer.moe_step is not None and layer.moe_step.casts is None

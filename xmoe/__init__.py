@@ -6,10 +6,11 @@ The public API; everything else is reachable by its module path (``xmoe.parallel
 """
 
 from xmoe._version import __version__
-from xmoe.config import ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from xmoe.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
 from xmoe.model.presets import get_preset
 
 __all__ = [
+    "DataConfig",
     "MoEConfig",
     "MoELayer",
     "ModelConfig",

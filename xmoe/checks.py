@@ -64,7 +64,7 @@ def check_types(obj: typing.Any) -> None:
     for f in dataclasses.fields(obj):
         value, kind = getattr(obj, f.name), hints[f.name]
         if not _conforms(value, kind):
-            raise ValueError(f"{obj.section}.{f.name} ({value!r}) must be {_describe(kind)}, "
-                             f"not {type(value).__name__}")
+            name = f"{obj.section}.{f.name}" if obj.section else f.name
+            raise ValueError(f"{name} ({value!r}) must be {_describe(kind)}, not {type(value).__name__}")
         if kind in (float, Optional[float]) and isinstance(value, int):
             setattr(obj, f.name, float(value))

@@ -12,9 +12,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional, get_args
 
-from xmoe.checks import check_types
+from xmoe.checks import check_types, positive
 from xmoe.checks import missing as missing  # re-exported: the commands import it from here
-from xmoe.checks import positive as _positive
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
@@ -74,7 +73,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts}); lower top_k or add experts"
@@ -97,7 +96,7 @@ class MoEConfig:
         if self.fp8 == "experts" and self.dispatcher == "padded":
             raise ValueError("fp8='experts' has no FP8 path for the padded baseline's capacity buffers: use "
                              "dispatcher 'pft' or 'rbd', or fp8='off'")
-        _positive("num_expert_groups", self.num_expert_groups)
+        positive("num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by num_expert_groups "
@@ -126,7 +125,7 @@ class MoEConfig:
             raise ValueError(
                 f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless routing"
             )
-        _positive("init_std", self.init_std)
+        positive("init_std", self.init_std)
         if self.shared_ffn_hidden_size < 0:
             raise ValueError(f"shared_ffn_hidden_size ({self.shared_ffn_hidden_size}) must be >= 0 (0: "
                              "num_shared_experts * ffn_hidden_size)")
@@ -164,9 +163,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("dp", "ep", "tp"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.gpus_per_node is not None:
-            _positive("gpus_per_node", self.gpus_per_node)
+            positive("gpus_per_node", self.gpus_per_node)
         if self.placement not in ("ep_first", "dp_first"):
             raise ValueError(f"placement ({self.placement!r}) must be 'ep_first' or 'dp_first'")
         if self.sequence_parallel and self.tp == 1:
@@ -228,10 +227,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_types(self)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         # norm_eps <= 0 divides by zero in RMSNorm on an all-zero row (and a negative one takes a NaN sqrt)
         for name in ("norm_eps", "rope_theta", "init_std"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if self.attention == "mla":
             self._check_mla()
         elif self.attention == "mha":
@@ -241,8 +240,8 @@ class ModelConfig:
         if self.rope_scaling not in ("none", "yarn"):
             raise ValueError(f"rope_scaling ({self.rope_scaling!r}) must be 'none' or 'yarn'")
         if self.rope_scaling == "yarn":
-            _positive("rope_factor", self.rope_factor)
-            _positive("rope_original_max_len", self.rope_original_max_len)
+            positive("rope_factor", self.rope_factor)
+            positive("rope_original_max_len", self.rope_original_max_len)
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"first_k_dense ({self.first_k_dense}) must be in [0, num_layers={self.num_layers}]")
         if self.moe.hidden_size != self.hidden_size:
@@ -251,7 +250,7 @@ class ModelConfig:
             )
         if self.ffn_hidden_size == 0:
             self.ffn_hidden_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
-        _positive("ffn_hidden_size", self.ffn_hidden_size)
+        positive("ffn_hidden_size", self.ffn_hidden_size)
 
     def _check_mha(self) -> None:
         for name in ("num_kv_heads", "attn_head_dim"):
@@ -281,7 +280,7 @@ class ModelConfig:
 
     def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         for name in ("q_lora_rank", "qk_nope_head_dim"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
@@ -292,7 +291,7 @@ class ModelConfig:
                 "num_kv_heads, attn_head_dim, qk_norm and qkv_bias do not apply to attention='mla' (its widths are "
                 "qk_nope_head_dim, qk_rope_head_dim and v_head_dim); leave them at 0 / 'none'"
             )
-        _positive("latent_norm_eps", self.latent_norm_eps)
+        positive("latent_norm_eps", self.latent_norm_eps)
 
     @property
     def head_dim(self) -> int:
@@ -365,7 +364,7 @@ class TrainConfig:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit signed integer
             raise ValueError(f"seed ({self.seed}) must be in [0, 2**63)")
         if self.nonfinite_skips < 0:
@@ -422,13 +421,43 @@ class KernelConfig:
 
 
 @dataclass
+class DataConfig:
+    """What a run trains on: ``path``, "markov[:opt=value,...]" (the synthetic source) or a .npy / .bin / .txt file;
+    ``val_path``, validation data of the same kinds (None: train.val_fraction of ``path``, or none); ``tokenizer``,
+    for .txt files: "bytes" or a tokenizers JSON file."""
+
+    path: str = "markov"
+    val_path: Optional[str] = None
+    tokenizer: str = "bytes"
+    section: ClassVar[str] = "data"
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        for name, fix in (("path", "'markov' or a .npy / .bin / .txt file"), ("val_path", "a file, 'markov' or null"),
+                          ("tokenizer", "'bytes' or a tokenizers JSON file")):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"data.{name} ({value!r}) is empty; name {fix}")
+
+
+@dataclass
 class RunConfig:
-    """Everything one ``xmoe train`` run needs."""
+    """Everything one ``xmoe train`` run needs (a TOML file's worth: docs/example_run.toml): the model, how it is
+    trained and laid out, its data, and where the model starts. ``init_from``: a Hugging Face directory whose
+    weights replace the seeded initialisation (``model`` is then its architecture); ``preset``: the name of the
+    preset ``model`` was made from, which labels the run's header and plot ("" for none)."""
 
     model: ModelConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    init_from: Optional[str] = None
+    preset: str = ""
+    section: ClassVar[str] = ""  # its own fields are top-level keys of a config file
+
+    def __post_init__(self) -> None:
+        check_types(self)
 
     def batch_layout(self) -> tuple[int, int, int]:
         """(sequences per data-parallel rank per step, per micro-batch, micro-batches per step). Data is sharded over

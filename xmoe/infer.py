@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from xmoe.config import ModelConfig, MoEConfig, missing
+from xmoe.checks import missing
+from xmoe.config import ModelConfig, MoEConfig
 
 # torch and the checkpoint readers are imported inside the commands: `xmoe --help` builds these parsers without them
 # what an export writes into a Hugging Face directory, and so what --overwrite removes from one

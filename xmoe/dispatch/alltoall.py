@@ -100,6 +100,8 @@ def regroup_indices(recv_counts_PE: torch.Tensor, num_rows: int) -> tuple[torch.
 class AllToAllDispatcher:
     """Dispatcher for experts sharded over ``ep_group`` (see xmoe/dispatch/base.py for the interface)."""
 
+    fuses_experts = False
+
     def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, kernel_backend: str = "auto"):
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
@@ -134,7 +136,7 @@ class AllToAllDispatcher:
 
     def receive_counts(self, send_counts_PE: torch.Tensor) -> torch.Tensor:
         """recv_counts_PE[p, e]: rows rank p sends to this rank's local expert e (one count exchange). A simulated
-        rank, whose collectives move nothing, overrides it with the counts it assumes (xmoe/train/simulate.py)."""
+        rank, whose collectives move nothing, overrides it with the counts it assumes (xmoe/parallel/simulated.py)."""
         return exchange_counts(send_counts_PE, self.group)
 
     def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: _Ctx) -> torch.Tensor:

@@ -10,15 +10,18 @@ Every dispatcher (local, all-to-all, hierarchical RBD, padded baseline) implemen
   combine(y_NH, weights_TK, plan, ctx) -> out_TH
       out[t] = sum_k weights[t, k] * (expert output of slot (t, k)), dropped slots contribute nothing.
 
-so that the MoE layer's forward stays:  rows = dispatch -> experts(rows) -> combine.
-A single-rank dispatcher may set ``fuses_experts = True``: the layer then hands the tokens and the plan to the
-experts in one call, which lets a kernel backend fuse gather -> experts -> combine (LocalDispatcher does).
+so that the MoE layer's forward stays:  rows = dispatch -> experts(rows) -> combine, and has two attributes:
+
+  fuses_experts  True for a single-rank dispatcher whose layer may hand the tokens and the plan to the experts in
+                 one call, which lets a kernel backend fuse gather -> experts -> combine (LocalDispatcher)
+  stats          its traffic counters (a TrafficStats), or None when nothing leaves the rank; the optimizer step
+                 reads and resets them (xmoe/moe/step.py)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -26,6 +29,9 @@ from xmoe.dispatch.routing import RoutingPlan
 
 
 class Dispatcher(Protocol):
+    fuses_experts: bool
+    stats: Optional[TrafficStats]
+
     def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 
     def combine(

@@ -185,6 +185,8 @@ class HierarchicalDispatcher:
     combine) as a dict of Python numbers. Neither costs a host sync of its own.
     """
 
+    fuses_experts = False
+
     def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, node_of_rank: Sequence[int],
                  kernel_backend: str = "auto"):
         self.group = ep_group

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from xmoe.dispatch.base import TrafficStats
 from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
 
@@ -18,6 +19,7 @@ class LocalDispatcher:
     """
 
     fuses_experts = True
+    stats: Optional[TrafficStats] = None  # nothing leaves the rank
 
     def __init__(self, kernel_backend: str = "auto"):
         self.kernel_backend = kernel_backend

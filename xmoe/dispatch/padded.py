@@ -18,11 +18,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from xmoe.dispatch.base import TrafficStats
 from xmoe.dispatch.comm import all_to_all_rows
 from xmoe.dispatch.routing import RoutingPlan
 
 
 class PaddedDispatcher:
+    fuses_experts = False
+    stats: Optional[TrafficStats] = None  # the baseline counts no traffic
+
     def _masks(self, plan: RoutingPlan, weights_TK: torch.Tensor | None, dtype: torch.dtype):
         num_tokens, num_experts = plan.num_tokens, plan.num_experts
         capacity = plan.capacity or num_tokens

@@ -27,7 +27,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from xmoe.config import ModelConfig, missing
+from xmoe.checks import missing
+from xmoe.config import ModelConfig
 from xmoe.hf.families import (DEEPSEEK, SCORE_BIAS_FAMILIES, expert_index, fitting_family, hf_config_from_model,
                               mla_rope_rows, model_config_from_hf, tensor_names)
 from xmoe.model.init import local_box

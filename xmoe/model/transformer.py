@@ -22,7 +22,7 @@ own init so that every weight follows one rule, depth scaling included):
   * output projections of a residual branch (leaf name ``wo`` or ``w2``: attention out, dense and expert
     down-projections) use std / sqrt(2 * num_layers), two residual branches per layer (GPT-2 / Megatron);
   * embedding normal(0, cfg.init_std); RMSNorm weights ones; any other 1-D parameter zeros;
-  * MoE buffers (load-balancing state: expert_bias, load_E) zeros; rotary tables recomputed;
+  * MoE buffers (load-balancing state: expert_bias) zeros; rotary tables recomputed;
   * with a seed, the normal values of each parameter are drawn block by block from generators keyed by (seed,
     parameter name, block), so they do not depend on how the model is sharded (xmoe/model/init.py).
 
@@ -222,29 +222,5 @@ class Transformer(nn.Module):
         return F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
 
     def moe_layers(self) -> list[nn.Module]:
-        """The MoELayer of every MoE block, in layer order (e.g. for the trainer's expert-bias updates)."""
+        """The MoELayer of every MoE block, in layer order."""
         return moe_layers(self)
-
-    @torch.no_grad()
-    def moe_stats(self) -> dict[str, torch.Tensor]:
-        """Routing statistics of the last forward, for logging (detached); {} for a model without MoE blocks.
-
-        aux_loss, z_loss: sums over MoE layers; num_dropped: total dropped (token, slot) pairs;
-        tokens_per_expert: (num_moe_layers, E) int64, rows in layer order. Only the last micro-batch is
-        seen: accumulate over micro-batches in the caller if needed.
-        """
-        stats = [getattr(layer, "last_stats", None) for layer in self.moe_layers()]
-        if not stats:
-            return {}
-        if not all(stats):
-            raise RuntimeError("moe_stats() needs a forward pass first: some MoE layer has no last_stats")
-
-        def total(key: str) -> torch.Tensor:
-            return torch.stack([torch.as_tensor(s[key]).detach().float().reshape(()) for s in stats]).sum()
-
-        return {
-            "aux_loss": total("aux_loss"),
-            "z_loss": total("z_loss"),
-            "num_dropped": total("num_dropped").long(),
-            "tokens_per_expert": torch.stack([s["tokens_per_expert"].detach().long() for s in stats]),
-        }

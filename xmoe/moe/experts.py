@@ -5,9 +5,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ class RoutedExperts(nn.Module):
 
     ``fp8``: the GEMMs run in FP8 with fine-grained scales (xmoe/kernels/fp8_experts.py; ``moe.fp8 = "experts"``),
     on GPUs with FP8 matrix instructions; the weights stay what they are (fp32 parameters) and are quantised once
-    per optimizer step inside reuse_weight_casts(), else once per forward."""
+    per optimizer step (``make_casts``, called by xmoe/moe/step.py's MoEStep), else once per forward."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float = 0.02,
                  kernel_backend: str = "auto", fp8: bool = False):
@@ -38,37 +37,33 @@ class RoutedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
-        # made by reuse_weight_casts() at entry (make_casts): compute-dtype (w1, w3, w2), or with fp8 the tensors the
-        # weight gradients go to (w1, w3, w2) and the FP8 copies (fp8_quant.Fp8ExpertWeights)
-        self._casts: Optional[tuple] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=self.init_std)
 
-    def local_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w3, w2) of the experts on this rank, in the compute dtype. Inside reuse_weight_casts() the casts made
-        at its entry serve every call with gradients on (the micro-batches of one step): the gradients of all of
+    def local_weights(self, dtype: torch.dtype, casts: Optional[tuple] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) of the experts on this rank, in the compute dtype. ``casts`` (make_casts' copies for the
+        optimizer step) serve every call with gradients on (the micro-batches of one step): the gradients of all of
         them flow back through the one cast into the fp32 parameters."""
-        cache = self._casts
-        if cache is not None and not self.fp8 and cache[0].dtype == dtype and torch.is_grad_enabled():
-            return cache
+        if casts is not None and not self.fp8 and casts[0].dtype == dtype and torch.is_grad_enabled():
+            return casts
         return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
 
-    def fp8_weights(self, fmt: str) -> tuple:
+    def fp8_weights(self, fmt: str, casts: Optional[tuple] = None) -> tuple:
         """(w1, w3, w2, Fp8ExpertWeights): what the FP8 GEMMs read and the tensors their weight gradients are
-        returned for; inside reuse_weight_casts() the ones made at its entry serve every call with gradients on."""
+        returned for; ``casts`` (make_casts' for the optimizer step) serve every call with gradients on."""
         from xmoe.kernels.fp8_quant import quantize_expert_weights  # imports triton: only when FP8 is asked for
 
-        cache = self._casts
-        if cache is not None and self.fp8 and torch.is_grad_enabled():
-            return cache
+        if casts is not None and self.fp8 and torch.is_grad_enabled():
+            return casts
         local = tuple(_local(w) for w in (self.w1, self.w3, self.w2))
         return (*local, quantize_expert_weights(*(w.detach() for w in local), fmt))
 
     def make_casts(self, dtype: torch.dtype, detach: bool) -> tuple:
-        """The weight copies one optimizer step's micro-batches share (reuse_weight_casts calls this at its entry).
+        """The weight copies one optimizer step's micro-batches share (MoEStep calls this when the step opens).
 
         bf16: ``dtype`` copies; with ``detach`` (and a dtype other than the parameters'), leaves of their own whose
         gradient is added straight into the fp32 .grad. FP8: the FP8 copies (one quantising pass per weight,
@@ -86,13 +81,14 @@ class RoutedExperts(nn.Module):
         return tuple(w.to(dtype) for w in params)
 
     def forward(self, x: torch.Tensor, tokens_per_expert_E: torch.Tensor, plan: Optional[RoutingPlan] = None,
-                weights_TK: Optional[torch.Tensor] = None) -> torch.Tensor:
+                weights_TK: Optional[torch.Tensor] = None, casts: Optional[tuple] = None) -> torch.Tensor:
         """Rows (N, H) grouped by expert -> (N, H); or, with ``plan`` and ``weights_TK``, tokens (T, H) -> the
         weighted sum of each token's expert outputs (T, H): gather, experts and combine in one backend op
-        (fused by the Triton backend). Called as a module either way, so wrappers' hooks (FSDP) run."""
+        (fused by the Triton backend). Called as a module either way, so wrappers' hooks (FSDP) run. ``casts``:
+        the optimizer step's weight copies (make_casts), else the weights are cast here."""
         if self.fp8:
-            return self._forward_fp8(x, tokens_per_expert_E, plan, weights_TK)
-        w1, w3, w2 = self.local_weights(x.dtype)
+            return self._forward_fp8(x, tokens_per_expert_E, plan, weights_TK, casts)
+        w1, w3, w2 = self.local_weights(x.dtype, casts)
         ops = get_ops(self.kernel_backend, x.device)
         if plan is not None:
             return ops.moe_experts(x, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
@@ -101,7 +97,7 @@ class RoutedExperts(nn.Module):
             return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
         return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
 
-    def _forward_fp8(self, x, tokens_per_expert_E, plan, weights_TK):
+    def _forward_fp8(self, x, tokens_per_expert_E, plan, weights_TK, casts):
         from xmoe.kernels.fp8_quant import fp8_format
 
         fmt = fp8_format(x.device).name  # refuses devices without FP8 matrix instructions, naming the fix
@@ -110,7 +106,7 @@ class RoutedExperts(nn.Module):
                              "(E, C, H) buffers; use dispatcher 'pft' or 'rbd', or moe.fp8='off'")
         from xmoe.kernels import fp8_experts
 
-        w1, w3, w2, qw = self.fp8_weights(fmt)
+        w1, w3, w2, qw = self.fp8_weights(fmt, casts)
         if plan is not None:
             return fp8_experts.moe_experts_fp8(x, weights_TK, plan.token_ids_N, plan.slot_ids_N,
                                                plan.row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, fmt)
@@ -137,35 +133,6 @@ def _accumulate_fp32(param: torch.Tensor, cast: torch.Tensor) -> None:
     else:
         param.grad.add_(cast.grad)
     cast.grad = None
-
-
-@contextlib.contextmanager
-def reuse_weight_casts(model: nn.Module, dtype: Optional[torch.dtype], detach: bool = False) -> Iterator[None]:
-    """Within: each RoutedExperts of ``model`` computes with ``dtype`` copies of its weights made once, at entry,
-    not once per forward (``dtype`` None, or gradients off at entry: nothing is cast ahead); FP8 experts with their
-    FP8 copies instead (RoutedExperts.make_casts, the hook this calls for each expert module).
-
-    For one optimizer step's micro-batches, whose weights do not change: with fp32 parameters and bf16 compute
-    each cast reads 4 and writes 2 bytes per expert weight (measured: docs/architecture.md, "Measured reasons").
-    Made here, outside any compiled region, the casts reach torch.compile'd blocks as plain inputs. They are
-    dropped on exit, so nothing stale outlives the step. Experts whose weights are DTensors (expert parallelism,
-    FSDP2, which swaps in other tensors around each forward) are left out and cast per forward.
-
-    ``detach=True``: the copies are leaves of their own whose gradient each backward adds straight into the fp32
-    parameter's .grad (one mixed-dtype pass, 10 bytes per weight) instead of autograd's cast-back and fp32
-    accumulation (two passes, 18 bytes); measured: docs/architecture.md, "Measured reasons". The parameters then
-    get their gradients outside autograd, so only for a model no wrapper reduces through autograd hooks (one
-    process; not DDP)."""
-    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)
-               and not any(hasattr(w, "to_local") for w in (m.w1, m.w3, m.w2))]
-    if dtype is not None and torch.is_grad_enabled():
-        for m in experts:
-            m._casts = m.make_casts(dtype, detach)
-    try:
-        yield
-    finally:
-        for m in experts:
-            m._casts = None
 
 
 class SwiGLU(nn.Module):

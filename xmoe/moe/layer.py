@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
 from xmoe.config import MoEConfig
+from xmoe.dispatch.base import Dispatcher
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.padded import PaddedDispatcher
 from xmoe.dispatch.routing import build_plan
@@ -38,7 +40,7 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_out, grad_aux, None
 
 
-def make_dispatcher(cfg: MoEConfig):
+def make_dispatcher(cfg: MoEConfig) -> Dispatcher:
     """The single-rank dispatcher named by the config (parallel ones are installed by xmoe.parallel)."""
     if cfg.dispatcher == "padded":
         return PaddedDispatcher()
@@ -50,15 +52,27 @@ def moe_layers(model: nn.Module) -> list["MoELayer"]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+@dataclass
+class LayerStep:
+    """What a layer exchanges with the optimizer step it runs in (xmoe/moe/step.py, which makes one per layer):
+    ``aux_loss_scale`` and ``casts`` it reads, ``stats`` it reports at each forward."""
+
+    aux_loss_scale: float
+    casts: Optional[tuple] = None  # RoutedExperts.make_casts' copies, for the experts' forward
+    stats: Optional[dict[str, torch.Tensor]] = None
+
+
 class MoELayer(nn.Module):
     """A DeepSeek-style MoE block. ``layer(x)`` maps (..., H) to (..., H).
 
     A 3-D input (B, S, H) is B sequences for the sequence-level balance loss. After each call
     ``last_stats`` holds detached tensors for logging (no host sync): aux_loss, z_loss, tokens_per_expert (routed
-    slots per global expert before dropping) and num_dropped.
+    slots per global expert before dropping) and num_dropped; inside an optimizer step (``moe_step``, set by
+    xmoe/moe/step.py's MoEStep) the layer also reports them there, and takes the step's aux-loss scale and expert
+    weight casts from it.
     """
 
-    def __init__(self, cfg: MoEConfig, dispatcher: Optional[Any] = None):
+    def __init__(self, cfg: MoEConfig, dispatcher: Optional[Dispatcher] = None):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg)
@@ -71,10 +85,9 @@ class MoELayer(nn.Module):
         )
         if cfg.shared_expert_gate:  # Qwen2-MoE: a per-token sigmoid gate on the shared experts' output
             self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        self.dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
-        # Gradient the attached aux losses receive: the caller's loss scale. A trainer that backpropagates
-        # loss / accum over accum micro-batches sets 1 / accum, so the losses keep their weight.
-        self.aux_loss_scale = 1.0
+        self.dispatcher: Dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
+        # the optimizer step this layer runs in (None: it computes alone, its aux losses with gradient 1)
+        self.moe_step: Optional[LayerStep] = None
         # True: forward raises on a NaN / inf input, naming the layer's input (a host sync per call, so off by
         # default). The trainer leaves it off: a non-finite input makes the loss non-finite, which the trainer
         # detects at no per-layer cost (xmoe/train/safety.py); turn it on to find which layer a NaN enters.
@@ -105,11 +118,13 @@ class MoELayer(nn.Module):
         # (which autocast does not see) into fp32 (measured: docs/architecture.md, "Measured reasons").
         if torch.is_autocast_enabled(x.device.type):
             x_TH = x_TH.to(torch.get_autocast_dtype(x.device.type))
-        if getattr(self.dispatcher, "fuses_experts", False):  # one rank: the backend may fuse the three steps
-            out_TH = self.experts(x_TH, plan.tokens_per_expert_E, plan, route.weights_TK)
+        step = self.moe_step
+        casts = step.casts if step is not None else None
+        if self.dispatcher.fuses_experts:  # one rank: the backend may fuse the three steps
+            out_TH = self.experts(x_TH, plan.tokens_per_expert_E, plan, route.weights_TK, casts=casts)
         else:
             x_NH, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TH, plan)
-            y_NH = self.experts(x_NH, tokens_per_expert)
+            y_NH = self.experts(x_NH, tokens_per_expert, casts=casts)
             out_TH = self.dispatcher.combine(y_NH, route.weights_TK, plan, ctx)
         # 4. shared experts see every token
         if self.shared_experts is not None:
@@ -120,19 +135,18 @@ class MoELayer(nn.Module):
 
         aux_total = route.aux_loss + route.z_loss
         if torch.is_grad_enabled() and aux_total.requires_grad:
-            out_TH = _AttachAuxLoss.apply(out_TH, aux_total, self.aux_loss_scale)
+            # the step's scale: a trainer backpropagating loss / A over A micro-batches gives them 1 / A
+            scale = step.aux_loss_scale if step is not None else 1.0
+            out_TH = _AttachAuxLoss.apply(out_TH, aux_total, scale)
         self.last_stats = {
             "aux_loss": route.aux_loss.detach(),
             "z_loss": route.z_loss.detach(),
             "tokens_per_expert": route.counts_E,
             "num_dropped": plan.num_dropped,
         }
+        if step is not None:
+            step.stats = self.last_stats
         return out_TH.view(x.shape)
-
-    @torch.no_grad()
-    def update_expert_bias(self, load_E: Optional[torch.Tensor] = None) -> None:
-        """Auxiliary-loss-free balancing step (no-op unless cfg.bias_update_rate > 0)."""
-        self.router.update_bias(load_E)
 
     def extra_repr(self) -> str:
         cfg = self.cfg

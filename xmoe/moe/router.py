@@ -14,8 +14,8 @@ Losses:
                  sequence-wise loss) or over the whole batch ("batch", S = T); p = scores, normalised per token
                  when score_func is sigmoid. Equals coef when routing is perfectly uniform.
   z-loss         coef * mean_t logsumexp(logits_t)^2
-Aux-loss-free balancing: ``load_E`` accumulates the routed counts of every training forward;
-``update_bias()`` (the trainer calls it once per optimizer step) moves each bias by rate * sign(mean - load).
+Aux-loss-free balancing: ``update_bias(load_E)`` moves each bias by rate * sign(mean - load), once per optimizer
+step from the step's routed counts summed over all ranks (xmoe/moe/step.py, MoEStep.finish).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # persistent: checkpoints (DCP) save and restore it with the weights
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
-        self.register_buffer("load_E", torch.zeros(cfg.num_experts, dtype=torch.float32), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -98,8 +98,6 @@ class Router(nn.Module):
             weights_TK = weights_TK * cfg.routed_scaling_factor
 
         counts_E = count_ids(ids_TK, cfg.num_experts)
-        if self.training and cfg.bias_update_rate > 0:
-            self.load_E += counts_E.float()
         zero = logits_TE.new_zeros(())
         empty = logits_TE.shape[0] == 0  # no tokens (a rank's empty shard): no loss rather than 0 / 0
         aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences) if cfg.aux_loss_coef > 0 and not empty else zero
@@ -126,13 +124,9 @@ class Router(nn.Module):
         return cfg.aux_loss_coef * (frac_BE * mean_prob_BE).sum(-1).mean()
 
     @torch.no_grad()
-    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
-        """One auxiliary-loss-free balancing step from the load accumulated since the last call.
-
-        Pass ``load_E`` summed over data-parallel ranks to keep the bias identical everywhere.
-        """
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        """One auxiliary-loss-free balancing step from ``load_E``, the routed slots per expert of an optimizer step
+        (summed over all ranks, so that the bias stays identical everywhere); nothing when bias_update_rate is 0."""
         if self.cfg.bias_update_rate <= 0:
             return
-        load_E = self.load_E if load_E is None else load_E
         self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
-        self.load_E.zero_()

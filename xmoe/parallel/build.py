@@ -83,7 +83,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dims: Optional[Par
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # broadcast_buffers=False: the router's load counters are per rank by design (summed explicitly)
+        # broadcast_buffers=False: the routers' expert_bias is the same on every rank already (each moves it by the
+        # same all-reduced loads, xmoe/moe/step.py), and the rotary tables are computed: nothing to broadcast
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     regions.apply_recompute(model, recompute)
     ep, tp = (dims.ep, dims.tp) if dims is not None else (1, 1)

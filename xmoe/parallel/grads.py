@@ -21,7 +21,7 @@ micro-batch (the trainer), and the rest follows from where a parameter lives:
       scatter, or ``ScaleGrad``), then the average over "tp" (``TensorParallelGradAverage``)
                                                               -> the full micro-batch's, as without SSMB
   auxiliary losses (balance, z) attached by MoELayer
-      fixed gradient ``aux_loss_scale`` = 1 / A (``set_accumulation_scale``), as the LM loss's
+      fixed gradient ``aux_loss_scale`` = 1 / A (the optimizer step's, xmoe/moe/step.py), as the LM loss's
                                                               -> the mean over the step's micro-batches
 
 FSDP2's ``set_gradient_divide_factor`` could fold the 1/ep into its reduction, but with dp == 1 (no reduce-scatter)
@@ -67,17 +67,6 @@ def scale_weight_grads(module: nn.Module, scale: float) -> None:
 
     module.register_forward_pre_hook(scale_input)
     module.register_forward_hook(scale_output)
-
-
-def set_accumulation_scale(model: nn.Module, micro_batches: int) -> None:
-    """The auxiliary losses every MoELayer attaches get gradient 1 / micro_batches, as the LM loss does when a
-    step backpropagates loss / micro_batches for each of its micro-batches."""
-    from xmoe.moe.layer import moe_layers
-
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches ({micro_batches}) must be >= 1")
-    for layer in moe_layers(model):
-        layer.aux_loss_scale = 1.0 / micro_batches
 
 
 class TensorParallelGradAverage:

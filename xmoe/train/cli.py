@@ -1,10 +1,12 @@
 """Arguments of `xmoe train` and how they become a RunConfig.
 
-Precedence, lowest first: the preset's defaults (for ``kernels``, the environment's: XMOE_WGRAD, XMOE_AUTOTUNE),
-then a config file (--config, JSON or TOML with optional sections ``model``, ``moe``, ``train``, ``parallel``,
-``kernels``), then ``--set section.field=value`` overrides, then the dedicated flags (--steps, --seed, --ep, --tp,
---dp, --wgrad, ...). ``dp`` is derived last, from the merged ep and tp:
-processes / (ep * tp) unless given. Unknown fields and values of the wrong type are errors naming them.
+Precedence, lowest first: the preset's defaults (for ``kernels``, the environment's: XMOE_WGRAD,
+XMOE_AUTOTUNE), then a config file (--config, JSON or TOML with optional sections ``model``, ``moe``,
+``train``, ``parallel``, ``kernels``, ``data`` and the top-level keys ``preset`` and ``init_from``), then
+``--set section.field=value`` overrides, then the dedicated flags (--steps, --seed, --ep, --tp, --dp, --wgrad,
+--data, --preset, ...). ``dp`` is derived last, from the merged ep and tp: processes / (ep * tp) unless given.
+Unknown fields and values of the wrong type are errors naming them. The invocation's own choices (--out,
+--resume, --overwrite, --device, ...) are not part of the run's config.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from xmoe.config import (COMPILE_MODES, RECOMPUTE_MODES, KernelConfig, ModelConfig, MoEConfig, ParallelConfig,
-                         RunConfig, TrainConfig, missing)
+from xmoe.checks import missing
+from xmoe.config import (COMPILE_MODES, RECOMPUTE_MODES, DataConfig, KernelConfig, ModelConfig, MoEConfig,
+                         ParallelConfig, RunConfig, TrainConfig)
 
 log = logging.getLogger(__name__)
 
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "parallel": ParallelConfig,
-            "kernels": KernelConfig}
+            "kernels": KernelConfig, "data": DataConfig}
+TOP_LEVEL = ("preset", "init_from")  # RunConfig's own fields: a config file's keys outside any section
 # fields of an imported model that training may set freely: they change how it is trained, not which weights it has
 # or what it computes
 TRAINING_FIELDS = ("model.max_seq_len", "model.init_std", "model.moe.init_std", "model.moe.aux_loss_coef",
@@ -35,18 +39,19 @@ _TINY, _PAPER = TrainConfig(), TrainConfig(lr=3e-4, global_batch_size=8, warmup_
 EXAMPLES = """examples:
   xmoe train --steps 600 --out runs/a          # the tiny preset on the embedded corpus
   xmoe train --out runs/a --steps 900 --resume # continue runs/a (after a stop, a crash or Slurm's requeue)
+  xmoe train --config docs/example_run.toml --out runs/b   # a whole run described in one file
   torchrun --nproc-per-node 4 -m xmoe train --ep 4 --set moe.top_k=2 --out runs/ep4
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="model preset: tiny (default), small, medium, large, super (not with "
-                                    "--init-from, whose directory sets the architecture)")
+                                    "--init-from, whose directory sets the architecture; a config file's preset)")
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {_TINY.steps})")
     p.add_argument("--out", default="runs/default", help="run directory: metrics, checkpoints, plot "
                    "(default runs/default); one run at a time")
-    p.add_argument("--data", default="markov",
-                   help="'markov' (embedded synthetic corpus, default), or a .npy / .bin / .txt file")
+    p.add_argument("--data", help="'markov' (embedded synthetic corpus, default), or a .npy / .bin / .txt file "
+                                  "(data.path)")
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true",
                        help="continue from the newest verified checkpoint in --out")
@@ -93,12 +98,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE_MODES,
                    help="activation recompute in backward: none (default), moe (MoE branches), full (every block)")
     p.add_argument("--device", default="auto", help="auto (GPU if present, default), cpu or cuda")
-    p.add_argument("--config", help="JSON or TOML file of config sections")
+    p.add_argument("--config", help="JSON or TOML file describing the run: config sections (model, moe, train, "
+                                    "parallel, kernels, data) and the keys preset and init_from")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override one config field, e.g. --set moe.top_k=2 (repeatable)")
     p.add_argument("--init-from", metavar="HF_DIR",
-                   help="start from a Hugging Face directory: its architecture, weights and tokenizer.json")
-    p.add_argument("--val-data", help="validation data (.txt / .npy / .bin / markov); else --val-fraction of --data")
+                   help="start from a Hugging Face directory: its architecture, weights and tokenizer.json (a "
+                        "config file's init_from)")
+    p.add_argument("--val-data", help="validation data (.txt / .npy / .bin / markov; data.val_path); else "
+                                      "--val-fraction of --data")
     p.add_argument("--val-fraction", type=float, help="hold out this fraction of --data for validation")
     p.add_argument("--eval-every", type=int, help="validation loss every N steps (and at the end)")
     p.add_argument("--dry-run", action="store_true",
@@ -113,7 +121,8 @@ def _parse_value(text: str) -> Any:
         return {"none": None, "true": True, "false": False}.get(text.lower(), text)
 
 
-def _load_file(path: str) -> dict[str, dict[str, Any]]:
+def _load_file(path: str) -> dict[str, Any]:
+    """The config file's sections (tables of fields) and top-level keys (TOP_LEVEL, strings)."""
     file = Path(path)
     if file.is_dir():
         raise ValueError(f"config file {file} is a directory; pass a .json or .toml file")
@@ -135,11 +144,15 @@ def _load_file(path: str) -> dict[str, dict[str, Any]]:
         raise ValueError(f"config file {file} is not valid {file.suffix[1:].upper()}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {file} must hold sections ({', '.join(SECTIONS)}), not {type(data).__name__}")
-    unknown = set(data) - set(SECTIONS)
+    unknown = set(data) - set(SECTIONS) - set(TOP_LEVEL)
     if unknown:
-        raise ValueError(f"config file {file}: unknown sections {sorted(unknown)}; valid: {sorted(SECTIONS)}")
+        raise ValueError(f"config file {file}: unknown sections {sorted(unknown)}; valid: {sorted(SECTIONS)} and "
+                         f"the keys {', '.join(TOP_LEVEL)}")
     for name, values in data.items():
-        if not isinstance(values, dict):
+        if name in TOP_LEVEL and not (isinstance(values, str) and values.strip()):
+            raise ValueError(f"config file {file}: {name} ({values!r}) must be a string naming a "
+                             f"{'preset' if name == 'preset' else 'Hugging Face directory'}")
+        if name in SECTIONS and not isinstance(values, dict):
             raise ValueError(f"config file {file}: section {name} must be a table of fields (e.g. [{name}] in "
                              f"TOML), not {values!r}")
     return data
@@ -161,11 +174,25 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
     if not str(args.out).strip():
         raise ValueError(f"--out ({args.out!r}) must name a run directory, e.g. runs/a")
-    if args.allow_changes and not (args.resume or args.resume_from or getattr(args, "init_from", None)):
+
+
+def _start(args: argparse.Namespace, file: dict[str, Any]) -> tuple[str, Optional[str]]:
+    """(preset, init_from): where the run's model comes from, each from its flag, else from the config file's key;
+    the preset is "tiny" when neither is given, "" under init_from (whose directory sets the architecture)."""
+    chosen: dict[str, tuple[str, str]] = {}  # key -> (value, where it was given)
+    for key in TOP_LEVEL:
+        if getattr(args, key, None):
+            chosen[key] = (getattr(args, key), "--" + key.replace("_", "-"))
+        elif key in file:
+            chosen[key] = (file[key], f"{key} in {args.config}")
+    if len(chosen) == 2:
+        (preset, where_p), (init_from, where_i) = chosen["preset"], chosen["init_from"]
+        raise ValueError(f"{where_p} ({preset}) and {where_i} ({init_from}) both choose the architecture; drop the "
+                         "preset (the Hugging Face directory's config.json sets it)")
+    init_from = chosen["init_from"][0] if "init_from" in chosen else None
+    if args.allow_changes and not (args.resume or args.resume_from or init_from):
         raise ValueError("--allow-changes only applies with --resume, --resume-from or --init-from")
-    if getattr(args, "init_from", None) and getattr(args, "preset", None):
-        raise ValueError(f"--preset ({args.preset}) and --init-from ({args.init_from}) both choose the architecture; "
-                         "drop --preset (the Hugging Face directory's config.json sets it)")
+    return ("" if init_from else chosen.get("preset", ("tiny",))[0]), init_from
 
 
 def check_device(device: str, flag: str = "--device") -> str:
@@ -191,17 +218,16 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     from xmoe.model.presets import get_preset
 
     _check_flags(args)
-    init_from = getattr(args, "init_from", None)
-    model = imported = get_preset(getattr(args, "preset", None) or "tiny")
+    file = _load_file(args.config) if args.config else {}
+    preset, init_from = _start(args, file)
     if init_from:
         from xmoe.hf.checkpoint import read_model_config
 
         hf, model = read_model_config(init_from)
-        imported = model
-    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    if args.config:
-        for name, values in _load_file(args.config).items():
-            sections[name].update(values)
+    else:
+        model = get_preset(preset)
+    imported = model
+    sections: dict[str, dict[str, Any]] = {name: dict(file.get(name, {})) for name in SECTIONS}
     for item in args.set:
         key, sep, value = item.partition("=")
         section, dot, field = key.partition(".")
@@ -224,6 +250,11 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
                          ("fp8", getattr(args, "fp8", None))):
         if value is not None:
             sections["moe"][field] = value
+    for field, value in (("path", getattr(args, "data", None)), ("val_path", getattr(args, "val_data", None))):
+        if value is not None:
+            sections["data"][field] = value
+    if init_from and "tokenizer" not in sections["data"]:  # text data is read with the imported tokenizer
+        sections["data"]["tokenizer"] = _imported_tokenizer(init_from)
 
     if "moe" in sections["model"]:
         raise ValueError("model.moe is its own section: set its fields as moe.FIELD (e.g. --set moe.top_k=2, or a "
@@ -234,8 +265,9 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     model = _apply(model, "model", {**sections["model"], "moe": moe})
     if init_from:
         _check_imported(init_from, hf, imported, model, args.allow_changes)
-    default_train = TrainConfig(lr=1e-4) if init_from else _default_train(getattr(args, "preset", None), model)
+    default_train = TrainConfig(lr=1e-4) if init_from else _default_train(preset, model)
     train = _apply(default_train, "train", sections["train"])
+    data = _apply(DataConfig(), "data", sections["data"])
 
     par_values = dict(sections["parallel"])
     flags = {"dp": args.dp, "ep": args.ep, "tp": args.tp, "gpus_per_node": args.gpus_per_node,
@@ -252,7 +284,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         warnings.warn("moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
                       "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1", stacklevel=2)
     kernels = _apply(KernelConfig(), "kernels", sections["kernels"])
-    return RunConfig(model=model, train=train, parallel=parallel, kernels=kernels)
+    return RunConfig(model=model, train=train, parallel=parallel, kernels=kernels, data=data, init_from=init_from,
+                     preset=preset)
 
 
 def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: ModelConfig, allow_changes: bool) -> None:
@@ -280,9 +313,9 @@ def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: Mode
                  "moe.aux_loss_coef=VALUE")
 
 
-def _default_train(preset: str | None, model: ModelConfig) -> TrainConfig:
+def _default_train(preset: str, model: ModelConfig) -> TrainConfig:
     """tiny trains on CPU in minutes; the paper presets default to their sequence length and a small batch."""
-    if preset in (None, "tiny"):
+    if preset == "tiny":
         return _TINY
     return dataclasses.replace(_PAPER, seq_len=model.max_seq_len)
 
@@ -320,14 +353,8 @@ def run(args: argparse.Namespace) -> dict | None:
     _check_fits(run_cfg, device)
     from xmoe.train.trainer import Trainer
 
-    init_from = getattr(args, "init_from", None)
-    tokenizer = "bytes"
-    if init_from:
-        tokenizer = _imported_tokenizer(init_from)
-    trainer = Trainer(run_cfg, args.out, data=args.data, device=args.device, resume=args.resume,
-                      init_from=init_from, val_data=getattr(args, "val_data", None), tokenizer=tokenizer,
-                      overwrite=args.overwrite, resume_from=args.resume_from, allow_changes=args.allow_changes,
-                      preset="" if init_from else args.preset or "tiny")
+    trainer = Trainer(run_cfg, args.out, device=args.device, resume=args.resume, overwrite=args.overwrite,
+                      resume_from=args.resume_from, allow_changes=args.allow_changes)
     return trainer.train()
 
 

@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from xmoe.config import missing
+from xmoe.checks import missing
 from xmoe.train.markov import MarkovSource
 
 # Legend: N samples, S seq_len.

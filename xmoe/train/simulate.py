@@ -9,12 +9,13 @@ model a rank builds (xmoe/parallel/build.py: its shards only), its kernels, its 
 of rank R of a real run; the values are not, and neither are the losses. Where a collective's result sizes a
 buffer (the expert all-to-all's split counts) the simulated rank takes the counts the planner assumes: it receives
 as many rows as it routes (T * K, dropless, balanced), times ``imbalance``, spread evenly over the P sources and
-its local experts (``PlannedCounts``).
+its local experts (xmoe/parallel/simulated.py, ``PlannedCounts``).
 
 Each step is the trainer's (xmoe/train/step.py: forward and backward under its precision, clipping, AdamW, the
-expert-bias update). Measured: the peak (GPU: the caching allocator's peak of allocated bytes; CPU: bytes of live
-tensor storages, counted by torch's MemTracker), the bytes by kind at the peak (MemTracker, one step after a
-warm-up step), and the compute time of the steps after those two, beside ``xmoe.plan.memory``'s prediction.
+expert-bias update of the step's MoEStep). Measured: the peak (GPU: the caching allocator's peak of allocated
+bytes; CPU: bytes of live tensor storages, counted by torch's MemTracker), the bytes by kind at the peak
+(MemTracker, one step after a warm-up step), and the compute time of the steps after those two, beside
+``xmoe.plan.memory``'s prediction.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 from xmoe.config import ModelConfig, ParallelConfig
-from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import clip_grad_norm_
-from xmoe.parallel.grads import set_accumulation_scale
-from xmoe.train.step import forward_backward, update_expert_bias
+from xmoe.parallel.simulated import keep_buckets, plan_counts
+from xmoe.train.optim import param_groups
+from xmoe.train.step import forward_backward
 
 log = logging.getLogger(__name__)
 
@@ -43,50 +44,6 @@ NOTE = ("simulated rank: no collective communicated (torch's fake process group)
         "losses are meaningless; the all-to-all counts are the planner's (balanced routing x imbalance)")
 KINDS = {"PARAM": "weights", "GRAD": "gradients", "OPT": "optimizer", "ACT": "activations", "TEMP": "temporaries",
          "BUFFER": "buffers", "OTH": "other"}  # MemTracker's reference types
-
-
-class PlannedCounts(AllToAllDispatcher):
-    """The flat all-to-all dispatcher of a simulated rank: it sends its real rows, and receives what the planner
-    assumes (the fake collective would leave the counts uninitialised) as zeros of that size."""
-
-    imbalance = 1.0
-
-    def receive_counts(self, send_counts_PE: torch.Tensor) -> torch.Tensor:
-        rows = int(send_counts_PE.sum()) * self.imbalance  # T * K: what each rank of the group routes
-        cells = send_counts_PE.numel()  # (source rank, local expert) pairs
-        total = round(rows)
-        counts = torch.full((cells,), total // cells, dtype=send_counts_PE.dtype)
-        counts[: total % cells] += 1
-        return counts.view_as(send_counts_PE).to(send_counts_PE.device)
-
-
-def _plan_counts(model, imbalance: float) -> int:
-    """Swap every flat all-to-all dispatcher for a ``PlannedCounts`` one; returns how many were swapped."""
-    swapped = 0
-    for layer in model.moe_layers():
-        d = layer.dispatcher
-        if type(d) is AllToAllDispatcher:
-            layer.dispatcher = PlannedCounts(d.group, d.num_experts, d.kernel_backend)
-            layer.dispatcher.imbalance = imbalance
-            swapped += 1
-        elif not getattr(d, "fuses_experts", False):
-            raise ValueError(f"--measure simulates the padding-free all-to-all dispatcher; this model's MoE layers "
-                             f"use {type(d).__name__}: set moe.dispatcher='pft'")
-    return swapped
-
-
-def _keep_buckets(wrapped) -> None:
-    """A DDP replica (ep = tp = 1) all-reduces its gradient buckets through a hook that hands each bucket back as
-    it is: the fake collective's future carries no tensor, which DDP's default hook needs."""
-    if not hasattr(wrapped, "register_comm_hook"):
-        return
-
-    def keep(state, bucket):
-        done = torch.futures.Future()
-        done.set_result(bucket.buffer())
-        return done
-
-    wrapped.register_comm_hook(None, keep)
 
 
 @dataclass
@@ -136,8 +93,6 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
     a real run's rank: the tests compare the two). ``ssmb``: with tp > 1, the MoE blocks on 1/tp of the tokens."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from xmoe.train.trainer import _param_groups
-
     if steps < 3:
         raise ValueError(f"--steps ({steps}) must be >= 3: a warm-up step, a measured step, then timed ones")
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -158,20 +113,19 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
             built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel, ssmb=ssmb,
                                 param_dtype=torch.bfloat16 if autocast else None, recompute=recompute)
             if simulate:
-                _plan_counts(built.model, imbalance)
-                _keep_buckets(built.wrapped)
-            optimizer = torch.optim.AdamW(_param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
+                plan_counts(built.model, imbalance)
+                keep_buckets(built.wrapped)
+            optimizer = torch.optim.AdamW(param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
         params = [p for p in built.wrapped.parameters() if p.requires_grad]
-        set_accumulation_scale(built.model, 1)
         batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
 
         def one_step() -> None:
-            _, stats = forward_backward(built.model, built.wrapped, batches, 1, dev, autocast,
-                                        detach_casts=world == 1)  # as the trainer
+            _, moe = forward_backward(built.model, built.wrapped, batches, 1, dev, autocast,
+                                      detach_casts=world == 1)  # as the trainer
             clip_grad_norm_(params, 1.0, dims=dims)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            update_expert_bias(built.model, stats["load"])
+            moe.finish()
 
         one_step()  # warm-up: kernels compiled or tuned, AdamW's state allocated
         tracker.track_external(built.wrapped, optimizer)

@@ -1,36 +1,33 @@
 """The work of one optimizer step, shared by the trainer's loop and the simulated rank of `xmoe plan memory
 --measure` (so that what the simulation measures is what a training step does): forward and backward over the
-micro-batches, then the expert-bias update. Clipping and the optimizer step are the caller's.
+micro-batches inside the step's MoEStep (xmoe/moe/step.py, the one seam to the MoE layers). Clipping, the
+optimizer step and then ``MoEStep.finish()`` (the expert-bias update, the step's statistics) are the caller's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from xmoe.model.transformer import Transformer
-from xmoe.moe.experts import reuse_weight_casts
+from xmoe.moe.step import MoEStep
 
 
 def forward_backward(model: Transformer, wrapped: nn.Module, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
                      accum: int, device: torch.device, autocast: bool, detach_casts: bool
-                     ) -> tuple[torch.Tensor, dict[str, Optional[torch.Tensor]]]:
+                     ) -> tuple[torch.Tensor, MoEStep]:
     """Forward and backward of ``accum`` micro-batches drawn from ``batches`` through ``wrapped`` (the model, or
-    what wraps it); returns the mean loss and the step's statistics (aux losses, routed rows, tokens per expert
-    per layer) as device tensors. ``detach_casts``: reuse_weight_casts' one-process gradient path."""
+    what wraps it); returns the mean loss (a device tensor) and the step's MoEStep, closed, for its finish() after
+    the optimizer step. ``detach_casts``: the experts' one-process gradient path (MoEStep)."""
     loss_sum = torch.zeros((), device=device)
-    aux_sum = torch.zeros((), device=device)
-    rows = torch.zeros((), dtype=torch.long, device=device)
-    load = None
-    # one autocast region and one set of expert-weight casts for all micro-batches of the step: the weights do
-    # not change within it, so reuse_weight_casts casts each routed expert once per step (and autocast's cache
-    # each dense weight used eagerly; inside compiled regions the dense casts happen per micro-batch)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), \
-            reuse_weight_casts(model, torch.bfloat16 if autocast else None, detach=detach_casts):
+    # one autocast region and one MoEStep for all micro-batches of the step: the weights do not change within it,
+    # so each routed expert is cast once per step (and each dense weight used eagerly once, by autocast's cache;
+    # inside compiled regions the dense casts happen per micro-batch)
+    moe = MoEStep(model, accum, device, cast_dtype=torch.bfloat16 if autocast else None, detach_casts=detach_casts)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), moe:
         for micro in range(accum):
             inputs, targets = next(batches)
             inputs = inputs.to(device, non_blocking=True)
@@ -40,23 +37,5 @@ def forward_backward(model: Transformer, wrapped: nn.Module, batches: Iterator[t
                 loss = wrapped(inputs, targets)
                 (loss / accum).backward()
             loss_sum += loss.detach()
-            stats = model.moe_stats()
-            if stats:
-                aux_sum += stats["aux_loss"] + stats["z_loss"]
-                tpe = stats["tokens_per_expert"]
-                rows += tpe.sum() - stats["num_dropped"]
-                load = tpe if load is None else load + tpe
-    return loss_sum / accum, {"aux": aux_sum / accum, "rows": rows, "load": load}
-
-
-def update_expert_bias(model: Transformer, load_LE: Optional[torch.Tensor]) -> None:
-    """Auxiliary-loss-free balancing after the optimizer step: loads summed over all ranks (one all-reduce), so
-    every rank moves its bias identically."""
-    layers = model.moe_layers()
-    if load_LE is None or not layers or layers[0].cfg.bias_update_rate <= 0:
-        return
-    load_LE = load_LE.float()
-    if dist.is_initialized():
-        dist.all_reduce(load_LE)
-    for layer, load_E in zip(layers, load_LE):
-        layer.update_expert_bias(load_E)
+            moe.end_micro_batch()
+    return loss_sum / accum, moe

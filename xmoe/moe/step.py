@@ -1,0 +1,142 @@
+"""One optimizer step as the MoE layers see it: the one seam between a training loop and the layers.
+
+# L MoE layers, E experts, A micro-batches per optimizer step
+
+A training loop (xmoe/train/step.py, which the trainer and the simulated rank share) makes one ``MoEStep`` per
+optimizer step and asks it; nothing in xmoe/train/ sets or reads an attribute of an MoE module (tests/test_seam.py):
+
+    moe = MoEStep(model, A, device, cast_dtype=torch.bfloat16, detach_casts=True)
+    with moe:                                   # the layers report to it; each expert stack is cast once
+        for each of the A micro-batches:
+            (model(inputs, targets) / A).backward()
+            moe.end_micro_batch()               # the micro-batch's routing statistics, added on the device
+    optimizer.step()
+    stats = moe.finish()                        # one all-reduce of the loads, the bias update, the step's StepStats
+
+What passes between the step and each layer while it is open (``moe/layer.py: LayerStep``, the layer's
+``moe_step``):
+  aux_loss_scale  the gradient the layer's auxiliary losses receive: 1 / A, as the LM loss is backpropagated as
+                  loss / A for each micro-batch (xmoe/parallel/grads.py tabulates every scale)
+  casts           the routed experts' weight copies for the step's micro-batches (RoutedExperts.make_casts: the
+                  compute dtype, or the FP8 copies with their block scales), made once at entry and dropped at exit;
+                  None where the weights are DTensors (expert parallelism, FSDP2), which are cast per forward
+  stats           what the layer's latest forward routed; a forward recomputed in backward reports the same values
+                  again, so end_micro_batch() reads each layer once per micro-batch
+and, once per step, the dispatchers' traffic counters (read and reset by finish()).
+
+Outside a step a layer computes alone: its auxiliary losses get gradient 1 and every forward casts its weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from xmoe.moe.layer import LayerStep, MoELayer, moe_layers
+
+
+@dataclass
+class StepStats:
+    """One optimizer step's MoE statistics, on the device (nothing here is read on the host).
+
+    aux: the auxiliary losses (balance + z, summed over layers), averaged over the micro-batches; rows: routed rows
+    the experts computed (slots kept after capacity dropping), summed; load_LE: routed slots per expert per layer
+    (int64, this rank's, before dropping), summed over the micro-batches, None without MoE layers; traffic: the
+    dispatchers' counters summed over layers (Python numbers; {} when no dispatcher counts)."""
+
+    aux: torch.Tensor
+    rows: torch.Tensor
+    load_LE: Optional[torch.Tensor]
+    traffic: dict[str, int] = field(default_factory=dict)
+
+
+class MoEStep:
+    """The MoE side of one optimizer step of ``model``'s ``micro_batches`` micro-batches (the module docstring);
+    ``device``: where the step's statistics live.
+
+    ``cast_dtype``: the compute dtype of the routed experts' weight copies, made once for the step's micro-batches,
+    whose weights do not change (None: none, each forward casts). With fp32 parameters and bf16 compute a cast
+    reads 4 and writes 2 bytes per expert weight (measured: docs/architecture.md, "Measured reasons"). Made outside
+    any compiled region, the copies reach torch.compile'd blocks as plain inputs. Experts whose weights are
+    DTensors (expert parallelism, FSDP2, which swaps in other tensors around each forward) get none.
+
+    ``detach_casts``: the copies are leaves of their own whose gradient each backward adds straight into the fp32
+    parameter's .grad (one mixed-dtype pass, 10 bytes per weight) instead of autograd's cast-back and fp32
+    accumulation (two passes, 18 bytes; measured there too). The parameters then get their gradients outside
+    autograd, so only for a model no wrapper reduces through autograd hooks (one process; not DDP)."""
+
+    def __init__(self, model: nn.Module, micro_batches: int, device: torch.device, *,
+                 cast_dtype: Optional[torch.dtype] = None, detach_casts: bool = False):
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches ({micro_batches}) must be >= 1")
+        self.micro_batches = micro_batches
+        self.cast_dtype, self.detach_casts = cast_dtype, detach_casts
+        self._layers: list[MoELayer] = moe_layers(model)
+        self._slots = [LayerStep(1.0 / micro_batches) for _ in self._layers]
+        self._aux = torch.zeros((), device=device)
+        self._rows = torch.zeros((), dtype=torch.long, device=device)
+        self._load_LE: Optional[torch.Tensor] = None
+
+    def __enter__(self) -> "MoEStep":
+        """The layers report to this step; their experts' weight copies are made now (with gradients on: a step
+        taken under no_grad casts nothing ahead)."""
+        make = self.cast_dtype is not None and torch.is_grad_enabled()
+        for layer, slot in zip(self._layers, self._slots):
+            experts = layer.experts
+            if make and not any(hasattr(w, "to_local") for w in (experts.w1, experts.w3, experts.w2)):
+                slot.casts = experts.make_casts(self.cast_dtype, self.detach_casts)
+            layer.moe_step = slot
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """The copies are dropped, so nothing stale outlives the step; the layers compute alone again."""
+        for layer, slot in zip(self._layers, self._slots):
+            layer.moe_step = None
+            slot.casts = None
+
+    def end_micro_batch(self) -> None:
+        """Add the micro-batch's routing statistics (every layer's report) to the step's, on the device."""
+        reports = [slot.stats for slot in self._slots]
+        if not reports:
+            return
+        if any(r is None for r in reports):
+            raise RuntimeError("end_micro_batch() needs a forward of every MoE layer inside the step first")
+
+        def total(key: str) -> torch.Tensor:
+            return torch.stack([torch.as_tensor(r[key]).float().reshape(()) for r in reports]).sum()
+
+        load_LE = torch.stack([r["tokens_per_expert"].long() for r in reports])
+        self._aux += total("aux_loss") + total("z_loss")
+        self._rows += load_LE.sum() - total("num_dropped").long()
+        self._load_LE = load_LE if self._load_LE is None else self._load_LE + load_LE
+        for slot in self._slots:
+            slot.stats = None
+
+    def finish(self, update_bias: bool = True) -> StepStats:
+        """After the optimizer step: the auxiliary-loss-free bias update (with ``update_bias``, and a
+        bias_update_rate > 0), from the loads summed over all ranks by one all-reduce so that every rank moves its
+        bias identically; returns the step's statistics (this rank's) and resets the dispatchers' counters."""
+        if update_bias and self._load_LE is not None and any(layer.cfg.bias_update_rate > 0 for layer in self._layers):
+            load_LE = self._load_LE.float()
+            if dist.is_initialized():
+                dist.all_reduce(load_LE)
+            for layer, load_E in zip(self._layers, load_LE):
+                layer.router.update_bias(load_E)
+        return StepStats(self._aux / self.micro_batches, self._rows, self._load_LE, self._take_traffic())
+
+    def _take_traffic(self) -> dict[str, int]:
+        """The dispatchers' counters since the last step, summed over layers (they count with no sync)."""
+        totals: dict[str, int] = {}
+        for layer in self._layers:
+            counters = layer.dispatcher.stats
+            if counters is None:
+                continue
+            for key, value in dataclasses.asdict(counters).items():
+                totals[key] = totals.get(key, 0) + value
+            counters.reset()
+        return totals
