@@ -13,7 +13,7 @@ PACKAGE = ROOT / "xmoe"
 
 # Bottom first. Each entry names a module or a package (all its modules); "xmoe" is the package's own __init__.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("xmoe._version", "xmoe.checks", "xmoe.config", "xmoe.log"),
+    ("xmoe._version", "xmoe.checks", "xmoe.model_config", "xmoe.config", "xmoe.log"),
     ("xmoe.kernels",),
     ("xmoe.dispatch",),
     ("xmoe.moe",),
