@@ -39,8 +39,11 @@ def problems(report: dict) -> list[str]:
     """What makes the exit status 1, one line each."""
     rows = report["rows"]
     out = [f"{r['target']} {r['kernel']} {r['tile']} {r['flags']}: {r['error'][:200]}" for r in rows if not r["ok"]]
-    out += [f"{r['target']} {r['kernel']} {r['tile']} {r['flags']}: spills ({_spill(r)})" for r in rows
-            if r["ok"] and r["spills"] and r["shipped"] and not r["known_spill"]]
+    out += [
+        f"{r['target']} {r['kernel']} {r['tile']} {r['flags']}: spills ({_spill(r)})"
+        for r in rows
+        if r["ok"] and r["spills"] and r["shipped"] and not r["known_spill"]
+    ]
     out += [f"no workload launches {k}" for k in report["uncovered"]]
     out += [f"no workload reaches the shipped class {c}" for c in report["missed_classes"]]
     return out
@@ -61,8 +64,10 @@ def _used_for(group: list[dict]) -> str:
             device, key = c.split(": ")
             classes[device].add(key)
     if classes:
-        return "; ".join(f"{device}: {', '.join(sorted({k.split('|')[0] for k in keys}))} ({_count(keys)})"
-                         for device, keys in sorted(classes.items()))
+        return "; ".join(
+            f"{device}: {', '.join(sorted({k.split('|')[0] for k in keys}))} ({_count(keys)})"
+            for device, keys in sorted(classes.items())
+        )
     return ", ".join(sorted({u.split(" | ")[2].split(" T=")[0] for r in group for u in r["uses"]}))
 
 
@@ -86,14 +91,25 @@ def condensed(rows: list[dict], target: str) -> str:
             groups[(r["kernel"], r["tile"])].append(r)
     lines = []
     for (kernel, tile), group in sorted(groups.items()):
-        line = {"kernel": kernel, "tile": tile, "variants": len(group), "used for": _used_for(group),
-                "shared B": max(r["shared"] for r in group), "spills": _spill(max(group, key=_spill_size)),
-                "matrix instructions": ", ".join(sorted({_short(m) for r in group for m in r["mma"]})) or "none"}
+        line = {
+            "kernel": kernel,
+            "tile": tile,
+            "variants": len(group),
+            "used for": _used_for(group),
+            "shared B": max(r["shared"] for r in group),
+            "spills": _spill(max(group, key=_spill_size)),
+            "matrix instructions": ", ".join(sorted({_short(m) for r in group for m in r["mma"]})) or "none",
+        }
         if target.startswith("cuda"):
             line["registers"] = max(r["regs"] for r in group)
         else:
-            line.update({"VGPRs": max(r["vgprs"] for r in group), "AGPRs": max(r["agprs"] for r in group),
-                         "SGPR spills": max(r["sgpr_spills"] for r in group)})
+            line.update(
+                {
+                    "VGPRs": max(r["vgprs"] for r in group),
+                    "AGPRs": max(r["agprs"] for r in group),
+                    "SGPR spills": max(r["sgpr_spills"] for r in group),
+                }
+            )
         lines.append(line)
     regs = ["registers"] if target.startswith("cuda") else ["VGPRs", "AGPRs", "SGPR spills"]
     columns = ["kernel", "tile", "variants", "used for", *regs, "shared B", "spills", "matrix instructions"]
@@ -109,9 +125,15 @@ def full(rows: list[dict], target: str) -> str:
     for r in rows:
         if r["target"] != target:
             continue
-        line = {"kernel": r["kernel"], "tile": r["tile"], "specialisation": r["flags"],
-                "shipped": "yes" if r["shipped"] else "candidate", "ok": r["ok"],
-                "shared B": r.get("shared"), "spills": _spill(r) if r["ok"] else r["error"][:120]}
+        line = {
+            "kernel": r["kernel"],
+            "tile": r["tile"],
+            "specialisation": r["flags"],
+            "shipped": "yes" if r["shipped"] else "candidate",
+            "ok": r["ok"],
+            "shared B": r.get("shared"),
+            "spills": _spill(r) if r["ok"] else r["error"][:120],
+        }
         line.update({k: r.get(k) for k in ("regs", "vgprs", "agprs", "sgpr_spills")})
         lines.append(line)
     regs = ["regs"] if target.startswith("cuda") else ["vgprs", "agprs", "sgpr_spills"]
@@ -120,24 +142,34 @@ def full(rows: list[dict], target: str) -> str:
 
 def markdown(report: dict) -> str:
     meta, rows = report["meta"], report["rows"]
-    out = [f"# Ahead-of-time compiles of xmoe's Triton kernels: resources per target\n",
-           f"{meta['date']}, no GPU (a compile report, not a timing: Triton compiles every target on the CPU), "
-           f"torch {meta['torch']}, triton {meta['triton']}\n",
-           f"Command: `{meta['command']}`\n",
-           "Devices stood in for (shared memory per block, shipped tile table): "
-           + "; ".join(f"{d['name']} ({d['target']}, {d['max_shared'] // 1024} KB, {d['table'] or 'heuristic'})"
-                       for d in meta["devices"]) + ". Registers per thread (NVIDIA) from `cuobjdump -res-usage`; "
-           "VGPRs / AGPRs per lane (AMD) from the amdgcn metadata; shared B: shared memory / LDS per program. A "
-           "spill is local memory (NVIDIA) or VGPR spills / scratch (AMD); SGPRs spilled into VGPR lanes cost no "
-           "memory traffic and are listed apart. `variants`: specialisations of one tile (gathered rows or not, "
-           "even or ragged tiles, ...), the worst shown.\n"]
+    out = [
+        "# Ahead-of-time compiles of xmoe's Triton kernels: resources per target\n",
+        f"{meta['date']}, no GPU (a compile report, not a timing: Triton compiles every target on the CPU), "
+        f"torch {meta['torch']}, triton {meta['triton']}\n",
+        f"Command: `{meta['command']}`\n",
+        "Devices stood in for (shared memory per block, shipped tile table): "
+        + "; ".join(
+            f"{d['name']} ({d['target']}, {d['max_shared'] // 1024} KB, {d['table'] or 'heuristic'})"
+            for d in meta["devices"]
+        )
+        + ". Registers per thread (NVIDIA) from `cuobjdump -res-usage`; "
+        "VGPRs / AGPRs per lane (AMD) from the amdgcn metadata; shared B: shared memory / LDS per program. A "
+        "spill is local memory (NVIDIA) or VGPR spills / scratch (AMD); SGPRs spilled into VGPR lanes cost no "
+        "memory traffic and are listed apart. `variants`: specialisations of one tile (gathered rows or not, "
+        "even or ragged tiles, ...), the worst shown.\n",
+    ]
     found = problems(report)
-    out.append(f"{len(rows)} compiles, {sum(not r['ok'] for r in rows)} failed; "
-               f"{len(found)} problems" + (":\n\n" + "\n".join(f"* {p}" for p in found) if found else "") + "\n")
+    out.append(
+        f"{len(rows)} compiles, {sum(not r['ok'] for r in rows)} failed; "
+        f"{len(found)} problems" + (":\n\n" + "\n".join(f"* {p}" for p in found) if found else "") + "\n"
+    )
     known = [r for r in rows if r["ok"] and r["spills"] and r["known_spill"]]
     if known:
-        out.append("Known spills of shipped configurations (aot.KNOWN_SPILLS):\n\n" + "\n".join(
-            f"* {r['target']} {r['kernel']} {r['tile']} {r['flags']}: {_spill(r)}" for r in known) + "\n")
+        out.append(
+            "Known spills of shipped configurations (aot.KNOWN_SPILLS):\n\n"
+            + "\n".join(f"* {r['target']} {r['kernel']} {r['tile']} {r['flags']}: {_spill(r)}" for r in known)
+            + "\n"
+        )
     for target in aot_workloads.TARGETS:
         if any(r["target"] == target for r in rows):
             out.append(f"## {target}: shipped configurations\n\n{condensed(rows, target)}\n")
@@ -160,10 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
     parser.add_argument("--devices", help="comma-separated names of aot_workloads.DEVICES (default: all)")
     parser.add_argument("--workloads", help="comma-separated names of aot_workloads.WORKLOADS (default: all)")
-    parser.add_argument("--shapes", help="comma-separated shape names, e.g. 'small T=8192' (default: each "
-                                         "workload's own)")
-    parser.add_argument("--force", action="append", default=[], metavar="KERNEL=M,N,K,WARPS,STAGES[,GROUP]",
-                        help="run a tiles.KERNELS kernel with this tile wherever it launches (repeatable)")
+    parser.add_argument(
+        "--shapes", help="comma-separated shape names, e.g. 'small T=8192' (default: each workload's own)"
+    )
+    parser.add_argument(
+        "--force",
+        action="append",
+        default=[],
+        metavar="KERNEL=M,N,K,WARPS,STAGES[,GROUP]",
+        help="run a tiles.KERNELS kernel with this tile wherever it launches (repeatable)",
+    )
     args = parser.parse_args(argv)
     reason = aot.unsupported()
     if reason:
@@ -176,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     meta = environment()
-    meta.update(gpu=None, triton=triton.__version__,
-                devices=[{"name": d.name, "target": d.target, "max_shared": d.max_shared, "table": d.table}
-                         for d in devices])
+    meta.update(
+        gpu=None,
+        triton=triton.__version__,
+        devices=[{"name": d.name, "target": d.target, "max_shared": d.max_shared, "table": d.table} for d in devices],
+    )
     report = {"meta": meta, **report}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err  # noqa: E402
-from xmoe.bench import LAYER_SHAPES, layer_shape  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err
+from xmoe.bench import LAYER_SHAPES, layer_shape
 
 DEVICE = torch.device("cuda")  # set in main()
 
@@ -56,7 +56,6 @@ def _layer(shape: str, dims, bias: torch.Tensor | None, dtype, seed: int = 0):
     if bias is not None:
         local.router.expert_bias.copy_(bias)
     return shard_experts(copy.deepcopy(local), dims), local
-
 
 
 def check(shape: str, num_tokens: int, dims) -> list[dict]:
@@ -105,7 +104,7 @@ def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
     from xmoe.dispatch.comm import all_to_all_rows, exchange_counts, splits_to_host
     from xmoe.dispatch.routing import build_plan
 
-    hidden, ffn, experts, top_k = layer_shape(shape)
+    hidden, _ffn, experts, _top_k = layer_shape(shape)
     world = dist.get_world_size()
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     ep_layer, local = _layer(shape, dims, None, dtype)
@@ -118,6 +117,7 @@ def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
             layer.zero_grad(set_to_none=True)
             x.grad = None
             layer(x).backward(g)
+
         return fn
 
     dispatcher = ep_layer.dispatcher
@@ -154,8 +154,14 @@ def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
     moved = stats["bytes_sent"] + stats["bytes_received"]
     remote_rows = (stats["rows_sent"] + stats["rows_received"]) // 2
     return {
-        "shape": shape, "tokens_per_rank": num_tokens, "ep": world,
-        "layer_ms": layer_ms, "local_ms": local_ms, "a2a_ms": a2a_ms, "sync_ms": sync_ms, "experts_ms": experts_ms,
+        "shape": shape,
+        "tokens_per_rank": num_tokens,
+        "ep": world,
+        "layer_ms": layer_ms,
+        "local_ms": local_ms,
+        "a2a_ms": a2a_ms,
+        "sync_ms": sync_ms,
+        "experts_ms": experts_ms,
         "tokens_per_s": world * num_tokens / (layer_ms / 1e3),
         "mb_per_layer": moved / 2**20,
         # 4 exchanges of ~remote_rows rows each way; GB/s per rank and direction
@@ -165,8 +171,9 @@ def bench(shape: str, num_tokens: int, dims, iters: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", choices=LAYER_SHAPES, default=None,
-                        help="a preset's MoE layer; default: small (tiny with --cpu)")
+    parser.add_argument(
+        "--shape", choices=LAYER_SHAPES, default=None, help="a preset's MoE layer; default: small (tiny with --cpu)"
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=None, help="per rank; default 8192 (256 with --cpu)")
     parser.add_argument("--check-tokens", type=int, default=512)
     parser.add_argument("--iters", type=int, default=10)
@@ -190,8 +197,19 @@ def main(argv=None) -> None:
     timings = [bench(args.shape, t, dims, args.iters) for t in args.tokens]
     if dist.get_rank() == 0:
         check_cols = ["check", "out", "x_grad", "router_grad", "expert_grads", "worst_all_ranks", "ok"]
-        time_cols = ["shape", "tokens_per_rank", "ep", "layer_ms", "local_ms", "a2a_ms", "sync_ms", "experts_ms",
-                     "tokens_per_s", "mb_per_layer", "a2a_gb_s"]
+        time_cols = [
+            "shape",
+            "tokens_per_rank",
+            "ep",
+            "layer_ms",
+            "local_ms",
+            "a2a_ms",
+            "sync_ms",
+            "experts_ms",
+            "tokens_per_s",
+            "mb_per_layer",
+            "a2a_gb_s",
+        ]
         meta = environment()
         notes = "Correctness (fp32, rank 0's errors; worst over ranks in worst_all_ranks):\n\n"
         notes += markdown_table(checks, check_cols) + "\n\nTiming (bf16, forward + backward, rank 0):"

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import math
 import os
 import sys
@@ -62,8 +63,18 @@ import torch.nn.functional as F
 from benchmarks.harness import RESULTS_ENV, environment, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
-METHODS = ["triton_fused", "triton_fp8", "triton_fused_triton_wgrad", "triton_ops",
-           "torch_backend", "grouped_mm_pipe", "scaled_grouped_mm_pipe", "gshard_padded", "dense_equiv", "bmm_ceiling"]
+METHODS = [
+    "triton_fused",
+    "triton_fp8",
+    "triton_fused_triton_wgrad",
+    "triton_ops",
+    "torch_backend",
+    "grouped_mm_pipe",
+    "scaled_grouped_mm_pipe",
+    "gshard_padded",
+    "dense_equiv",
+    "bmm_ceiling",
+]
 
 
 def make_inputs(H, Fd, E, K, T, routing, seed=0):
@@ -74,7 +85,7 @@ def make_inputs(H, Fd, E, K, T, routing, seed=0):
     elif routing == "skewed":
         ids = skewed_ids(T, E, K, gen)
     elif routing == "zipf":  # Zipf(1.2) expert popularity, K distinct experts per token
-        p = (torch.arange(1, E + 1, device=dev, dtype=torch.float32) ** -1.2)
+        p = torch.arange(1, E + 1, device=dev, dtype=torch.float32) ** -1.2
         ids = torch.multinomial(p.expand(T, E), K, replacement=False, generator=gen)
     else:
         raise ValueError(f"routing {routing!r} must be uniform, skewed or zipf")
@@ -98,7 +109,7 @@ def skewed_ids(T, E, K, gen):
     hot = min(T, round(4 * T * K / E))
     scores = torch.rand(T, E, device="cuda", generator=gen)
     scores[:, 0] = -1
-    scores[:, E - num_empty:] = -2
+    scores[:, E - num_empty :] = -2
     ids = scores.topk(K, dim=-1).indices
     hot_tokens = torch.randperm(T, device="cuda", generator=gen)[:hot]
     ids[hot_tokens, K - 1] = 0  # 0 was excluded above, so a token's K experts stay distinct
@@ -115,10 +126,12 @@ def forward_fn(method, inp, E):
     T, K = ids.shape
     leaves = [x, w, w1, w3, w2]
     if method in ("triton_fused", "triton_fused_triton_wgrad"):
+
         def fwd():
             p = build_plan(ids, inp["scores"], E)
-            return triton_ops.moe_experts(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK,
-                                          p.tokens_per_expert_E, w1, w3, w2)
+            return triton_ops.moe_experts(
+                x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2
+            )
     elif method == "triton_fp8":
         from xmoe.kernels.fp8_experts import moe_experts_fp8
 
@@ -126,8 +139,9 @@ def forward_fn(method, inp, E):
 
         def fwd():
             p = build_plan(ids, inp["scores"], E)
-            return moe_experts_fp8(x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1,
-                                   w3, w2, qw, fmt)
+            return moe_experts_fp8(
+                x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2, qw, fmt
+            )
     elif method == "scaled_grouped_mm_pipe":
         qw = _rowwise_weights(w1, w3, w2)
 
@@ -142,6 +156,7 @@ def forward_fn(method, inp, E):
             y_NH = ops.grouped_swiglu(x_NH, w1, w3, w2, p.tokens_per_expert_E)
             return ops.combine_rows(y_NH, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK)
     elif method == "grouped_mm_pipe":
+
         def fwd():
             flat = ids.reshape(-1)
             order = torch.argsort(flat, stable=True)
@@ -170,7 +185,7 @@ def forward_fn(method, inp, E):
         def fwd():
             return (F.silu(xd @ wd[0]) * (xd @ wd[1])) @ wd[2]
     elif method == "bmm_ceiling":
-        E_, H, Fd = w1.shape
+        E_, H, _Fd = w1.shape
         rows = T * K // E_
         xb = inp.setdefault("x_bmm", torch.randn(E_, rows, H, device="cuda", dtype=x.dtype).requires_grad_())
         inp.setdefault("grad_bmm", torch.randn(E_, rows, H, device="cuda", dtype=x.dtype))
@@ -207,9 +222,14 @@ def _rowwise_weight(w_EKN):
 def _rowwise_weights(w1, w3, w2):
     """{name: (values, scales)} for the forward (reduction over H, then F) and the input gradients."""
     with torch.no_grad():
-        return {"w1": _rowwise_weight(w1), "w3": _rowwise_weight(w3), "w2": _rowwise_weight(w2),
-                "w1t": _rowwise_weight(w1.transpose(1, 2)), "w3t": _rowwise_weight(w3.transpose(1, 2)),
-                "w2t": _rowwise_weight(w2.transpose(1, 2))}
+        return {
+            "w1": _rowwise_weight(w1),
+            "w3": _rowwise_weight(w3),
+            "w2": _rowwise_weight(w2),
+            "w1t": _rowwise_weight(w1.transpose(1, 2)),
+            "w3t": _rowwise_weight(w3.transpose(1, 2)),
+            "w2t": _rowwise_weight(w2.transpose(1, 2)),
+        }
 
 
 def _sgmm(a_NK, weight, offs):
@@ -375,8 +395,11 @@ def per_gemm(configs=("small", "medium", "large"), tokens=(16384,), routings=("u
     for name, T, routing in ((n, t, r) for n in configs for t in tokens for r in routings):
         cell = _per_gemm_cell(name, T, routing)  # its tensors are freed when it returns
         for r in cell:
-            print("per-gemm", " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
-                  flush=True)
+            print(
+                "per-gemm",
+                " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
+                flush=True,
+            )
         rows += cell
         gc.collect()
         torch.cuda.empty_cache()
@@ -399,8 +422,16 @@ def _per_gemm_cell(name, T, routing):
         xb = torch.randn(E, T * K // E, H, device="cuda", dtype=torch.bfloat16)
         hb = torch.randn(E, T * K // E, Fd, device="cuda", dtype=torch.bfloat16)
         ms = time_ms(lambda: torch.bmm(xb.transpose(1, 2), hb), warmup_ms=10, rep_ms=40)
-        rows.append({"config": name, "T": T, "routing": routing, "gemm": f"bmm wgrad over {T * K // E} rows per expert",
-                     "grouped_mm_ms": ms, "grouped_mm_tflops": flops / ms * 1e-9})
+        rows.append(
+            {
+                "config": name,
+                "T": T,
+                "routing": routing,
+                "gemm": f"bmm wgrad over {T * K // E} rows per expert",
+                "grouped_mm_ms": ms,
+                "grouped_mm_tflops": flops / ms * 1e-9,
+            }
+        )
     return rows
 
 
@@ -418,17 +449,32 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
     x, g = inp["x"].detach(), inp["grad"]
     xq, sx = quantize_rows(x, fmt)
     gq, sg = quantize_rows(g, fmt)
-    up = (xq, sx, tok, qw.w1_EFH, qw.w3_EFH, qw.scale1.transpose(1, 2), qw.scale3.transpose(1, 2), counts, True,
-          fmt, bf)
+    up = (
+        xq,
+        sx,
+        tok,
+        qw.w1_EFH,
+        qw.w3_EFH,
+        qw.scale1.transpose(1, 2),
+        qw.scale3.transpose(1, 2),
+        counts,
+        True,
+        fmt,
+        bf,
+    )
     h1, _, aq, sa = fp8_swiglu_up_fwd(*up)
     dq, ds = quantize_rows(h1, fmt)  # stands in for dh1, dh3 (same shape and scales' layout)
     return {
         "fp8_up": (2, lambda: fp8_swiglu_up_fwd(*up)),
-        "fp8_mm": (1, lambda: fp8_grouped_mm(aq, sa, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None,
-                                             counts, bf)),
+        "fp8_mm": (
+            1,
+            lambda: fp8_grouped_mm(aq, sa, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None, counts, bf),
+        ),
         "fp8_dx": (2, lambda: fp8_grouped_mm(dq, ds, qw.w1_EHF, qw.scale1, dq, ds, qw.w3_EHF, qw.scale3, counts, bf)),
-        "fp8_down_bwd": (1, lambda: _fp8_mm(gq, sg, qw.w2_EFH, qw.scale2, None, None, None, None, counts, tok, bf,
-                                            "fp8_down_bwd")),
+        "fp8_down_bwd": (
+            1,
+            lambda: _fp8_mm(gq, sg, qw.w2_EFH, qw.scale2, None, None, None, None, counts, tok, bf, "fp8_down_bwd"),
+        ),
         "quantize_x": (0, lambda: quantize_rows(x, fmt)),
     }
 
@@ -456,8 +502,11 @@ def sweep(configs=("small", "medium", "large"), T=16384, fp8=False):
                 except Exception as exc:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
                 rows.append(row)
-                print(f"sweep {name} {kernel:12s} {row['tile']}: {row.get('ms', float('nan')):.3f} ms "
-                      f"{row.get('tflops', float('nan')):.0f} TFLOP/s " + row.get("error", ""), flush=True)
+                print(
+                    f"sweep {name} {kernel:12s} {row['tile']}: {row.get('ms', float('nan')):.3f} ms "
+                    f"{row.get('tflops', float('nan')):.0f} TFLOP/s " + row.get("error", ""),
+                    flush=True,
+                )
         del calls
         gc.collect()
         torch.cuda.empty_cache()
@@ -477,7 +526,7 @@ def _stream_gaps(prof):
             events = json.load(f)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     gaps = []
-    for a, b in zip(kernels, kernels[1:]):
+    for a, b in itertools.pairwise(kernels):
         gap_us = b["ts"] - (a["ts"] + a["dur"])
         if gap_us > 0:
             gaps.append((gap_us / 1e3, f"{a['name'][:40]} -> {b['name'][:40]}"))
@@ -498,8 +547,8 @@ def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"
         inp = make_inputs(H, Fd, E, K, T, "uniform")
         fwd, leaves = forward_fn(method, inp, E)
 
-        def fwd_bwd():
-            return torch.autograd.grad(fwd(), leaves, inp["grad"])
+        def fwd_bwd(fwd=fwd, leaves=leaves, grad=inp["grad"]):
+            return torch.autograd.grad(fwd(), leaves, grad)
 
         for _ in range(3):
             fwd_bwd()
@@ -534,7 +583,7 @@ def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"
         rows.append({"config": name, "kernel": "(sum of GPU kernels)", "calls": None, "ms": gpu_ms})
         rows.append({"config": name, "kernel": "(GPU idle between kernels)", "calls": None, "ms": idle_ms})
         rows.append({"config": name, "kernel": "(wall time of one call)", "calls": None, "ms": wall_ms})
-        del inp, fwd, leaves
+        del inp, fwd, leaves, fwd_bwd
         gc.collect()
         torch.cuda.empty_cache()
     return rows
@@ -550,13 +599,23 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="then profile the fused path's kernels")
     parser.add_argument("--profile-method", default="triton_fused", help="the method --profile profiles")
     parser.add_argument("--sweep-fp8", action="store_true", help="time every tile candidate of the FP8 kernels first")
-    parser.add_argument("--per-gemm", action="store_true",
-                        help="time each GEMM of the fused path alone beside torch._grouped_mm (T=16384) first")
-    parser.add_argument("--check", action="store_true",
-                        help="run benchmarks/check_gpu.py's bf16 checks (every tile candidate) first; stop on failure")
+    parser.add_argument(
+        "--per-gemm",
+        action="store_true",
+        help="time each GEMM of the fused path alone beside torch._grouped_mm (T=16384) first",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run benchmarks/check_gpu.py's bf16 checks (every tile candidate) first; stop on failure",
+    )
     parser.add_argument("--out", help="write results (and, unless XMOE_CACHE_DIR is set, the tuned tiles) here")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="start no new (config, T, routing) cell after this many seconds of the whole run")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new (config, T, routing) cell after this many seconds of the whole run",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     if args.out:
@@ -580,30 +639,66 @@ def main() -> int:
             return 1
         meta["checked"] = "check_gpu.py passed (every tile candidate on the three model shapes)"
     if args.sweep:
-        write_results("sweep_tiles", sweep(), ["config", "kernel", "tile", "ms", "error"], meta,
-                      "Tile candidates of the Triton grouped-GEMM kernels, each in its fused-path use (T=16384)")
+        write_results(
+            "sweep_tiles",
+            sweep(),
+            ["config", "kernel", "tile", "ms", "error"],
+            meta,
+            "Tile candidates of the Triton grouped-GEMM kernels, each in its fused-path use (T=16384)",
+        )
     if args.sweep_fp8:
-        write_results("sweep_tiles_fp8", sweep(args.configs.split(","), fp8=True),
-                      ["config", "kernel", "tile", "ms", "tflops", "error"], meta,
-                      "Tile candidates of the FP8 kernels, each in its fused-path use (T=16384)",
-                      notes="tflops: 2*T*K*H*F per product (two for fp8_up and fp8_dx); quantize_x: the (T, H) "
-                            "quantisation of x, for scale.")
+        write_results(
+            "sweep_tiles_fp8",
+            sweep(args.configs.split(","), fp8=True),
+            ["config", "kernel", "tile", "ms", "tflops", "error"],
+            meta,
+            "Tile candidates of the FP8 kernels, each in its fused-path use (T=16384)",
+            notes="tflops: 2*T*K*H*F per product (two for fp8_up and fp8_dx); quantize_x: the (T, H) "
+            "quantisation of x, for scale.",
+        )
     if args.per_gemm:
         columns = ["config", "T", "routing", "gemm", "xmoe_ms", "xmoe_tflops", "grouped_mm_ms", "grouped_mm_tflops"]
-        write_results("per_gemm", per_gemm(args.configs.split(","), routings=args.routing.split(",")), columns, meta,
-                      "Each GEMM of the fused path alone: xmoe's kernel vs torch._grouped_mm on pre-gathered rows",
-                      notes="TFLOP/s = 2*N*H*F per product (two products for up, dx and dW1/dW3); the grouped_mm "
-                            "column excludes making the gathered rows (its own row); bmm: equal groups, no "
-                            "routing.")
+        write_results(
+            "per_gemm",
+            per_gemm(args.configs.split(","), routings=args.routing.split(",")),
+            columns,
+            meta,
+            "Each GEMM of the fused path alone: xmoe's kernel vs torch._grouped_mm on pre-gathered rows",
+            notes="TFLOP/s = 2*N*H*F per product (two products for up, dx and dW1/dW3); the grouped_mm "
+            "column excludes making the gathered rows (its own row); bmm: equal groups, no "
+            "routing.",
+        )
     if args.profile:
         stem = "profile_experts" if args.profile_method == "triton_fused" else f"profile_experts_{args.profile_method}"
-        write_results(stem, profile(args.configs.split(","), method=args.profile_method),
-                      ["config", "method", "kernel", "calls", "ms"], meta,
-                      f"GPU time per kernel of {args.profile_method}'s forward+backward (T=16384, uniform)")
+        write_results(
+            stem,
+            profile(args.configs.split(","), method=args.profile_method),
+            ["config", "method", "kernel", "calls", "ms"],
+            meta,
+            f"GPU time per kernel of {args.profile_method}'s forward+backward (T=16384, uniform)",
+        )
     rows = []
-    columns = ["config", "T", "routing", "method", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "tflops", "peak_gib",
-               "held_gib", "bwd_transient_gib", "vs_grouped_mm", "vs_triton_fused", "vs_scaled_grouped_mm",
-               "vs_dense", "vs_bmm", "transient_vs_grouped_mm", "weight_quant_ms", "error"]
+    columns = [
+        "config",
+        "T",
+        "routing",
+        "method",
+        "fwd_ms",
+        "fwd_tflops",
+        "fwd_bwd_ms",
+        "tflops",
+        "peak_gib",
+        "held_gib",
+        "bwd_transient_gib",
+        "vs_grouped_mm",
+        "vs_triton_fused",
+        "vs_scaled_grouped_mm",
+        "vs_dense",
+        "vs_bmm",
+        "transient_vs_grouped_mm",
+        "weight_quant_ms",
+        "error",
+    ]
     for cfg in args.configs.split(","):
         H, Fd, E, K = CONFIGS[cfg]
         for T in map(int, args.tokens.split(",")):
@@ -619,22 +714,38 @@ def main() -> int:
                         continue  # no routing: identical to the uniform cell
                     row = {"config": cfg, "T": T, "routing": routing, **measure(method, inp, E, flops_fwd)}
                     cell.append(row)
-                    print(f"[{time.perf_counter() - start:.0f} s] " + " ".join(
-                        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                          flush=True)
+                    print(
+                        f"[{time.perf_counter() - start:.0f} s] "
+                        + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                        flush=True,
+                    )
                 by_method = {r["method"]: r for r in cell}
                 ref = by_method.get("grouped_mm_pipe", {})
-                dense = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
-                              and r["method"] == "dense_equiv"), None)
-                bmm = next((r.get("fwd_bwd_ms") for r in rows + cell if r["config"] == cfg and r["T"] == T
-                            and r["method"] == "bmm_ceiling"), None)
+                dense = next(
+                    (
+                        r.get("fwd_bwd_ms")
+                        for r in rows + cell
+                        if r["config"] == cfg and r["T"] == T and r["method"] == "dense_equiv"
+                    ),
+                    None,
+                )
+                bmm = next(
+                    (
+                        r.get("fwd_bwd_ms")
+                        for r in rows + cell
+                        if r["config"] == cfg and r["T"] == T and r["method"] == "bmm_ceiling"
+                    ),
+                    None,
+                )
                 for r in cell:
                     if r.get("fwd_bwd_ms") and bmm:
                         r["vs_bmm"] = bmm / r["fwd_bwd_ms"]
                     if r.get("fwd_bwd_ms") and ref.get("fwd_bwd_ms"):
                         r["vs_grouped_mm"] = ref["fwd_bwd_ms"] / r["fwd_bwd_ms"]
                     for peer in ("triton_fused", "scaled_grouped_mm"):
-                        peer_ms = by_method.get(peer if peer == "triton_fused" else f"{peer}_pipe", {}).get("fwd_bwd_ms")
+                        peer_ms = by_method.get(peer if peer == "triton_fused" else f"{peer}_pipe", {}).get(
+                            "fwd_bwd_ms"
+                        )
                         if r.get("fwd_bwd_ms") and peer_ms:
                             r[f"vs_{peer}"] = peer_ms / r["fwd_bwd_ms"]
                     if r.get("fwd_bwd_ms") and dense:
@@ -645,18 +756,39 @@ def main() -> int:
                 del inp
                 gc.collect()
                 torch.cuda.empty_cache()
-                write_results("bench_experts", rows, columns, meta, "Routed SwiGLU experts (bf16; triton_fp8 and scaled_grouped_mm_pipe: FP8)",
-                              notes="fwd_bwd_ms: median forward+backward; tflops = 3*2*T*K*H*3F / fwd_bwd time; "
-                                    "vs_*: speed relative to that method (>1 = faster); held_gib, "
-                                    "bwd_transient_gib: see the script's docstring; transient_vs_grouped_mm: "
-                                    "backward transient relative to the pipeline's (<1 = less).")
+                write_results(
+                    "bench_experts",
+                    rows,
+                    columns,
+                    meta,
+                    "Routed SwiGLU experts (bf16; triton_fp8 and scaled_grouped_mm_pipe: FP8)",
+                    notes="fwd_bwd_ms: median forward+backward; tflops = 3*2*T*K*H*3F / fwd_bwd time; "
+                    "vs_*: speed relative to that method (>1 = faster); held_gib, "
+                    "bwd_transient_gib: see the script's docstring; transient_vs_grouped_mm: "
+                    "backward transient relative to the pipeline's (<1 = less).",
+                )
     print()
     from benchmarks.harness import markdown_table
 
-    print(markdown_table([r for r in rows if r["method"] in ("triton_fused", "triton_fp8", "triton_fused_triton_wgrad",
-                                                             "grouped_mm_pipe",
-                                                             "scaled_grouped_mm_pipe", "dense_equiv", "bmm_ceiling")],
-                         columns))
+    print(
+        markdown_table(
+            [
+                r
+                for r in rows
+                if r["method"]
+                in (
+                    "triton_fused",
+                    "triton_fp8",
+                    "triton_fused_triton_wgrad",
+                    "grouped_mm_pipe",
+                    "scaled_grouped_mm_pipe",
+                    "dense_equiv",
+                    "bmm_ceiling",
+                )
+            ],
+            columns,
+        )
+    )
     if tiles.OPTIONS.autotune:
         print("tuned tiles:", os.environ.get("XMOE_CACHE_DIR") or "~/.cache/xmoe")
     return 0

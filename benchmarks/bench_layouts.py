@@ -30,21 +30,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import environment, markdown_table  # noqa: E402
+from benchmarks.harness import environment, markdown_table
 
 GIB = 2**30
 PAPER_GPUS = {"small": 256, "medium": 256, "large": 256, "super": 1024}
 SINGLE_NODE = [("small", 2048, None), ("small", 1024, None), ("small", 2048, 14)]  # (preset, seq, layers)
-COLUMNS = ["part", "preset", "gpus", "layout", "planned_gib", "measured_gib", "ratio", "ms_per_step",
-           "tokens_per_s_per_gpu", "seconds"]
+COLUMNS = [
+    "part",
+    "preset",
+    "gpus",
+    "layout",
+    "planned_gib",
+    "measured_gib",
+    "ratio",
+    "ms_per_step",
+    "tokens_per_s_per_gpu",
+    "seconds",
+]
 
 
 def _xmoe(*args: str, timeout: float) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `python -m xmoe ARGS` in a process of its own; exit code -1 on a timeout."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     try:
-        proc = subprocess.run([sys.executable, "-m", "xmoe", *args], capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "xmoe", *args], capture_output=True, text=True, timeout=timeout, env=env
+        )
     except subprocess.TimeoutExpired:
         return -1, "", f"timed out after {timeout:.0f} s"
     return proc.returncode, proc.stdout, proc.stderr
@@ -65,27 +76,52 @@ def layouts(preset: str, gpus: int, gpu_mem: float, layers, seq=None) -> list[di
     args = parser.parse_args(plan_args(preset, gpus, gpu_mem, layers, seq)[1:])
     cfg, _ = plan_cli.prepare_memory(args)
     ranked = [m for m in plan_cli.rank_layouts(cfg, args) if m.fits(gpu_mem)]
-    chosen = ranked[:1] + [m for m in ranked[1:] if (m.parallel.ep, m.parallel.tp) !=
-                           (ranked[0].parallel.ep, ranked[0].parallel.tp)][:1]
-    return [dict(tp=m.parallel.tp, ep=m.parallel.ep, dp=m.parallel.dp, micro_batch=m.micro_batch,
-                 recompute=m.recompute) for m in chosen]
+    chosen = (
+        ranked[:1]
+        + [m for m in ranked[1:] if (m.parallel.ep, m.parallel.tp) != (ranked[0].parallel.ep, ranked[0].parallel.tp)][
+            :1
+        ]
+    )
+    return [
+        dict(tp=m.parallel.tp, ep=m.parallel.ep, dp=m.parallel.dp, micro_batch=m.micro_batch, recompute=m.recompute)
+        for m in chosen
+    ]
 
 
-def measure(part: str, preset: str, gpus: int, gpu_mem: float, layout: dict, layers, seq, device: str,
-            timeout: float) -> dict:
+def measure(
+    part: str, preset: str, gpus: int, gpu_mem: float, layout: dict, layers, seq, device: str, timeout: float
+) -> dict:
     opts = [f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
     start = time.perf_counter()
-    code, out, err = _xmoe(*plan_args(preset, gpus, gpu_mem, layers, seq), *opts, "--measure", "--json",
-                           "--device", device, timeout=timeout)
-    row = dict(part=part, preset=preset if not layers else f"{preset} ({layers} layers)", gpus=gpus,
-               layout=f"tp {layout['tp']} x ep {layout['ep']} x dp {layout['dp']}, mb {layout['micro_batch']}, "
-                      f"recompute {layout['recompute']}", seconds=round(time.perf_counter() - start, 1))
+    code, out, err = _xmoe(
+        *plan_args(preset, gpus, gpu_mem, layers, seq),
+        *opts,
+        "--measure",
+        "--json",
+        "--device",
+        device,
+        timeout=timeout,
+    )
+    row = dict(
+        part=part,
+        preset=preset if not layers else f"{preset} ({layers} layers)",
+        gpus=gpus,
+        layout=f"tp {layout['tp']} x ep {layout['ep']} x dp {layout['dp']}, mb {layout['micro_batch']}, "
+        f"recompute {layout['recompute']}",
+        seconds=round(time.perf_counter() - start, 1),
+    )
     if code != 0:
         return row | {"status": f"failed: {err.strip().splitlines()[-1] if err.strip() else code}"}
     result = json.loads(out)
-    return row | dict(planned_gib=result["planned_peak_bytes"] / GIB, measured_gib=result["measured_peak_bytes"] / GIB,
-                      ratio=result["ratio"], ms_per_step=result["compute_ms_per_step"],
-                      tokens_per_s_per_gpu=result["tokens_per_s"], status="ok", result=result)
+    return row | dict(
+        planned_gib=result["planned_peak_bytes"] / GIB,
+        measured_gib=result["measured_peak_bytes"] / GIB,
+        ratio=result["ratio"],
+        ms_per_step=result["compute_ms_per_step"],
+        tokens_per_s_per_gpu=result["tokens_per_s"],
+        status="ok",
+        result=result,
+    )
 
 
 def largest_one_gpu(device: str, timeout: float) -> dict:
@@ -99,31 +135,68 @@ def largest_one_gpu(device: str, timeout: float) -> dict:
 
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 8 * GIB
     base = get_preset("small")
-    fits = [n for n in range(1, base.num_layers + 1)
-            if estimate_trainer_memory(dataclasses.replace(base, num_layers=n), micro_batch=1, seq_len=2048,
-                                       recompute="full", compiled=False).total <= 0.9 * total]
+    fits = [
+        n
+        for n in range(1, base.num_layers + 1)
+        if estimate_trainer_memory(
+            dataclasses.replace(base, num_layers=n), micro_batch=1, seq_len=2048, recompute="full", compiled=False
+        ).total
+        <= 0.9 * total
+    ]
     layers = fits[-1]
-    planned = estimate_trainer_memory(dataclasses.replace(base, num_layers=layers), micro_batch=1, seq_len=2048,
-                                      recompute="full", compiled=False).total
+    planned = estimate_trainer_memory(
+        dataclasses.replace(base, num_layers=layers), micro_batch=1, seq_len=2048, recompute="full", compiled=False
+    ).total
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        code, _, err = _xmoe("train", "--preset", "small", "--set", f"model.num_layers={layers}", "--steps", "3",
-                             "--batch-size", "1", "--seq-len", "2048", "--recompute", "full", "--compile", "off",
-                             "--ckpt-every", "0", "--log-every", "1", "--device", device, "--out", out,
-                             timeout=timeout)
-        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()] \
-            if (Path(out) / "metrics.jsonl").is_file() else []
+        code, _, err = _xmoe(
+            "train",
+            "--preset",
+            "small",
+            "--set",
+            f"model.num_layers={layers}",
+            "--steps",
+            "3",
+            "--batch-size",
+            "1",
+            "--seq-len",
+            "2048",
+            "--recompute",
+            "full",
+            "--compile",
+            "off",
+            "--ckpt-every",
+            "0",
+            "--log-every",
+            "1",
+            "--device",
+            device,
+            "--out",
+            out,
+            timeout=timeout,
+        )
+        records = (
+            [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+            if (Path(out) / "metrics.jsonl").is_file()
+            else []
+        )
     from xmoe.model.counting import count_params
 
-    row = dict(part="largest on one GPU", preset=f"small ({layers} layers, "
-               f"{count_params(dataclasses.replace(base, num_layers=layers)).total / 1e9:.2f}B parameters)", gpus=1,
-               layout="one GPU, mb 1, seq 2048, recompute full, eager", planned_gib=planned / GIB,
-               seconds=round(time.perf_counter() - start, 1))
+    row = dict(
+        part="largest on one GPU",
+        preset=f"small ({layers} layers, "
+        f"{count_params(dataclasses.replace(base, num_layers=layers)).total / 1e9:.2f}B parameters)",
+        gpus=1,
+        layout="one GPU, mb 1, seq 2048, recompute full, eager",
+        planned_gib=planned / GIB,
+        seconds=round(time.perf_counter() - start, 1),
+    )
     if code != 0 or not records:
         return row | {"status": f"failed: {err.strip().splitlines()[-1] if err.strip() else code}"}
     peak = max(r["mem_bytes"] for r in records)
-    return row | dict(measured_gib=peak / GIB, ratio=peak / planned, tokens_per_s_per_gpu=records[-1]["tokens_per_s"],
-                      status="ok")
+    return row | dict(
+        measured_gib=peak / GIB, ratio=peak / planned, tokens_per_s_per_gpu=records[-1]["tokens_per_s"], status="ok"
+    )
 
 
 def main() -> None:
@@ -154,14 +227,26 @@ def main() -> None:
 
     for preset in args.presets.split(","):
         for layout in layouts(preset, PAPER_GPUS[preset], args.gpu_mem, args.layers):
-            record(measure("paper scale", preset, PAPER_GPUS[preset], args.gpu_mem, layout, args.layers, None, device,
-                           args.timeout))
+            record(
+                measure(
+                    "paper scale",
+                    preset,
+                    PAPER_GPUS[preset],
+                    args.gpu_mem,
+                    layout,
+                    args.layers,
+                    None,
+                    device,
+                    args.timeout,
+                )
+            )
     if not args.no_single_node:
         for preset, seq, layers in SINGLE_NODE:
             layers = args.layers or layers
             for layout in layouts(preset, 8, 40.0, layers, seq)[:1]:
-                record(measure(f"8 GPUs, 40 GiB, seq {seq}", preset, 8, 40.0, layout, layers, seq, device,
-                               args.timeout))
+                record(
+                    measure(f"8 GPUs, 40 GiB, seq {seq}", preset, 8, 40.0, layout, layers, seq, device, args.timeout)
+                )
     if not args.no_largest:
         record(largest_one_gpu(device, 2 * args.timeout))
     print(markdown_table(rows, COLUMNS + ["status"]))
@@ -174,7 +259,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
         f"{meta['torch']}, triton {meta['triton']}, `{meta['command']}`\n\nplanned: `xmoe plan memory`'s peak less "
         "its reserve; measured: the caching allocator's peak of allocated bytes of the simulated rank (fake process "
         "group: no communication, so ms/step and tokens/s are compute only). Largest on one GPU: a real `xmoe "
-        "train` run.\n\n" + markdown_table(rows, COLUMNS + ["status"]) + "\n")
+        "train` run.\n\n" + markdown_table(rows, COLUMNS + ["status"]) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err  # noqa: E402
-from xmoe.bench import LAYER_SHAPES, layer_shape  # noqa: E402
-
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, rel_err
+from xmoe.bench import LAYER_SHAPES, layer_shape
 
 
 def _count_syncs(fn, device: torch.device) -> int:
@@ -54,7 +53,6 @@ def _count_syncs(fn, device: torch.device) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in seen)
-
 
 
 def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) -> dict:
@@ -86,6 +84,7 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) ->
         def fn():
             x.grad = w.grad = None
             layer(disp).backward(g)
+
         return fn
 
     # 1. check against flat; host syncs of dispatch and of combine
@@ -96,13 +95,17 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) ->
         out.backward(g)
         outs[name] = (out.detach(), x.grad.clone(), w.grad.clone())
         disp.stats.reset()
-    errs = [rel_err(a, b) for a, b in zip(outs["rbd"], outs["flat"])]
+    errs = [rel_err(a, b) for a, b in zip(outs["rbd"], outs["flat"], strict=False)]
     syncs = {}
     for name, disp in (("flat", flat), ("rbd", rbd)):
         holder = {}
-        syncs[f"{name}_dispatch"] = _count_syncs(lambda: holder.update(r=disp.dispatch(x.detach(), plan)), device)
+        syncs[f"{name}_dispatch"] = _count_syncs(
+            lambda holder=holder, disp=disp: holder.update(r=disp.dispatch(x.detach(), plan)), device
+        )
         rows, _, ctx = holder["r"]
-        syncs[f"{name}_combine"] = _count_syncs(lambda: disp.combine(rows, w.detach(), plan, ctx), device)
+        syncs[f"{name}_combine"] = _count_syncs(
+            lambda disp=disp, rows=rows, ctx=ctx: disp.combine(rows, w.detach(), plan, ctx), device
+        )
 
     # 2. rows this rank sends across nodes: measured, exact for this routing, and the model's expectation
     flat.stats.reset()
@@ -116,34 +119,61 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int) ->
     cfg = get_preset(shape)  # the model reads H, E and K from the preset of the same name
     model = estimate_comm(cfg, world, gpus_per_node=dims.node_size, ep=world, tokens_per_gpu=num_tokens)
     net = Network()
-    linked = estimate_comm(cfg, world, gpus_per_node=dims.node_size, ep=world, tokens_per_gpu=num_tokens,
-                           network=Network(inter_bw=net.intra_bw, inter_lat=net.intra_lat))
+    linked = estimate_comm(
+        cfg,
+        world,
+        gpus_per_node=dims.node_size,
+        ep=world,
+        tokens_per_gpu=num_tokens,
+        network=Network(inter_bw=net.intra_bw, inter_lat=net.intra_lat),
+    )
     flat_inter = flat.stats.rows_sent - exact.flat_intra  # flat's counters do not split intra / inter
     s = rbd.stats.as_dict()  # one call's counters, before the timing loops add to them
 
     # 3. time
-    t = {f"{name}_{kind}_ms": collective_time_ms(make(disp), device, iters)
-         for name, disp in (("flat", flat), ("rbd", rbd)) for kind, make in (("fwd", fwd), ("fwd_bwd", fwd_bwd))}
+    t = {
+        f"{name}_{kind}_ms": collective_time_ms(make(disp), device, iters)
+        for name, disp in (("flat", flat), ("rbd", rbd))
+        for kind, make in (("fwd", fwd), ("fwd_bwd", fwd_bwd))
+    }
     return {
-        "shape": shape, "hidden": hidden, "experts": num_experts, "top_k": top_k, "tokens_per_rank": num_tokens,
-        "ranks": world, "gpus_per_node": dims.node_size, **t,
+        "shape": shape,
+        "hidden": hidden,
+        "experts": num_experts,
+        "top_k": top_k,
+        "tokens_per_rank": num_tokens,
+        "ranks": world,
+        "gpus_per_node": dims.node_size,
+        **t,
         "speedup_fwd": t["flat_fwd_ms"] / t["rbd_fwd_ms"],
         "speedup_fwd_bwd": t["flat_fwd_bwd_ms"] / t["rbd_fwd_bwd_ms"],
-        "flat_inter_rows": flat_inter, "rbd_inter_rows": s["rows_inter"], "rbd_replica_rows": s["rows_replica"],
-        "exact_flat_inter": exact.flat_inter, "exact_rbd_inter": exact.rbd_inter,
-        "model_flat_inter": model.rows.flat_inter, "model_rbd_inter": model.rows.rbd_inter,
-        "R": s["redundancy_rate"], "model_R": model.rows.redundancy_rate,
-        "model_flat_us": model.flat_us, "model_rbd_us": model.rbd_us, "model_speedup": model.speedup,
-        "model_nvlink_flat_us": linked.flat_us, "model_nvlink_rbd_us": linked.rbd_us,
-        "err_out": errs[0], "err_x_grad": errs[1], "err_w_grad": errs[2], **{f"syncs_{k}": v for k, v in syncs.items()},
+        "flat_inter_rows": flat_inter,
+        "rbd_inter_rows": s["rows_inter"],
+        "rbd_replica_rows": s["rows_replica"],
+        "exact_flat_inter": exact.flat_inter,
+        "exact_rbd_inter": exact.rbd_inter,
+        "model_flat_inter": model.rows.flat_inter,
+        "model_rbd_inter": model.rows.rbd_inter,
+        "R": s["redundancy_rate"],
+        "model_R": model.rows.redundancy_rate,
+        "model_flat_us": model.flat_us,
+        "model_rbd_us": model.rbd_us,
+        "model_speedup": model.speedup,
+        "model_nvlink_flat_us": linked.flat_us,
+        "model_nvlink_rbd_us": linked.rbd_us,
+        "err_out": errs[0],
+        "err_x_grad": errs[1],
+        "err_w_grad": errs[2],
+        **{f"syncs_{k}": v for k, v in syncs.items()},
         "counters": s,
     }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=LAYER_SHAPES, default=None,
-                        help="default: small medium (tiny with --cpu)")
+    parser.add_argument(
+        "--shapes", nargs="+", choices=LAYER_SHAPES, default=None, help="default: small medium (tiny with --cpu)"
+    )
     parser.add_argument("--tokens", type=int, default=None, help="per rank; default 4096 (256 with --cpu)")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="ranks per (virtual) node; default 1")
     parser.add_argument("--iters", type=int, default=10)
@@ -166,18 +196,54 @@ def main(argv=None) -> None:
     dims = ParallelDims.from_config(cfg, world).build_mesh(device.type)
     rows = [bench_shape(shape, args.tokens, dims, device, dtype, args.iters) for shape in args.shapes]
     if dist.get_rank() == 0:
-        time_cols = ["shape", "tokens_per_rank", "ranks", "gpus_per_node", "flat_fwd_ms", "rbd_fwd_ms", "speedup_fwd",
-                     "flat_fwd_bwd_ms", "rbd_fwd_bwd_ms", "speedup_fwd_bwd", "model_flat_us", "model_rbd_us",
-                     "model_speedup", "model_nvlink_flat_us", "model_nvlink_rbd_us"]
-        row_cols = ["shape", "flat_inter_rows", "exact_flat_inter", "model_flat_inter", "rbd_inter_rows",
-                    "exact_rbd_inter", "model_rbd_inter", "rbd_replica_rows", "R", "model_R"]
-        check_cols = ["shape", "err_out", "err_x_grad", "err_w_grad", "syncs_flat_dispatch", "syncs_flat_combine",
-                      "syncs_rbd_dispatch", "syncs_rbd_combine"]
-        notes = ("Identity experts, uniform routing, rank 0. Rows each rank sends to other (virtual) nodes per "
-                 "dispatch: measured, exact (count_rows), model (estimate_comm):\n\n"
-                 + markdown_table(rows, row_cols) + "\n\nRBD vs flat (bf16 relative error) and host syncs "
-                 "(sync debug mode; -1 = not on CUDA):\n\n" + markdown_table(rows, check_cols)
-                 + "\n\nTime (ms per layer call; model: us per dispatch, 25 GB/s network / NVLink-joined):")
+        time_cols = [
+            "shape",
+            "tokens_per_rank",
+            "ranks",
+            "gpus_per_node",
+            "flat_fwd_ms",
+            "rbd_fwd_ms",
+            "speedup_fwd",
+            "flat_fwd_bwd_ms",
+            "rbd_fwd_bwd_ms",
+            "speedup_fwd_bwd",
+            "model_flat_us",
+            "model_rbd_us",
+            "model_speedup",
+            "model_nvlink_flat_us",
+            "model_nvlink_rbd_us",
+        ]
+        row_cols = [
+            "shape",
+            "flat_inter_rows",
+            "exact_flat_inter",
+            "model_flat_inter",
+            "rbd_inter_rows",
+            "exact_rbd_inter",
+            "model_rbd_inter",
+            "rbd_replica_rows",
+            "R",
+            "model_R",
+        ]
+        check_cols = [
+            "shape",
+            "err_out",
+            "err_x_grad",
+            "err_w_grad",
+            "syncs_flat_dispatch",
+            "syncs_flat_combine",
+            "syncs_rbd_dispatch",
+            "syncs_rbd_combine",
+        ]
+        notes = (
+            "Identity experts, uniform routing, rank 0. Rows each rank sends to other (virtual) nodes per "
+            "dispatch: measured, exact (count_rows), model (estimate_comm):\n\n"
+            + markdown_table(rows, row_cols)
+            + "\n\nRBD vs flat (bf16 relative error) and host syncs "
+            "(sync debug mode; -1 = not on CUDA):\n\n"
+            + markdown_table(rows, check_cols)
+            + "\n\nTime (ms per layer call; model: us per dispatch, 25 GB/s network / NVLink-joined):"
+        )
         title = f"RBD vs flat all-to-all ({dist.get_backend()})"
         write_results("bench_rbd", rows, time_cols, environment(), title, notes)
         for cols in (row_cols, check_cols, time_cols):

@@ -32,16 +32,39 @@ from benchmarks.harness import environment, markdown_table, time_ms, write_resul
 
 TOLERANCE, TIE_RTOL = 1e-5, 2e-6
 # name: (E, K, score_func, norm_topk_prob, routed_scaling_factor)
-CONFIGS = {"small": (64, 6, "softmax", False, 1.0), "medium": (128, 6, "softmax", False, 1.0),
-           "large": (256, 8, "sigmoid", True, 2.5)}
+CONFIGS = {
+    "small": (64, 6, "softmax", False, 1.0),
+    "medium": (128, 6, "softmax", False, 1.0),
+    "large": (256, 8, "sigmoid", True, 2.5),
+}
 CASES = [("small", 16384), ("medium", 16384), ("medium", 65536), ("large", 16384)]
-COLUMNS = ["config", "T", "E", "K", "score_func", "norm", "ok", "near_ties", "id_mismatch", "weights_err", "grad_err",
-           "triton_fwd_ms", "torch_fwd_ms", "fwd_speedup", "triton_fwd_bwd_ms", "torch_fwd_bwd_ms",
-           "fwd_bwd_speedup", "fwd_gbs", "error"]
-NOTES = (f"ok: ids equal to the torch path's but for near_ties (ids differ, choice values within rtol {TIE_RTOL}; "
-         f"other differing rows: id_mismatch); weights, scores_TK and grad(logits) rel err < {TOLERANCE}. "
-         "*_ms: median; speedup = torch / triton (>1: the kernel is faster); fwd_gbs: the kernel forward's bytes "
-         "(logits in, weights, ids and scores out) per second.")
+COLUMNS = [
+    "config",
+    "T",
+    "E",
+    "K",
+    "score_func",
+    "norm",
+    "ok",
+    "near_ties",
+    "id_mismatch",
+    "weights_err",
+    "grad_err",
+    "triton_fwd_ms",
+    "torch_fwd_ms",
+    "fwd_speedup",
+    "triton_fwd_bwd_ms",
+    "torch_fwd_bwd_ms",
+    "fwd_bwd_speedup",
+    "fwd_gbs",
+    "error",
+]
+NOTES = (
+    f"ok: ids equal to the torch path's but for near_ties (ids differ, choice values within rtol {TIE_RTOL}; "
+    f"other differing rows: id_mismatch); weights, scores_TK and grad(logits) rel err < {TOLERANCE}. "
+    "*_ms: median; speedup = torch / triton (>1: the kernel is faster); fwd_gbs: the kernel forward's bytes "
+    "(logits in, weights, ids and scores out) per second."
+)
 
 
 def torch_router(logits_TE, bias_E, top_k, score_func, norm, scale, ids_TK=None):
@@ -75,8 +98,13 @@ def check(logits, bias, grad_w, K, *args):
     x_ref = logits.clone().requires_grad_()
     w_ref, _, s_ref, _ = torch_router(x_ref, bias, K, *args, ids_TK=ids)
     (grad_ref,) = torch.autograd.grad(w_ref, x_ref, grad_w)
-    info = {"near_ties": int((differ & tied).sum()), "id_mismatch": int((differ & ~tied).sum()),
-            "weights_err": _rel(weights, w_ref), "scores_err": _rel(scores, s_ref), "grad_err": _rel(grad, grad_ref)}
+    info = {
+        "near_ties": int((differ & tied).sum()),
+        "id_mismatch": int((differ & ~tied).sum()),
+        "weights_err": _rel(weights, w_ref),
+        "scores_err": _rel(scores, s_ref),
+        "grad_err": _rel(grad, grad_ref),
+    }
     ok = info["id_mismatch"] == 0 and all(info[k] < TOLERANCE for k in ("weights_err", "scores_err", "grad_err"))
     return ok, info  # a NaN error fails too
 
@@ -94,8 +122,10 @@ def run_case(name, T, seed=0):
     row["ok"], info = check(logits, bias, grad_w, K, *args)
     row.update(info)
     x = logits.clone().requires_grad_()
-    for method, fn in (("triton", lambda t: router_topk(t, bias, K, *args)[0]),
-                       ("torch", lambda t: torch_router(t, bias, K, *args)[0])):
+    for method, fn in (
+        ("triton", lambda t: router_topk(t, bias, K, *args)[0]),
+        ("torch", lambda t: torch_router(t, bias, K, *args)[0]),
+    ):
         with torch.no_grad():
             row[f"{method}_fwd_ms"] = time_ms(lambda fn=fn: fn(logits))
         row[f"{method}_fwd_bwd_ms"] = time_ms(lambda fn=fn: torch.autograd.grad(fn(x), x, grad_w))

@@ -41,11 +41,15 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, peak_extra_bytes  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed, peak_extra_bytes
 
 GIB, MIB = 2**30, 2**20
-SETTINGS = {"tp": (False, False), "tp+ssmb": (True, False), "tp+recompute": (False, True),
-            "tp+ssmb+recompute": (True, True)}
+SETTINGS = {
+    "tp": (False, False),
+    "tp+ssmb": (True, False),
+    "tp+recompute": (False, True),
+    "tp+ssmb+recompute": (True, True),
+}
 
 
 class RecomputedFFN(nn.Module):
@@ -63,8 +67,14 @@ def model_config(args):
     from xmoe.config import ModelConfig, MoEConfig
 
     moe = MoEConfig(hidden_size=args.hidden, ffn_hidden_size=args.ffn, num_experts=args.experts, top_k=args.top_k)
-    return ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-                       moe=moe, max_seq_len=args.seq)
+    return ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        moe=moe,
+        max_seq_len=args.seq,
+    )
 
 
 def build(cfg, dims, device, dtype, ssmb: bool, recompute: bool):
@@ -117,8 +127,13 @@ def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     world, T = dist.get_world_size(), micro_batch * args.seq
     kernel = "triton" if get_ops("auto", device).__name__.endswith("triton_ops") else "torch"
-    row = {"setting": name, "tp": world, "micro_batch": micro_batch, "tokens": T,
-           **predicted(cfg, world, micro_batch, args.seq, ssmb, recompute, kernel, dtype.itemsize)}
+    row = {
+        "setting": name,
+        "tp": world,
+        "micro_batch": micro_batch,
+        "tokens": T,
+        **predicted(cfg, world, micro_batch, args.seq, ssmb, recompute, kernel, dtype.itemsize),
+    }
     model = step = None
     try:
         model = build(cfg, dims, device, dtype, ssmb, recompute)
@@ -140,8 +155,12 @@ def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
             row["act_peak_gib"] = peak_extra_bytes(step) / GIB
         ms = collective_time_ms(step, device, args.iters, args.trials, warmup=False)
         step_flops = train_flops(FlopDims.from_model_config(cfg, args.seq), micro_batch)
-        row.update(loss=losses[0].float().item(), step_ms=ms, tokens_per_s=T / (ms / 1e3),
-                   tflops=step_flops / (ms / 1e3) / world / 1e12)
+        row.update(
+            loss=losses[0].float().item(),
+            step_ms=ms,
+            tokens_per_s=T / (ms / 1e3),
+            tflops=step_flops / (ms / 1e3) / world / 1e12,
+        )
     except torch.OutOfMemoryError:  # every rank runs the same shapes, so all of them land here together
         row["error"] = "out of memory"
     model = step = None  # the closure holds the model too
@@ -187,15 +206,36 @@ def main(argv=None) -> None:
     cfg = model_config(args)
     rows = [run_setting(name, cfg, dims, device, args, mb) for mb in args.micro_batch for name in args.settings]
     if dist.get_rank() == 0:
-        cols = ["setting", "tp", "micro_batch", "tokens", "loss", "step_ms", "tokens_per_s", "tflops",
-                "act_peak_gib", "pred_peak_gib", "moe_mib", "pred_moe_mib", "error"]
-        notes = (f"Model: H {args.hidden}, E {args.experts}, top-{args.top_k}, F {args.ffn}, {args.heads} heads, "
-                 f"{args.layers} MoE layers, vocab {args.vocab}, seq {args.seq}; TP {world}; "
-                 f"{'fp32 CPU smoke test' if args.cpu else 'bf16 weights'}. Rank 0's numbers.")
+        cols = [
+            "setting",
+            "tp",
+            "micro_batch",
+            "tokens",
+            "loss",
+            "step_ms",
+            "tokens_per_s",
+            "tflops",
+            "act_peak_gib",
+            "pred_peak_gib",
+            "moe_mib",
+            "pred_moe_mib",
+            "error",
+        ]
+        notes = (
+            f"Model: H {args.hidden}, E {args.experts}, top-{args.top_k}, F {args.ffn}, {args.heads} heads, "
+            f"{args.layers} MoE layers, vocab {args.vocab}, seq {args.seq}; TP {world}; "
+            f"{'fp32 CPU smoke test' if args.cpu else 'bf16 weights'}. Rank 0's numbers."
+        )
         if args.cpu:  # xmoe.bench.saved_activation_bytes skips parameters but not views of them
             notes += " moe_mib also counts the expert weights: the torch backend saves per-expert views w[e]."
-        write_results("bench_ssmb", rows, cols, {**environment(), "args": vars(args)},
-                      "SSMB vs replicated MoE blocks vs recomputation under TP", notes)
+        write_results(
+            "bench_ssmb",
+            rows,
+            cols,
+            {**environment(), "args": vars(args)},
+            "SSMB vs replicated MoE blocks vs recomputation under TP",
+            notes,
+        )
         print(notes)
         print(markdown_table(rows, cols))
     dist.destroy_process_group()

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import RESULTS_ENV, environment, markdown_table, run_xmoe_train, write_results  # noqa: E402
+from benchmarks.harness import RESULTS_ENV, environment, markdown_table, run_xmoe_train, write_results
 
 DENSE = ["--set", "model.first_k_dense={layers}", "--set", "model.ffn_hidden_size=8448"]
 
@@ -59,11 +59,32 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
     case = CASES[name]
     extra = [e.format(layers=case["layers"]) for e in case["extra"]]
     records, command, wall, error = run_xmoe_train(
-        "--preset", "small", "--set", f"model.num_layers={case['layers']}", "--seq-len", "2048", "--batch-size",
-        str(case["batch"]), "--micro-batch-size", str(case["micro"]), "--steps", str(args.steps), "--log-every",
-        str(max(1, args.steps // 3)), "--ckpt-every", "0", *extra)
-    row = {"case": name, "layers": case["layers"], "batch": case["batch"], "micro": case["micro"],
-           "command": command, "wall_s": wall}
+        "--preset",
+        "small",
+        "--set",
+        f"model.num_layers={case['layers']}",
+        "--seq-len",
+        "2048",
+        "--batch-size",
+        str(case["batch"]),
+        "--micro-batch-size",
+        str(case["micro"]),
+        "--steps",
+        str(args.steps),
+        "--log-every",
+        str(max(1, args.steps // 3)),
+        "--ckpt-every",
+        "0",
+        *extra,
+    )
+    row = {
+        "case": name,
+        "layers": case["layers"],
+        "batch": case["batch"],
+        "micro": case["micro"],
+        "command": command,
+        "wall_s": wall,
+    }
     if records is None:
         return {**row, "error": error}
     timed = records[1:] or records
@@ -71,14 +92,26 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
     def mean(key):
         return sum(r[key] for r in timed) / len(timed)
 
-    return {**row, "tokens_per_s": mean("tokens_per_s"), "tflops": mean("tflops"), "mfu_pct": 100 * mean("mfu"),
-            "peak_mem_gib": max(r["mem_bytes"] for r in records) / 2**30, "loss": records[-1]["loss"]}
+    return {
+        **row,
+        "tokens_per_s": mean("tokens_per_s"),
+        "tflops": mean("tflops"),
+        "mfu_pct": 100 * mean("mfu"),
+        "peak_mem_gib": max(r["mem_bytes"] for r in records) / 2**30,
+        "loss": records[-1]["loss"],
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE",
-                   help=f"which cases (default all): {', '.join(CASES)}")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(CASES),
+        choices=list(CASES),
+        metavar="CASE",
+        help=f"which cases (default all): {', '.join(CASES)}",
+    )
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per case (default 12)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     p.add_argument("--stem", default="bench_train", help="results file name without extension (default bench_train)")
@@ -90,13 +123,29 @@ def main() -> None:
     for name in args.cases:
         rows.append(run_case(name, args))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "command"}), flush=True)
-    columns = ["case", "layers", "batch", "micro", "tokens_per_s", "tflops", "mfu_pct", "peak_mem_gib", "loss",
-               "wall_s", "error"]
+    columns = [
+        "case",
+        "layers",
+        "batch",
+        "micro",
+        "tokens_per_s",
+        "tflops",
+        "mfu_pct",
+        "peak_mem_gib",
+        "loss",
+        "wall_s",
+        "error",
+    ]
     os.environ[RESULTS_ENV] = args.out
-    write_results(args.stem, rows, columns, environment(),
-                  "xmoe train on one GPU, small preset shape, seq 2048",
-                  notes="Per row: the command in bench_train.json; tflops: xmoe's formula; averages over the logged "
-                        "windows after the first.")
+    write_results(
+        args.stem,
+        rows,
+        columns,
+        environment(),
+        "xmoe train on one GPU, small preset shape, seq 2048",
+        notes="Per row: the command in bench_train.json; tflops: xmoe's formula; averages over the logged "
+        "windows after the first.",
+    )
     print(markdown_table(rows, columns))
 
 

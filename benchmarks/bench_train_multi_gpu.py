@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed  # noqa: E402
+from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed
 
 GIB = 2**30
 METHODS = {  # name -> (dispatcher, capacity factor, ep is the world (else 1), tp, ssmb)
@@ -60,8 +60,24 @@ MODES = {  # mode -> default (variants, methods); table variants: the paper's Sm
     "table": (["2048x28", "1024x28", "2048x14"], ["xmoe", "padded"]),
     "ssmb": (["2048x28"], ["tp2-ssmb", "tp2-nossmb"]),
 }
-COLUMNS = ["variant", "method", "ep", "tp", "dp", "micro_batch", "status", "ms_step", "ms_step_max", "tflops",
-           "paper_tflops", "tokens_per_s", "peak_alloc_gib", "peak_reserved_gib", "kept_rows_frac", "loss"]
+COLUMNS = [
+    "variant",
+    "method",
+    "ep",
+    "tp",
+    "dp",
+    "micro_batch",
+    "status",
+    "ms_step",
+    "ms_step_max",
+    "tflops",
+    "paper_tflops",
+    "tokens_per_s",
+    "peak_alloc_gib",
+    "peak_reserved_gib",
+    "kept_rows_frac",
+    "loss",
+]
 
 
 def model_config(base: str, variant: str, dispatcher: str, capacity):
@@ -95,8 +111,15 @@ def build(cfg, method: str, device: torch.device, world: int):
     dp, ep, tp = layout(method, world)
     par = ParallelConfig(dp=dp, ep=ep, tp=tp)
     dims = ParallelDims.from_config(par, world, rank=dist.get_rank()).build_mesh(device.type)
-    model = build_model(cfg, device, dims, seed=0, ssmb=METHODS[method][4], fsdp=True,
-                        param_dtype=torch.bfloat16 if device.type == "cuda" else None).model
+    model = build_model(
+        cfg,
+        device,
+        dims,
+        seed=0,
+        ssmb=METHODS[method][4],
+        fsdp=True,
+        param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+    ).model
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=device.type == "cuda")
     return model, opt, (dp, ep, tp), dims
 
@@ -171,8 +194,17 @@ def measure(model, opt, dims, cfg, seq: int, mb: int, warmup: int, args, device)
     if flag:
         return {"status": "OOM", "peak_reserved_gib": reserved or None}
     rows_total = _agree([rows.item() / out["iters"]], device, dist.ReduceOp.SUM)[0]
-    return {"status": "ok", "ms_step": out["ms"], "ms_step_max": ms_max, "iters": out["iters"], "loss": out["loss"],
-            "peak_alloc_gib": alloc if cuda else None, "peak_reserved_gib": reserved if cuda else None, "rows": rows_total, "warm_s": warm_s}
+    return {
+        "status": "ok",
+        "ms_step": out["ms"],
+        "ms_step_max": ms_max,
+        "iters": out["iters"],
+        "loss": out["loss"],
+        "peak_alloc_gib": alloc if cuda else None,
+        "peak_reserved_gib": reserved if cuda else None,
+        "rows": rows_total,
+        "warm_s": warm_s,
+    }
 
 
 def run_case(variant: str, method: str, args, device):
@@ -195,9 +227,12 @@ def run_case(variant: str, method: str, args, device):
             sequences, sec = mb * data_ranks, r["ms_step"] / 1e3
             dropless = sequences * seq * flop_dims.num_moe_layers * flop_dims.top_k
             routed = int(r["rows"]) // tp if tp > 1 and not METHODS[method][4] else int(r["rows"])
-            row.update(tflops=train_flops(flop_dims, sequences, routed_rows=routed) / sec / world / 1e12,
-                       paper_tflops=paper_train_flops(flop_dims, sequences) / sec / world / 1e12,
-                       tokens_per_s=sequences * seq / sec, kept_rows_frac=routed / dropless if dropless else None)
+            row.update(
+                tflops=train_flops(flop_dims, sequences, routed_rows=routed) / sec / world / 1e12,
+                paper_tflops=paper_train_flops(flop_dims, sequences) / sec / world / 1e12,
+                tokens_per_s=sequences * seq / sec,
+                kept_rows_frac=routed / dropless if dropless else None,
+            )
         yield row
         if r["status"] != "ok":
             break
@@ -206,8 +241,11 @@ def run_case(variant: str, method: str, args, device):
         elapsed = _agree([time.perf_counter() - t_case], device)[0]
         next_s = 2 * (r["ms_step"] / 1e3) * (1 + args.iters)
         if i + 1 < len(args.micro_batches) and elapsed + next_s > args.case_budget_s:
-            yield {**head, "micro_batch": args.micro_batches[i + 1],
-                   "status": f"not run: time cap ({elapsed:.0f} s used, next ~{next_s:.0f} s)"}
+            yield {
+                **head,
+                "micro_batch": args.micro_batches[i + 1],
+                "status": f"not run: time cap ({elapsed:.0f} s used, next ~{next_s:.0f} s)",
+            }
             break
     model = opt = None
     _free(device)
@@ -226,17 +264,26 @@ def best_rows(rows: list[dict]) -> list[dict]:
 def write(rows: list[dict], args, meta: dict, done: bool) -> None:
     from benchmarks.harness import markdown_table, write_results
 
-    paper = {"table": "Paper, 8 x A100 40GB (DeepSpeed-MoE / Tutel / X-MoE): Small s=2048 L=28: OOM / OOM / 46.87; "
-                      "seq 1024: 27.08 / 28.26 / 27.33; 14 layers: 52.15 / 64.00 / 62.51 TFLOP/s per GPU (paper formula).",
-             "ssmb": "Paper (its own model and setting): peak memory at TP=2 29.9 -> 25.7 GB with SSMB."}[args.mode]
-    notes = ("Largest micro-batch that ran per (variant, method); OOM / not run where no size fitted. " + paper + "\n\n"
-             + markdown_table(best_rows(rows), COLUMNS)
-             + ("" if done else "\n\n(incomplete: written after every micro-batch, the run did not finish)")
-             + "\n\nEvery size tried:")
-    title = {"table": "X-MoE 8-GPU table: xmoe vs padded baseline, whole model",
-             "ssmb": "SSMB at TP=2 x EP, whole model"}[args.mode]
-    write_results(f"train_multi_gpu_{args.mode}", rows, COLUMNS, {**meta, "args": vars(args) | {"fake_oom": None}}, title,
-                  notes)
+    paper = {
+        "table": "Paper, 8 x A100 40GB (DeepSpeed-MoE / Tutel / X-MoE): Small s=2048 L=28: OOM / OOM / 46.87; "
+        "seq 1024: 27.08 / 28.26 / 27.33; 14 layers: 52.15 / 64.00 / 62.51 TFLOP/s per GPU (paper formula).",
+        "ssmb": "Paper (its own model and setting): peak memory at TP=2 29.9 -> 25.7 GB with SSMB.",
+    }[args.mode]
+    notes = (
+        "Largest micro-batch that ran per (variant, method); OOM / not run where no size fitted. "
+        + paper
+        + "\n\n"
+        + markdown_table(best_rows(rows), COLUMNS)
+        + ("" if done else "\n\n(incomplete: written after every micro-batch, the run did not finish)")
+        + "\n\nEvery size tried:"
+    )
+    title = {
+        "table": "X-MoE 8-GPU table: xmoe vs padded baseline, whole model",
+        "ssmb": "SSMB at TP=2 x EP, whole model",
+    }[args.mode]
+    write_results(
+        f"train_multi_gpu_{args.mode}", rows, COLUMNS, {**meta, "args": vars(args) | {"fake_oom": None}}, title, notes
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -251,8 +298,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-s", type=float, default=3.0, help="timed steps per size ~ this many seconds (>= 2)")
     p.add_argument("--case-budget-s", type=float, default=45.0, help="seconds per (variant, method), build included")
     p.add_argument("--pg-timeout-s", type=float, default=120.0, help="collective timeout (see the OOM caveat)")
-    p.add_argument("--fake-oom", type=int, nargs=2, default=None, metavar=("RANK", "MB"),
-                   help="testing: raise OutOfMemoryError on RANK alone at micro-batch MB")
+    p.add_argument(
+        "--fake-oom",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("RANK", "MB"),
+        help="testing: raise OutOfMemoryError on RANK alone at micro-batch MB",
+    )
     p.add_argument("--cpu", action="store_true", help="gloo smoke test of this script on CPU processes")
     args = p.parse_args(argv)
     variants, methods = MODES[args.mode]

@@ -65,8 +65,10 @@ def tile_rounds():
     from xmoe.kernels import tiles
 
     num_rounds = max(len(c) for c in tiles.CANDIDATES.values())
-    return {f"tiles{r}": (lambda r=r: tiles.force({k: c[r % len(c)] for k, c in tiles.CANDIDATES.items()}))
-            for r in range(1, num_rounds)}
+    return {
+        f"tiles{r}": (lambda r=r: tiles.force({k: c[r % len(c)] for k, c in tiles.CANDIDATES.items()}))
+        for r in range(1, num_rounds)
+    }
 
 
 def _routing(T, E, K, kind, gen):
@@ -93,7 +95,7 @@ def _run(ops, fused, x, w, w1, w3, w2, plan, grad_out):
 
     out = ops.moe_experts(*arrays) if fused else reference.moe_experts(*arrays, ops=ops)
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
-    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves)]
+    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves, strict=False)]
 
 
 def _rel(got, ref):
@@ -132,15 +134,15 @@ def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
         with tiles.use_options(wgrad=engine):
             for label, fused in (("fused", True), ("ops", False)):
                 got = _run(triton_ops, fused, xb, wf, w1b, w3b, w2b, plan, grad_out)
-                for n, g, r, tb in zip(names, got, ref, torch_bf16):
+                for n, g, r, tb in zip(names, got, ref, torch_bf16, strict=False):
                     err = _rel(g, r)
                     passed = err == err and err < TOLERANCE if r.norm() > 0 else err == 0.0
                     ok &= passed
                     results[f"{label}.{engine}.{n}"] = {"err": err, "torch_bf16_err": _rel(tb, r), "pass": passed}
             runs = [_run(triton_ops, True, xb, wf, w1b, w3b, w2b, plan, grad_out) for _ in range(2)]
-            deterministic &= all(torch.equal(a, b) for a, b in zip(*runs))
+            deterministic &= all(torch.equal(a, b) for a, b in zip(*runs, strict=False))
     ok &= deterministic
-    for label, context in (tile_rounds().items() if name in MODEL_CASES else ()):
+    for label, context in tile_rounds().items() if name in MODEL_CASES else ():
         try:
             with context():
                 got = _run(triton_ops, True, xb, wf, w1b, w3b, w2b, plan, grad_out)
@@ -148,13 +150,18 @@ def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
             results[f"{label}.skipped"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             print(f"     {name} {label}: candidate skipped, {results[f'{label}.skipped']}")
             continue
-        for n, g, r, tb in zip(names, got, ref, torch_bf16):
+        for n, g, r, tb in zip(names, got, ref, torch_bf16, strict=False):
             err = _rel(g, r)
             passed = err == err and err < TOLERANCE if r.norm() > 0 else err == 0.0
             ok &= passed
             results[f"{label}.{n}"] = {"err": err, "torch_bf16_err": _rel(tb, r), "pass": passed}
-    return ok, {"case": name, "shape": [T, H, Fd, E, K, capacity], "rows": plan.num_rows,
-                "deterministic": deterministic, "errors": results}
+    return ok, {
+        "case": name,
+        "shape": [T, H, Fd, E, K, capacity],
+        "rows": plan.num_rows,
+        "deterministic": deterministic,
+        "errors": results,
+    }
 
 
 FP8_EMU_TOLERANCE = 1e-2
@@ -166,7 +173,7 @@ def _spread(t, gen, rows, cols, block=128):
     """t times a factor per (rows, cols) block drawn from 0.1 .. 10 (per row when rows == 1)."""
     shape = t.shape[:-2] + (-(-t.shape[-2] // rows), -(-t.shape[-1] // cols))
     mag = 10.0 ** (torch.rand(shape, device=t.device, generator=gen, dtype=torch.float64) * 2 - 1)
-    return t * mag.repeat_interleave(rows, -2).repeat_interleave(cols, -1)[..., :t.shape[-2], :t.shape[-1]]
+    return t * mag.repeat_interleave(rows, -2).repeat_interleave(cols, -1)[..., : t.shape[-2], : t.shape[-1]]
 
 
 def _fp8_reference_module():
@@ -189,29 +196,44 @@ def check_fp8_quantizers(fmt, seed=0):
     w = _spread(torch.randn(4, 2048 + 40, 1408, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128)
     qb, qbt, sb = quantize_blocks(w.float(), fmt)
     qb_ref, sb_ref = R.quantize_blocks(w.float(), fmt)
-    return {"rows_values": int((q.double() != q_ref).sum()), "rows_scales": int((s.double() != s_ref).sum()),
-            "block_values": int((qb.double() != qb_ref).sum()), "block_scales": int((sb.double() != sb_ref).sum()),
-            "transposed_copy": int((qbt.view(torch.uint8) != qb.transpose(1, 2).view(torch.uint8)).sum())}
+    return {
+        "rows_values": int((q.double() != q_ref).sum()),
+        "rows_scales": int((s.double() != s_ref).sum()),
+        "block_values": int((qb.double() != qb_ref).sum()),
+        "block_scales": int((sb.double() != sb_ref).sum()),
+        "transposed_copy": int((qbt.view(torch.uint8) != qb.transpose(1, 2).view(torch.uint8)).sum()),
+    }
 
 
 def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt):
+    from xmoe.kernels import reference
     from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
     from xmoe.kernels.fp8_quant import quantize_expert_weights
-    from xmoe.kernels import reference
 
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w1, w3, w2)]
     x_, w_, w1_, w3_, w2_ = leaves
     _poison()
     qw = quantize_expert_weights(w1, w3, w2, fmt)
     if fused:
-        out = moe_experts_fp8(x_, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E,
-                              w1_, w3_, w2_, qw, fmt)
+        out = moe_experts_fp8(
+            x_,
+            w_,
+            plan.token_ids_N,
+            plan.slot_ids_N,
+            plan.row_of_slot_TK,
+            plan.tokens_per_expert_E,
+            w1_,
+            w3_,
+            w2_,
+            qw,
+            fmt,
+        )
     else:
         x_NH = reference.gather_rows(x_, plan.token_ids_N, plan.row_of_slot_TK)
         y_NH = grouped_swiglu_fp8(x_NH, w1_, w3_, w2_, plan.tokens_per_expert_E, qw, fmt)
         out = reference.combine_rows(y_NH, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
-    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves)]
+    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves, strict=False)]
 
 
 def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
@@ -225,14 +247,17 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
     plan = build_plan(ids, torch.rand(T, K, device="cuda", generator=gen), E, capacity)
     x = _spread(torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64), gen, 1, H)
     w = torch.softmax(torch.randn(T, K, device="cuda", generator=gen), -1).double()
-    w1, w3 = (_spread(torch.randn(E, H, Fd, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128)
-              / H**0.5 for _ in range(2))
+    w1, w3 = (
+        _spread(torch.randn(E, H, Fd, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128) / H**0.5
+        for _ in range(2)
+    )
     w2 = _spread(torch.randn(E, Fd, H, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128) / Fd**0.5
     grad_out = torch.randn(T, H, device="cuda", generator=gen, dtype=torch.float64)
     xb, wf = x.to(torch.bfloat16), w.float()
     ref = _run(reference, False, xb.double(), w, w1, w3, w2, plan, grad_out)  # exact, from the inputs the layer sees
-    emu = R.moe_experts_fp8(xb, wf, plan, w1.float(), w3.float(), w2.float(), grad_out.to(torch.bfloat16), fmt,
-                            torch.bfloat16)
+    emu = R.moe_experts_fp8(
+        xb, wf, plan, w1.float(), w3.float(), w2.float(), grad_out.to(torch.bfloat16), fmt, torch.bfloat16
+    )
     bf16 = _run(reference, False, xb, wf, *(t.to(torch.bfloat16) for t in (w1, w3, w2)), plan, grad_out)
     names = ["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"]
     results, ok = {}, True
@@ -241,9 +266,11 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
         runs["grouped"] = lambda: _run_fp8(False, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)
     if name == "medium_model":
         for label, context in tile_rounds().items():
+
             def run(context=context):
                 with context():
                     return _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)
+
             runs[f"fused.{label}"] = run
     deterministic = True
     for label, run in runs.items():
@@ -253,7 +280,7 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
             results[f"{label}.skipped"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             print(f"     {name} {label}: skipped, {results[f'{label}.skipped']}")
             continue
-        for n, g, r, e, b in zip(names, got, ref, emu, bf16):
+        for n, g, r, e, b in zip(names, got, ref, emu, bf16, strict=False):
             if label == "grouped" and n == "grad_weights":
                 e = r  # the grouped path quantises the weighted gradient rows: not the fused emulation's
             err, err_emu = _rel(g, r), _rel(g, e)
@@ -262,13 +289,18 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
             else:
                 passed = err == 0.0
             ok &= passed
-            results[f"{label}.{n}"] = {"err": err, "err_vs_emulation": err_emu, "bf16_err": _rel(b, r),
-                                       "pass": passed}
+            results[f"{label}.{n}"] = {"err": err, "err_vs_emulation": err_emu, "bf16_err": _rel(b, r), "pass": passed}
         if label == "fused":
             again = run()
-            deterministic = all(torch.equal(a, b) for a, b in zip(got, again))
-    return ok and deterministic, {"case": name, "format": fmt, "shape": [T, H, Fd, E, K, capacity],
-                                  "rows": plan.num_rows, "deterministic": deterministic, "errors": results}
+            deterministic = all(torch.equal(a, b) for a, b in zip(got, again, strict=False))
+    return ok and deterministic, {
+        "case": name,
+        "format": fmt,
+        "shape": [T, H, Fd, E, K, capacity],
+        "rows": plan.num_rows,
+        "deterministic": deterministic,
+        "errors": results,
+    }
 
 
 def main_fp8() -> tuple[bool, dict]:
@@ -293,11 +325,18 @@ def main_fp8() -> tuple[bool, dict]:
             print(f"FAIL fp8 {name}: {info['error']}")
             continue
         errors = [v for v in info["errors"].values() if isinstance(v, dict)]
-        fused = [v for k, v in info["errors"].items() if isinstance(v, dict) and k.startswith("fused.")
-                 and "tiles" not in k]
-        print(f"{'ok  ' if ok else 'FAIL'} fp8 {name:14s} rows={info['rows']:6d} worst rel err {max(v['err'] for v in errors):.2e} "
-              f"(bf16 path: {max(v['bf16_err'] for v in fused):.2e}), vs emulation {max(v['err_vs_emulation'] for v in fused):.2e} "
-              f"deterministic={info['deterministic']} [{time.perf_counter() - start:.0f} s]", flush=True)
+        fused = [
+            v for k, v in info["errors"].items() if isinstance(v, dict) and k.startswith("fused.") and "tiles" not in k
+        ]
+        worst = max(v["err"] for v in errors)
+        bf16_worst = max(v["bf16_err"] for v in fused)
+        vs_emulation = max(v["err_vs_emulation"] for v in fused)
+        print(
+            f"{'ok  ' if ok else 'FAIL'} fp8 {name:14s} rows={info['rows']:6d} worst rel err {worst:.2e} "
+            f"(bf16 path: {bf16_worst:.2e}), vs emulation {vs_emulation:.2e} "
+            f"deterministic={info['deterministic']} [{time.perf_counter() - start:.0f} s]",
+            flush=True,
+        )
         if not ok:
             for k, v in info["errors"].items():
                 if isinstance(v, dict) and not v["pass"]:
@@ -313,8 +352,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fp8-only", action="store_true", help="only the FP8 checks")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("check_gpu: skipped, no CUDA device (run it on the GPU machine; "
-              "CPU coverage: tests/test_triton_kernels.py)")
+        print(
+            "check_gpu: skipped, no CUDA device (run it on the GPU machine; CPU coverage: tests/test_triton_kernels.py)"
+        )
         return 0
     try:
         import triton  # noqa: F401
@@ -322,7 +362,6 @@ def main(argv=None) -> int:
         print("check_gpu: skipped, triton is not installed")
         return 0
     from benchmarks.harness import environment, out_dir
-
     from xmoe.kernels import tiles
 
     all_ok, report = True, []
@@ -341,21 +380,26 @@ def main(argv=None) -> int:
         errors = [v for v in info["errors"].values() if isinstance(v, dict)]
         worst = max(v["err"] for v in errors)
         worst_torch = max(v["torch_bf16_err"] for v in errors)
-        print(f"{'ok  ' if ok else 'FAIL'} {name:14s} rows={info['rows']:6d} worst rel err {worst:.2e} "
-              f"(torch backend bf16: {worst_torch:.2e}) deterministic={info['deterministic']} "
-              f"[{time.perf_counter() - start:.0f} s]", flush=True)
+        print(
+            f"{'ok  ' if ok else 'FAIL'} {name:14s} rows={info['rows']:6d} worst rel err {worst:.2e} "
+            f"(torch backend bf16: {worst_torch:.2e}) deterministic={info['deterministic']} "
+            f"[{time.perf_counter() - start:.0f} s]",
+            flush=True,
+        )
         if not ok:
             for k, v in info["errors"].items():
                 if isinstance(v, dict) and not v["pass"]:
                     print(f"     {k}: {v['err']:.3e}")
     if not args.fp8_only:
-        (out_dir() / "check_gpu.json").write_text(json.dumps({"meta": environment(), "ok": all_ok, "cases": report},
-                                                             indent=1))
+        (out_dir() / "check_gpu.json").write_text(
+            json.dumps({"meta": environment(), "ok": all_ok, "cases": report}, indent=1)
+        )
     if args.fp8 or args.fp8_only:
         ok, fp8_report = main_fp8()
         all_ok &= ok
-        (out_dir() / "check_gpu_fp8.json").write_text(json.dumps({"meta": environment(), "ok": ok, **fp8_report},
-                                                                 indent=1))
+        (out_dir() / "check_gpu_fp8.json").write_text(
+            json.dumps({"meta": environment(), "ok": ok, **fp8_report}, indent=1)
+        )
     print("check_gpu:", "PASS" if all_ok else "FAIL")
     return 0 if all_ok else 1
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import RESULTS_ENV, environment, markdown_table, write_results  # noqa: E402
+from benchmarks.harness import RESULTS_ENV, environment, markdown_table, write_results
 
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 GROUPS = {"1x128": (1, 128), "128x128": (128, 128)}
@@ -33,10 +33,11 @@ def distributions(gen: torch.Generator) -> dict:
     shape = (1024, 4096)
     return {
         "normal": torch.randn(shape, generator=gen),
-        "student_t3": torch.randn(shape, generator=gen) / (torch.randn(3, *shape, generator=gen).square().mean(0)).sqrt(),
+        "student_t3": torch.randn(shape, generator=gen)
+        / (torch.randn(3, *shape, generator=gen).square().mean(0)).sqrt(),
         "lognormal_rows": torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape[0], 1, generator=gen)),
-        "outlier_columns": torch.randn(shape, generator=gen) * torch.where(
-            torch.rand(shape[1], generator=gen) < 0.01, 30.0, 1.0),
+        "outlier_columns": torch.randn(shape, generator=gen)
+        * torch.where(torch.rand(shape[1], generator=gen) < 0.01, 30.0, 1.0),
         "swiglu": F.silu(torch.randn(shape, generator=gen)) * torch.randn(shape, generator=gen),
     }
 
@@ -62,12 +63,25 @@ def main() -> int:
         for fmt, dtype in FORMATS.items():
             for gname, group in GROUPS.items():
                 exact, pow2 = (quantisation_error(x, dtype, group, p) for p in (False, True))
-                rows.append({"format": fmt, "groups": gname, "distribution": dist, "exact_scale_err": exact,
-                             "pow2_scale_err": pow2, "pow2_over_exact": pow2 / exact})
+                rows.append(
+                    {
+                        "format": fmt,
+                        "groups": gname,
+                        "distribution": dist,
+                        "exact_scale_err": exact,
+                        "pow2_scale_err": pow2,
+                        "pow2_over_exact": pow2 / exact,
+                    }
+                )
     columns = ["format", "groups", "distribution", "exact_scale_err", "pow2_scale_err", "pow2_over_exact"]
-    write_results("fp8_scales", rows, columns, environment(),
-                  "FP8 quantisation error: exact (amax / max) against power-of-two scales",
-                  notes="err: ||dequantise(quantise(x)) - x|| / ||x||, float64, 1024 x 4096 values per distribution.")
+    write_results(
+        "fp8_scales",
+        rows,
+        columns,
+        environment(),
+        "FP8 quantisation error: exact (amax / max) against power-of-two scales",
+        notes="err: ||dequantise(quantise(x)) - x|| / ||x||, float64, 1024 x 4096 values per distribution.",
+    )
     print(markdown_table(rows, columns))
     return 0
 

@@ -12,8 +12,8 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -31,8 +31,11 @@ def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100, mi
     end.record()
     end.synchronize()
     once = start.elapsed_time(end)
-    return float(triton.testing.do_bench(fn, warmup=max(warmup_ms, 2 * once), rep=max(rep_ms, min_reps * once),
-                                         return_mode="median"))
+    return float(
+        triton.testing.do_bench(
+            fn, warmup=max(warmup_ms, 2 * once), rep=max(rep_ms, min_reps * once), return_mode="median"
+        )
+    )
 
 
 def peak_extra_bytes(fn: Callable[[], object]) -> int:
@@ -61,7 +64,7 @@ def environment() -> dict:
     except ImportError:
         triton_version = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": props.name if props else None,
         "sm_count": props.multi_processor_count if props else None,
         "torch": torch.__version__,
@@ -100,8 +103,9 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(stem: str, rows: Sequence[dict], columns: Sequence[str], meta: dict, title: str,
-                  notes: str = "") -> tuple[Path, Path]:
+def write_results(
+    stem: str, rows: Sequence[dict], columns: Sequence[str], meta: dict, title: str, notes: str = ""
+) -> tuple[Path, Path]:
     """Write <stem>.json (meta + rows) and <stem>.md (header + table) under out_dir(); returns both paths."""
     folder = out_dir()
     json_path, md_path = folder / f"{stem}.json", folder / f"{stem}.md"
@@ -127,7 +131,7 @@ def distributed_skip_reason(script: str, cpu: bool) -> str | None:
     return None
 
 
-def init_distributed(cpu: bool, timeout_s: Optional[float] = None) -> torch.device:
+def init_distributed(cpu: bool, timeout_s: float | None = None) -> torch.device:
     """Join torchrun's process group: gloo on CPU processes, else NCCL with this rank's GPU. ``timeout_s`` bounds
     every collective (a rank left waiting for a peer that died ends the run instead of hanging)."""
     import torch.distributed as dist
@@ -143,8 +147,9 @@ def init_distributed(cpu: bool, timeout_s: Optional[float] = None) -> torch.devi
     return device
 
 
-def collective_time_ms(fn: Callable[[], object], device: torch.device, iters: int, trials: int = 5,
-                       warmup: bool = True) -> float:
+def collective_time_ms(
+    fn: Callable[[], object], device: torch.device, iters: int, trials: int = 5, warmup: bool = True
+) -> float:
     """Median over trials of (time of ``iters`` back-to-back calls) / iters, for code with collectives: every rank
     runs the same fixed count (do_bench's adaptive repeats would desynchronise them) and barriers before each
     trial. CUDA events on GPUs; a host timer on CPU processes (the --cpu smoke runs)."""
@@ -169,7 +174,7 @@ def parse_trainer_args(parser, argv: Sequence[str]):
     return args
 
 
-def run_xmoe_train(*args: str) -> tuple[Optional[list[dict]], str, float, str]:
+def run_xmoe_train(*args: str) -> tuple[list[dict] | None, str, float, str]:
     """`xmoe train ARGS --out <temporary directory>` as its own process (fresh allocator, no checkpoint left behind).
     Returns (metrics.jsonl records or None on failure, the command with RUN_DIR for the directory, wall seconds,
     the error output's tail)."""

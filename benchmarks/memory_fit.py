@@ -26,12 +26,12 @@ GIB = 2**30
 
 
 def main() -> None:
-    from xmoe.config import RECOMPUTE_MODES
-    from xmoe.plan.trainer_memory import estimate_trainer_memory
     from benchmarks.harness import parse_trainer_args
+    from xmoe.config import RECOMPUTE_MODES
+    from xmoe.parallel.regions import apply_recompute
+    from xmoe.plan.trainer_memory import estimate_trainer_memory
     from xmoe.train.cli import build_run_config
     from xmoe.train.data import TokenLoader
-    from xmoe.parallel.regions import apply_recompute
     from xmoe.train.trainer import Trainer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,8 +72,9 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 else:
                     row["fits"] = True
-                est = estimate_trainer_memory(run.model, micro_batch=mb, seq_len=run.train.seq_len, recompute=mode,
-                                              compiled=trainer.compiled)
+                est = estimate_trainer_memory(
+                    run.model, micro_batch=mb, seq_len=run.train.seq_len, recompute=mode, compiled=trainer.compiled
+                )
                 row["predicted_gib"] = est.total / GIB
                 if row["peak_gib"]:
                     row["predicted_over_measured"] = row["predicted_gib"] / row["peak_gib"]
@@ -82,18 +83,30 @@ def main() -> None:
     if args.results:
         folder = Path(args.results)
         folder.mkdir(parents=True, exist_ok=True)
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(0),
-                "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
+        meta = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "command": "python " + " ".join(sys.argv),
+        }
         (folder / "memory_fit.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        lines = [f"# xmoe train peak memory vs xmoe plan memory, {args.layers} layers, small preset shape, seq 2048",
-                 "", f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}", "", f"`{meta['command']}`", "",
-                 "| recompute | micro-batch | measured peak GiB | predicted GiB | predicted / measured | step s |",
-                 "|---|---|---|---|---|---|"]
+        lines = [
+            f"# xmoe train peak memory vs xmoe plan memory, {args.layers} layers, small preset shape, seq 2048",
+            "",
+            f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}",
+            "",
+            f"`{meta['command']}`",
+            "",
+            "| recompute | micro-batch | measured peak GiB | predicted GiB | predicted / measured | step s |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in rows:
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] else "out of memory"
             ratio = f"{r['predicted_over_measured']:.3f}" if r.get("predicted_over_measured") else "-"
-            lines.append(f"| {r['recompute']} | {r['micro_batch']} | {peak} | {r['predicted_gib']:.1f} | {ratio} | "
-                         f"{r.get('step_s', 0):.2f} |")
+            lines.append(
+                f"| {r['recompute']} | {r['micro_batch']} | {peak} | {r['predicted_gib']:.1f} | {ratio} | "
+                f"{r.get('step_s', 0):.2f} |"
+            )
         (folder / "memory_fit.md").write_text("\n".join(lines) + "\n")
 
 

@@ -29,8 +29,28 @@ CATEGORIES = [  # first match wins; lower-case substrings of kernel names
     ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm", "norm_kernel")),
     ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "sgemm", "xmma")),
     ("copies / casts", ("copy", "cast", "memcpy", "convert", "to_copy")),
-    ("elementwise + reductions", ("triton_", "elementwise", "reduce", "vectorized", "unrolled", "softmax", "cross_entropy",
-                                  "index", "scatter", "gather", "sort", "cumsum", "fill", "mul", "add", "silu", "rsqrt")),
+    (
+        "elementwise + reductions",
+        (
+            "triton_",
+            "elementwise",
+            "reduce",
+            "vectorized",
+            "unrolled",
+            "softmax",
+            "cross_entropy",
+            "index",
+            "scatter",
+            "gather",
+            "sort",
+            "cumsum",
+            "fill",
+            "mul",
+            "add",
+            "silu",
+            "rsqrt",
+        ),
+    ),
 ]
 
 
@@ -76,8 +96,11 @@ def main() -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         # the mode's own notice ("... is a prototype feature ...") is not a synchronisation
-        syncs = [str(w.message).splitlines()[0][:120] for w in caught
-                 if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)]
+        syncs = [
+            str(w.message).splitlines()[0][:120]
+            for w in caught
+            if "synchroniz" in str(w.message).lower() and "prototype" not in str(w.message)
+        ]
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -95,11 +118,21 @@ def main() -> None:
             kernels[e.name] = kernels.get(e.name, 0.0) + ms
     busy = sum(totals.values())
     totals["idle"] = max(0.0, wall_ms - busy)
-    rows = [{"category": c, "ms": ms, "pct": 100 * ms / wall_ms} for c, ms in sorted(totals.items(), key=lambda kv: -kv[1])]
-    top = [{"kernel": k[:90], "ms": ms, "category": categorize(k)} for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]]
-    lines = [f"step wall {wall_ms:.1f} ms, GPU busy {busy:.1f} ms ({args.tag}: {args.layers} layers, batch "
-             f"{run.train.global_batch_size}, micro {run.train.micro_batch_size}, compile {run.train.compile}, "
-             f"recompute {run.train.recompute})", "", "| category | ms per step | % of wall |", "|---|---|---|"]
+    rows = [
+        {"category": c, "ms": ms, "pct": 100 * ms / wall_ms} for c, ms in sorted(totals.items(), key=lambda kv: -kv[1])
+    ]
+    top = [
+        {"kernel": k[:90], "ms": ms, "category": categorize(k)}
+        for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    ]
+    lines = [
+        f"step wall {wall_ms:.1f} ms, GPU busy {busy:.1f} ms ({args.tag}: {args.layers} layers, batch "
+        f"{run.train.global_batch_size}, micro {run.train.micro_batch_size}, compile {run.train.compile}, "
+        f"recompute {run.train.recompute})",
+        "",
+        "| category | ms per step | % of wall |",
+        "|---|---|---|",
+    ]
     lines += [f"| {r['category']} | {r['ms']:.1f} | {r['pct']:.1f} |" for r in rows]
     lines += ["", "| top kernels | ms per step | category |", "|---|---|---|"]
     lines += [f"| `{t['kernel']}` | {t['ms']:.2f} | {t['category']} |" for t in top]
@@ -109,12 +142,19 @@ def main() -> None:
     if args.results:
         folder = Path(args.results)
         folder.mkdir(parents=True, exist_ok=True)
-        meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(0),
-                "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
-        (folder / f"profile_{args.tag}.json").write_text(json.dumps({"meta": meta, "wall_ms": wall_ms, "categories": rows,
-                                                                   "top": top, "syncs": syncs}, indent=1))
-        (folder / f"profile_{args.tag}.md").write_text(f"# profile {args.tag}\n\n{meta['date']}, {meta['gpu']}, torch "
-                                                      f"{meta['torch']}\n\n`{meta['command']}`\n\n{text}\n")
+        meta = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            "command": "python " + " ".join(sys.argv),
+        }
+        (folder / f"profile_{args.tag}.json").write_text(
+            json.dumps({"meta": meta, "wall_ms": wall_ms, "categories": rows, "top": top, "syncs": syncs}, indent=1)
+        )
+        (folder / f"profile_{args.tag}.md").write_text(
+            f"# profile {args.tag}\n\n{meta['date']}, {meta['gpu']}, torch "
+            f"{meta['torch']}\n\n`{meta['command']}`\n\n{text}\n"
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # @triton.jit function when it is first imported (torch may import it early), so set this before anything.
 os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 sys.path.insert(0, os.path.dirname(__file__))

@@ -9,7 +9,8 @@ instead of ~20 s (4 fresh torch imports on 2 cores with "spawn"). Plain "fork" i
 already run OpenMP work, and a forked child of such a process can deadlock in libgomp; the forkserver has run none.
 Each child gets one intra-op thread (tests here run 2-4 ranks on 2 cores; more threads only oversubscribe), a
 fresh free TCP port, the env variables torchrun would set (so DeviceMesh and ParallelDims see a launcher-like
-world), and a collective timeout, so a rank stuck in a collective fails the test instead of hanging it. An exception in any rank is re-raised in pytest with that rank's traceback.
+world), and a collective timeout, so a rank stuck in a collective fails the test instead of hanging it. An exception
+in any rank is re-raised in pytest with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -19,19 +20,24 @@ import multiprocessing
 import os
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 # imported once by the forkserver, so that every child starts with them loaded (names that fail to import are
 # skipped); torch._dynamo: the first optimizer.step() imports it, ~2 s per rank otherwise. Torch only: the
 # forkserver imports them without the caller's sys.path (children get it, the server does not; Python 3.11), so a
 # preloaded project module could come from another checkout, e.g. the editable install
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
-            "torch.distributed.checkpoint"]
+_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+]
 
 
 def free_port() -> int:

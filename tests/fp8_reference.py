@@ -35,15 +35,15 @@ def quantize_rows(x_RC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     q = torch.empty(rows, cols, dtype=torch.float64, device=x.device)
     scale = torch.empty(rows, groups, dtype=torch.float64, device=x.device)
     for g in range(groups):
-        block = x[:, g * G:(g + 1) * G]
+        block = x[:, g * G : (g + 1) * G]
         s, inv = group_scale(block.abs().amax(1) if block.numel() else x.new_zeros(rows), fmt)
         scale[:, g] = s.double()
-        q[:, g * G:(g + 1) * G] = to_grid(block, inv[:, None], fmt)
+        q[:, g * G : (g + 1) * G] = to_grid(block, inv[:, None], fmt)
     return q, scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.double() * scale.double().repeat_interleave(G, dim=1)[:, :q.shape[1]]
+    return q.double() * scale.double().repeat_interleave(G, dim=1)[:, : q.shape[1]]
 
 
 def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,10 +54,10 @@ def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
     scale = torch.empty(experts, -(-rows // G), -(-cols // G), dtype=torch.float64, device=w.device)
     for i in range(scale.shape[1]):
         for j in range(scale.shape[2]):
-            block = w[:, i * G:(i + 1) * G, j * G:(j + 1) * G]
+            block = w[:, i * G : (i + 1) * G, j * G : (j + 1) * G]
             s, inv = group_scale(block.abs().amax(dim=(1, 2)), fmt)
             scale[:, i, j] = s.double()
-            q[:, i * G:(i + 1) * G, j * G:(j + 1) * G] = to_grid(block, inv[:, None, None], fmt)
+            q[:, i * G : (i + 1) * G, j * G : (j + 1) * G] = to_grid(block, inv[:, None, None], fmt)
     return q, scale
 
 
@@ -79,7 +79,7 @@ def _per_expert(rows_N, weights_E, counts_E):
     """rows_N[rows of e] @ weights_E[e] for every expert e (float64)."""
     out, start = [], 0
     for e, n in enumerate(counts_E.tolist()):
-        out.append(rows_N[start:start + n] @ weights_E[e])
+        out.append(rows_N[start : start + n] @ weights_E[e])
         start += n
     return torch.cat(out) if out else rows_N.new_zeros(0, weights_E.shape[2])
 
@@ -87,7 +87,7 @@ def _per_expert(rows_N, weights_E, counts_E):
 def _per_expert_wgrad(a_N, b_N, counts_E):
     out, start = [], 0
     for n in counts_E.tolist():
-        out.append(a_N[start:start + n].T @ b_N[start:start + n])
+        out.append(a_N[start : start + n].T @ b_N[start : start + n])
         start += n
     return torch.stack(out)  # (E, ., .): every expert, rows or not
 
@@ -127,8 +127,9 @@ def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt, act_dtype=
     da = da * row_w
     dh1 = da * h3 * sig * (1 + h1 * (1 - sig))
     dh3 = da * h1 * sig
-    dx_rows = (_per_expert(fake_quant_rows(dh1, fmt), w1q.transpose(1, 2), counts)
-               + _per_expert(fake_quant_rows(dh3, fmt), w3q.transpose(1, 2), counts))
+    dx_rows = _per_expert(fake_quant_rows(dh1, fmt), w1q.transpose(1, 2), counts) + _per_expert(
+        fake_quant_rows(dh3, fmt), w3q.transpose(1, 2), counts
+    )
     dx = rnd(_combine(rnd(dx_rows), plan.row_of_slot_TK))
     dw2 = rnd(_per_expert_wgrad(rnd(a * row_w), g[tok], counts))
     dh1, dh3 = rnd(dh1), rnd(dh3)

@@ -37,7 +37,7 @@ def reference_forward(params: dict, x: torch.Tensor, cfg, num_sequences: int = 1
             size = num_experts // cfg.num_expert_groups
             group_scores = []
             for g in range(cfg.num_expert_groups):
-                vals = sorted(choice[g * size:(g + 1) * size], reverse=True)
+                vals = sorted(choice[g * size : (g + 1) * size], reverse=True)
                 group_scores.append(sum(vals[:2]) if cfg.score_func == "sigmoid" and size >= 2 else vals[0])
             best = sorted(range(cfg.num_expert_groups), key=lambda g: -group_scores[g])[: cfg.topk_groups]
             eligible = [e for e in eligible if e // size in best]
@@ -57,7 +57,7 @@ def reference_forward(params: dict, x: torch.Tensor, cfg, num_sequences: int = 1
             kept += mine[:cap]
 
     rows = [torch.zeros(cfg.hidden_size, dtype=torch.float64) for _ in range(num_tokens)]
-    for t, k, e, _, weight in kept:
+    for t, _k, e, _, weight in kept:
         h = _silu(x[t] @ w1[e]) * (x[t] @ w3[e])
         rows[t] = rows[t] + weight * (h @ w2[e])
     out = torch.stack(rows)
@@ -91,6 +91,7 @@ def layer_params(layer) -> dict:
         "w2": layer.experts.w2,
     }
     if layer.shared_experts is not None:
-        params.update(s1=layer.shared_experts.w1.weight, s3=layer.shared_experts.w3.weight,
-                      s2=layer.shared_experts.w2.weight)
+        params.update(
+            s1=layer.shared_experts.w1.weight, s3=layer.shared_experts.w3.weight, s2=layer.shared_experts.w2.weight
+        )
     return params

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
+
 from xmoe.dispatch.alltoall import AllToAllDispatcher, regroup_indices
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.routing import build_plan
@@ -53,7 +53,7 @@ def _routing_cases(num_ranks: int, num_experts: int, top_k: int, num_tokens: int
     first_rank_only[..., :local] += 2.0  # every slot goes to rank 0's experts: the others receive nothing
     own_rank_only = uniform.clone()  # every rank keeps its rows: nothing crosses the network
     for r in range(num_ranks):
-        own_rank_only[r, :, r * local:(r + 1) * local] += 2.0
+        own_rank_only[r, :, r * local : (r + 1) * local] += 2.0
     return [
         ("uniform", topk_of(uniform), None),
         ("skewed", topk_of(skew), None),
@@ -67,8 +67,11 @@ def _dispatcher_body(rank: int, world_size: int):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1234)
     # (E, K, H, F, T): several experts per rank; k = 1; one expert per rank with k = E (every rank gets every token)
-    for num_experts, top_k, hidden, ffn, num_tokens in [(8, 2, 6, 5, 11), (4 * world_size, 1, 3, 4, 7),
-                                                         (world_size, world_size, 4, 3, 5)]:
+    for num_experts, top_k, hidden, ffn, num_tokens in [
+        (8, 2, 6, 5, 11),
+        (4 * world_size, 1, 3, 4, 7),
+        (world_size, world_size, 4, 3, 5),
+    ]:
         w1 = torch.randn(num_experts, hidden, ffn, dtype=torch.float64, generator=gen)
         w3 = torch.randn(num_experts, hidden, ffn, dtype=torch.float64, generator=gen)
         w2 = torch.randn(num_experts, ffn, hidden, dtype=torch.float64, generator=gen)
@@ -113,7 +116,7 @@ def _dispatcher_body(rank: int, world_size: int):
             assert x.grad is not None, where
             assert rel_err(x.grad, ref_x[rank]) < TOL, where
             assert rel_err(wk.grad, ref_gw[rank]) < TOL, where
-            for p, ref in zip(ep_w, ref_w):
+            for p, ref in zip(ep_w, ref_w, strict=False):
                 if ref.grad[mine].abs().max() == 0:  # no rows for my experts: an exact zero, not an error
                     assert p.grad is None or p.grad.abs().max() == 0, where
                 else:
@@ -130,14 +133,19 @@ def _dispatcher_body(rank: int, world_size: int):
             loc = LocalDispatcher("torch")
             local_rows, _, local_ctx = loc.dispatch(x_RTH[rank], plan)
             rows, counts, ctx = dispatcher.dispatch(x_RTH[rank], plan)
-            assert torch.equal(dispatcher.combine(rows, w_RTK[rank], plan, ctx),
-                               loc.combine(local_rows, w_RTK[rank], plan, local_ctx)), where
+            assert torch.equal(
+                dispatcher.combine(rows, w_RTK[rank], plan, ctx), loc.combine(local_rows, w_RTK[rank], plan, local_ctx)
+            ), where
 
             # traffic counters of the first call: rows to / from other ranks; bytes of dispatch + combine
             kept = int(plan.tokens_per_expert_E[mine].sum())
             sent, received = int(plan.tokens_per_expert_E.sum()) - kept, sum(len(w) for w in want_rows) - kept
             assert (stats["calls"], stats["rows_kept"], stats["rows_sent"], stats["rows_received"]) == (
-                1, kept, sent, received), where
+                1,
+                kept,
+                sent,
+                received,
+            ), where
             assert stats["bytes_sent"] == stats["bytes_received"] == (sent + received) * hidden * 8, where
             if name == "all_to_rank0" and rank > 0 and top_k <= local:
                 assert rows.shape[0] == 0, where
@@ -183,8 +191,14 @@ def _layer_body(rank: int, world_size: int, dispatcher: str = "pft"):
     mine = slice(rank * 2, rank * 2 + 2)
     for name, overrides, bias in _layer_cases(num_experts, world_size):
         torch.manual_seed(0)
-        kwargs = dict(hidden_size=hidden, ffn_hidden_size=6, num_experts=num_experts, top_k=2, kernel_backend="torch",
-                      dispatcher=dispatcher)
+        kwargs = dict(
+            hidden_size=hidden,
+            ffn_hidden_size=6,
+            num_experts=num_experts,
+            top_k=2,
+            kernel_backend="torch",
+            dispatcher=dispatcher,
+        )
         cfg = MoEConfig(**{**kwargs, **overrides})
         ref = MoELayer(cfg).double()
         with torch.no_grad():
@@ -202,7 +216,7 @@ def _layer_body(rank: int, world_size: int, dispatcher: str = "pft"):
             out = ref(x)
             grads = torch.autograd.grad((out * g_R[r]).sum(), [x, *ref_params.values()], allow_unused=True)
             ref_out.append(out.detach())
-            ref_grads.append(dict(zip(["x", *ref_params], grads)))
+            ref_grads.append(dict(zip(["x", *ref_params], grads, strict=False)))
 
         layer = shard_experts(copy.deepcopy(ref), dims)
         x = x_R[rank].clone().requires_grad_(True)
@@ -226,7 +240,7 @@ def _layer_body(rank: int, world_size: int, dispatcher: str = "pft"):
                 assert rel_err(got, want) < LAYER_TOL, (where, pname, rel_err(got, want))
         if dispatcher == "padded":  # the capacity buffers travel whole, padding included
             assert type(layer.dispatcher).__name__ == "PaddedAllToAllDispatcher", where
-        elif name == "all_to_rank0" and rank > 0 or name == "rank0_starved" and rank == 0:
+        elif (name == "all_to_rank0" and rank > 0) or (name == "rank0_starved" and rank == 0):
             assert layer.dispatcher.stats.rows_received == 0 and layer.dispatcher.stats.rows_kept == 0, where
 
 

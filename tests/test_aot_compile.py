@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("triton", reason="the compile checks need the triton package (pip install triton)")
 
 # here under the interpreter: only their tables and parsers are used
-from xmoe.kernels import aot, aot_workloads  # noqa: E402
+from xmoe.kernels import aot, aot_workloads
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(aot.unsupported() is not None, reason=str(aot.unsupported()))
@@ -30,9 +30,21 @@ pytestmark = pytest.mark.skipif(aot.unsupported() is not None, reason=str(aot.un
 def _report(out: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_report.py"), "--out", str(out),
-                           "--jobs", str(min(os.cpu_count() or 1, 8)), *args],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "aot_report.py"),
+            "--out",
+            str(out),
+            "--jobs",
+            str(min(os.cpu_count() or 1, 8)),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-4000:]  # 1: problems, checked below
     (path,) = out.glob("aot_triton*.json")
     return json.loads(path.read_text())
@@ -57,8 +69,9 @@ def test_every_launch_compiles(rows):
 
 def test_no_shipped_configuration_spills(rows):
     spilled = [_where(r) for r in rows if r["ok"] and r["spills"] and r["shipped"] and not r["known_spill"]]
-    assert spilled == [], "new spills (fix the tile, or add them to aot.KNOWN_SPILLS with the numbers):\n" + \
-        "\n".join(spilled)
+    assert spilled == [], "new spills (fix the tile, or add them to aot.KNOWN_SPILLS with the numbers):\n" + "\n".join(
+        spilled
+    )
 
 
 def test_known_spills_name_shipped_configurations(rows):
@@ -74,8 +87,11 @@ def test_every_shipped_kernel_compiles_for_every_target(rows):
 
 
 def test_16_bit_gemms_run_on_matrix_instructions(rows):
-    gemms = [r for r in rows if r["ok"] and "BLOCK_N" in r["tile"] and "BLOCK_K" in r["tile"]
-             and "DOT_PRECISION=None" in r["flags"]]
+    gemms = [
+        r
+        for r in rows
+        if r["ok"] and "BLOCK_N" in r["tile"] and "BLOCK_K" in r["tile"] and "DOT_PRECISION=None" in r["flags"]
+    ]
     assert {r["target"] for r in gemms} == set(aot_workloads.TARGETS)
     assert [_where(r) for r in gemms if not r["mma"]] == []
 
@@ -101,9 +117,13 @@ def test_fp8_kernels_take_each_targets_format_and_tiles(rows):
             assert r["ok"] and any(mma in m for m in r["mma"]), _where(r)
     # gfx942 compiles an MI300X's picks, the 64 KB heuristic's (the H200's 128 x 128 x 128 tiles spill there), for
     # experts of fewer than 64 rows and of more
-    mi300x = {f"BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_K={c.block_k} GROUP=128 num_stages={c.num_stages} "
-              f"num_warps={c.num_warps}" for kernel in tiles.FP8_KERNELS for n in (1, 64)
-              for c in [tiles.heuristic(kernel, n, 1, 64 * 1024)]}
+    mi300x = {
+        f"BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_K={c.block_k} GROUP=128 num_stages={c.num_stages} "
+        f"num_warps={c.num_warps}"
+        for kernel in tiles.FP8_KERNELS
+        for n in (1, 64)
+        for c in [tiles.heuristic(kernel, n, 1, 64 * 1024)]
+    }
     picked = {r["tile"] for r in fp8 if r["target"] == "hip:gfx942" and r["shipped"] and "BLOCK_K" in r["tile"]}
     assert picked and picked <= mi300x, picked - mi300x
 
@@ -111,8 +131,17 @@ def test_fp8_kernels_take_each_targets_format_and_tiles(rows):
 def test_the_spill_check_catches_a_huge_tile(tmp_path):
     # two 256 x 256 fp32 accumulators over 8 warps: 512 registers a thread on NVIDIA (255 at most), 256 VGPRs a
     # lane on AMD (the most a wave of an 8-wave program gets), before any operand
-    report = _report(tmp_path, "--devices", "H200,MI300X", "--workloads", "fused", "--shapes", "tiny T=512",
-                     "--force", "up_fwd=256,256,16,8,2")
+    report = _report(
+        tmp_path,
+        "--devices",
+        "H200,MI300X",
+        "--workloads",
+        "fused",
+        "--shapes",
+        "tiny T=512",
+        "--force",
+        "up_fwd=256,256,16,8,2",
+    )
     huge = [r for r in report["rows"] if r["kernel"] == "_swiglu_up_fwd_kernel"]
     assert {r["target"] for r in huge} == {"cuda:90", "hip:gfx942"}
     assert all(r["ok"] and r["spills"] and not r["known_spill"] for r in huge), huge
@@ -129,8 +158,11 @@ def test_shapes_and_plan_are_the_packages():
         assert layer == (moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k), name
     shape = aot_workloads.Shape.preset("small", 100)
     meta = torch.device("meta")
-    plan = build_plan(torch.empty(shape.tokens, shape.top_k, dtype=torch.long, device=meta),
-                      torch.empty(shape.tokens, shape.top_k, device=meta), shape.experts)
+    plan = build_plan(
+        torch.empty(shape.tokens, shape.top_k, dtype=torch.long, device=meta),
+        torch.empty(shape.tokens, shape.top_k, device=meta),
+        shape.experts,
+    )
     wanted = (plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E)
     got = aot_workloads.layer_tensors(shape, torch.bfloat16).plan_args
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in wanted]
@@ -140,8 +172,10 @@ def test_resource_parsers():
     usage = " Function _k:\n  REG:255 STACK:56 SHARED:0 LOCAL:0 CONSTANT[0]:640 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
     assert aot.nvidia_resources(usage) == {"regs": 255, "local_bytes": 56, "spills": True}
     assert not aot.nvidia_resources(usage.replace("STACK:56", "STACK:0"))["spills"]
-    meta = ("  - .agpr_count:     4\n    .private_segment_fixed_size: 0\n    .sgpr_spill_count: 12\n"
-            "    .vgpr_count:     128\n    .vgpr_spill_count: 0\n")
+    meta = (
+        "  - .agpr_count:     4\n    .private_segment_fixed_size: 0\n    .sgpr_spill_count: 12\n"
+        "    .vgpr_count:     128\n    .vgpr_spill_count: 0\n"
+    )
     amd = aot.amd_resources(meta)
     assert (amd["vgprs"], amd["agprs"], amd["sgpr_spills"], amd["spills"]) == (128, 4, 12, False)  # SGPRs: in VGPRs
     assert aot.amd_resources(meta.replace("vgpr_spill_count: 0", "vgpr_spill_count: 3"))["spills"]

@@ -24,9 +24,18 @@ def test_public_names_are_the_module_objects():
     from xmoe.moe.layer import MoELayer
     from xmoe.train.trainer import Trainer
 
-    expected = dict(MoEConfig=MoEConfig, MoELayer=MoELayer, ModelConfig=ModelConfig, ParallelConfig=ParallelConfig,
-                    RunConfig=RunConfig, TrainConfig=TrainConfig, Transformer=Transformer, get_preset=get_preset,
-                    Trainer=Trainer, DataConfig=DataConfig)
+    expected = dict(
+        MoEConfig=MoEConfig,
+        MoELayer=MoELayer,
+        ModelConfig=ModelConfig,
+        ParallelConfig=ParallelConfig,
+        RunConfig=RunConfig,
+        TrainConfig=TrainConfig,
+        Transformer=Transformer,
+        get_preset=get_preset,
+        Trainer=Trainer,
+        DataConfig=DataConfig,
+    )
     for name, obj in expected.items():
         assert getattr(xmoe, name) is obj, name
         assert name in xmoe.__all__
@@ -40,7 +49,7 @@ def test_readme_python_examples_run(capsys):
     torch.manual_seed(0)
     for block in blocks:
         scope: dict = {}
-        exec(compile(block, "README.md", "exec"), scope)  # noqa: S102
+        exec(compile(block, "README.md", "exec"), scope)
     assert scope["y"].shape == (4, 128, 512)
     assert scope["loss"].item() > 0 and all(p.grad is not None for p in scope["model"].parameters())
 
@@ -81,9 +90,14 @@ def test_configure_logging_prints_rank_zero_once(monkeypatch, capsys):
 def _bare_prints(path: Path) -> list[int]:
     """Line numbers of print() calls that write to the process's stdout (no file= argument)."""
     tree = ast.parse(path.read_text())
-    return [node.lineno for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
-            and not any(k.arg == "file" for k in node.keywords)]
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "print"
+        and not any(k.arg == "file" for k in node.keywords)
+    ]
 
 
 def test_library_code_does_not_print():

@@ -21,17 +21,33 @@ VARIANTS = {
     "qk_norm_head": dict(num_heads=4, num_kv_heads=2, attn_head_dim=16, qk_norm="head"),
     "qk_norm_proj": dict(num_heads=4, num_kv_heads=2, qk_norm="proj"),
     "qkv_bias": dict(num_heads=4, num_kv_heads=2, qkv_bias=True),
-    "mla_q_lora": dict(num_heads=4, attention="mla", q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
-                       qk_rope_head_dim=4, v_head_dim=5),
-    "mla_no_q_lora": dict(num_heads=2, attention="mla", kv_lora_rank=8, qk_nope_head_dim=0, qk_rope_head_dim=8,
-                          v_head_dim=6),
+    "mla_q_lora": dict(
+        num_heads=4,
+        attention="mla",
+        q_lora_rank=12,
+        kv_lora_rank=10,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+    ),
+    "mla_no_q_lora": dict(
+        num_heads=2, attention="mla", kv_lora_rank=8, qk_nope_head_dim=0, qk_rope_head_dim=8, v_head_dim=6
+    ),
 }
 
 
 def cfg_of(variant: str, layers: int = 2) -> ModelConfig:
     moe = MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2, num_shared_experts=1)
-    return ModelConfig(vocab_size=37, hidden_size=H, num_layers=layers, first_k_dense=1, ffn_hidden_size=24,
-                       max_seq_len=16, moe=moe, **VARIANTS[variant])
+    return ModelConfig(
+        vocab_size=37,
+        hidden_size=H,
+        num_layers=layers,
+        first_k_dense=1,
+        ffn_hidden_size=24,
+        max_seq_len=16,
+        moe=moe,
+        **VARIANTS[variant],
+    )
 
 
 def _rms(x, w, eps):
@@ -114,8 +130,15 @@ def test_count_params_equals_numel(variant: str) -> None:
 
 
 def test_count_params_with_a_gated_shared_expert_of_its_own_width() -> None:
-    moe = MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2, num_shared_experts=1,
-                    shared_ffn_hidden_size=20, shared_expert_gate=True)
+    moe = MoEConfig(
+        hidden_size=H,
+        ffn_hidden_size=16,
+        num_experts=4,
+        top_k=2,
+        num_shared_experts=1,
+        shared_ffn_hidden_size=20,
+        shared_expert_gate=True,
+    )
     cfg = ModelConfig(vocab_size=37, hidden_size=H, num_layers=2, num_heads=4, moe=moe, qkv_bias=True)
     model = Transformer(cfg)
     assert model.layers[0].ffn.shared_experts.w1.weight.shape == (20, H)
@@ -145,26 +168,36 @@ def test_defaults_keep_the_multi_head_layout() -> None:
     assert {k: tuple(v.shape) for k, v in attn.state_dict().items()} == {f"w{n}.weight": (H, H) for n in "qkvo"}
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
-    (dict(num_heads=4, qk_norm="layer"), "qk_norm"),
-    (dict(num_heads=4, attention="gqa"), "attention"),
-    (dict(num_heads=4, kv_lora_rank=8), "kv_lora_rank"),
-    (dict(num_heads=4, attention="mla", kv_lora_rank=8, qk_rope_head_dim=3, v_head_dim=4), "qk_rope_head_dim"),
-    (dict(num_heads=4, attention="mla", kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=4, num_kv_heads=2),
-     "num_kv_heads"),
-    (dict(num_heads=5), "attn_head_dim"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+        (dict(num_heads=4, qk_norm="layer"), "qk_norm"),
+        (dict(num_heads=4, attention="gqa"), "attention"),
+        (dict(num_heads=4, kv_lora_rank=8), "kv_lora_rank"),
+        (dict(num_heads=4, attention="mla", kv_lora_rank=8, qk_rope_head_dim=3, v_head_dim=4), "qk_rope_head_dim"),
+        (
+            dict(num_heads=4, attention="mla", kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=4, num_kv_heads=2),
+            "num_kv_heads",
+        ),
+        (dict(num_heads=5), "attn_head_dim"),
+    ],
+)
 def test_bad_attention_configs_raise(kw: dict, match: str) -> None:
     moe = MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2)
     with pytest.raises(ValueError, match=match):
         ModelConfig(vocab_size=37, hidden_size=H, num_layers=1, moe=moe, **kw)
 
 
-@pytest.mark.parametrize("variant, tp, match", [
-    ("mla_q_lora", 2, "mla"), ("qk_norm_proj", 2, "qk_norm"), ("qk_norm_head", 2, "qk_norm"),
-    ("head_dim_mqa", 2, "num_kv_heads"),
-])
+@pytest.mark.parametrize(
+    "variant, tp, match",
+    [
+        ("mla_q_lora", 2, "mla"),
+        ("qk_norm_proj", 2, "qk_norm"),
+        ("qk_norm_head", 2, "qk_norm"),
+        ("head_dim_mqa", 2, "num_kv_heads"),
+    ],
+)
 def test_tensor_parallel_refuses_unsupported_attention(variant: str, tp: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         check_tensor_parallel(cfg_of(variant), tp)
@@ -173,8 +206,17 @@ def test_tensor_parallel_refuses_unsupported_attention(variant: str, tp: int, ma
 
 def _gqa_tp_cfg(**kw) -> ModelConfig:
     moe = MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, kernel_backend="torch")
-    return ModelConfig(vocab_size=37, hidden_size=H, num_layers=2, num_heads=4, moe=moe, first_k_dense=1,
-                       ffn_hidden_size=16, max_seq_len=16, **kw)
+    return ModelConfig(
+        vocab_size=37,
+        hidden_size=H,
+        num_layers=2,
+        num_heads=4,
+        moe=moe,
+        first_k_dense=1,
+        ffn_hidden_size=16,
+        max_seq_len=16,
+        **kw,
+    )
 
 
 def _gqa_tp_body(rank: int, world_size: int, kw: dict) -> None:
@@ -199,8 +241,9 @@ def _gqa_tp_body(rank: int, world_size: int, kw: dict) -> None:
         assert (grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm(), (rank, name)
 
 
-@pytest.mark.parametrize("kw", [dict(num_kv_heads=2, attn_head_dim=12), dict(num_kv_heads=2, qkv_bias=True,
-                                                                           attn_head_dim=12)])
+@pytest.mark.parametrize(
+    "kw", [dict(num_kv_heads=2, attn_head_dim=12), dict(num_kv_heads=2, qkv_bias=True, attn_head_dim=12)]
+)
 def test_grouped_query_attention_under_tensor_parallelism_matches_one_process(kw: dict) -> None:
     from dist_utils import run_distributed
 

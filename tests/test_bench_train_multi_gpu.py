@@ -46,5 +46,7 @@ def test_ssmb_mode_tp2_x_ep2(tmp_path):
     run_distributed(_body, 4, str(tmp_path), FAST + ["--mode", "ssmb", "--micro-batches", "2"], timeout_s=90)
     rows = _rows(tmp_path, "ssmb")
     assert [(r["method"], r["tp"], r["ep"], r["status"]) for r in rows] == [
-        ("tp2-ssmb", 2, 2, "ok"), ("tp2-nossmb", 2, 2, "ok")]
+        ("tp2-ssmb", 2, 2, "ok"),
+        ("tp2-nossmb", 2, 2, "ok"),
+    ]
     assert all(r["tflops"] > 0 for r in rows)

@@ -11,17 +11,25 @@ import dataclasses
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 
 def _config(**moe):
     from xmoe.config import ModelConfig, MoEConfig
 
-    moe = MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2, num_shared_experts=1,
-                    kernel_backend="torch", **moe)
-    return ModelConfig(vocab_size=64, hidden_size=32, num_layers=3, num_heads=4, ffn_hidden_size=48, moe=moe,
-                       first_k_dense=1, max_seq_len=32)
+    moe = MoEConfig(
+        hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2, num_shared_experts=1, kernel_backend="torch", **moe
+    )
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        ffn_hidden_size=48,
+        moe=moe,
+        first_k_dense=1,
+        max_seq_len=32,
+    )
 
 
 def _direct_state(cfg, seed: int) -> dict[str, torch.Tensor]:
@@ -73,8 +81,11 @@ def _gathered_state(rank: int, world_size: int, layout: dict, seed: int, out: st
         torch.save(state, out)
 
 
-@pytest.mark.parametrize("layout", [dict(dp=4, ep=1), dict(dp=2, ep=2), dict(dp=1, ep=4), dict(dp=2, ep=1, tp=2)],
-                         ids=["ep1", "ep2", "ep4", "tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(dp=4, ep=1), dict(dp=2, ep=2), dict(dp=1, ep=4), dict(dp=2, ep=1, tp=2)],
+    ids=["ep1", "ep2", "ep4", "tp2"],
+)
 def test_layout_independent_init(tmp_path, layout: dict) -> None:
     """The gathered full state dict of a meta-built, sharded model equals, bitwise, the model built directly on one
     device from the same seed (and so every layout equals every other)."""
@@ -183,8 +194,9 @@ def _big_run(rank: int, world_size: int, layout: dict, out_dir: str, result: str
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
 
     moe = MoEConfig(hidden_size=256, ffn_hidden_size=256, num_experts=64, top_k=2, kernel_backend="torch")
-    model = ModelConfig(vocab_size=256, hidden_size=256, num_layers=8, num_heads=4, moe=moe, first_k_dense=0,
-                        max_seq_len=32)
+    model = ModelConfig(
+        vocab_size=256, hidden_size=256, num_layers=8, num_heads=4, moe=moe, first_k_dense=0, max_seq_len=32
+    )
     train = TrainConfig(steps=2, global_batch_size=8, seq_len=32, log_every=1, ckpt_every=2, warmup_steps=1)
     run = RunConfig(model=model, train=train, parallel=ParallelConfig(**layout))
     base = rss()
@@ -200,13 +212,15 @@ def _big_run(rank: int, world_size: int, layout: dict, out_dir: str, result: str
 @pytest.mark.parametrize("layout", [dict(dp=1, ep=4), dict(dp=2, ep=2)], ids=["ep4", "ep2xdp2"])
 def test_no_rank_allocates_the_whole_model(tmp_path, layout: dict) -> None:
     """4 gloo ranks train 2 steps and save a checkpoint; each one's memory grows by its share, not by the model."""
+    from xmoe.config import ModelConfig, MoEConfig
     from xmoe.model.counting import count_params
 
-    from xmoe.config import ModelConfig, MoEConfig
-
     moe = MoEConfig(hidden_size=256, ffn_hidden_size=256, num_experts=64, top_k=2)
-    params = count_params(ModelConfig(vocab_size=256, hidden_size=256, num_layers=8, num_heads=4, moe=moe,
-                                      first_k_dense=0, max_seq_len=32)).total
+    params = count_params(
+        ModelConfig(
+            vocab_size=256, hidden_size=256, num_layers=8, num_heads=4, moe=moe, first_k_dense=0, max_seq_len=32
+        )
+    ).total
     weights, state = 4 * params, 16 * params  # fp32 weights; with gradients and AdamW's two moments
     run_distributed(_big_run, 4, layout, str(tmp_path / "run"), str(tmp_path / "rss.pt"), timeout_s=240)
     for rank, (built, peak, steps) in enumerate(torch.load(tmp_path / "rss.pt")):
@@ -229,8 +243,9 @@ def _real_rank(rank: int, world_size: int, out: str) -> None:
     from xmoe.config import ParallelConfig
     from xmoe.train.simulate import measure_rank
 
-    m = measure_rank(_tiny_torch(), ParallelConfig(dp=2, ep=2), micro_batch=2, seq_len=64, rank=rank, device="cpu",
-                     simulate=False)
+    m = measure_rank(
+        _tiny_torch(), ParallelConfig(dp=2, ep=2), micro_batch=2, seq_len=64, rank=rank, device="cpu", simulate=False
+    )
     found = [None] * world_size
     dist.all_gather_object(found, (m.measured_peak_bytes, m.measured_by_kind))
     if rank == 0:
@@ -247,8 +262,9 @@ def test_a_simulated_rank_allocates_what_a_real_rank_does(tmp_path) -> None:
 
     run_distributed(_real_rank, 4, str(tmp_path / "real.pt"), timeout_s=120)
     for rank, (peak, by_kind) in enumerate(torch.load(tmp_path / "real.pt")):
-        sim = measure_rank(_tiny_torch(), ParallelConfig(dp=2, ep=2), micro_batch=2, seq_len=64, rank=rank,
-                           device="cpu")
+        sim = measure_rank(
+            _tiny_torch(), ParallelConfig(dp=2, ep=2), micro_batch=2, seq_len=64, rank=rank, device="cpu"
+        )
         assert sim.measured_peak_bytes == pytest.approx(peak, rel=0.1), rank
         for kind in ("weights", "gradients", "optimizer"):
             assert sim.measured_by_kind[kind] == pytest.approx(by_kind[kind], rel=0.1), (rank, kind)
@@ -262,11 +278,44 @@ def test_plan_memory_measure_runs_one_rank_of_a_64_gpu_world(capsys) -> None:
 
     from xmoe.cli import main
 
-    main(["plan", "memory", "--preset", "tiny", "--gpus", "64", "--ep", "16", "--tp", "1", "--micro-batch", "2",
-          "--seq", "64", "--recompute", "none", "--rank", "5", "--measure", "--json"])
+    main(
+        [
+            "plan",
+            "memory",
+            "--preset",
+            "tiny",
+            "--gpus",
+            "64",
+            "--ep",
+            "16",
+            "--tp",
+            "1",
+            "--micro-batch",
+            "2",
+            "--seq",
+            "64",
+            "--recompute",
+            "none",
+            "--rank",
+            "5",
+            "--measure",
+            "--json",
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
-    assert result["layout"] == dict(world=64, rank=5, tp=1, ep=16, dp=4, placement="ep_first", micro_batch=2,
-                                    seq_len=64, recompute="none", imbalance=1.0, layers=4)
+    assert result["layout"] == dict(
+        world=64,
+        rank=5,
+        tp=1,
+        ep=16,
+        dp=4,
+        placement="ep_first",
+        micro_batch=2,
+        seq_len=64,
+        recompute="none",
+        imbalance=1.0,
+        layers=4,
+    )
     assert result["planned_peak_bytes"] > 0 and result["measured_peak_bytes"] > 0
     assert result["compute_ms_per_step"] > 0 and "meaningless" in result["note"]
     # the local shard: 1 of 16 experts per layer, all of it on this rank's dp share, 1/64 of the dense weights

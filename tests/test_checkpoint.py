@@ -99,8 +99,11 @@ def test_keep_last_and_latest_pointer(tmp_path):
         save_checkpoint(tmp_path, 6, model, opt, keep_last=0)
 
 
-@pytest.mark.parametrize("module, fail_in", [(checkpoint_verify, "_crc32"), (checkpoint_dir, "_publish")],
-                         ids=["after the DCP write", "after COMPLETE"])
+@pytest.mark.parametrize(
+    "module, fail_in",
+    [(checkpoint_verify, "_crc32"), (checkpoint_dir, "_publish")],
+    ids=["after the DCP write", "after COMPLETE"],
+)
 def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch, module, fail_in):
     model, opt, sched = _model()
     good = _save(tmp_path, 1, model, opt, sched)

@@ -34,43 +34,52 @@ def one_line_error(capsys, argv: list[str], command: str = "train") -> str:
     return err
 
 
-@pytest.mark.parametrize("setting, expected", [
-    ("train.steps=true", "train.steps (True) must be an integer, not bool"),
-    ("moe.top_k=abc", "moe.top_k ('abc') must be an integer, not str"),
-    ("moe.top_k=2.5", "moe.top_k (2.5) must be an integer"),
-    ("moe.num_experts=16.0", "moe.num_experts (16.0) must be an integer"),
-    ("moe.top_k=[1]", "moe.top_k ([1]) must be an integer"),
-    ("moe.score_func=1", "moe.score_func (1) must be one of 'softmax', 'sigmoid'"),
-    ("moe.capacity_factor=abc", "moe.capacity_factor ('abc') must be a number or null"),
-    ("model.norm_eps=-1", "norm_eps (-1.0) must be finite and > 0"),
-    ("train.lr=NaN", "lr (nan) must be finite and > 0"),
-    ("train.lr=0", "lr (0.0) must be finite and > 0"),
-    ("train.beta2=1", "beta2 (1.0) must be in [0, 1)"),
-    ("parallel.sequence_parallel=1", "parallel.sequence_parallel (1) must be true or false"),
-    ("data.path=3", "data.path (3) must be a string, not int"),
-    ("data.tokenizer=", "data.tokenizer ('') is empty; name 'bytes' or a tokenizers JSON file"),
-])
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ("train.steps=true", "train.steps (True) must be an integer, not bool"),
+        ("moe.top_k=abc", "moe.top_k ('abc') must be an integer, not str"),
+        ("moe.top_k=2.5", "moe.top_k (2.5) must be an integer"),
+        ("moe.num_experts=16.0", "moe.num_experts (16.0) must be an integer"),
+        ("moe.top_k=[1]", "moe.top_k ([1]) must be an integer"),
+        ("moe.score_func=1", "moe.score_func (1) must be one of 'softmax', 'sigmoid'"),
+        ("moe.capacity_factor=abc", "moe.capacity_factor ('abc') must be a number or null"),
+        ("model.norm_eps=-1", "norm_eps (-1.0) must be finite and > 0"),
+        ("train.lr=NaN", "lr (nan) must be finite and > 0"),
+        ("train.lr=0", "lr (0.0) must be finite and > 0"),
+        ("train.beta2=1", "beta2 (1.0) must be in [0, 1)"),
+        ("parallel.sequence_parallel=1", "parallel.sequence_parallel (1) must be true or false"),
+        ("data.path=3", "data.path (3) must be a string, not int"),
+        ("data.tokenizer=", "data.tokenizer ('') is empty; name 'bytes' or a tokenizers JSON file"),
+    ],
+)
 def test_config_values_are_type_and_range_checked(tmp_path, capsys, setting, expected):
     err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--set", setting, "--dry-run"])
     assert expected in err
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--tp", "0"], "--tp (0) must be >= 1"),
-    (["--ep", "0"], "--ep (0) must be >= 1"),
-    (["--dp", "-1"], "--dp (-1) must be >= 1"),
-    (["--lr", "inf"], "lr (inf) must be finite and > 0"),
-    (["--lr", "-3"], "lr (-3.0) must be finite and > 0"),
-    (["--steps", "0"], "steps (0) must be finite and > 0"),
-    (["--out", ""], "--out ('') must name a run directory"),
-    (["--ep", "3"], "num_experts (16) must be divisible by the expert-parallel degree ep (3)"),
-    (["--allow-changes"], "--allow-changes only applies with --resume"),
-    (["--batch-size", "10", "--micro-batch-size", "4"], "per-rank batch (10) must be divisible by micro_batch_size (4)"),
-    (["--batch-size", "10", "--dp", "4"], "global batch (10) must be divisible by the 4 data-parallel ranks"),
-    (["--seq-len", "4096"], "seq_len (4096) exceeds the model's max_seq_len (256)"),
-    (["--seed", str(10**23)], f"seed ({10**23}) must be in [0, 2**63)"),
-    (["--device", "tpu"], "--device ('tpu') must be auto, cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--tp", "0"], "--tp (0) must be >= 1"),
+        (["--ep", "0"], "--ep (0) must be >= 1"),
+        (["--dp", "-1"], "--dp (-1) must be >= 1"),
+        (["--lr", "inf"], "lr (inf) must be finite and > 0"),
+        (["--lr", "-3"], "lr (-3.0) must be finite and > 0"),
+        (["--steps", "0"], "steps (0) must be finite and > 0"),
+        (["--out", ""], "--out ('') must name a run directory"),
+        (["--ep", "3"], "num_experts (16) must be divisible by the expert-parallel degree ep (3)"),
+        (["--allow-changes"], "--allow-changes only applies with --resume"),
+        (
+            ["--batch-size", "10", "--micro-batch-size", "4"],
+            "per-rank batch (10) must be divisible by micro_batch_size (4)",
+        ),
+        (["--batch-size", "10", "--dp", "4"], "global batch (10) must be divisible by the 4 data-parallel ranks"),
+        (["--seq-len", "4096"], "seq_len (4096) exceeds the model's max_seq_len (256)"),
+        (["--seed", str(10**23)], f"seed ({10**23}) must be in [0, 2**63)"),
+        (["--device", "tpu"], "--device ('tpu') must be auto, cpu, cuda or cuda:N"),
+    ],
+)
 def test_bad_train_flags(tmp_path, capsys, argv, expected):
     base = ["train", "--dry-run"] + ([] if "--out" in argv else ["--out", str(tmp_path / "r")])
     assert expected in one_line_error(capsys, base + argv)
@@ -100,11 +109,22 @@ def test_data_file_errors_name_the_file(tmp_path, capsys):
     (tmp_path / "random.npy").write_bytes(os.urandom(700))
     np.save(tmp_path / "objects.npy", np.array([1, "a", None], dtype=object))
     (tmp_path / "dir.npy").mkdir()
-    expected = {"random.npy": "is not a .npy file", "objects.npy": "holds Python objects",
-                "dir.npy": "is a directory"}
+    expected = {"random.npy": "is not a .npy file", "objects.npy": "holds Python objects", "dir.npy": "is a directory"}
     for i, (name, message) in enumerate(expected.items()):
-        err = one_line_error(capsys, ["train", "--out", str(tmp_path / f"r{i}"), "--device", "cpu", "--steps", "1",
-                                      "--data", str(tmp_path / name)])
+        err = one_line_error(
+            capsys,
+            [
+                "train",
+                "--out",
+                str(tmp_path / f"r{i}"),
+                "--device",
+                "cpu",
+                "--steps",
+                "1",
+                "--data",
+                str(tmp_path / name),
+            ],
+        )
         assert message in err and name in err, err
 
 
@@ -136,8 +156,20 @@ def test_the_run_data_and_preset_come_from_the_file_then_set_then_flags(tmp_path
     assert run.model == get_preset("small") and run.init_from is None
     run = build_run_config(_args("--config", str(cfg), "--set", "data.path=b.npy", "--set", "data.tokenizer=t.json"))
     assert (run.data.path, run.data.tokenizer) == ("b.npy", "t.json")
-    run = build_run_config(_args("--config", str(cfg), "--set", "data.path=b.npy", "--data", "c.npy", "--preset",
-                                 "tiny", "--val-data", "markov"))
+    run = build_run_config(
+        _args(
+            "--config",
+            str(cfg),
+            "--set",
+            "data.path=b.npy",
+            "--data",
+            "c.npy",
+            "--preset",
+            "tiny",
+            "--val-data",
+            "markov",
+        )
+    )
     assert (run.preset, run.data.path, run.data.val_path, run.model) == ("tiny", "c.npy", "markov", get_preset("tiny"))
     assert build_run_config(_args()).data == DataConfig()  # the synthetic source
 
@@ -151,14 +183,20 @@ def test_a_config_file_describes_a_whole_run(tmp_path):
     config = json.loads((out / "checkpoints" / "step_000020" / "meta.json").read_text())["config"]
     assert (config["preset"], config["init_from"], config["model"]["num_layers"]) == ("tiny", None, 2)
     # the data section as run, with the fingerprint a resume compares
-    assert config["data"] == {"path": "markov", "val_path": "markov", "tokenizer": "bytes", "vocab_size": 256,
-                              "name": config["data"]["name"]} and config["data"]["name"].startswith("markov(")
+    assert config["data"] == {
+        "path": "markov",
+        "val_path": "markov",
+        "tokenizer": "bytes",
+        "vocab_size": 256,
+        "name": config["data"]["name"],
+    } and config["data"]["name"].startswith("markov(")
 
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_path, capsys):
     out = tmp_path / "r"
-    err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--set",
-                                  "moe.num_experts=1000000000000"])
+    err = one_line_error(
+        capsys, ["train", "--out", str(out), "--device", "cpu", "--set", "moe.num_experts=1000000000000"]
+    )
     assert "7.41e+16 parameters" in err and "moe.num_experts (1000000000000)" in err and "GiB of memory" in err, err
     assert not out.exists() or not any(out.iterdir())
 
@@ -176,8 +214,22 @@ def test_missing_paths_name_symlink_loops(tmp_path, capsys):
 
 def test_val_fraction_names_what_it_leaves_for_training(tmp_path, capsys):
     np.save(tmp_path / "t.npy", np.arange(20000, dtype=np.uint16) % 256)
-    err = one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--steps", "1",
-                                  "--data", str(tmp_path / "t.npy"), "--val-fraction", "0.999"])
+    err = one_line_error(
+        capsys,
+        [
+            "train",
+            "--out",
+            str(tmp_path / "r"),
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--data",
+            str(tmp_path / "t.npy"),
+            "--val-fraction",
+            "0.999",
+        ],
+    )
     assert "leaves 20 of the 20000 tokens" in err and "lower val_fraction" in err, err
 
 
@@ -188,9 +240,11 @@ def test_dispatcher_rbd_without_expert_parallelism_says_so(tmp_path):
 
 def test_plan_and_bench_sizes_are_bounded(capsys):
     assert "--mc-tokens (1000000000) must be <= 262144" in one_line_error(
-        capsys, ["plan", "comm", "--mc-tokens", "1000000000"], "plan")
+        capsys, ["plan", "comm", "--mc-tokens", "1000000000"], "plan"
+    )
     assert "--gpus (1000000000) must be <= 1048576" in one_line_error(
-        capsys, ["plan", "memory", "--gpus", "1000000000"], "plan")
+        capsys, ["plan", "memory", "--gpus", "1000000000"], "plan"
+    )
     err = one_line_error(capsys, ["bench", "--device", "cpu", "--tokens", "100000000000"], "bench")
     assert "--tokens (100000000000) needs at least" in err and "lower --tokens" in err, err
 
@@ -208,13 +262,14 @@ def test_plan_memory_on_a_large_world_is_quick():
 
 def test_plan_and_bench_flags_are_checked(capsys):
     assert "--gpu-mem (-1.0) must be a finite number > 0" in one_line_error(
-        capsys, ["plan", "memory", "--gpu-mem", "-1"], "plan")
+        capsys, ["plan", "memory", "--gpu-mem", "-1"], "plan"
+    )
     assert "--gpus (0) must be >= 1" in one_line_error(capsys, ["plan", "comm", "--gpus", "0"], "plan")
     assert "--inter-bw (0.0) must be a finite number > 0" in one_line_error(
-        capsys, ["plan", "comm", "--inter-bw", "0"], "plan")
+        capsys, ["plan", "comm", "--inter-bw", "0"], "plan"
+    )
     assert "--repeats (0) must be >= 1" in one_line_error(capsys, ["bench", "--repeats", "0"], "bench")
-    assert "--device ('tpu') must be auto, cpu or cuda" in one_line_error(capsys, ["bench", "--device", "tpu"],
-                                                                          "bench")
+    assert "--device ('tpu') must be auto, cpu or cuda" in one_line_error(capsys, ["bench", "--device", "tpu"], "bench")
 
 
 def test_plan_memory_says_which_gpu_it_assumes_and_comm_prints_each_row_once(capsys):
@@ -279,8 +334,24 @@ def test_disk_full_in_the_tensor_data_is_one_line_and_keeps_older_checkpoints(tm
     monkeypatch.setattr(trainer.Trainer, "train_step", train_step)
     monkeypatch.setattr(checkpoint_dir.shutil, "disk_usage", lambda path: usage)
     out = tmp_path / "r"
-    err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--steps", "4", "--ckpt-every", "2",
-                                  "--batch-size", "2", "--seq-len", "16"])
+    err = one_line_error(
+        capsys,
+        [
+            "train",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--steps",
+            "4",
+            "--ckpt-every",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+        ],
+    )
     assert "disk full on the filesystem of" in err and "(3 MiB free)" in err and str(out) in err, err
     assert [s for s, _ in checkpoint_dir.complete_checkpoints(out)] == [2]
     ckpt.read_meta(out / "checkpoints" / "step_000002")  # the older checkpoint is whole
@@ -309,14 +380,24 @@ def test_help_defaults_examples_version_and_usage(capsys):
 
 def test_help_imports_neither_torch_nor_numpy():
     code = "import sys; from xmoe.cli import _parser; _parser(); print('torch' in sys.modules, 'numpy' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ).stdout
     assert out.split() == ["False", "False"]
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "xmoe", "--debug", "train", "--dry-run", "--tp", "0"],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "xmoe", "--debug", "train", "--dry-run", "--tp", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "--tp (0)" in proc.stderr
 
 
@@ -324,8 +405,15 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_postfix_fits_and_keeps_the_most_useful_fields():
-    record = {"loss": 3.21, "tokens_per_s": 12345.0, "tflops": 1.5, "mfu": 0.25, "grad_norm": 0.5, "lr": 1e-3,
-              "mem_bytes": 2**31}
+    record = {
+        "loss": 3.21,
+        "tokens_per_s": 12345.0,
+        "tflops": 1.5,
+        "mfu": 0.25,
+        "grad_norm": 0.5,
+        "lr": 1e-3,
+        "mem_bytes": 2**31,
+    }
     assert fit_postfix(record, 200) == "loss 3.210, 12.3k tok/s, MFU 25.0%, gnorm 0.50, lr 1.0e-03, mem 2.0 GiB"
     assert fit_postfix(record, 30) == "loss 3.210, 12.3k tok/s"
     assert fit_postfix({**record, "mfu": None}, 40) == "loss 3.210, 12.3k tok/s, 1.50 TFLOP/s"

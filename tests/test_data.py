@@ -26,13 +26,18 @@ def _dense_reference(src: MarkovSource):
     for h in range(G):
         for b in range(V):
             joint[b] += pi[h * V + b] * src.probs_CV[h * V + b]
-    bigram = -sum(joint[b, c] * np.log(joint[b, c] / marg[b])
-                  for b in range(V) for c in range(V) if joint[b, c] > 0)
+    bigram = -sum(joint[b, c] * np.log(joint[b, c] / marg[b]) for b in range(V) for c in range(V) if joint[b, c] > 0)
     return T, pi, rate, unigram, bigram
 
 
-@pytest.mark.parametrize("kw", [dict(vocab=12, order=1), dict(vocab=12, buckets=3, branch=2, source_seed=5),
-                                dict(vocab=20, buckets=2, smooth=0.3, alpha=0.5)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(vocab=12, order=1),
+        dict(vocab=12, buckets=3, branch=2, source_seed=5),
+        dict(vocab=20, buckets=2, smooth=0.3, alpha=0.5),
+    ],
+)
 def test_markov_exact_quantities_match_dense_reference(kw):
     src = MarkovSource(**kw)
     T, pi, rate, unigram, bigram = _dense_reference(src)
@@ -94,11 +99,11 @@ def spec(request, tmp_path):
 def test_loader_is_deterministic_and_seeded(spec):
     make = lambda seed: TokenLoader(build_dataset(spec, seq_len=16, seed=seed), global_batch_size=8)  # noqa: E731
     a, b, c = _loader_batches(make(0), 6), _loader_batches(make(0), 6), _loader_batches(make(1), 6)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=False):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
         assert xa.shape == (8, 16) and xa.dtype == torch.int64
         assert torch.equal(xa[:, 1:], ya[:, :-1])
-    assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
+    assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c, strict=False))
 
 
 def test_resume_gives_the_same_next_batches(spec):
@@ -180,12 +185,13 @@ def test_text_round_trips(tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), raw)
     assert not (tmp_path / "t.npy.tmp").exists()
     np.testing.assert_array_equal(build_dataset(str(tmp_path / "t.npy"), seq_len=32).tokens, raw)
-    with pytest.raises(ValueError, match="must end in .npy"):
+    with pytest.raises(ValueError, match=r"must end in \.npy"):
         tokenize_file(str(tmp_path / "t.txt"), str(tmp_path / "t.bin"))
 
 
 def test_hf_tokenizer_text_matches_whole_file_encoding(tmp_path):
     import tokenizers  # a declared test dependency: missing, this test fails rather than skips
+
     words = [f"w{i}" for i in range(300)]
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["[UNK]"] + words)}, "[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

@@ -14,18 +14,18 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 
-import types  # noqa: E402
+import types
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import fp8_reference as R
+import pytest
+import torch
 
-import fp8_reference as R  # noqa: E402
-from xmoe import MoEConfig, MoELayer  # noqa: E402
-from xmoe.dispatch.routing import build_plan  # noqa: E402
-from xmoe.kernels import fp8_quant  # noqa: E402
-from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8  # noqa: E402
-from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd  # noqa: E402
-from xmoe.kernels.fp8_quant import FORMATS, quantize_blocks, quantize_expert_weights, quantize_rows  # noqa: E402
+from xmoe import MoEConfig, MoELayer
+from xmoe.dispatch.routing import build_plan
+from xmoe.kernels import fp8_quant
+from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
+from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd
+from xmoe.kernels.fp8_quant import FORMATS, quantize_blocks, quantize_expert_weights, quantize_rows
 
 FMTS = sorted(FORMATS)
 # rows up to 1e4 in magnitude drive exp(-h1) past fp32's range in the interpreter's numpy (silu is then exactly 0
@@ -102,7 +102,7 @@ def test_quantize_rows_empty_and_nonfinite():
     assert not torch.isfinite(deq[1, :128]).any() and torch.isnan(deq[2, 200])  # non-finite values survive
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[1, :128] = mask[2, 128:256] = False
-    q_ref, s_ref = R.quantize_rows(torch.where(mask, x, 0.0), "e4m3fn")
+    q_ref, _s_ref = R.quantize_rows(torch.where(mask, x, 0.0), "e4m3fn")
     assert torch.equal(q.double()[mask], q_ref[mask])  # every other group as if they were not there
 
 
@@ -138,8 +138,19 @@ def test_up_kernel_matches_float64_of_its_inputs(gather):
     q1, q1t, s1 = quantize_blocks(_weights(E, H, Fd, seed=6), "e4m3fn")
     q3, q3t, s3 = quantize_blocks(_weights(E, H, Fd, seed=7), "e4m3fn")
     tok = plan.token_ids_N if gather else None
-    h1, h3, aq, sa = fp8_swiglu_up_fwd(xq, sx, tok, q1t, q3t, s1.transpose(1, 2), s3.transpose(1, 2),
-                                       plan.tokens_per_expert_E, True, "e4m3fn", torch.float32)
+    h1, h3, aq, sa = fp8_swiglu_up_fwd(
+        xq,
+        sx,
+        tok,
+        q1t,
+        q3t,
+        s1.transpose(1, 2),
+        s3.transpose(1, 2),
+        plan.tokens_per_expert_E,
+        True,
+        "e4m3fn",
+        torch.float32,
+    )
     rows = _deq_rows(xq, sx)
     rows = rows[plan.token_ids_N] if gather else rows
     counts = plan.tokens_per_expert_E
@@ -151,8 +162,9 @@ def test_up_kernel_matches_float64_of_its_inputs(gather):
     q_ref, s_ref = R.quantize_rows(a, "e4m3fn")
     assert ((sa.double() - s_ref).abs() <= 1e-6 * s_ref).all()
     assert (aq.double() != q_ref).double().mean() < 1e-3 and _rel(_deq_rows(aq, sa), _deq_rows(q_ref, s_ref)) < 1e-4
-    h1n, _, aq_n, _ = fp8_swiglu_up_fwd(xq, sx, tok, q1t, q3t, s1.transpose(1, 2), s3.transpose(1, 2), counts,
-                                        False, "e4m3fn", torch.float32)
+    h1n, _, aq_n, _ = fp8_swiglu_up_fwd(
+        xq, sx, tok, q1t, q3t, s1.transpose(1, 2), s3.transpose(1, 2), counts, False, "e4m3fn", torch.float32
+    )
     assert h1n.shape == (0, Fd) and torch.equal(aq_n, aq)
 
 
@@ -173,8 +185,9 @@ def test_grouped_mm_kernel_one_and_two_pairs_and_column_views():
     d3q, d3s = quantize_rows(_rows(N, Fd, seed=12), "e4m3fn")
     q1, _, s1 = quantize_blocks(_weights(E, H, Fd, seed=13), "e4m3fn")
     q3, _, s3 = quantize_blocks(_weights(E, H, Fd, seed=14), "e4m3fn")
-    ref = (R._per_expert(_deq_rows(d1q, d1s), _deq_blocks(q1, s1).transpose(1, 2), counts)
-           + R._per_expert(_deq_rows(d3q, d3s), _deq_blocks(q3, s3).transpose(1, 2), counts))
+    ref = R._per_expert(_deq_rows(d1q, d1s), _deq_blocks(q1, s1).transpose(1, 2), counts) + R._per_expert(
+        _deq_rows(d3q, d3s), _deq_blocks(q3, s3).transpose(1, 2), counts
+    )
     dx = fp8_grouped_mm(d1q, d1s, q1, s1, d3q, d3s, q3, s3, counts, torch.float32)
     assert _rel(dx, ref) < 1e-6
     part = fp8_grouped_mm(d1q, d1s, q1[:, 128:], s1[:, 1:], d3q, d3s, q3[:, 128:], s3[:, 1:], counts, torch.float32)
@@ -191,8 +204,9 @@ def test_swiglu_bwd_kernel_matches_float64(reuse):
     h1, h3 = torch.randn(N, Fd, generator=_gen(18)), torch.randn(N, Fd, generator=_gen(19))
     row_w = torch.rand(N, generator=_gen(20))
     h1_in, h3_in = h1.clone(), h3.clone()
-    dh1, dh3, a_w, grad_w, q1, s1, q3, s3 = fp8_swiglu_down_bwd(gq, sg, tok, q2, s2, h1_in, h3_in, row_w, counts,
-                                                               reuse, "e4m3fn")
+    dh1, dh3, a_w, grad_w, q1, s1, q3, s3 = fp8_swiglu_down_bwd(
+        gq, sg, tok, q2, s2, h1_in, h3_in, row_w, counts, reuse, "e4m3fn"
+    )
     da = R._per_expert(_deq_rows(gq, sg)[tok], _deq_blocks(q2, s2).transpose(1, 2), counts)
     h1d, h3d, w = h1.double(), h3.double(), row_w.double()[:, None]
     sig = torch.sigmoid(h1d)
@@ -214,8 +228,17 @@ def test_swiglu_bwd_kernel_matches_float64(reuse):
 def _fused_call(x, w, plan, w1, w3, w2, g, fmt):
     leaves = [t.clone().requires_grad_() for t in (x, w, w1, w3, w2)]
     qw = quantize_expert_weights(w1, w3, w2, fmt)
-    out = moe_experts_fp8(leaves[0], leaves[1], plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                          plan.tokens_per_expert_E, *leaves[2:], qw, fmt)
+    out = moe_experts_fp8(
+        leaves[0],
+        leaves[1],
+        plan.token_ids_N,
+        plan.slot_ids_N,
+        plan.row_of_slot_TK,
+        plan.tokens_per_expert_E,
+        *leaves[2:],
+        qw,
+        fmt,
+    )
     return [out] + list(torch.autograd.grad(out, leaves, g))
 
 
@@ -236,7 +259,7 @@ def test_fused_fp8_layer_matches_float64_emulation(case):
     got = _fused_call(x, w, plan, w1, w3, w2, g, fmt)
     ref = R.moe_experts_fp8(x, w, plan, w1, w3, w2, g, fmt)
     names = ["out", "dx", "d_weights", "dw1", "dw3", "dw2"]
-    for name, a, b in zip(names, got, ref):
+    for name, a, b in zip(names, got, ref, strict=False):
         assert a.shape == b.shape, name
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
     if capacity is not None:
@@ -258,7 +281,7 @@ def test_grouped_fp8_swiglu_matches_float64_emulation():
     y = grouped_swiglu_fp8(leaves[0], *leaves[1:], counts, quantize_expert_weights(w1, w3, w2, "e4m3fn"), "e4m3fn")
     got = [y] + list(torch.autograd.grad(y, leaves, g))
     out, dx, _, dw1, dw3, dw2 = R.moe_experts_fp8(x, torch.ones(N, 1), plan, w1, w3, w2, g, "e4m3fn")
-    for name, a, b in zip(["y", "dx", "dw1", "dw3", "dw2"], got, [out, dx, dw1, dw3, dw2]):
+    for name, a, b in zip(["y", "dx", "dw1", "dw3", "dw2"], got, [out, dx, dw1, dw3, dw2], strict=False):
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
 
 
@@ -274,8 +297,14 @@ def _layer_grads(layer, x, g):
     out = layer(xx)
     out.backward(g)
     e = layer.experts
-    return {"out": out.detach(), "grad_x": xx.grad, "grad_w1": e.w1.grad, "grad_w3": e.w3.grad, "grad_w2": e.w2.grad,
-            "grad_router": layer.router.weight.grad}
+    return {
+        "out": out.detach(),
+        "grad_x": xx.grad,
+        "grad_w1": e.w1.grad,
+        "grad_w3": e.w3.grad,
+        "grad_w2": e.w2.grad,
+        "grad_router": layer.router.weight.grad,
+    }
 
 
 def test_fp8_layer_close_to_unquantised_layer():
@@ -296,8 +325,9 @@ def test_step_casts_quantise_once_and_accumulate_into_fp32_grads(monkeypatch):
     from xmoe.moe.step import MoEStep
 
     torch.manual_seed(1)
-    layer = MoELayer(MoEConfig(hidden_size=160, ffn_hidden_size=136, num_experts=3, top_k=2, kernel_backend="triton",
-                               fp8="experts"))
+    layer = MoELayer(
+        MoEConfig(hidden_size=160, ffn_hidden_size=136, num_experts=3, top_k=2, kernel_backend="triton", fp8="experts")
+    )
     xs = [torch.randn(12, 160, generator=_gen(35 + i)) for i in range(2)]
     calls = []
     real = fp8_quant.quantize_expert_weights
@@ -306,15 +336,20 @@ def test_step_casts_quantise_once_and_accumulate_into_fp32_grads(monkeypatch):
     for detach in (None, False, True):  # None: outside an optimizer step, quantised per forward
         layer.zero_grad(set_to_none=True)
         calls.clear()
-        step = (MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.float32, detach_casts=bool(detach))
-                if detach is not None else None)
+        step = (
+            MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.float32, detach_casts=bool(detach))
+            if detach is not None
+            else None
+        )
         if step is not None:
             step.__enter__()
             cache = layer.moe_step.casts
             assert len(cache) == 4 and isinstance(cache[3], fp8_quant.Fp8ExpertWeights)
             if detach:  # stand-ins: one element each, the parameters' shapes
-                assert all(c.shape == w.shape and c.untyped_storage().nbytes() == 4
-                           for c, w in zip(cache[:3], (layer.experts.w1, layer.experts.w3, layer.experts.w2)))
+                assert all(
+                    c.shape == w.shape and c.untyped_storage().nbytes() == 4
+                    for c, w in zip(cache[:3], (layer.experts.w1, layer.experts.w3, layer.experts.w2), strict=False)
+                )
             else:
                 assert cache[0] is layer.experts.w1
         for x in xs:
@@ -325,7 +360,7 @@ def test_step_casts_quantise_once_and_accumulate_into_fp32_grads(monkeypatch):
         assert len(calls) == (2 if detach is None else 1)
         grads[detach] = [w.grad.clone() for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2)]
     for detach in (False, True):
-        for a, b in zip(grads[detach], grads[None]):
+        for a, b in zip(grads[detach], grads[None], strict=False):
             assert a.dtype == torch.float32 and _rel(a, b) < 1e-6
 
 
@@ -337,8 +372,19 @@ def test_fp8_ops_trace_under_torch_compile():
 
     def layer(x, w, w1, w3, w2):
         qw = quantize_expert_weights(w1.detach(), w3.detach(), w2.detach(), "e4m3fn")
-        return moe_experts_fp8(x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                               plan.tokens_per_expert_E, w1, w3, w2, qw, "e4m3fn").sum()
+        return moe_experts_fp8(
+            x,
+            w,
+            plan.token_ids_N,
+            plan.slot_ids_N,
+            plan.row_of_slot_TK,
+            plan.tokens_per_expert_E,
+            w1,
+            w3,
+            w2,
+            qw,
+            "e4m3fn",
+        ).sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # fullgraph: no graph break allowed
@@ -347,7 +393,7 @@ def test_fp8_ops_trace_under_torch_compile():
         leaves = [t.clone().requires_grad_() for t in (x, w, w1, w3, w2)]
         out = fn(*leaves)
         results.append([out.detach()] + list(torch.autograd.grad(out, leaves)))
-    for got, want in zip(*results):
+    for got, want in zip(*results, strict=False):
         assert _rel(got, want) < 1e-6
 
 
@@ -360,13 +406,16 @@ def _fake_gpu(monkeypatch, name, major=0, minor=0, arch=None):
     monkeypatch.setattr(torch.version, "hip", "6.2" if arch else None)
 
 
-@pytest.mark.parametrize("name,major,minor,arch,expect", [
-    ("NVIDIA H200", 9, 0, None, "e4m3fn"),
-    ("NVIDIA L40S", 8, 9, None, "e4m3fn"),
-    ("NVIDIA A100-SXM4-80GB", 8, 0, None, "sm_80"),
-    ("AMD Instinct MI300X", 9, 4, "gfx942:sramecc+:xnack-", "e4m3fnuz"),
-    ("AMD Instinct MI250X", 9, 0, "gfx90a:sramecc+:xnack-", "gfx90a"),
-])
+@pytest.mark.parametrize(
+    "name,major,minor,arch,expect",
+    [
+        ("NVIDIA H200", 9, 0, None, "e4m3fn"),
+        ("NVIDIA L40S", 8, 9, None, "e4m3fn"),
+        ("NVIDIA A100-SXM4-80GB", 8, 0, None, "sm_80"),
+        ("AMD Instinct MI300X", 9, 4, "gfx942:sramecc+:xnack-", "e4m3fnuz"),
+        ("AMD Instinct MI250X", 9, 0, "gfx90a:sramecc+:xnack-", "gfx90a"),
+    ],
+)
 def test_fp8_format_by_device_and_refusals(monkeypatch, name, major, minor, arch, expect):
     _fake_gpu(monkeypatch, name, major, minor, arch)
     device = torch.device("cuda", 0)
@@ -379,7 +428,7 @@ def test_fp8_format_by_device_and_refusals(monkeypatch, name, major, minor, arch
 
 def test_fp8_refused_on_cpu_outside_the_interpreter(monkeypatch):
     monkeypatch.setattr(fp8_quant, "interpreting", lambda: False)
-    with pytest.raises(ValueError, match="cpu device has none.*moe.fp8='off'"):
+    with pytest.raises(ValueError, match=r"cpu device has none.*moe.fp8='off'"):
         fp8_quant.fp8_format(torch.device("cpu"))
     layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=2, top_k=1, fp8="experts"))
     with pytest.raises(ValueError, match="FP8 matrix instructions"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_models import FAMILIES, VOCAB, saved_reference
+
 from xmoe.cli import main
 from xmoe.hf import load_pretrained
 from xmoe.model.generate import generate, sample_next
@@ -20,7 +20,7 @@ def test_xmoe_generate_greedy_equals_transformers(family: str, tmp_path, capsys)
     main(["generate", str(tmp_path), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "20", "--ids"])
     ours = [int(t) for t in capsys.readouterr().out.strip().split(",")]
     with torch.no_grad():
-        theirs = ref.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)[0, len(PROMPT):].tolist()
+        theirs = ref.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False)[0, len(PROMPT) :].tolist()
     assert ours == theirs
     assert len(ours) == 20 or ours[-1] == ref.config.eos_token_id
 
@@ -60,10 +60,15 @@ def test_top_p_draws_from_the_renormalised_nucleus() -> None:
     assert abs(freq[0].item() - 5 / 8) < 0.03
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(max_new_tokens=-1), "max_new_tokens"), (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(max_new_tokens=100), "max_seq_len"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_new_tokens=100), "max_seq_len"),
+    ],
+)
 def test_bad_generation_arguments_raise(kw: dict, match: str, tmp_path) -> None:
     saved_reference("mixtral", tmp_path)
     model = load_pretrained(tmp_path, max_seq_len=32)

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
+from hf_models import FAMILIES, VOCAB, build_reference, load_reference, rel_err, saved_reference
 from safetensors.torch import load_file, save_file
 
-from hf_models import FAMILIES, VOCAB, build_reference, load_reference, rel_err, saved_reference
 from xmoe.hf import load_pretrained, save_pretrained
 from xmoe.hf.families import model_config_from_hf
 
@@ -30,7 +30,7 @@ def tokens(batch: int = 2, seq: int = 19, seed: int = 0) -> torch.Tensor:
 
 
 def test_imported_logits_match_transformers(family_dir) -> None:
-    family, directory, ref = family_dir
+    _family, directory, ref = family_dir
     model = load_pretrained(directory)
     x = tokens()
     with torch.no_grad():
@@ -38,7 +38,7 @@ def test_imported_logits_match_transformers(family_dir) -> None:
 
 
 def test_exported_checkpoint_loads_in_transformers_with_the_same_logits(family_dir, tmp_path) -> None:
-    family, directory, ref = family_dir
+    _family, directory, ref = family_dir
     save_pretrained(load_pretrained(directory), tmp_path)
     back = load_reference(tmp_path)
     assert type(back) is type(ref)
@@ -74,24 +74,40 @@ def test_a_rank_reads_only_its_experts(tmp_path) -> None:
     kept = {k: v for k, v in tensors.items() if ".experts.0." not in k and ".experts.1." not in k}
     save_file(kept, tmp_path / "model.safetensors", metadata={"format": "pt"})
     part = load_pretrained(tmp_path, experts=range(2, 4))
-    for a, b in zip(full.moe_layers(), part.moe_layers()):
+    for a, b in zip(full.moe_layers(), part.moe_layers(), strict=False):
         for w in ("w1", "w3", "w2"):
             assert torch.equal(getattr(a.experts, w)[2:], getattr(b.experts, w)[2:])
     with pytest.raises(ValueError, match="missing"):
         load_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(model_type="llama"), "model_type"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}), "rope_parameters.rope_type"),
-    (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "original_max_position"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 1.5,
-                           "original_max_position_embeddings": 16}), "attention_factor"),
-    (dict(clip_qkv=8.0), "clip_qkv"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(attention_bias=True), "attention_bias"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(model_type="llama"), "model_type"),
+        (
+            dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}),
+            "rope_parameters.rope_type",
+        ),
+        (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "original_max_position"),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 4.0,
+                    "attention_factor": 1.5,
+                    "original_max_position_embeddings": 16,
+                }
+            ),
+            "attention_factor",
+        ),
+        (dict(clip_qkv=8.0), "clip_qkv"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+    ],
+)
 def test_unsupported_fields_are_refused_by_name(change: dict, field: str) -> None:
     hf = build_reference("olmoe").config.to_dict()
     hf.update(change)
@@ -102,7 +118,7 @@ def test_unsupported_fields_are_refused_by_name(change: dict, field: str) -> Non
 def test_export_refuses_a_model_the_family_cannot_express(tmp_path) -> None:
     saved_reference("qwen3_moe", tmp_path / "q")
     model = load_pretrained(tmp_path / "q")
-    with pytest.raises(ValueError, match="mixtral.*qk_norm"):
+    with pytest.raises(ValueError, match=r"mixtral.*qk_norm"):
         save_pretrained(model, tmp_path / "out", family="mixtral")
 
 
@@ -112,19 +128,34 @@ def _edit_config(directory, drop: str = "", **values) -> None:
     (directory / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("damage, file, message", [
-    (lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'), "model.safetensors.index.json",
-     "has no weight_map"),
-    (lambda d: (d / "model.safetensors.index.json").write_text("{not json"), "model.safetensors.index.json",
-     "is not valid JSON"),
-    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:3000]),
-     "model.safetensors", "is not a readable safetensors file"),
-    (lambda d: (d / "model.safetensors").write_bytes(bytes(64)), "model.safetensors",
-     "is not a readable safetensors file"),
-    (lambda d: _edit_config(d, hidden_size="32"), "config.json", "numbers written as strings (hidden_size: '32')"),
-    (lambda d: (d / "config.json").write_text("{corrupt"), "config.json", "is not valid JSON"),
-    (lambda d: _edit_config(d, drop="num_hidden_layers"), "config.json", "lacks the field 'num_hidden_layers'"),
-])
+@pytest.mark.parametrize(
+    "damage, file, message",
+    [
+        (
+            lambda d: (d / "model.safetensors.index.json").write_text('{"metadata": {}}'),
+            "model.safetensors.index.json",
+            "has no weight_map",
+        ),
+        (
+            lambda d: (d / "model.safetensors.index.json").write_text("{not json"),
+            "model.safetensors.index.json",
+            "is not valid JSON",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:3000]),
+            "model.safetensors",
+            "is not a readable safetensors file",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes(bytes(64)),
+            "model.safetensors",
+            "is not a readable safetensors file",
+        ),
+        (lambda d: _edit_config(d, hidden_size="32"), "config.json", "numbers written as strings (hidden_size: '32')"),
+        (lambda d: (d / "config.json").write_text("{corrupt"), "config.json", "is not valid JSON"),
+        (lambda d: _edit_config(d, drop="num_hidden_layers"), "config.json", "lacks the field 'num_hidden_layers'"),
+    ],
+)
 def test_damaged_model_files_are_named(tmp_path, damage, file, message) -> None:
     saved_reference("mixtral", tmp_path)
     damage(tmp_path)
@@ -149,8 +180,10 @@ def test_bf16_import_keeps_weights_close(tmp_path) -> None:
 
 
 def test_xmoe_never_imports_transformers() -> None:
-    code = ("import sys, xmoe, xmoe.hf, xmoe.cli, xmoe.infer, xmoe.model.generate, xmoe.train.trainer; "
-            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    code = (
+        "import sys, xmoe, xmoe.hf, xmoe.cli, xmoe.infer, xmoe.model.generate, xmoe.train.trainer; "
+        "assert 'transformers' not in sys.modules, 'transformers imported'"
+    )
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
@@ -179,15 +212,26 @@ def test_export_refuses_a_score_bias_the_family_cannot_store(tmp_path) -> None:
         save_pretrained(model, tmp_path / "out")
 
 
-@pytest.mark.parametrize("family, yarn", [
-    ("deepseek_v3", dict(factor=4.0, original_max_position_embeddings=8, beta_fast=32, beta_slow=1, mscale=1.0,
-                         mscale_all_dim=0.707)),  # DeepSeek-V2-Lite's mscale pair: cos/sin and softmax rescaled
-    ("deepseek_v2", dict(factor=4.0, original_max_position_embeddings=8, mscale=0.707, mscale_all_dim=0.707)),
-    ("qwen3_moe", dict(factor=3.0, original_max_position_embeddings=6)),  # magnitude 0.1 ln(factor) + 1
-])
+@pytest.mark.parametrize(
+    "family, yarn",
+    [
+        (
+            "deepseek_v3",
+            dict(
+                factor=4.0,
+                original_max_position_embeddings=8,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=0.707,
+            ),
+        ),  # DeepSeek-V2-Lite's mscale pair: cos/sin and softmax rescaled
+        ("deepseek_v2", dict(factor=4.0, original_max_position_embeddings=8, mscale=0.707, mscale_all_dim=0.707)),
+        ("qwen3_moe", dict(factor=3.0, original_max_position_embeddings=6)),  # magnitude 0.1 ln(factor) + 1
+    ],
+)
 def test_yarn_rotary_matches_transformers_past_the_original_context(family: str, yarn: dict, tmp_path) -> None:
     import transformers
-
     from hf_models import hf_config
 
     cfg = hf_config(family)

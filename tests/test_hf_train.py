@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hf_models import FAMILIES, VOCAB, load_reference, rel_err, saved_reference
+
 from xmoe.cli import main
 from xmoe.infer import load_source
 from xmoe.train.data import TokenLoader, build_dataset
@@ -34,8 +34,24 @@ def token_file(tmp_path: Path, n: int = 4000) -> Path:
 
 
 def init_args(hf_dir: Path, data: Path, run: Path, *extra: str) -> list[str]:
-    return ["train", "--init-from", str(hf_dir), "--data", str(data), "--out", str(run), "--device", "cpu",
-            "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--log-every", "1", *extra]
+    return [
+        "train",
+        "--init-from",
+        str(hf_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(run),
+        "--device",
+        "cpu",
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        str(BATCH),
+        "--log-every",
+        "1",
+        *extra,
+    ]
 
 
 def first_batch_loss(ref, data: Path) -> float:
@@ -68,8 +84,25 @@ def test_eval_reports_loss_perplexity_and_bits_per_byte(tmp_path, capsys) -> Non
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     run = tmp_path / "run"
-    main(["train", "--out", str(run), "--device", "cpu", "--data", str(text), "--steps", "2", "--ckpt-every", "2",
-          "--seq-len", "32", "--batch-size", "4"])
+    main(
+        [
+            "train",
+            "--out",
+            str(run),
+            "--device",
+            "cpu",
+            "--data",
+            str(text),
+            "--steps",
+            "2",
+            "--ckpt-every",
+            "2",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+        ]
+    )
     capsys.readouterr()
     main(["eval", str(run), "--data", str(text), "--seq-len", "32", "--batch-size", "3"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -92,15 +125,32 @@ def test_eval_reports_loss_perplexity_and_bits_per_byte(tmp_path, capsys) -> Non
 def test_validation_during_training(tmp_path) -> None:
     saved_reference("olmoe", tmp_path / "hf")
     data, run = token_file(tmp_path), tmp_path / "run"
-    main(init_args(tmp_path / "hf", data, run, "--steps", "4", "--val-fraction", "0.25", "--eval-every", "2",
-                   "--set", "train.val_windows=0", "--ckpt-every", "4", "--log-every", "3"))
+    main(
+        init_args(
+            tmp_path / "hf",
+            data,
+            run,
+            "--steps",
+            "4",
+            "--val-fraction",
+            "0.25",
+            "--eval-every",
+            "2",
+            "--set",
+            "train.val_windows=0",
+            "--ckpt-every",
+            "4",
+            "--log-every",
+            "3",
+        )
+    )
     val = {r["step"]: r["val_loss"] for r in records(run) if "val_loss" in r}
     assert sorted(val) == [2, 4]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_val_loss"] == val[4] and summary["best_val_loss"] == min(val.values())
     # direct: the final model on the last quarter of the tokens, consecutive windows
     model, _, _ = load_source(str(run))
-    held = np.load(data)[int(4000 * 0.75):]
+    held = np.load(data)[int(4000 * 0.75) :]
     n = (len(held) - 1) // SEQ
     windows = torch.from_numpy(np.stack([held[i * SEQ : i * SEQ + SEQ + 1] for i in range(n)]))
     with torch.no_grad():
@@ -114,13 +164,21 @@ def test_imported_model_under_expert_parallelism_gives_the_single_process_losses
     data = token_file(tmp_path)
     args = ["--steps", "3", "--ckpt-every", "100", "--val-fraction", "0.1"]
     main(init_args(tmp_path / "hf", data, tmp_path / "single", *args))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "xmoe",
-           *init_args(tmp_path / "hf", data, tmp_path / "ep", "--ep", "2", *args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "xmoe",
+        *init_args(tmp_path / "hf", data, tmp_path / "ep", "--ep", "2", *args),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     single, ep = records(tmp_path / "single"), records(tmp_path / "ep")
-    for a, b in zip(single, ep):
+    for a, b in zip(single, ep, strict=False):
         for key in ("loss", "val_loss"):
             if key in a:
                 assert abs(a[key] - b[key]) < 1e-5 * a[key], (key, a, b)
@@ -129,16 +187,34 @@ def test_imported_model_under_expert_parallelism_gives_the_single_process_losses
 def test_two_sources_of_validation_data_are_refused(tmp_path, capsys) -> None:
     data = token_file(tmp_path)
     with pytest.raises(SystemExit):
-        main(["train", "--out", str(tmp_path / "r"), "--device", "cpu", "--data", str(data), "--val-data",
-              str(data), "--val-fraction", "0.1", "--steps", "1", "--set", "model.vocab_size=61"])
+        main(
+            [
+                "train",
+                "--out",
+                str(tmp_path / "r"),
+                "--device",
+                "cpu",
+                "--data",
+                str(data),
+                "--val-data",
+                str(data),
+                "--val-fraction",
+                "0.1",
+                "--steps",
+                "1",
+                "--set",
+                "model.vocab_size=61",
+            ]
+        )
     assert "val_fraction (0.1)" in capsys.readouterr().err
 
 
 def test_a_tokenizer_json_travels_from_import_to_generate_and_eval(tmp_path, capsys) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     words = [f"w{i}" for i in range(VOCAB - 1)]
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}},
-                                                           unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
     saved_reference("mixtral", tmp_path / "hf")
@@ -179,8 +255,19 @@ def imported_run(tmp_path) -> Path:
     """A run trained for 2 steps from a qwen3_moe directory, one checkpoint per step (keep_last 1)."""
     saved_reference("qwen3_moe", tmp_path / "hf")
     run = tmp_path / "run"
-    main(init_args(tmp_path / "hf", token_file(tmp_path), run, "--steps", "2", "--ckpt-every", "1",
-                   "--set", "train.keep_last=1"))
+    main(
+        init_args(
+            tmp_path / "hf",
+            token_file(tmp_path),
+            run,
+            "--steps",
+            "2",
+            "--ckpt-every",
+            "1",
+            "--set",
+            "train.keep_last=1",
+        )
+    )
     return run
 
 
@@ -225,7 +312,7 @@ def test_a_checkpoint_being_read_is_not_pruned_by_the_running_trainer(imported_r
     assert newest.is_dir()  # pinned: pruning left it for a later save
     monkeypatch.undo()
     reference, _, _ = load_source(str(run), step=2)
-    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=False):
         assert torch.equal(a, b), name
 
 
@@ -253,16 +340,21 @@ def test_eval_and_generate_flags_are_checked(imported_run, capsys):
     run = str(imported_run)
     if not torch.cuda.is_available():
         assert "--device cuda was asked for but" in one_line_error(
-            capsys, ["eval", run, "--data", "markov", "--device", "cuda"])
+            capsys, ["eval", run, "--data", "markov", "--device", "cuda"]
+        )
     assert "--device ('tpu') must be auto, cpu, cuda or cuda:N" in one_line_error(
-        capsys, ["generate", run, "--prompt", "x", "--device", "tpu"])
+        capsys, ["generate", run, "--prompt", "x", "--device", "tpu"]
+    )
     assert "--max-windows (-1) must be >= 0" in one_line_error(
-        capsys, ["eval", run, "--data", "markov", "--max-windows", "-1"])
+        capsys, ["eval", run, "--data", "markov", "--max-windows", "-1"]
+    )
     assert "--prompt is empty" in one_line_error(capsys, ["generate", run, "--prompt", ""])
     assert "--seed (100000000000000000000000) must be in [0, 2**63)" in one_line_error(
-        capsys, ["generate", run, "--prompt", "x", "--seed", "100000000000000000000000"])
+        capsys, ["generate", run, "--prompt", "x", "--seed", "100000000000000000000000"]
+    )
     assert "--max-shard-gb (0) must be a number of GiB > 0" in one_line_error(
-        capsys, ["export", run, "--hf", str(imported_run.parent / "o"), "--max-shard-gb", "0"])
+        capsys, ["export", run, "--hf", str(imported_run.parent / "o"), "--max-shard-gb", "0"]
+    )
     (imported_run / "hf_config.json").write_text("{corrupt")
     err = one_line_error(capsys, ["eval", run, "--data", "markov", "--seq-len", "8"])
     assert f"{imported_run / 'hf_config.json'} is not valid JSON" in err, err
@@ -282,8 +374,9 @@ def test_init_from_refuses_a_preset_and_unasked_architecture_changes(tmp_path, c
     err = one_line_error(capsys, init_args(tmp_path / "hf", data, run, "--set", "model.num_layers=2"))
     assert "model.num_layers: imported 3, now 2" in err and "--allow-changes" in err, err
     titles = []
-    monkeypatch.setattr(metrics.MetricsLogger, "_plot", lambda self, losses, lines, title, val=None:
-                        titles.append(title))
+    monkeypatch.setattr(
+        metrics.MetricsLogger, "_plot", lambda self, losses, lines, title, val=None: titles.append(title)
+    )
     main(init_args(tmp_path / "hf", data, run, "--steps", "1", "--set", "model.num_layers=2", "--allow-changes"))
     out = capsys.readouterr().out
     assert "--allow-changes: training the imported model with model.num_layers: imported 3, now 2" in out

@@ -11,22 +11,22 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 
-import gc  # noqa: E402
-import json  # noqa: E402
-import weakref  # noqa: E402
+import gc
+import json
+import weakref
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="the Triton backend needs the triton package (pip install triton)")
 
-from test_triton_kernels import _check_wgrad, _inputs, _loop_reference, _rel, _routing, _wgrad_inputs  # noqa: E402
+from test_triton_kernels import _check_wgrad, _inputs, _loop_reference, _rel, _routing, _wgrad_inputs
 
-from xmoe.kernels import get_ops, tiles  # noqa: E402
-from xmoe.kernels.grouped_wgrad import grouped_wgrad  # noqa: E402
-from xmoe.kernels.tiles import TileConfig  # noqa: E402
-from xmoe.dispatch.routing import build_plan  # noqa: E402
+from xmoe.dispatch.routing import build_plan
+from xmoe.kernels import get_ops, tiles
+from xmoe.kernels.grouped_wgrad import grouped_wgrad
+from xmoe.kernels.tiles import TileConfig
 
 tops = get_ops("triton", torch.device("cpu"))
 
@@ -41,8 +41,15 @@ CLASSES = {
 
 def _fused(x, w, w1, w3, w2, plan, grad_out):
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w1, w3, w2)]
-    out = tops.moe_experts(leaves[0], leaves[1], plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                           plan.tokens_per_expert_E, *leaves[2:])
+    out = tops.moe_experts(
+        leaves[0],
+        leaves[1],
+        plan.token_ids_N,
+        plan.slot_ids_N,
+        plan.row_of_slot_TK,
+        plan.tokens_per_expert_E,
+        *leaves[2:],
+    )
     return [out] + list(torch.autograd.grad(out, leaves, grad_out))
 
 
@@ -62,7 +69,7 @@ def test_fused_layer_per_tile_class(cls):
     ref = [ref_out] + list(torch.autograd.grad(ref_out, leaves64, grad_out.double()))
     with tiles.force(CLASSES[cls]):
         got = _fused(x, w, w1, w3, w2, plan, grad_out)
-    for name, g, r in zip(["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"], got, ref):
+    for name, g, r in zip(["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"], got, ref, strict=False):
         assert _rel(g, r) < 1e-5, (cls, name, _rel(g, r))
 
 
@@ -76,7 +83,7 @@ def test_lean_backward_with_drops_matches_float64_and_is_deterministic():
     lean = [_fused(x, w, w1, w3, w2, plan, grad_out) for _ in range(2)]
     ref_out, leaves64 = _loop_reference(x, w, w1, w3, w2, ids, plan.row_of_slot_TK)
     ref = [ref_out] + list(torch.autograd.grad(ref_out, leaves64, grad_out.double()))
-    for a, b, r in zip(lean[0], lean[1], ref):
+    for a, b, r in zip(lean[0], lean[1], ref, strict=False):
         assert torch.equal(a, b)  # bitwise, run to run
         assert _rel(a, r) < 1e-5
 
@@ -87,8 +94,9 @@ def test_second_backward_through_overwritten_saves_fails_loudly():
     ids, scores = _routing(T, E, K, seed=8)
     plan = build_plan(ids, scores, E)
     x, w, w1, w3, w2 = [t.requires_grad_() for t in _inputs(T, H, Fd, E, K, seed=8)]
-    out = tops.moe_experts(x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E,
-                           w1, w3, w2).sum()
+    out = tops.moe_experts(
+        x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E, w1, w3, w2
+    ).sum()
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="inplace"):
         out.backward()
@@ -205,8 +213,11 @@ class _LiveBytes(TorchDispatchMode):
         for ptr, ref in list(self.tracked.items()):
             if ref() is None:
                 del self.tracked[ptr]
-        return sum(ref().untyped_storage().nbytes() for ref in self.tracked.values()
-                   if tuple(ref().shape) not in self.skip_shapes)
+        return sum(
+            ref().untyped_storage().nbytes()
+            for ref in self.tracked.values()
+            if tuple(ref().shape) not in self.skip_shapes
+        )
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -231,8 +242,15 @@ def _backward_transient():
     leaves = [t.requires_grad_() for t in _inputs(T, H, Fd, E, K, seed=13)]
     grad_out = torch.randn(T, H)
     with _LiveBytes({(E, H, Fd), (E, Fd, H)}) as mem:
-        out = tops.moe_experts(leaves[0], leaves[1], plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                               plan.tokens_per_expert_E, *leaves[2:])
+        out = tops.moe_experts(
+            leaves[0],
+            leaves[1],
+            plan.token_ids_N,
+            plan.slot_ids_N,
+            plan.row_of_slot_TK,
+            plan.tokens_per_expert_E,
+            *leaves[2:],
+        )
         gc.collect()
         mem.peak = start = mem.live()
         torch.autograd.grad(out, leaves, grad_out)
@@ -256,8 +274,9 @@ def _cpu_grouped_mm_wgrad_runs():
         return False
 
 
-needs_cpu_grouped_mm = pytest.mark.skipif(not _cpu_grouped_mm_wgrad_runs(),
-                                          reason="this torch build has no CPU torch._grouped_mm for 2-D operands")
+needs_cpu_grouped_mm = pytest.mark.skipif(
+    not _cpu_grouped_mm_wgrad_runs(), reason="this torch build has no CPU torch._grouped_mm for 2-D operands"
+)
 
 
 def test_wgrad_engine_rules():
@@ -271,7 +290,7 @@ def test_wgrad_engine_rules():
         assert wgrad_engine(x, 64, 8, 16, 20) == "triton"
         assert wgrad_engine(x, 0, 8, 16, 16) == "triton"  # no rows
         assert wgrad_engine(x.half(), 64, 8, 16, 16) == "triton"  # fp16: torch._grouped_mm takes bf16 (and CPU fp32)
-    with pytest.raises(ValueError, match="kernels.wgrad \\('cutlass'\\) must be one of 'auto', 'triton', 'grouped_mm'"):
+    with pytest.raises(ValueError, match=r"kernels\.wgrad \('cutlass'\) must be one of 'auto', 'triton', 'grouped_mm'"):
         with tiles.use_options(wgrad="cutlass"):
             pass
 
@@ -300,7 +319,7 @@ def test_grouped_mm_wgrad_engine_matches_float64(path, monkeypatch):
     with tiles.use_options(wgrad="grouped_mm"):
         got = _run(tops, path, x, w, w1, w3, w2, plan, grad_out)
     assert len(calls) == 3  # dW2, dW1, dW3
-    for name, g, r in zip(["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"], got, ref):
+    for name, g, r in zip(["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"], got, ref, strict=False):
         assert _rel(g, r) < 1e-5, (path, name, _rel(g, r))
     for e in (1, 4, 6):  # experts with no rows get exact zeros
         assert torch.count_nonzero(got[3][e]) == 0 and torch.count_nonzero(got[5][e]) == 0

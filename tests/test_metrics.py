@@ -1,7 +1,7 @@
 """FLOP formulas against independent counts, MFU lookup, helpers, and MetricsLogger files/resume."""
 
-import io
 import importlib.util
+import io
 import json
 import math
 
@@ -19,9 +19,20 @@ from xmoe.train.metrics import MetricsLogger, format_progress, load_imbalance, p
 
 
 def _tiny_dims(**kw):
-    base = dict(hidden_size=8, num_layers=3, num_moe_layers=2, num_heads=2, vocab_size=11, seq_len=5,
-                num_experts=4, top_k=2, expert_ffn_size=6, dense_ffn_size=12, num_shared_experts=1,
-                num_kv_heads=1)
+    base = dict(
+        hidden_size=8,
+        num_layers=3,
+        num_moe_layers=2,
+        num_heads=2,
+        vocab_size=11,
+        seq_len=5,
+        num_experts=4,
+        top_k=2,
+        expert_ffn_size=6,
+        dense_ffn_size=12,
+        num_shared_experts=1,
+        num_kv_heads=1,
+    )
     base.update(kw)
     return FlopDims(**base)
 
@@ -109,8 +120,18 @@ def test_forward_macs_by_hand():
 def test_paper_formula_small_preset():
     # Small preset: seq 2048, hidden 2048, ffn 1408, 16 heads (head_dim 128), 64 experts, top-6, 28 layers.
     vocab = 32000  # not given with the preset; any value, counted once
-    d = FlopDims(hidden_size=2048, num_layers=28, num_moe_layers=28, num_heads=16, vocab_size=vocab,
-                 seq_len=2048, num_experts=64, top_k=6, expert_ffn_size=1408, dense_ffn_size=1)
+    d = FlopDims(
+        hidden_size=2048,
+        num_layers=28,
+        num_moe_layers=28,
+        num_heads=16,
+        vocab_size=vocab,
+        seq_len=2048,
+        num_experts=64,
+        top_k=6,
+        expert_ffn_size=1408,
+        dense_ffn_size=1,
+    )
     per_token_layer = 4 * 2048**2 + 2 * 128 * 16 * 2048 + 2 * 1408 * 2048 * 6
     assert per_token_layer == 59_768_832
     flops = paper_train_flops(d, num_sequences=4)
@@ -125,8 +146,14 @@ def test_paper_formula_small_preset():
 def test_flop_dims_from_model_config():
     from xmoe.config import ModelConfig, MoEConfig
 
-    cfg = ModelConfig(vocab_size=50, hidden_size=16, num_layers=4, num_heads=2, first_k_dense=1,
-                      moe=MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, num_shared_experts=1))
+    cfg = ModelConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_layers=4,
+        num_heads=2,
+        first_k_dense=1,
+        moe=MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, num_shared_experts=1),
+    )
     d = FlopDims.from_model_config(cfg, seq_len=32)
     assert (d.num_moe_layers, d.head_dim, d.num_kv_heads, d.dense_ffn_size) == (3, 8, 2, cfg.ffn_hidden_size)
 
@@ -134,9 +161,15 @@ def test_flop_dims_from_model_config():
 def test_peak_flops_table(monkeypatch):
     assert metrics.peak_flops("cpu") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name, peak in [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                       ("NVIDIA A100-SXM4-80GB", 312e12), ("AMD Instinct MI250X", 191.5e12),
-                       ("AMD Instinct MI300X", 1307e12), ("NVIDIA GeForce GTX 1080", None)]:
+    for name, peak in [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("AMD Instinct MI250X", 191.5e12),
+        ("AMD Instinct MI300X", 1307e12),
+        ("NVIDIA GeForce GTX 1080", None),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         assert metrics.peak_flops() == peak, name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
@@ -149,8 +182,15 @@ def test_helpers():
     assert load_imbalance(torch.zeros(4)) == 1.0
     assert load_imbalance(torch.tensor([[2, 2], [3, 1]])) == 1.5  # worst layer
     assert peak_memory_bytes("cpu") > 10 * 2**20  # a process with torch loaded holds > 10 MiB
-    values = dict(loss=3.2141, aux_loss=0.01, lr=2.9e-3, tokens_per_s=12_345.0, tflops=0.05,
-                  mem_bytes=1.2 * 2**30, imbalance=1.3111)
+    values = dict(
+        loss=3.2141,
+        aux_loss=0.01,
+        lr=2.9e-3,
+        tokens_per_s=12_345.0,
+        tflops=0.05,
+        mem_bytes=1.2 * 2**30,
+        imbalance=1.3111,
+    )
     assert format_progress(40, 300, values) == (
         "step 40/300 | loss 3.214 | aux 0.010 | lr 2.9e-03 | 12.3k tok/s | 0.05 TFLOP/s | mem 1.2 GiB | imbalance 1.31"
     )
@@ -171,7 +211,9 @@ def test_logger_writes_jsonl_plot_and_summary(tmp_path):
     assert summary["final_loss"] == 1.5 and summary["best_loss"] == 1.5 and summary["steps"] == 5
     assert summary["mean_tokens_per_s"] == 3500.0  # first record (start-up) excluded
     assert json.loads((tmp_path / "summary.json").read_text())["references"] == {
-        "floor (entropy rate)": 1.0, "baseline (unigram entropy)": 3.5}
+        "floor (entropy rate)": 1.0,
+        "baseline (unigram entropy)": 3.5,
+    }
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "summary:" in out.getvalue()
 
@@ -207,11 +249,11 @@ def test_logger_other_ranks_and_tqdm(tmp_path, capsys):
 def test_tensorboard_optional(tmp_path):
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.warns(UserWarning, match="pip install tensorboard"):
-            log = MetricsLogger(tmp_path, rank=0, total_steps=2, tensorboard=True, progress_bar=False,
-                                stream=io.StringIO())
+            log = MetricsLogger(
+                tmp_path, rank=0, total_steps=2, tensorboard=True, progress_bar=False, stream=io.StringIO()
+            )
     else:
-        log = MetricsLogger(tmp_path, rank=0, total_steps=2, tensorboard=True, progress_bar=False,
-                            stream=io.StringIO())
+        log = MetricsLogger(tmp_path, rank=0, total_steps=2, tensorboard=True, progress_bar=False, stream=io.StringIO())
     log.log(1, loss=math.nan)  # NaN losses still log (as JSON NaN) and do not break the summary
     assert math.isnan(_read(tmp_path / "metrics.jsonl")[0]["loss"])
     assert log.finish()["best_loss"] is None

@@ -14,9 +14,8 @@ from xmoe.model.counting import count_params
 from xmoe.model.presets import tiny
 from xmoe.model.transformer import IGNORE_INDEX, Transformer, apply_rotary, rope_tables
 
-def small_cfg(
-    *, layers: int = 2, dense: int | None = None, shared: int = 0, tied: bool = False
-) -> ModelConfig:
+
+def small_cfg(*, layers: int = 2, dense: int | None = None, shared: int = 0, tied: bool = False) -> ModelConfig:
     """A few-thousand-parameter model; ``dense`` = first_k_dense (default: all layers dense)."""
     return ModelConfig(
         vocab_size=61,  # odd on purpose: no shape may assume a power of two
@@ -86,9 +85,7 @@ def reference_forward(model: Transformer, tokens_BS: torch.Tensor) -> torch.Tens
     for i in range(cfg.num_layers):
         pre = f"layers.{i}."
         h = rms(x, p[pre + "attn_norm.weight"])
-        q, k, v = (
-            (h @ p[pre + f"attn.{n}.weight"].T).unflatten(-1, (cfg.num_heads, D)) for n in ("wq", "wk", "wv")
-        )
+        q, k, v = ((h @ p[pre + f"attn.{n}.weight"].T).unflatten(-1, (cfg.num_heads, D)) for n in ("wq", "wk", "wv"))
         q, k = rope(q), rope(k)
         scores_BNSS = torch.einsum("bsnd,btnd->bnst", q, k) / math.sqrt(D)
         attn_BNSS = scores_BNSS.masked_fill(~mask_SS, float("-inf")).softmax(-1)
@@ -105,7 +102,7 @@ def test_forward_matches_float64_reference() -> None:
     model = Transformer(cfg)
     # Larger-than-default weights so attention is far from uniform and rotary errors would show.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.3)
     tokens = rand_tokens(cfg, 3, 19)
@@ -148,9 +145,7 @@ def test_causal_masking(dense: int | None) -> None:
 # --- initialisation and meta-device build ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "kw", [dict(layers=2, tied=True), dict(layers=3, dense=1, shared=1)]
-)
+@pytest.mark.parametrize("kw", [dict(layers=2, tied=True), dict(layers=3, dense=1, shared=1)])
 def test_meta_build_then_init_is_deterministic(kw: dict) -> None:
     cfg = small_cfg(**kw)
     models = []
@@ -182,8 +177,13 @@ def test_meta_build_then_init_is_deterministic(kw: dict) -> None:
 
 
 def test_init_follows_stated_rule() -> None:
-    cfg = dataclasses.replace(small_cfg(layers=4), hidden_size=256, num_heads=4, ffn_hidden_size=512,
-                              moe=MoEConfig(hidden_size=256, ffn_hidden_size=16, num_experts=6, top_k=2))
+    cfg = dataclasses.replace(
+        small_cfg(layers=4),
+        hidden_size=256,
+        num_heads=4,
+        ffn_hidden_size=512,
+        moe=MoEConfig(hidden_size=256, ffn_hidden_size=16, num_experts=6, top_k=2),
+    )
     model = Transformer(cfg)
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
     for block in model.layers:
@@ -234,7 +234,7 @@ def test_chunked_loss_matches_unchunked_value_and_gradients() -> None:
     a.backward()
     b.backward()
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
-    for (name, pa), pb in zip(plain.named_parameters(), chunked.parameters()):
+    for (name, pa), pb in zip(plain.named_parameters(), chunked.parameters(), strict=False):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from moe_reference import layer_params, reference_forward
+
 from xmoe.config import MoEConfig
 from xmoe.dispatch.routing import build_plan
 from xmoe.moe.layer import MoELayer
@@ -145,8 +145,7 @@ def test_dropless_plan_is_a_permutation():
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
 def test_padded_baseline_equals_pft(capacity_factor):
     pft = make_layer(num_shared_experts=1, capacity_factor=capacity_factor, aux_loss_coef=0.01)
-    padded = make_layer(num_shared_experts=1, capacity_factor=capacity_factor, aux_loss_coef=0.01,
-                        dispatcher="padded")
+    padded = make_layer(num_shared_experts=1, capacity_factor=capacity_factor, aux_loss_coef=0.01, dispatcher="padded")
     padded.load_state_dict(pft.state_dict())
     x = torch.randn(4, 6, 16)
     outs, grads = [], []
@@ -157,7 +156,7 @@ def test_padded_baseline_equals_pft(capacity_factor):
         outs.append(out)
         grads.append([xi.grad] + [p.grad for p in layer.parameters()])
     assert rel_err(outs[1], outs[0]) < 1e-6
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=False):
         assert rel_err(b, a) < 1e-5
 
 
@@ -176,7 +175,7 @@ def test_deterministic_bitwise():
         out = layer(x)
         out.pow(3).sum().backward()
         results.append([out, x.grad] + [p.grad for p in layer.parameters()])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=False):
         assert torch.equal(a, b)
 
 
@@ -305,13 +304,15 @@ def test_weight_casts_reused_across_micro_batches():
 
     want, casts_plain, _ = run(False)
     got, casts_scoped, layer = run(True)
-    assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert all(a is b for a, b in zip(*casts_scoped)) and all(w.dtype == torch.bfloat16 for w in casts_scoped[0])
-    assert not any(a is b for a, b in zip(*casts_plain))
+    assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want, strict=False))
+    assert all(a is b for a, b in zip(*casts_scoped, strict=False)) and all(
+        w.dtype == torch.bfloat16 for w in casts_scoped[0]
+    )
+    assert not any(a is b for a, b in zip(*casts_plain, strict=False))
     assert layer.moe_step is None  # the step let go of the layer, and its casts, on exit
     # detached casts: each backward adds its bf16 gradient into the fp32 .grad itself - bitwise the same sums
     got_detached, casts_detached, _ = run(True, detach=True)
-    assert all(torch.equal(a, b) for a, b in zip(got_detached, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_detached, want, strict=False))
     assert all(c.grad is None and c.is_leaf for c in casts_detached[0])
     with torch.no_grad(), MoEStep(layer, 1, torch.device("cpu"), cast_dtype=torch.bfloat16):
         assert layer.moe_step is not None and layer.moe_step.casts is None

@@ -14,22 +14,43 @@ import torch
 from xmoe.cli import main
 from xmoe.config import ModelConfig, MoEConfig
 from xmoe.dispatch.base import TrafficStats
+from xmoe.model.transformer import Transformer
 from xmoe.moe.layer import moe_layers
 from xmoe.moe.step import MoEStep
-from xmoe.model.transformer import Transformer
 from xmoe.parallel.regions import apply_recompute
 
 CPU = torch.device("cpu")
 # a smaller-than-tiny model for the runs through `xmoe train` (as tests/test_train.py)
-SMALL = ["--set", "model.hidden_size=64", "--set", "moe.hidden_size=64", "--set", "model.num_layers=2",
-         "--set", "moe.ffn_hidden_size=32", "--set", "moe.num_experts=8", "--batch-size", "8", "--seq-len", "64"]
+SMALL = [
+    "--set",
+    "model.hidden_size=64",
+    "--set",
+    "moe.hidden_size=64",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "moe.ffn_hidden_size=32",
+    "--set",
+    "moe.num_experts=8",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+]
 
 
 def model_cfg(**moe) -> ModelConfig:
     """Three layers, the first dense: two MoE layers of 6 experts."""
-    return ModelConfig(vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, first_k_dense=1, ffn_hidden_size=48,
-                       max_seq_len=24, moe=MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=6, top_k=2,
-                                                     num_shared_experts=1, **moe))
+    return ModelConfig(
+        vocab_size=61,
+        hidden_size=32,
+        num_layers=3,
+        num_heads=4,
+        first_k_dense=1,
+        ffn_hidden_size=48,
+        max_seq_len=24,
+        moe=MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=6, top_k=2, num_shared_experts=1, **moe),
+    )
 
 
 def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -86,7 +107,7 @@ def test_finish_moves_the_bias_by_the_step_load_unless_told_not_to():
     assert all(not r.expert_bias.any() for r in routers)
     step = run_step(model, 2)
     load = step.finish().load_LE.float()
-    for router, load_E in zip(routers, load):
+    for router, load_E in zip(routers, load, strict=False):
         assert torch.equal(router.expert_bias, 0.1 * torch.sign(load_E.mean() - load_E))
 
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from xmoe.config import ParallelConfig
 from xmoe.parallel.dims import ParallelDims, rank_grid
 
 
 def dims_of(world, node, dp=1, ep=1, tp=1, placement="ep_first", rank=0):
-    return ParallelDims.from_config(ParallelConfig(dp=dp, ep=ep, tp=tp, placement=placement), world,
-                                    rank=rank, node_size=node)
+    return ParallelDims.from_config(
+        ParallelConfig(dp=dp, ep=ep, tp=tp, placement=placement), world, rank=rank, node_size=node
+    )
 
 
 def groups(world, node, axis, **kw):
@@ -69,8 +70,10 @@ def test_tensor_parallel_is_innermost_for_both_placements():
         assert [d.coord("dp_ep", r) for r in range(16)] == [r // 2 for r in range(16)]
 
 
-@pytest.mark.parametrize("world,node,kw", [(8, 4, dict(dp=2, ep=4)), (16, 8, dict(dp=2, ep=4, tp=2)),
-                                           (32, 8, dict(dp=4, ep=8, placement="dp_first"))])
+@pytest.mark.parametrize(
+    "world,node,kw",
+    [(8, 4, dict(dp=2, ep=4)), (16, 8, dict(dp=2, ep=4, tp=2)), (32, 8, dict(dp=4, ep=8, placement="dp_first"))],
+)
 def test_every_axis_partitions_the_world(world, node, kw):
     d = dims_of(world, node, **kw)
     for axis in ("dp", "ep", "tp", "dp_ep"):
@@ -137,8 +140,12 @@ def test_node_size_from_the_launcher(monkeypatch):
 def _mesh_body(rank: int, world_size: int):
     import torch.distributed as dist
 
-    for cfg in (ParallelConfig(dp=2, ep=2), ParallelConfig(dp=2, ep=2, placement="dp_first"),
-                ParallelConfig(ep=2, tp=2), ParallelConfig(dp=2, tp=2, placement="dp_first")):
+    for cfg in (
+        ParallelConfig(dp=2, ep=2),
+        ParallelConfig(dp=2, ep=2, placement="dp_first"),
+        ParallelConfig(ep=2, tp=2),
+        ParallelConfig(dp=2, tp=2, placement="dp_first"),
+    ):
         dims = ParallelDims.from_config(cfg, world_size).build_mesh("cpu")
         assert dims.node_size == 2  # LOCAL_WORLD_SIZE from run_distributed
         for axis in ("dp", "ep", "tp", "dp_ep"):

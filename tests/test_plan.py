@@ -25,12 +25,14 @@ R2N = np.array([0, 0, 1, 1])
 
 
 def test_count_rows_hand_made() -> None:
-    ids_TK = np.array([
-        [0, 1, 2],  # all on GPU 0 and GPU 1: local 2, intra 1
-        [4, 5, 6],  # GPU 2 twice, GPU 3 once: inter 3; one pilot, one replica (GPU 2 expands its 2 locally)
-        [2, 4, 7],  # GPU 1, GPU 2, GPU 3: intra 1, inter 2; one pilot, one replica
-        [6, -1, 0],  # a dropped slot; GPU 3 (inter 1, pilot 1), GPU 0 (local 1)
-    ])
+    ids_TK = np.array(
+        [
+            [0, 1, 2],  # all on GPU 0 and GPU 1: local 2, intra 1
+            [4, 5, 6],  # GPU 2 twice, GPU 3 once: inter 3; one pilot, one replica (GPU 2 expands its 2 locally)
+            [2, 4, 7],  # GPU 1, GPU 2, GPU 3: intra 1, inter 2; one pilot, one replica
+            [6, -1, 0],  # a dropped slot; GPU 3 (inter 1, pilot 1), GPU 0 (local 1)
+        ]
+    )
     rows = comm.count_rows(ids_TK, E2R, R2N, src_rank=0)
     assert (rows.tokens, rows.slots) == (4, 11)
     assert (rows.flat_local, rows.flat_intra, rows.flat_inter) == (3, 2, 6)
@@ -77,8 +79,9 @@ def test_hit_probability_is_hypergeometric() -> None:
     assert comm.hit_probability(64, 6, 8) == pytest.approx(1 - math.prod(range(51, 57)) / math.prod(range(59, 65)))
 
 
-@pytest.mark.parametrize("preset,gpus,placement", [("small", 32, "ep_first"), ("large", 64, "ep_first"),
-                                                    ("small", 128, "dp_first")])
+@pytest.mark.parametrize(
+    "preset,gpus,placement", [("small", 32, "ep_first"), ("large", 64, "ep_first"), ("small", 128, "dp_first")]
+)
 def test_closed_form_matches_monte_carlo(preset: str, gpus: int, placement: str) -> None:
     cfg = get_preset(preset)
     exact = comm.estimate_comm(cfg, gpus, placement=placement)
@@ -206,9 +209,15 @@ def test_ddp_replica_adds_its_buckets() -> None:
 def test_layer_model_matches_autograd(dtype: torch.dtype, layer_id: int, padded: bool) -> None:
     """The per-layer terms count what autograd really saves (torch backend on CPU; parameters excluded)."""
     cfg = tiny()
-    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(
-        cfg.moe, kernel_backend="torch", dispatcher="padded" if padded else "pft",
-        capacity_factor=1.25 if padded else None))
+    cfg = dataclasses.replace(
+        cfg,
+        moe=dataclasses.replace(
+            cfg.moe,
+            kernel_backend="torch",
+            dispatcher="padded" if padded else "pft",
+            capacity_factor=1.25 if padded else None,
+        ),
+    )
     block = Block(cfg, layer_id).to(dtype)
     B, S = 2, 64
     cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_theta)
@@ -265,15 +274,18 @@ def test_cli_plan_comm(capsys) -> None:
     assert all(any(span[0] <= g <= span[-1] for span in spans) for g in comm.GPU_COUNTS), labels
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["memory", "--gpus", "100"], "multiple of gpus per node"),
-    (["memory", "--gpus", "64", "--tp", "16"], "must be <= --gpus-per-node"),
-    (["memory", "--preset", "giant"], "unknown preset"),
-    (["memory", "--gpus", "64", "--tp", "2", "--ep", "8", "--dp", "2"], "must equal"),
-    (["memory", "--gpus", "64", "--ep", "3"], "must divide"),
-    (["comm", "--gpus", "100"], "multiple of gpus per node"),
-    (["comm", "--preset", "giant"], "unknown preset"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["memory", "--gpus", "100"], "multiple of gpus per node"),
+        (["memory", "--gpus", "64", "--tp", "16"], "must be <= --gpus-per-node"),
+        (["memory", "--preset", "giant"], "unknown preset"),
+        (["memory", "--gpus", "64", "--tp", "2", "--ep", "8", "--dp", "2"], "must equal"),
+        (["memory", "--gpus", "64", "--ep", "3"], "must divide"),
+        (["comm", "--gpus", "100"], "multiple of gpus per node"),
+        (["comm", "--preset", "giant"], "unknown preset"),
+    ],
+)
 def test_cli_bad_inputs(capsys, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["plan", *argv])
@@ -283,8 +295,8 @@ def test_cli_bad_inputs(capsys, argv: list[str], message: str) -> None:
 
 def test_trainer_memory_walk_and_cli(capsys):
     # the one-GPU trainer layout: states are 12 B per parameter + 2 B per routed-expert weight; where activations
-    # set the peak (large micro-batches) recompute lowers it, moe less than full; with accumulation every fp32 gradient exists throughout the last micro-batch; the CLI
-    # prints exactly what estimate_trainer_memory returns
+    # set the peak (large micro-batches) recompute lowers it, moe less than full; with accumulation every fp32
+    # gradient exists throughout the last micro-batch; the CLI prints exactly what estimate_trainer_memory returns
     from dataclasses import replace
 
     from xmoe.cli import main
@@ -308,7 +320,26 @@ def test_trainer_memory_walk_and_cli(capsys):
     assert accumulating.grads == 4 * total and one.grads < 4 * total and accumulating.total > one.total
     with pytest.raises(ValueError, match="recompute"):
         estimate_trainer_memory(cfg, micro_batch=1, recompute="some")
-    main(["plan", "memory", "--trainer", "--preset", "small", "--layers", "4", "--seq", "2048", "--micro-batch", "32",
-          "--accumulation", "2", "--recompute", "none", "--gpu-mem", "60"])
+    main(
+        [
+            "plan",
+            "memory",
+            "--trainer",
+            "--preset",
+            "small",
+            "--layers",
+            "4",
+            "--seq",
+            "2048",
+            "--micro-batch",
+            "32",
+            "--accumulation",
+            "2",
+            "--recompute",
+            "none",
+            "--gpu-mem",
+            "60",
+        ]
+    )
     row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("none"))
     assert row.split()[-2] == f"{accumulating.total / 2**30:.1f}" and row.split()[-1] == "no"

@@ -31,8 +31,15 @@ PAPER_TABLE = {
 def test_paper_preset_shapes(name: str) -> None:
     seq, hidden, ffn, heads, experts, top_k, layers, _, _ = PAPER_TABLE[name]
     cfg = get_preset(name)
-    got = (cfg.max_seq_len, cfg.hidden_size, cfg.moe.ffn_hidden_size, cfg.num_heads, cfg.moe.num_experts,
-           cfg.moe.top_k, cfg.num_layers)
+    got = (
+        cfg.max_seq_len,
+        cfg.hidden_size,
+        cfg.moe.ffn_hidden_size,
+        cfg.num_heads,
+        cfg.moe.num_experts,
+        cfg.moe.top_k,
+        cfg.num_layers,
+    )
     assert got == (seq, hidden, ffn, heads, experts, top_k, layers)
     assert cfg.first_k_dense == 0 and cfg.moe.num_shared_experts == 0
 
@@ -59,9 +66,14 @@ def test_count_params_by_hand_for_tiny() -> None:
     cfg = get_preset("tiny")  # V 256, H 128, L 4 (1 dense, F 512), E 16 x F 64, k 4, 2 shared
     c3, c2 = count_params(cfg, 3), count_params(cfg, 2)
     assert c3.total_by_part == {
-        "embedding": 256 * 128, "attention": 4 * 4 * 128 * 128, "dense_ffn": 3 * 128 * 512,
-        "routed_experts": 3 * 16 * 3 * 128 * 64, "shared_experts": 3 * 2 * 3 * 128 * 64,
-        "router": 3 * 16 * 128, "norms": 9 * 128, "head": 256 * 128,
+        "embedding": 256 * 128,
+        "attention": 4 * 4 * 128 * 128,
+        "dense_ffn": 3 * 128 * 512,
+        "routed_experts": 3 * 16 * 3 * 128 * 64,
+        "shared_experts": 3 * 2 * 3 * 128 * 64,
+        "router": 3 * 16 * 128,
+        "norms": 9 * 128,
+        "head": 256 * 128,
     }
     assert c3.active_by_part["routed_experts"] == 3 * 4 * 3 * 128 * 64
     assert c2.total_by_part["routed_experts"] == 3 * 16 * 2 * 128 * 64

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
+
 from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher
-from xmoe.dispatch.rbd_units import source_units
 from xmoe.dispatch.local import LocalDispatcher
+from xmoe.dispatch.rbd_units import source_units
 from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import reference as ops
 from xmoe.plan.comm import count_rows
@@ -30,8 +30,12 @@ TOL = 1e-6
 ALL_CONFIGS = [(1, 3), (2, 3), (4, 6)]  # (experts per rank, top-k)
 # (node map of the EP ranks, configs): 2 nodes x 2 ranks in full; one rank per node (stage 2 skipped), one node
 # (no pilots) and an uneven 3 + 1 split more briefly
-LAYOUTS_4 = [([0, 0, 1, 1], ALL_CONFIGS), ([0, 1, 2, 3], [(2, 3)]), ([0, 0, 0, 0], [(2, 3)]),
-             ([0, 0, 0, 1], [(1, 3), (2, 3)])]
+LAYOUTS_4 = [
+    ([0, 0, 1, 1], ALL_CONFIGS),
+    ([0, 1, 2, 3], [(2, 3)]),
+    ([0, 0, 0, 0], [(2, 3)]),
+    ([0, 0, 0, 1], [(1, 3), (2, 3)]),
+]
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -50,8 +54,15 @@ def kept_ids(plan, top_k: int) -> torch.Tensor:
 
 def test_source_units_match_count_rows():
     gen = torch.Generator().manual_seed(0)
-    for num_ranks, node_size, num_local, top_k in [(4, 2, 1, 3), (4, 2, 4, 6), (8, 2, 2, 5), (8, 4, 3, 8),
-                                                   (8, 1, 2, 4), (6, 3, 1, 1), (4, 4, 2, 4)]:
+    for num_ranks, node_size, num_local, top_k in [
+        (4, 2, 1, 3),
+        (4, 2, 4, 6),
+        (8, 2, 2, 5),
+        (8, 4, 3, 8),
+        (8, 1, 2, 4),
+        (6, 3, 1, 1),
+        (4, 4, 2, 4),
+    ]:
         num_experts = num_ranks * num_local
         rank_to_node = torch.arange(num_ranks) // node_size
         node_of_expert = rank_to_node.repeat_interleave(num_local)
@@ -71,8 +82,12 @@ def test_source_units_match_count_rows():
                 lowest = min(int(e) for e in ids[t] if e >= 0 and int(node_of_expert[e]) == node)
                 assert int(u.rank_TK[t, k]) == lowest // num_local
             # own node: one direct row per (token, GPU), the GPU itself included
-            own_pairs = {(t, int(e) // num_local) for t in range(ids.shape[0]) for e in ids[t]
-                         if e >= 0 and int(node_of_expert[e]) == my_node}
+            own_pairs = {
+                (t, int(e) // num_local)
+                for t in range(ids.shape[0])
+                for e in ids[t]
+                if e >= 0 and int(node_of_expert[e]) == my_node
+            }
             assert int((u.unit_head_TK & u.own_TK).sum()) == len(own_pairs)
             if top_k == 1:
                 assert int(pilots.sum()) == want.flat_inter
@@ -97,8 +112,14 @@ def _routings(node_map: list[int], num_experts: int, top_k: int, num_tokens: int
     def topk(scores, k=top_k):
         return scores.topk(k, dim=-1).indices
 
-    return [("uniform", topk(uniform), None), ("skewed", topk(skew), None), ("on_node0", topk(on_node0), None),
-            ("own_node", topk(own_node), None), ("capacity_drop", topk(skew), 2), ("top1", topk(uniform, 1), None)]
+    return [
+        ("uniform", topk(uniform), None),
+        ("skewed", topk(skew), None),
+        ("on_node0", topk(on_node0), None),
+        ("own_node", topk(own_node), None),
+        ("capacity_drop", topk(skew), 2),
+        ("top1", topk(uniform, 1), None),
+    ]
 
 
 def _identity_check(disp, flat, plan, top_k, x_int, w_int, g_int, rank, where):
@@ -124,7 +145,7 @@ def _identity_check(disp, flat, plan, top_k, x_int, w_int, g_int, rank, where):
     assert torch.equal(out, out_flat) and torch.equal(x.grad, x_flat.grad) and torch.equal(w.grad, w_flat.grad), where
     flat_rows = flat_rows.detach()
     assert torch.equal(counts, flat_counts), where
-    for mine, theirs in zip(rows.detach().split(counts.tolist()), flat_rows.split(flat_counts.tolist())):
+    for mine, theirs in zip(rows.detach().split(counts.tolist()), flat_rows.split(flat_counts.tolist()), strict=False):
         # column 0 holds the global token id: sort both groups by it (order inside a group is free)
         assert torch.equal(mine[mine[:, 0].argsort()], theirs[theirs[:, 0].argsort()]), where
 
@@ -139,8 +160,12 @@ def _check_counters(disp, plan, node_map, rank, top_k, where):
     assert (s["flat_rows_intra"], s["flat_rows_inter"]) == (want.flat_intra, want.flat_inter), where
     assert s["redundancy_rate"] == pytest.approx(want.redundancy_rate), where
     rank_of = ids // num_local
-    own_gpus = {(t, int(r)) for t, row in enumerate(rank_of) for r, e in zip(row, ids[t])
-                if e >= 0 and node_map[int(r)] == node_map[rank]}
+    own_gpus = {
+        (t, int(r))
+        for t, row in enumerate(rank_of)
+        for r, e in zip(row, ids[t], strict=False)
+        if e >= 0 and node_map[int(r)] == node_map[rank]
+    }
     assert s["rows_local"] + s["rows_intra_direct"] == len(own_gpus), where
     if num_local == 1:  # one expert per GPU: a direct row per slot, as flat sends it
         assert s["rows_intra_direct"] == want.flat_intra, where
@@ -195,7 +220,7 @@ def _dispatcher_body(rank: int, world_size: int, layouts: list[tuple[list[int], 
                 (out * g_RTH[rank]).sum().backward()
                 assert rel_err(out, ref_out) < TOL and rel_err(x.grad, ref_x) < TOL, where
                 assert rel_err(wk.grad, ref_wk) < TOL, where
-                for p, ref in zip(ep_w, ref_w):
+                for p, ref in zip(ep_w, ref_w, strict=False):
                     if ref.grad[mine].abs().max() == 0:  # no rows for my experts: exact zeros
                         assert p.grad is None or p.grad.abs().max() == 0, where
                     else:
@@ -251,8 +276,13 @@ def _layer_body(rank: int, world_size: int):
         ]:
             where = f"{name} E_local={num_local} rank={rank}"
             torch.manual_seed(0)
-            kwargs = dict(hidden_size=hidden, ffn_hidden_size=6, num_experts=num_experts,
-                          top_k=min(3, num_experts), kernel_backend="torch")
+            kwargs = dict(
+                hidden_size=hidden,
+                ffn_hidden_size=6,
+                num_experts=num_experts,
+                top_k=min(3, num_experts),
+                kernel_backend="torch",
+            )
             ref = MoELayer(MoEConfig(**{**kwargs, **overrides})).double()
             with torch.no_grad():
                 ref.router.weight.normal_(0, 0.5)  # decisive, tie-free routing
@@ -267,7 +297,7 @@ def _layer_body(rank: int, world_size: int):
                 out = ref(x)
                 grads = torch.autograd.grad((out * g_R[r]).sum(), [x, *ref.parameters()], allow_unused=True)
                 ref_out.append(out.detach())
-                ref_grads.append(dict(zip(["x", *names], grads)))
+                ref_grads.append(dict(zip(["x", *names], grads, strict=False)))
 
             # expert parallel by hand (plain local slices: this test does not depend on the DTensor path), with RBD
             # and with flat all-to-all: both against the reference, and RBD against flat
@@ -280,13 +310,15 @@ def _layer_body(rank: int, world_size: int):
                         getattr(experts, w).copy_(getattr(ref.experts, w)[mine])
                 layer.experts = experts
                 layer.dispatcher = (
-                    HierarchicalDispatcher(dist.group.WORLD, num_experts, [0, 0, 1, 1], "torch") if kind == "rbd"
-                    else AllToAllDispatcher(dist.group.WORLD, num_experts, "torch"))
+                    HierarchicalDispatcher(dist.group.WORLD, num_experts, [0, 0, 1, 1], "torch")
+                    if kind == "rbd"
+                    else AllToAllDispatcher(dist.group.WORLD, num_experts, "torch")
+                )
                 x = x_R[rank].clone().requires_grad_(True)
                 out = layer(x)
                 (out * g_R[rank]).sum().backward()
                 got[kind] = {"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
-                if kind == "rbd" and (name == "to_node0" and rank >= 2 or name == "node0_starved" and rank < 2):
+                if kind == "rbd" and ((name == "to_node0" and rank >= 2) or (name == "node0_starved" and rank < 2)):
                     assert layer.dispatcher.last_stats["rows_replica"] == 0, where  # its node received nothing
             for pname in got["rbd"]:
                 if pname == "out":
@@ -312,18 +344,54 @@ def test_moe_layer_rbd_matches_single_process():
 # The CLI runs inside run_distributed's gloo world (the environment torchrun would give it) rather than under two
 # torchrun launches: the same `xmoe train` code path, ~25 s cheaper on 2 cores (4 fresh torch imports per launch).
 
-SMALL = ["--set", "model.hidden_size=32", "--set", "moe.hidden_size=32", "--set", "model.num_layers=1",
-         "--set", "model.first_k_dense=0",  # the one layer must be an MoE block
-         "--set", "moe.ffn_hidden_size=16", "--set", "moe.num_experts=8", "--batch-size", "8", "--seq-len", "32",
-         "--steps", "10", "--set", "train.warmup_steps=2", "--log-every", "1", "--ckpt-every", "100"]
+SMALL = [
+    "--set",
+    "model.hidden_size=32",
+    "--set",
+    "moe.hidden_size=32",
+    "--set",
+    "model.num_layers=1",
+    "--set",
+    "model.first_k_dense=0",  # the one layer must be an MoE block
+    "--set",
+    "moe.ffn_hidden_size=16",
+    "--set",
+    "moe.num_experts=8",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "32",
+    "--steps",
+    "10",
+    "--set",
+    "train.warmup_steps=2",
+    "--log-every",
+    "1",
+    "--ckpt-every",
+    "100",
+]
 
 
 def _train_body(rank: int, world_size: int, out: str):
     from xmoe.cli import main
 
     for dispatcher in ("pft", "rbd"):
-        main(["train", "--out", f"{out}/{dispatcher}", "--device", "cpu", "--ep", str(world_size),
-              "--gpus-per-node", "2", "--dispatcher", dispatcher, *SMALL])
+        main(
+            [
+                "train",
+                "--out",
+                f"{out}/{dispatcher}",
+                "--device",
+                "cpu",
+                "--ep",
+                str(world_size),
+                "--gpus-per-node",
+                "2",
+                "--dispatcher",
+                dispatcher,
+                *SMALL,
+            ]
+        )
 
 
 def test_train_rbd_tracks_flat(tmp_path):

@@ -16,7 +16,7 @@ from xmoe.kernels import reference
 def _loop64(x_NH, w1, w3, w2, counts):
     outs, start = [], 0
     for e, n in enumerate(counts):
-        r = x_NH[start:start + n]
+        r = x_NH[start : start + n]
         outs.append((F.silu(r @ w1[e]) * (r @ w3[e])) @ w2[e])
         start += n
     return torch.cat(outs)
@@ -26,18 +26,24 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("H,F_,counts", [
-    (32, 48, [5, 0, 17, 1, 0, 9]),   # aligned: _grouped_mm where available
-    (20, 36, [3, 0, 0, 11]),          # unaligned: slice loop
-    (16, 24, [0, 0, 7, 0]),           # all rows on one expert
-])
+@pytest.mark.parametrize(
+    "H,F_,counts",
+    [
+        (32, 48, [5, 0, 17, 1, 0, 9]),  # aligned: _grouped_mm where available
+        (20, 36, [3, 0, 0, 11]),  # unaligned: slice loop
+        (16, 24, [0, 0, 7, 0]),  # all rows on one expert
+    ],
+)
 @pytest.mark.parametrize("expanded_grad", [False, True])
 def test_grouped_swiglu_matches_float64_loop(H, F_, counts, expanded_grad):
     g = torch.Generator().manual_seed(sum(counts) + H)
     E, N = len(counts), sum(counts)
     x = torch.randn(N, H, generator=g)
-    ws = [torch.randn(E, H, F_, generator=g) / H**0.5, torch.randn(E, H, F_, generator=g) / H**0.5,
-          torch.randn(E, F_, H, generator=g) / F_**0.5]
+    ws = [
+        torch.randn(E, H, F_, generator=g) / H**0.5,
+        torch.randn(E, H, F_, generator=g) / H**0.5,
+        torch.randn(E, F_, H, generator=g) / F_**0.5,
+    ]
     leaves32 = [t.clone().requires_grad_() for t in (x, *ws)]
     leaves64 = [t.double().requires_grad_() for t in (x, *ws)]
     y = reference.grouped_swiglu(*leaves32, torch.tensor(counts))
@@ -50,7 +56,7 @@ def test_grouped_swiglu_matches_float64_loop(H, F_, counts, expanded_grad):
         grad = torch.randn(N, H, generator=g)
         y.backward(grad)
         y_ref.backward(grad.double())
-    for a, b in zip(leaves32, leaves64):
+    for a, b in zip(leaves32, leaves64, strict=False):
         assert _rel(a.grad, b.grad) < 1e-5
 
 

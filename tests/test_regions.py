@@ -9,14 +9,14 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything imports triton
 
-from dataclasses import replace  # noqa: E402
+from dataclasses import replace
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from xmoe.model.presets import get_preset  # noqa: E402
-from xmoe.model.transformer import Transformer  # noqa: E402
-from xmoe.parallel import regions  # noqa: E402
+from xmoe.model.presets import get_preset
+from xmoe.model.transformer import Transformer
+from xmoe.parallel import regions
 
 
 def _model(backend="torch", seed=0, **moe):
@@ -87,16 +87,37 @@ def test_compiled_training_tracks_eager_over_20_steps(tmp_path):
 
     from xmoe.cli import main
 
-    small = ["--set", "model.hidden_size=64", "--set", "moe.hidden_size=64", "--set", "model.num_layers=2",
-             "--set", "moe.ffn_hidden_size=32", "--set", "moe.num_experts=8", "--batch-size", "8", "--seq-len", "64",
-             "--steps", "20", "--log-every", "1", "--ckpt-every", "0", "--device", "cpu"]
+    small = [
+        "--set",
+        "model.hidden_size=64",
+        "--set",
+        "moe.hidden_size=64",
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "moe.ffn_hidden_size=32",
+        "--set",
+        "moe.num_experts=8",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "64",
+        "--steps",
+        "20",
+        "--log-every",
+        "1",
+        "--ckpt-every",
+        "0",
+        "--device",
+        "cpu",
+    ]
     losses = {}
     for mode in ("off", "on"):
         out = tmp_path / mode
         main(["train", "--out", str(out), "--compile", mode, *small])
         losses[mode] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["on"]) == len(losses["off"]) == 20
-    for step, (a, b) in enumerate(zip(losses["on"], losses["off"]), 1):
+    for step, (a, b) in enumerate(zip(losses["on"], losses["off"], strict=False), 1):
         assert abs(a - b) <= 1e-4 * abs(b), (step, a, b)
 
 
@@ -110,10 +131,34 @@ def test_recompute_through_xmoe_train_gives_the_losses_of_none(tmp_path, monkeyp
     from xmoe import kernels
     from xmoe.cli import main
 
-    small = ["--set", "model.hidden_size=32", "--set", "moe.hidden_size=32", "--set", "model.num_layers=2",
-             "--set", "moe.ffn_hidden_size=16", "--set", "moe.num_experts=4", "--set", "moe.top_k=2",
-             "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--log-every", "1", "--ckpt-every", "0",
-             "--device", "cpu", "--kernel-backend", backend]
+    small = [
+        "--set",
+        "model.hidden_size=32",
+        "--set",
+        "moe.hidden_size=32",
+        "--set",
+        "model.num_layers=2",
+        "--set",
+        "moe.ffn_hidden_size=16",
+        "--set",
+        "moe.num_experts=4",
+        "--set",
+        "moe.top_k=2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--log-every",
+        "1",
+        "--ckpt-every",
+        "0",
+        "--device",
+        "cpu",
+        "--kernel-backend",
+        backend,
+    ]
     losses = {}
     for mode in ("moe", "full", "none"):
         monkeypatch.setattr(kernels, "_RESOLVED", {})
@@ -125,5 +170,5 @@ def test_recompute_through_xmoe_train_gives_the_losses_of_none(tmp_path, monkeyp
         monkeypatch.undo()
     assert len(losses["none"]) == 2
     for mode in ("moe", "full"):
-        for a, b in zip(losses[mode], losses["none"]):
+        for a, b in zip(losses[mode], losses["none"], strict=False):
             assert abs(a - b) <= 1e-5 * abs(b), (mode, a, b)

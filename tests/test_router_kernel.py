@@ -12,9 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything
 
 import pytest
 import torch
-
-import triton  # noqa: E402,F401  a declared test dependency (pip install -e ".[test]"): missing, this file fails
-
+import triton  # noqa: F401  a declared test dependency (pip install -e ".[test]"): missing, this file fails
 from test_moe_layer import check_against_reference, make_layer
 
 from xmoe.config import MoEConfig
@@ -90,11 +88,14 @@ def test_bias_shifts_selection_but_not_weights():
     assert torch.equal(weights, scores) and rel_err(scores[:, 0], torch.sigmoid(logits[:, 5])) < 1e-6
 
 
-@pytest.mark.parametrize("kw", [
-    dict(score_func="softmax", aux_loss_coef=0.1, z_loss_coef=0.01),
-    dict(score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, top_k=3, aux_loss_coef=0.1),
-    dict(num_experts=7, top_k=7, norm_topk_prob=True),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(score_func="softmax", aux_loss_coef=0.1, z_loss_coef=0.01),
+        dict(score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, top_k=3, aux_loss_coef=0.1),
+        dict(num_experts=7, top_k=7, norm_topk_prob=True),
+    ],
+)
 def test_router_triton_matches_torch_router(kw):
     """The wired router (kernel for selection + weights, torch for the losses) against the torch router."""
     base = dict(hidden_size=16, ffn_hidden_size=12, num_experts=13, top_k=2)
@@ -127,8 +128,16 @@ def test_router_triton_matches_torch_router(kw):
 
 def test_layer_with_triton_router_matches_float64_reference():
     """The whole layer on the Triton backend (router kernel included) against the float64 loop reference."""
-    layer = make_layer(kernel_backend="triton", num_experts=7, top_k=3, score_func="sigmoid", norm_topk_prob=True,
-                       routed_scaling_factor=2.5, aux_loss_coef=0.1, z_loss_coef=0.01)
+    layer = make_layer(
+        kernel_backend="triton",
+        num_experts=7,
+        top_k=3,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        aux_loss_coef=0.1,
+        z_loss_coef=0.01,
+    )
     with torch.no_grad():  # skew the routing towards expert 0
         layer.router.expert_bias[0] = 0.2
     check_against_reference(layer, torch.randn(2, 9, layer.cfg.hidden_size), tol=1e-4)

@@ -17,13 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_train import SMALL, losses
 
 from xmoe.cli import main
 from xmoe.train import rundir, runlock, trainer
 from xmoe.train.checkpoint_dir import complete_checkpoints
 from xmoe.train.resume import fingerprint
-
-from test_train import SMALL, losses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -278,8 +277,9 @@ def test_skip_policy_skips_isolated_bad_steps_and_stops_on_a_run_of_them(tmp_pat
 def test_skip_policy_saves_nothing_inside_a_run_of_skipped_steps(tmp_path, capsys, monkeypatch):
     _nan_grad_norm_at(monkeypatch, {3, 4, 5})
     out = tmp_path / "r"
-    code, err = fails(capsys, out, "--steps", "8", "--log-every", "8", "--ckpt-every", "1",
-                      "--set", "train.nonfinite_skips=2")
+    code, err = fails(
+        capsys, out, "--steps", "8", "--log-every", "8", "--ckpt-every", "1", "--set", "train.nonfinite_skips=2"
+    )
     assert code == 3 and "non-finite at step 3 and stayed so through step 5" in err, err
     assert f"the last good checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
     assert "raise train.nonfinite_skips" in err
@@ -297,17 +297,24 @@ def test_skip_policy_saves_a_checkpoint_due_in_a_skipped_step_at_the_next_good_o
 
 
 def test_second_signal_aborts_at_once():
-    script = ("import os, signal, time, torch\n"
-              "from xmoe.train.safety import RunGuard\n"
-              "with RunGuard(torch.device('cpu')) as guard:\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    time.sleep(0.2)\n"
-              "    print('first recorded', guard.received, flush=True)\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    time.sleep(5)\n"
-              "    print('still running')\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    script = (
+        "import os, signal, time, torch\n"
+        "from xmoe.train.safety import RunGuard\n"
+        "with RunGuard(torch.device('cpu')) as guard:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "    print('first recorded', guard.received, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "    print('still running')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.split() == ["first", "recorded", str(int(signal.SIGTERM))]
     assert proc.returncode == -signal.SIGTERM
 
@@ -321,7 +328,7 @@ def test_second_trainer_is_refused_and_sigterm_saves_a_checkpoint_and_exits_143(
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
-    (step, path), = complete_checkpoints(out)
+    ((step, path),) = complete_checkpoints(out)
     assert f"stopped by SIGTERM at step {step} of 100000; checkpoint {path} saved" in err
     assert json.loads((out / "summary.json").read_text())["status"] == f"stopped by SIGTERM at step {step}"
 
@@ -371,8 +378,9 @@ def _signal_rank0_body(rank: int, world_size: int, out: str):
     from xmoe.train import safety
     from xmoe.train.cli import build_run_config
 
-    args = _parser()[0].parse_args(["train", "--out", out, *SMALL, "--dp", "2", "--steps", "100",
-                                    "--log-every", "50", "--ckpt-every", "100"])
+    args = _parser()[0].parse_args(
+        ["train", "--out", out, *SMALL, "--dp", "2", "--steps", "100", "--log-every", "50", "--ckpt-every", "100"]
+    )
     original = trainer.Trainer._forward_backward
 
     def forward_backward(self, accum):
@@ -412,8 +420,9 @@ def test_resume_refuses_a_different_model_or_data_unless_allowed(tmp_path, capsy
     assert code == 2 and "model.moe.top_k: checkpoint 4, now 2" in err and "--allow-changes" in err
     code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_b), "--set", "moe.top_k=4")
     assert code == 2 and "data.crc32" in err
-    code, err = fails(capsys, out, "--steps", "4", "--resume", "--data", str(data_a), "--set", "moe.top_k=4",
-                      "--lr", "1e-3")
+    code, err = fails(
+        capsys, out, "--steps", "4", "--resume", "--data", str(data_a), "--set", "moe.top_k=4", "--lr", "1e-3"
+    )
     assert code == 2 and "train.lr" in err
     train(out, "--steps", "4", "--resume", "--data", str(data_b), "--set", "moe.top_k=4", "--allow-changes")
     assert "--allow-changes: continuing from" in capsys.readouterr().out

@@ -33,8 +33,12 @@ def moe_classes(sources: dict[Path, str]) -> dict[str, ast.ClassDef]:
     """The MoE module classes by name: nn.Modules of xmoe/moe/ (the seam apart) and dispatchers of xmoe/dispatch/,
     with the classes derived from them."""
     classes: dict[str, ast.ClassDef] = {}
-    candidates = [(path, node) for path, source in sources.items() for node in ast.parse(source).body
-                  if isinstance(node, ast.ClassDef) and path != SEAM]
+    candidates = [
+        (path, node)
+        for path, source in sources.items()
+        for node in ast.parse(source).body
+        if isinstance(node, ast.ClassDef) and path != SEAM
+    ]
     found = True
     while found:  # to a fixed point: subclasses of collected classes count too
         found = False
@@ -58,12 +62,21 @@ def attribute_names(node: ast.ClassDef) -> set[str]:
         elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
             names.add(item.target.id)
     for sub in ast.walk(node):
-        targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
-            sub, (ast.AnnAssign, ast.AugAssign)) else []
+        targets = (
+            sub.targets
+            if isinstance(sub, ast.Assign)
+            else [sub.target]
+            if isinstance(sub, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
         names.update(t.attr for t in targets if isinstance(t, ast.Attribute) and ast.unparse(t.value) == "self")
-        if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
-                and sub.func.attr in ("register_buffer", "register_parameter")
-                and sub.args and isinstance(sub.args[0], ast.Constant)):
+        if (
+            isinstance(sub, ast.Call)
+            and isinstance(sub.func, ast.Attribute)
+            and sub.func.attr in ("register_buffer", "register_parameter")
+            and sub.args
+            and isinstance(sub.args[0], ast.Constant)
+        ):
             names.add(sub.args[0].value)
     return {n for n in names if not (n.startswith("__") and n.endswith("__"))}
 
@@ -86,9 +99,15 @@ def seam_violations(train_sources: dict[str, str], classes: dict[str, ast.ClassD
                 bad.append(f"{line} collects MoE layers ({ast.unparse(node)})")
             elif isinstance(node, ast.Attribute) and node.attr in names and not _on_a_config(node.value):
                 bad.append(f"{line} {ast.unparse(node)}")
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ACCESSORS
-                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names
-                  and not _on_a_config(node.args[0])):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ACCESSORS
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and node.args[1].value in names
+                and not _on_a_config(node.args[0])
+            ):
                 bad.append(f"{line} {node.func.id}(..., {node.args[1].value!r})")
     return bad
 
@@ -103,12 +122,31 @@ def _classes() -> dict[str, ast.ClassDef]:
 
 def test_the_collection_finds_the_moe_modules():
     classes = _classes()
-    assert {"MoELayer", "Router", "RoutedExperts", "SwiGLU", "LocalDispatcher", "AllToAllDispatcher",
-            "HierarchicalDispatcher", "PaddedDispatcher", "PaddedAllToAllDispatcher"} <= set(classes)
+    assert {
+        "MoELayer",
+        "Router",
+        "RoutedExperts",
+        "SwiGLU",
+        "LocalDispatcher",
+        "AllToAllDispatcher",
+        "HierarchicalDispatcher",
+        "PaddedDispatcher",
+        "PaddedAllToAllDispatcher",
+    } <= set(classes)
     assert "MoEStep" not in classes
     names = set().union(*(attribute_names(c) for c in classes.values()))
-    assert {"router", "experts", "dispatcher", "moe_step", "last_stats", "expert_bias", "make_casts", "stats",
-            "fuses_experts", "update_bias"} <= names
+    assert {
+        "router",
+        "experts",
+        "dispatcher",
+        "moe_step",
+        "last_stats",
+        "expert_bias",
+        "make_casts",
+        "stats",
+        "fuses_experts",
+        "update_bias",
+    } <= names
 
 
 def test_no_train_module_touches_an_moe_module():

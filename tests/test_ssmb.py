@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_distributed
 
 TOL = 1e-5  # relative to the reference's norm; fp32 with TP's different summation order
@@ -28,10 +27,27 @@ VOCAB, SEQ = 32, 8
 def _config(aux_loss_coef: float = 0.01):
     from xmoe.config import ModelConfig, MoEConfig
 
-    moe = MoEConfig(hidden_size=32, ffn_hidden_size=8, num_experts=8, top_k=3, num_shared_experts=1,
-                    aux_loss_coef=aux_loss_coef, aux_loss_type="seq", z_loss_coef=1e-3, kernel_backend="torch")
-    return ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, moe=moe, first_k_dense=1,
-                       ffn_hidden_size=16, max_seq_len=SEQ)
+    moe = MoEConfig(
+        hidden_size=32,
+        ffn_hidden_size=8,
+        num_experts=8,
+        top_k=3,
+        num_shared_experts=1,
+        aux_loss_coef=aux_loss_coef,
+        aux_loss_type="seq",
+        z_loss_coef=1e-3,
+        kernel_backend="torch",
+    )
+    return ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        moe=moe,
+        first_k_dense=1,
+        ffn_hidden_size=16,
+        max_seq_len=SEQ,
+    )
 
 
 def _model(cfg):
@@ -174,8 +190,9 @@ def _check_memory(dims, cfg) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         b = dtype.itemsize
         off, on = (_moe_saved_bytes(cfg, dims, T, ssmb, dtype) for ssmb in (False, True))
-        predicted_off, predicted_on = (sum(moe_activations(cfg.moe, n, kernel="torch", b=b).values())
-                                       for n in (T, T // dims.tp))
+        predicted_off, predicted_on = (
+            sum(moe_activations(cfg.moe, n, kernel="torch", b=b).values()) for n in (T, T // dims.tp)
+        )
         constant = sum(moe_activations(cfg.moe, 0, kernel="torch", b=b).values())  # fp32 weight copies
         assert off == pytest.approx(predicted_off, rel=0.01), (dtype, off, predicted_off)
         assert on == pytest.approx(predicted_on, rel=0.01), (dtype, on, predicted_on)
@@ -214,9 +231,30 @@ def test_ssmb_tp2_ep2():
 
 # ----------------------------------------------------------------------------------------------------- CLI
 
-SMALL = ["--set", "model.hidden_size=64", "--set", "moe.hidden_size=64", "--set", "model.num_layers=2",
-         "--set", "moe.ffn_hidden_size=32", "--set", "moe.num_experts=8", "--batch-size", "8", "--seq-len", "64",
-         "--steps", "6", "--log-every", "1", "--ckpt-every", "100", "--device", "cpu"]
+SMALL = [
+    "--set",
+    "model.hidden_size=64",
+    "--set",
+    "moe.hidden_size=64",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "moe.ffn_hidden_size=32",
+    "--set",
+    "moe.num_experts=8",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--steps",
+    "6",
+    "--log-every",
+    "1",
+    "--ckpt-every",
+    "100",
+    "--device",
+    "cpu",
+]
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -229,9 +267,26 @@ def test_train_cli_tp2_tracks_single_process(tmp_path):
     single = tmp_path / "single"
     main(["train", "--out", str(single), *SMALL])
     for name, extra in (("tp", []), ("tp_sp", ["--sequence-parallel"])):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "xmoe", "train", "--out", str(tmp_path / name), "--tp", "2", *extra, *SMALL]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "xmoe",
+            "train",
+            "--out",
+            str(tmp_path / name),
+            "--tp",
+            "2",
+            *extra,
+            *SMALL,
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         a, b = _losses(single), _losses(tmp_path / name)
         for step in range(1, 7):

@@ -15,8 +15,22 @@ from xmoe.model.counting import paper_params
 from xmoe.model.presets import get_preset
 
 # A smaller-than-tiny model keeps these runs to seconds; the default preset itself runs in the README command.
-SMALL = ["--set", "model.hidden_size=64", "--set", "moe.hidden_size=64", "--set", "model.num_layers=2",
-         "--set", "moe.ffn_hidden_size=32", "--set", "moe.num_experts=8", "--batch-size", "8", "--seq-len", "64"]
+SMALL = [
+    "--set",
+    "model.hidden_size=64",
+    "--set",
+    "moe.hidden_size=64",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "moe.ffn_hidden_size=32",
+    "--set",
+    "moe.num_experts=8",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+]
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -30,8 +44,7 @@ def train(out: Path, *extra: str) -> None:
 
 def test_tiny_training_learns_toward_entropy_floor(tmp_path):
     out = tmp_path / "run"
-    main(["train", "--out", str(out), "--device", "cpu", "--steps", "120", "--log-every", "20",
-          "--ckpt-every", "1000"])
+    main(["train", "--out", str(out), "--device", "cpu", "--steps", "120", "--log-every", "20", "--ckpt-every", "1000"])
     summary = json.loads((out / "summary.json").read_text())
     floor = summary["references"]["floor (entropy rate)"]
     unigram = summary["references"]["baseline (unigram entropy)"]
@@ -56,7 +69,23 @@ def test_resume_is_bit_identical(tmp_path):
 
 def torchrun(nproc: int, out: Path, *extra: str) -> None:
     # --standalone: torchrun picks a free port itself (no race between finding a port and binding it)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", "xmoe", "train", "--out", str(out), "--device", "cpu", *SMALL, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "xmoe",
+        "train",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        *SMALL,
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,8 +114,10 @@ def test_expert_parallel_matches_single_process_and_resumes_at_another_degree(tm
     assert_tracks(losses(single), losses(ep), range(1, 7))
 
 
-@pytest.mark.parametrize("preset, total, active", [("small", 10.1, 1.3), ("medium", 55.2, 5.2),
-                                                   ("large", 201.4, 11.5), ("super", 545.4, 28.7)])
+@pytest.mark.parametrize(
+    "preset, total, active",
+    [("small", 10.1, 1.3), ("medium", 55.2, 5.2), ("large", 201.4, 11.5), ("super", 545.4, 28.7)],
+)
 def test_dry_run_paper_presets(capsys, preset, total, active):
     main(["train", "--preset", preset, "--dry-run"])
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("paper convention"))

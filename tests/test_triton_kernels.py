@@ -14,12 +14,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest.py, before anything
 import pytest
 import torch
 import torch.nn.functional as F
+import triton  # noqa: F401  a declared test dependency (pip install -e ".[test]"): missing, this file fails
 
-import triton  # noqa: E402,F401  a declared test dependency (pip install -e ".[test]"): missing, this file fails
-
-
-from xmoe.dispatch.routing import build_plan  # noqa: E402
-from xmoe.kernels import get_ops, reference, tiles  # noqa: E402
+from xmoe.dispatch.routing import build_plan
+from xmoe.kernels import get_ops, reference, tiles
 
 tops = get_ops("triton", torch.device("cpu"))
 
@@ -36,8 +34,12 @@ CASES = {
 def _routing(T, E, K, seed, concentrate=False):
     g = torch.Generator().manual_seed(seed)
     if concentrate:  # every token's first choice is expert 0
-        ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=g)[:K - 1]])
-                           for _ in range(T)])
+        ids = torch.stack(
+            [
+                torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=g)[: K - 1]])
+                for _ in range(T)
+            ]
+        )
     else:
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     return ids, torch.rand(T, K, generator=g)
@@ -78,7 +80,7 @@ def _run(ops, path, x, w, w1, w3, w2, plan, grad_out):
     arrays = (x_, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E, w1_, w3_, w2_)
     out = ops.moe_experts(*arrays) if path == "fused" else reference.moe_experts(*arrays, ops=ops)
     grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
-    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves)]
+    return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves, strict=False)]
 
 
 def _check_layer(T, H, Fd, E, K, capacity, seed=0, concentrate=False):
@@ -88,12 +90,12 @@ def _check_layer(T, H, Fd, E, K, capacity, seed=0, concentrate=False):
     grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1))
     ref_out, leaves64 = _loop_reference(x, w, w1, w3, w2, expert_ids, plan.row_of_slot_TK)
     ref = [ref_out] + list(torch.autograd.grad(ref_out, leaves64, grad_out.double(), allow_unused=True))
-    ref = [r if r is not None else torch.zeros_like(l) for r, l in zip(ref, [ref_out] + list(leaves64))]
+    ref = [r if r is not None else torch.zeros_like(l) for r, l in zip(ref, [ref_out] + list(leaves64), strict=False)]
     torch_backend = _run(reference, "ops", x, w, w1, w3, w2, plan, grad_out)
     names = ["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"]
     for path in ("ops", "fused"):
         got = _run(tops, path, x, w, w1, w3, w2, plan, grad_out)
-        for name, g, r, tb in zip(names, got, ref, torch_backend):
+        for name, g, r, tb in zip(names, got, ref, torch_backend, strict=False):
             assert g.shape == r.shape and g.dtype == torch.float32, (path, name)
             if r.norm() == 0:  # e.g. no rows at all: every gradient must be exactly zero
                 assert torch.count_nonzero(g) == 0, (path, name)
@@ -138,7 +140,7 @@ def test_gather_is_exact_and_combine_deterministic():
     assert torch.equal(outs[0], outs[1])
     g = torch.randn(T, H)
     grads = [torch.autograd.grad(o, [y, w], g) for o in outs]
-    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=False))
     ref = reference.combine_rows(y, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
     assert _rel(outs[0], ref) < 1e-6
 
@@ -154,7 +156,7 @@ def test_grouped_swiglu_zero_row_experts_get_zero_weight_grads():
     g = torch.randn_like(y)
     got = torch.autograd.grad(y, [x, w1, w3, w2], g)
     want = torch.autograd.grad(y_ref, [x, w1, w3, w2], g)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=False):
         assert _rel(a, b) < 1e-5
     for dw in got[1:]:
         assert torch.count_nonzero(dw[[0, 2, 3]]) == 0
@@ -201,7 +203,7 @@ def test_rejects_mismatched_dtypes():
     counts = torch.tensor([2, 1])
     x = torch.randn(3, 16)
     w = torch.randn(2, 16, 16, dtype=torch.float64)
-    with pytest.raises(ValueError, match="float32, bfloat16 or float16|dtype"):
+    with pytest.raises(ValueError, match=r"float32, bfloat16 or float16|dtype"):
         tops.grouped_swiglu(x, w, w, w.transpose(1, 2), counts)
 
 
@@ -215,8 +217,9 @@ def test_fused_op_traces_under_torch_compile(engine):
     x, w, w1, w3, w2 = _inputs(T, H, Fd, E, K, seed=9)
 
     def layer(x, w, w1, w3, w2):
-        return tops.moe_experts(x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                                plan.tokens_per_expert_E, w1, w3, w2).sum()
+        return tops.moe_experts(
+            x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E, w1, w3, w2
+        ).sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # fullgraph: no graph break allowed
@@ -226,7 +229,7 @@ def test_fused_op_traces_under_torch_compile(engine):
         with tiles.use_options(wgrad=engine):
             out = fn(*leaves)
             results.append([out.detach()] + list(torch.autograd.grad(out, leaves)))
-    for got, want in zip(*results):
+    for got, want in zip(*results, strict=False):
         assert _rel(got, want) < 1e-5
 
 

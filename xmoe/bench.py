@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -47,8 +47,13 @@ def saved_activation_bytes(fn) -> int:
     return sum(seen.values())
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, calls: int = 1,
-            before: Optional[Callable[[], object]] = None) -> float:
+def time_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    repeats: int,
+    calls: int = 1,
+    before: Callable[[], object] | None = None,
+) -> float:
     """Median over ``repeats`` of the milliseconds per call of ``calls`` back-to-back ``fn()``: CUDA events on a GPU,
     the host clock on a CPU. ``before`` runs ahead of each repeat, untimed (a barrier, for code with collectives).
     The one timing loop of xmoe's benchmarks; warm-up is the caller's."""
@@ -72,16 +77,31 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, calls:
     return statistics.median(times)
 
 
-def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.device, dtype: torch.dtype,
-                backend: str = "auto", warmup: int = 2, repeats: int = 5, seed: int = 0) -> dict:
+def bench_layer(
+    shape: str,
+    num_tokens: int,
+    dispatcher: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str = "auto",
+    warmup: int = 2,
+    repeats: int = 5,
+    seed: int = 0,
+) -> dict:
     from xmoe.moe.layer import MoELayer
 
     hidden, ffn, experts, top_k = layer_shape(shape)
     # the padded baseline runs as GShard / DeepSpeed-MoE are used, with capacity factor 1.25 (C = T would need a
     # T x E x T mask); PFT runs dropless, so it computes every routed row the baseline computes and more
-    cfg = MoEConfig(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k,
-                    dispatcher=dispatcher, kernel_backend=backend,
-                    capacity_factor=1.25 if dispatcher == "padded" else None)
+    cfg = MoEConfig(
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_experts=experts,
+        top_k=top_k,
+        dispatcher=dispatcher,
+        kernel_backend=backend,
+        capacity_factor=1.25 if dispatcher == "padded" else None,
+    )
     torch.manual_seed(seed)
     layer = MoELayer(cfg).to(device=device, dtype=dtype)
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
@@ -92,8 +112,14 @@ def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.devi
         x.grad = None
         layer(x).backward(grad)
 
-    result = {"shape": shape, "tokens": num_tokens, "dispatcher": dispatcher, "dtype": str(dtype).split(".")[-1],
-              "device": device.type, "backend": backend}
+    result = {
+        "shape": shape,
+        "tokens": num_tokens,
+        "dispatcher": dispatcher,
+        "dtype": str(dtype).split(".")[-1],
+        "device": device.type,
+        "backend": backend,
+    }
     try:
         result["saved_bytes"] = saved_activation_bytes(lambda: layer(x))
         if device.type == "cuda":
@@ -103,8 +129,13 @@ def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.devi
         from tqdm import tqdm
 
         # one CPU call of a paper-sized layer takes seconds: show each warm-up and timed call as it finishes
-        progress = tqdm(total=warmup + repeats, desc=f"{dispatcher} {shape} T={num_tokens}", unit="call",
-                        leave=False, disable=device.type == "cuda")
+        progress = tqdm(
+            total=warmup + repeats,
+            desc=f"{dispatcher} {shape} T={num_tokens}",
+            unit="call",
+            leave=False,
+            disable=device.type == "cuda",
+        )
 
         def counted():
             step()
@@ -125,15 +156,19 @@ def bench_layer(shape: str, num_tokens: int, dispatcher: str, device: torch.devi
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| shape | T | dispatcher | dtype | ms fwd+bwd | TFLOP/s | saved act. MiB | peak extra MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| shape | T | dispatcher | dtype | ms fwd+bwd | TFLOP/s | saved act. MiB | peak extra MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['tokens']} | {r['dispatcher']} | {r['dtype']} | {r['error']} | | | |")
             continue
         peak = f"{r['peak_extra_bytes'] / 2**20:.0f}" if "peak_extra_bytes" in r else "-"
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['dispatcher']} | {r['dtype']} | {r['ms']:.2f} | "
-                     f"{r['tflops']:.3f} | {r['saved_bytes'] / 2**20:.1f} | {peak} |")
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['dispatcher']} | {r['dtype']} | {r['ms']:.2f} | "
+            f"{r['tflops']:.3f} | {r['saved_bytes'] / 2**20:.1f} | {peak} |"
+        )
     return "\n".join(lines)
 
 
@@ -149,9 +184,11 @@ def check_fits(shape: str, num_tokens: int, device: torch.device, dtype: torch.d
     else:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
-        raise ValueError(f"--tokens ({num_tokens}) needs at least {need / 2**30:.3g} GiB for one call of the {shape} "
-                         f"layer's activations, more than this {device.type} device's {have / 2**30:.0f} GiB; lower "
-                         "--tokens")
+        raise ValueError(
+            f"--tokens ({num_tokens}) needs at least {need / 2**30:.3g} GiB for one call of the {shape} "
+            f"layer's activations, more than this {device.type} device's {have / 2**30:.0f} GiB; lower "
+            "--tokens"
+        )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -160,15 +197,20 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ValueError("--device cuda was asked for but torch sees no GPU; use --device cpu")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     check_fits(args.shape, args.tokens, device, dtype)
-    rows = [bench_layer(args.shape, args.tokens, d, device, dtype, args.backend, repeats=args.repeats)
-            for d in ("pft", "padded")]
+    rows = [
+        bench_layer(args.shape, args.tokens, d, device, dtype, args.backend, repeats=args.repeats)
+        for d in ("pft", "padded")
+    ]
     print(format_table(rows))
     if all("ms" in r for r in rows):
         pft, padded = rows
-        print(f"PFT vs padded: {padded['ms'] / pft['ms']:.2f}x the speed, "
-              f"{padded['saved_bytes'] / max(pft['saved_bytes'], 1):.2f}x less saved activation memory")
+        print(
+            f"PFT vs padded: {padded['ms'] / pft['ms']:.2f}x the speed, "
+            f"{padded['saved_bytes'] / max(pft['saved_bytes'], 1):.2f}x less saved activation memory"
+        )
     return rows
 
 

@@ -17,14 +17,20 @@ EXAMPLES = """examples:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", default="tiny", choices=tuple(PRESETS),
-                        help="the MoE layer of this preset (default tiny)")
+    parser.add_argument(
+        "--shape", default="tiny", choices=tuple(PRESETS), help="the MoE layer of this preset (default tiny)"
+    )
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per call (default 2048)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="auto: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
-                        help="MoE kernels (default auto: triton on a GPU, torch on CPU)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: bfloat16 on GPU, float32 on CPU"
+    )
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="MoE kernels (default auto: triton on a GPU, torch on CPU)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs, the median is reported (default 5)")
 
 

@@ -9,7 +9,7 @@ import math
 import os
 import types
 import typing
-from typing import Literal, Optional
+from typing import Literal
 
 
 def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundError:
@@ -21,8 +21,10 @@ def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundEr
         if e.errno == errno.ELOOP:
             return FileNotFoundError(f"{what} {str(path)!r} is a symlink loop; point at the file itself")
         if os.path.islink(path):
-            return FileNotFoundError(f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not "
-                                     "exist; point at the file itself")
+            return FileNotFoundError(
+                f"{what} {str(path)!r} is a symlink to {os.readlink(path)!r}, which does not "
+                "exist; point at the file itself"
+            )
     return FileNotFoundError(f"{what} {str(path)!r} not found" + (f"; {fix}" if fix else ""))
 
 
@@ -39,7 +41,8 @@ def _describe(kind: typing.Any) -> str:
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _describe(a) for a in args)
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        kind, getattr(kind, "__name__", str(kind)))
+        kind, getattr(kind, "__name__", str(kind))
+    )
 
 
 def _conforms(value: typing.Any, kind: typing.Any) -> bool:
@@ -66,5 +69,5 @@ def check_types(obj: typing.Any) -> None:
         if not _conforms(value, kind):
             name = f"{obj.section}.{f.name}" if obj.section else f.name
             raise ValueError(f"{name} ({value!r}) must be {_describe(kind)}, not {type(value).__name__}")
-        if kind in (float, Optional[float]) and isinstance(value, int):
+        if kind in (float, float | None) and isinstance(value, int):
             setattr(obj, f.name, float(value))

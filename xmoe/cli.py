@@ -28,8 +28,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     from xmoe.train import cli as train_cli
 
     parser = argparse.ArgumentParser(
-        prog="xmoe", description="Train expert-specialized Mixture-of-Experts models, padding-free.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="xmoe",
+        description="Train expert-specialized Mixture-of-Experts models, padding-free.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"xmoe {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="{train,bench,plan,export,eval,generate}")
@@ -39,10 +42,16 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         ("bench", bench, "time one MoE layer, padding-free vs the padded baseline"),
         ("plan", plan_cli, "memory and communication models (no GPU needed)"),
     ):
-        subs[name] = sub.add_parser(name, help=help_text, description=help_text, epilog=module.EXAMPLES,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-        subs[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                                help="show the full traceback of an error")
+        subs[name] = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=module.EXAMPLES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        subs[name].add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show the full traceback of an error"
+        )
         module.add_arguments(subs[name])
     from xmoe import infer
 
@@ -52,8 +61,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         ("generate", infer.add_generate_arguments, "KV-cached greedy / temperature / top-p sampling"),
     ):
         subs[name] = sub.add_parser(name, help=help_text, description=help_text)
-        subs[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                                help="show the full traceback of an error")
+        subs[name].add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show the full traceback of an error"
+        )
         add(subs[name])
     return parser, subs
 
@@ -78,15 +88,17 @@ def _message(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser, subs = _parser()
+    parser, _subs = _parser()
     args = parser.parse_args(argv)
     from xmoe.log import configure_logging
 
     configure_logging()
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("xmoe: error: choose a command: train, bench, plan, export, eval or generate (xmoe --help "
-              "explains them)", file=sys.stderr)
+        print(
+            "xmoe: error: choose a command: train, bench, plan, export, eval or generate (xmoe --help explains them)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         if args.command == "train":
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and exits 130 itself)
         print(f"xmoe {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
-    except BaseException as exc:  # noqa: BLE001 - sorted into user errors, stops and bugs below
+    except BaseException as exc:
         from xmoe.train.safety import NonFiniteError, RunStopped
 
         if args.debug or not isinstance(exc, (Exception, *_user_error_types())):  # SystemExit and the like

@@ -13,7 +13,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional, get_args
+from typing import ClassVar, Literal, get_args
 
 from xmoe.checks import check_types, positive
 from xmoe.checks import missing as missing  # re-exported: the commands import it from here
@@ -37,7 +37,7 @@ class ParallelConfig:
     dp: int = 1
     ep: int = 1
     tp: int = 1
-    gpus_per_node: Optional[int] = None
+    gpus_per_node: int | None = None
     placement: Literal["ep_first", "dp_first"] = "ep_first"
     sequence_parallel: bool = False  # with tp > 1: norms on 1/tp of the positions (Megatron-style SP)
     section: ClassVar[str] = "parallel"
@@ -126,8 +126,10 @@ def _from_env(name: str, field_name: str, choices: tuple[str, ...], default: str
     """The environment's default of ``kernels.<field_name>``, checked when a KernelConfig is made."""
     value = os.environ.get(name) or default
     if value not in choices:
-        raise ValueError(f"{name} ({value!r}) must be one of {', '.join(choices)} (it sets the default of "
-                         f"kernels.{field_name}); set one of them or unset it")
+        raise ValueError(
+            f"{name} ({value!r}) must be one of {', '.join(choices)} (it sets the default of "
+            f"kernels.{field_name}); set one of them or unset it"
+        )
     return value
 
 
@@ -143,8 +145,7 @@ class KernelConfig:
     ``autotune``: on a GPU, time every tile candidate of a shape class at its first launch and keep the fastest
     (cached in $XMOE_CACHE_DIR, default ~/.cache/xmoe) instead of the shipped table or the heuristic."""
 
-    wgrad: WgradEngine = field(
-        default_factory=lambda: _from_env("XMOE_WGRAD", "wgrad", get_args(WgradEngine), "auto"))
+    wgrad: WgradEngine = field(default_factory=lambda: _from_env("XMOE_WGRAD", "wgrad", get_args(WgradEngine), "auto"))
     autotune: bool = field(default_factory=lambda: _from_env("XMOE_AUTOTUNE", "autotune", ("0", "1"), "0") == "1")
     section: ClassVar[str] = "kernels"
 
@@ -159,14 +160,17 @@ class DataConfig:
     for .txt files: "bytes" or a tokenizers JSON file."""
 
     path: str = "markov"
-    val_path: Optional[str] = None
+    val_path: str | None = None
     tokenizer: str = "bytes"
     section: ClassVar[str] = "data"
 
     def __post_init__(self) -> None:
         check_types(self)
-        for name, fix in (("path", "'markov' or a .npy / .bin / .txt file"), ("val_path", "a file, 'markov' or null"),
-                          ("tokenizer", "'bytes' or a tokenizers JSON file")):
+        for name, fix in (
+            ("path", "'markov' or a .npy / .bin / .txt file"),
+            ("val_path", "a file, 'markov' or null"),
+            ("tokenizer", "'bytes' or a tokenizers JSON file"),
+        ):
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ValueError(f"data.{name} ({value!r}) is empty; name {fix}")
@@ -184,7 +188,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    init_from: Optional[str] = None
+    init_from: str | None = None
     preset: str = ""
     section: ClassVar[str] = ""  # its own fields are top-level keys of a config file
 

@@ -11,22 +11,28 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 from xmoe.checks import missing
 from xmoe.config import ModelConfig, MoEConfig
 
 # torch and the checkpoint readers are imported inside the commands: `xmoe --help` builds these parsers without them
 # what an export writes into a Hugging Face directory, and so what --overwrite removes from one
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "model.safetensors.index.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "model.safetensors.index.json",
+)
+
 
 def model_config_from_dict(values: dict) -> ModelConfig:
     """A ModelConfig from its asdict() form (as a run's checkpoint meta.json stores it)."""
     return ModelConfig(**{**values, "moe": MoEConfig(**values["moe"])})
 
 
-def _run_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
+def _run_checkpoint(run_dir: Path, step: int | None) -> Path:
     from xmoe.train.checkpoint_dir import step_of
     from xmoe.train.checkpoint_verify import find_latest
 
@@ -41,7 +47,7 @@ def _run_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
     return matches[0]
 
 
-def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
+def load_source(source: str, step: int | None = None, device: str = "cpu"):
     """(model in eval mode, tokenizer path or None, imported HF config or None) of a SOURCE. A run that is still
     training may prune the checkpoint being read: it is pinned while read (and picked again if it went first)."""
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
@@ -61,14 +67,18 @@ def load_source(source: str, step: Optional[int] = None, device: str = "cpu"):
         tokenizer = path / RUN_TOKENIZER
         return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
     if not (path / "checkpoints").is_dir():
-        raise FileNotFoundError(f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run "
-                                "directory (checkpoints/)")
+        raise FileNotFoundError(
+            f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run directory (checkpoints/)"
+        )
     from xmoe.train.checkpoint_dir import read_pinned
 
     model = read_pinned(lambda: _run_checkpoint(path, step), lambda found: _run_model(found, device))
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
-    hf = read_json(hf_file, "copy the config.json of the directory the run was imported from to it") \
-        if hf_file.is_file() else None
+    hf = (
+        read_json(hf_file, "copy the config.json of the directory the run was imported from to it")
+        if hf_file.is_file()
+        else None
+    )
     return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
 
 
@@ -84,7 +94,7 @@ def _run_model(found: Path, device: str):
     return model
 
 
-def _encode(text: str, tokenizer: Optional[str]) -> list[int]:
+def _encode(text: str, tokenizer: str | None) -> list[int]:
     if tokenizer is None:
         return list(text.encode("utf-8"))
     from xmoe.train.data import load_tokenizer
@@ -92,7 +102,7 @@ def _encode(text: str, tokenizer: Optional[str]) -> list[int]:
     return load_tokenizer(tokenizer)[0].encode(text).ids
 
 
-def _decode(ids: list[int], tokenizer: Optional[str]) -> str:
+def _decode(ids: list[int], tokenizer: str | None) -> str:
     if tokenizer is None:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
     from xmoe.train.data import load_tokenizer
@@ -107,12 +117,18 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="xmoe run directory (its checkpoints/)")
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="Hugging Face directory to write")
     p.add_argument("--step", type=int, help="checkpoint step to export (default: the latest)")
-    p.add_argument("--family", help="qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3 or deepseek_v2 (default: the imported one, else "
-                                    "inferred from the architecture)")
+    p.add_argument(
+        "--family",
+        help="qwen3_moe, qwen2_moe, mixtral, olmoe, deepseek_v3 or deepseek_v2 (default: the imported one, else "
+        "inferred from the architecture)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB (index past it)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the model files of a Hugging Face directory already at --hf (else it must be empty)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model files of a Hugging Face directory already at --hf (else it must be empty)",
+    )
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -125,18 +141,24 @@ def _check_export_target(out: Path, overwrite: bool) -> None:
     one unless ``overwrite`` (then it must be a model directory: its model files are replaced)."""
     for parent in (out.resolve(), *out.resolve().parents):
         if _is_run_dir(parent):
-            raise ValueError(f"--hf {out} is inside the run directory {parent}, where eval, export and generate "
-                             f"would read it instead of the run's checkpoints; write it elsewhere, e.g. --hf "
-                             f"{parent.with_name(parent.name + '-hf')}")
+            raise ValueError(
+                f"--hf {out} is inside the run directory {parent}, where eval, export and generate "
+                f"would read it instead of the run's checkpoints; write it elsewhere, e.g. --hf "
+                f"{parent.with_name(parent.name + '-hf')}"
+            )
     if out.exists() and not out.is_dir():
         raise ValueError(f"--hf {out} is a file; pass a directory")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if entries and not overwrite:
-        raise ValueError(f"--hf {out} is not empty ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''}); "
-                         "pass --overwrite to replace the model in it, or choose an empty or new directory")
+        raise ValueError(
+            f"--hf {out} is not empty ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''}); "
+            "pass --overwrite to replace the model in it, or choose an empty or new directory"
+        )
     if entries and not (out / "config.json").is_file():
-        raise ValueError(f"--overwrite replaces a Hugging Face model directory, and {out} holds no config.json; "
-                         "choose an empty or new directory")
+        raise ValueError(
+            f"--overwrite replaces a Hugging Face model directory, and {out} holds no config.json; "
+            "choose an empty or new directory"
+        )
 
 
 def _move_into(staged: Path, out: Path) -> None:
@@ -175,8 +197,14 @@ def run_export(args: argparse.Namespace) -> Path:
     family = args.family or (hf or {}).get("model_type")
     staged = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     try:
-        save_pretrained(model, staged, family=family, base_config=hf, dtype=getattr(torch, args.dtype),
-                        max_shard_bytes=int(args.max_shard_gb * 2**30))
+        save_pretrained(
+            model,
+            staged,
+            family=family,
+            base_config=hf,
+            dtype=getattr(torch, args.dtype),
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+        )
         if tokenizer is not None:
             shutil.copy(tokenizer, staged / RUN_TOKENIZER)
         _move_into(staged, out)
@@ -215,12 +243,16 @@ def run_eval(args: argparse.Namespace) -> dict:
     if args.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
     text = args.data.endswith(".txt")
-    windows = validation_windows(args.data, args.seq_len, model.cfg.vocab_size, args.max_windows,
-                                 tokenizer=tokenizer or "bytes")
+    windows = validation_windows(
+        args.data, args.seq_len, model.cfg.vocab_size, args.max_windows, tokenizer=tokenizer or "bytes"
+    )
     result = evaluate(model, windows, args.batch_size, torch.device(args.device))
     num_bytes = text_bytes_of(windows, tokenizer) if text else None
-    result.update(perplexity=perplexity(result["loss"]),
-                  bits_per_byte=bits_per_byte(result["loss"], result["tokens"], num_bytes), windows=len(windows))
+    result.update(
+        perplexity=perplexity(result["loss"]),
+        bits_per_byte=bits_per_byte(result["loss"], result["tokens"], num_bytes),
+        windows=len(windows),
+    )
     print(json.dumps(result))
     return result
 
@@ -272,8 +304,15 @@ def run_generate(args: argparse.Namespace) -> list[int]:
         eos = hf["eos_token_id"]
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    out = generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, eos_id=eos,
-                   generator=generator)[0, len(ids):].tolist()
+    out = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        eos_id=eos,
+        generator=generator,
+    )[0, len(ids) :].tolist()
     print(",".join(map(str, out)) if args.ids else _decode(ids + out, tokenizer))
     sys.stdout.flush()
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 from xmoe.checks import check_types, positive
 
@@ -19,6 +19,7 @@ AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
 RopeScaling = Literal["none", "yarn"]
+
 
 @dataclass
 class MoEConfig:
@@ -51,7 +52,7 @@ class MoEConfig:
     aux_loss_type: AuxLossType = "batch"
     z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
-    capacity_factor: Optional[float] = None
+    capacity_factor: float | None = None
     kernel_backend: KernelBackend = "auto"
     dispatcher: DispatcherName = "pft"
     init_std: float = 0.02
@@ -83,16 +84,19 @@ class MoEConfig:
         if self.fp8 not in ("off", "experts"):
             raise ValueError(f"fp8 ({self.fp8!r}) must be 'off' or 'experts'")
         if self.fp8 == "experts" and self.kernel_backend == "torch":
-            raise ValueError("fp8='experts' runs xmoe's Triton FP8 kernels, which kernel_backend='torch' does not "
-                             "use: set kernel_backend to 'auto' or 'triton', or fp8='off'")
+            raise ValueError(
+                "fp8='experts' runs xmoe's Triton FP8 kernels, which kernel_backend='torch' does not "
+                "use: set kernel_backend to 'auto' or 'triton', or fp8='off'"
+            )
         if self.fp8 == "experts" and self.dispatcher == "padded":
-            raise ValueError("fp8='experts' has no FP8 path for the padded baseline's capacity buffers: use "
-                             "dispatcher 'pft' or 'rbd', or fp8='off'")
+            raise ValueError(
+                "fp8='experts' has no FP8 path for the padded baseline's capacity buffers: use "
+                "dispatcher 'pft' or 'rbd', or fp8='off'"
+            )
         positive("num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
             raise ValueError(
-                f"num_experts ({self.num_experts}) must be divisible by num_expert_groups "
-                f"({self.num_expert_groups})"
+                f"num_experts ({self.num_experts}) must be divisible by num_expert_groups ({self.num_expert_groups})"
             )
         if not 1 <= self.topk_groups <= self.num_expert_groups:
             raise ValueError(
@@ -111,16 +115,14 @@ class MoEConfig:
                 raise ValueError(f"{name} ({value}) must be a finite number >= 0")
         if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
             raise ValueError(f"routed_scaling_factor ({self.routed_scaling_factor}) must be finite and > 0")
-        if self.capacity_factor is not None and not (
-            self.capacity_factor > 0 and math.isfinite(self.capacity_factor)
-        ):
-            raise ValueError(
-                f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless routing"
-            )
+        if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            raise ValueError(f"capacity_factor ({self.capacity_factor}) must be > 0, or None for dropless routing")
         positive("init_std", self.init_std)
         if self.shared_ffn_hidden_size < 0:
-            raise ValueError(f"shared_ffn_hidden_size ({self.shared_ffn_hidden_size}) must be >= 0 (0: "
-                             "num_shared_experts * ffn_hidden_size)")
+            raise ValueError(
+                f"shared_ffn_hidden_size ({self.shared_ffn_hidden_size}) must be >= 0 (0: "
+                "num_shared_experts * ffn_hidden_size)"
+            )
         if (self.shared_ffn_hidden_size or self.shared_expert_gate) and not self.num_shared_experts:
             raise ValueError("shared_ffn_hidden_size and shared_expert_gate need num_shared_experts >= 1")
 
@@ -205,9 +207,7 @@ class ModelConfig:
         if not 0 <= self.first_k_dense <= self.num_layers:
             raise ValueError(f"first_k_dense ({self.first_k_dense}) must be in [0, num_layers={self.num_layers}]")
         if self.moe.hidden_size != self.hidden_size:
-            raise ValueError(
-                f"moe.hidden_size ({self.moe.hidden_size}) must equal hidden_size ({self.hidden_size})"
-            )
+            raise ValueError(f"moe.hidden_size ({self.moe.hidden_size}) must equal hidden_size ({self.hidden_size})")
         if self.ffn_hidden_size == 0:
             self.ffn_hidden_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
         positive("ffn_hidden_size", self.ffn_hidden_size)
@@ -230,13 +230,17 @@ class ModelConfig:
             )
         if self.qk_norm not in ("none", "head", "proj"):
             raise ValueError(f"qk_norm ({self.qk_norm!r}) must be 'none', 'head' (Qwen3) or 'proj' (OLMoE)")
-        mla_only = [n for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-                    if getattr(self, n)]
+        mla_only = [
+            n
+            for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            if getattr(self, n)
+        ]
         if self.qkv_bias and self.qk_norm != "none":
             raise ValueError("qkv_bias with qk_norm is not a known architecture; use one of them")
         if mla_only:
-            raise ValueError(f"{', '.join(mla_only)} only apply with attention='mla'; set attention='mla' or leave "
-                             "them 0")
+            raise ValueError(
+                f"{', '.join(mla_only)} only apply with attention='mla'; set attention='mla' or leave them 0"
+            )
 
     def _check_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
@@ -268,11 +272,11 @@ class ModelConfig:
         return self.num_kv_heads or self.num_heads
 
     @property
-    def softmax_scale(self) -> Optional[float]:
+    def softmax_scale(self) -> float | None:
         """Attention's softmax scale when it is not 1/sqrt(head_dim): YaRN with mscale_all_dim under MLA multiplies
         it by yarn_mscale(factor, mscale_all_dim)^2 (DeepSeek-V2/V3)."""
         if self.rope_scaling == "yarn" and self.attention == "mla" and self.rope_mscale_all_dim:
-            return self.head_dim ** -0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
+            return self.head_dim**-0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
         return None
 
     @property

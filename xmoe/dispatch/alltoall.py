@@ -23,7 +23,7 @@ with empty buffers; nothing is padded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,9 +54,9 @@ class AllToAllStats(TrafficStats):
 class _Ctx:
     input_splits: list[int]  # rows this rank sends to each EP rank
     output_splits: list[int]  # rows this rank receives from each EP rank
-    src_of_dst_M: Optional[torch.Tensor]  # received-order row of each expert-major row; None: identity
-    dst_of_src_M: Optional[torch.Tensor]  # its inverse
-    empty_rows_MH: Optional[torch.Tensor]  # the dispatched (M, H) tensor when M == 0, else None
+    src_of_dst_M: torch.Tensor | None  # received-order row of each expert-major row; None: identity
+    dst_of_src_M: torch.Tensor | None  # its inverse
+    empty_rows_MH: torch.Tensor | None  # the dispatched (M, H) tensor when M == 0, else None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -102,7 +102,7 @@ class AllToAllDispatcher:
 
     fuses_experts = False
 
-    def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, kernel_backend: str = "auto"):
+    def __init__(self, ep_group: dist.ProcessGroup | None, num_experts: int, kernel_backend: str = "auto"):
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)

@@ -21,7 +21,7 @@ so that the MoE layer's forward stays:  rows = dispatch -> experts(rows) -> comb
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,13 +30,11 @@ from xmoe.dispatch.routing import RoutingPlan
 
 class Dispatcher(Protocol):
     fuses_experts: bool
-    stats: Optional[TrafficStats]
+    stats: TrafficStats | None
 
     def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 
-    def combine(
-        self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any
-    ) -> torch.Tensor: ...
+    def combine(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor: ...
 
 
 def experts_per_rank(num_experts: int, ep: int) -> int:
@@ -59,7 +57,7 @@ class TrafficStats:
         for f in fields(self):
             setattr(self, f.name, 0)
 
-    def add(self, other: "TrafficStats") -> None:
+    def add(self, other: TrafficStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 

@@ -11,8 +11,6 @@ one rank costs nothing (no copy, no collective).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -48,7 +46,7 @@ class AllToAllRows(torch.autograd.Function):
 
 
 def all_to_all_rows(
-    x_NH: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Optional[dist.ProcessGroup]
+    x_NH: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Differentiable uneven all-to-all along dim 0. Splits are host lists (NCCL and gloo both need them there)."""
     if x_NH.shape[0] != sum(input_splits):
@@ -58,7 +56,7 @@ def all_to_all_rows(
     return AllToAllRows.apply(x_NH, output_splits, input_splits, group)
 
 
-def exchange_counts(send_counts_PE: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def exchange_counts(send_counts_PE: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """send_counts_PE[p, e]: rows this rank sends to rank p's local expert e (int64, on the rows' device).
 
     Returns recv_counts_PE[p, e]: rows rank p sends to this rank's local expert e. One equal-split all-to-all of

@@ -37,8 +37,9 @@ autograd must then run it before the dispatch all-to-alls' backward, on every ra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,7 @@ class _Counts:
     """Step 2's results, read by the one host sync: split sizes and this layer call's counters."""
 
     stage1: tuple[list[int], list[int]]  # (send, receive) rows per EP rank, stage 1
-    stage2: Optional[tuple[list[int], list[int]]]  # the same for stage 2; None when it is skipped
+    stage2: tuple[list[int], list[int]] | None  # the same for stage 2; None when it is skipped
     tokens_per_expert_local: torch.Tensor  # rows each local expert computes (device)
     num_rows: int  # N: rows this rank's experts compute
     slots: int  # the counters of RBDStats that only the source knows
@@ -135,10 +136,10 @@ class _LocalRows:
 @dataclass
 class _Ctx:
     stage1: _Stage1
-    stage2: Optional[_Stage2]
+    stage2: _Stage2 | None
     local: _LocalRows
     anchors: tuple[torch.Tensor, ...]  # the dispatch all-to-alls' outputs (see the module docstring)
-    empty_rows_NH: Optional[torch.Tensor]  # the dispatched tensor when this rank computes nothing
+    empty_rows_NH: torch.Tensor | None  # the dispatched tensor when this rank computes nothing
 
 
 class _SendWeights(torch.autograd.Function):
@@ -161,9 +162,9 @@ class _SendWeights(torch.autograd.Function):
         s1, s2, group = ctx.c.stage1, ctx.c.stage2, ctx.group
         if not ctx.needs_input_grad[0]:  # weights without gradient on every rank: no collective either
             return None, None, None, *(None for _ in range(ctx.num_anchors))
-        grad1 = grad_MK[:s1.num_recv]
+        grad1 = grad_MK[: s1.num_recv]
         if s2 is not None:
-            back2 = all_to_all_plain(grad_MK[s1.num_recv:].contiguous(), s2.splits[0], s2.splits[1], group)
+            back2 = all_to_all_plain(grad_MK[s1.num_recv :].contiguous(), s2.splits[0], s2.splits[1], group)
             # a slot's gradient is non-zero on exactly one GPU (the one hosting its expert): a gather, no atomics
             cols = torch.arange(grad1.shape[1], device=grad1.device)
             covered = s2.rep_of_slot_M1K >= 0
@@ -187,8 +188,13 @@ class HierarchicalDispatcher:
 
     fuses_experts = False
 
-    def __init__(self, ep_group: Optional[dist.ProcessGroup], num_experts: int, node_of_rank: Sequence[int],
-                 kernel_backend: str = "auto"):
+    def __init__(
+        self,
+        ep_group: dist.ProcessGroup | None,
+        num_experts: int,
+        node_of_rank: Sequence[int],
+        kernel_backend: str = "auto",
+    ):
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
@@ -215,14 +221,17 @@ class HierarchicalDispatcher:
         copy per call would be a synchronisation of its own)."""
         if device not in self._tables:
             nodes = torch.tensor(self.node_of_rank, dtype=torch.long)
-            self._tables[device] = (nodes.repeat_interleave(self.num_local_experts).to(device),
-                                    torch.tensor(self.local_index, dtype=torch.long).to(device))
+            self._tables[device] = (
+                nodes.repeat_interleave(self.num_local_experts).to(device),
+                torch.tensor(self.local_index, dtype=torch.long).to(device),
+            )
         return self._tables[device]
 
     def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
         if plan.num_experts != self.num_experts:
             raise ValueError(
-                f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}")
+                f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}"
+            )
         ops = get_ops(self.kernel_backend, x_TH.device)
         units = self._units(plan, x_TH.device)  # 1.
         key1 = torch.where(units.unit_head_TK, units.rank_TK, self.num_ranks).view(-1)  # stage-1 destination
@@ -235,8 +244,13 @@ class HierarchicalDispatcher:
         x_NH, local = self._expand(x_loc, ids_loc, counts.num_rows, ops)  # 5.
         row_bytes = x_TH.shape[1] * x_TH.element_size() + 4 * units.ids_TK.shape[1]  # a row and its K int32 ids
         self._record(counts, row_bytes)
-        ctx = _Ctx(stage1=stage1, stage2=stage2, local=local, anchors=anchors,
-                   empty_rows_NH=x_NH if counts.num_rows == 0 else None)
+        ctx = _Ctx(
+            stage1=stage1,
+            stage2=stage2,
+            local=local,
+            anchors=anchors,
+            empty_rows_NH=x_NH if counts.num_rows == 0 else None,
+        )
         return x_NH, counts.tokens_per_expert_local, ctx
 
     def _units(self, plan: RoutingPlan, device: torch.device) -> SourceUnits:
@@ -245,8 +259,13 @@ class HierarchicalDispatcher:
         ids_flat = torch.full((num_tokens * top_k,), -1, dtype=torch.long, device=device)
         ids_flat[plan.slot_ids_N] = plan.expert_ids_N
         node_of_expert, _ = self._device_tables(device)
-        return source_units(ids_flat.view(num_tokens, top_k), node_of_expert, len(self.ranks_of_node),
-                            self.num_local_experts, self.my_node)
+        return source_units(
+            ids_flat.view(num_tokens, top_k),
+            node_of_expert,
+            len(self.ranks_of_node),
+            self.num_local_experts,
+            self.my_node,
+        )
 
     def _exchange_counts(self, units: SourceUnits, key1: torch.Tensor, plan: RoutingPlan) -> _Counts:
         """2. counts: flat per expert | stage-1 rows | stage-2 rows each pilot sends / receives, per node-local
@@ -258,18 +277,28 @@ class HierarchicalDispatcher:
             pilot, target = units.pilot_TK.clamp(min=0), units.rank_TK.clamp(min=0)
             for a, b in ((pilot, target), (target, pilot)):  # (pilot q, its peer r): to q, then to r
                 key = torch.where(units.replica_TK, a * width + local_idx[b], num_ranks * width).view(-1)
-                parts.append(count_ids(key, num_ranks * width + 1)[:num_ranks * width].view(num_ranks, width))
+                parts.append(count_ids(key, num_ranks * width + 1)[: num_ranks * width].view(num_ranks, width))
         send_PC = torch.cat(parts, dim=1)
         recv_PC = exchange_counts(send_PC, self.group)
         tokens_per_expert_local = recv_PC[:, :num_local].sum(0)
         valid, own = units.valid_TK, units.own_TK
         mine = units.rank_TK == self.ep_rank
-        scalars = torch.stack([valid.sum(), units.node_head_TK.sum(), units.replica_TK.sum(), (own & ~mine).sum(),
-                               (valid & ~own).sum(), tokens_per_expert_local.sum()])
+        scalars = torch.stack(
+            [
+                valid.sum(),
+                units.node_head_TK.sum(),
+                units.replica_TK.sum(),
+                (own & ~mine).sum(),
+                (valid & ~own).sum(),
+                tokens_per_expert_local.sum(),
+            ]
+        )
         host_parts = [send_PC[:, num_local], recv_PC[:, num_local]]
         if self.two_stage:
-            host_parts += [recv_PC[:, num_local + 1:num_local + 1 + width].sum(0),
-                           recv_PC[:, num_local + 1 + width:].sum(0)]
+            host_parts += [
+                recv_PC[:, num_local + 1 : num_local + 1 + width].sum(0),
+                recv_PC[:, num_local + 1 + width :].sum(0),
+            ]
         host = torch.cat(host_parts + [scalars]).tolist()  # THE host sync of the layer
         stage2 = None
         if self.two_stage:
@@ -278,13 +307,21 @@ class HierarchicalDispatcher:
                 send2[peer], recv2[peer] = host[2 * num_ranks + j], host[2 * num_ranks + width + j]
             stage2 = (send2, recv2)
         slots, token_nodes, caused, flat_intra, flat_inter, num_rows = host[-6:]
-        return _Counts(stage1=(host[:num_ranks], host[num_ranks:2 * num_ranks]), stage2=stage2,
-                       tokens_per_expert_local=tokens_per_expert_local, num_rows=num_rows, slots=slots,
-                       token_nodes=token_nodes, replicas_caused=caused, flat_rows_intra=flat_intra,
-                       flat_rows_inter=flat_inter)
+        return _Counts(
+            stage1=(host[:num_ranks], host[num_ranks : 2 * num_ranks]),
+            stage2=stage2,
+            tokens_per_expert_local=tokens_per_expert_local,
+            num_rows=num_rows,
+            slots=slots,
+            token_nodes=token_nodes,
+            replicas_caused=caused,
+            flat_rows_intra=flat_intra,
+            flat_rows_inter=flat_inter,
+        )
 
-    def _stage1(self, x_TH: torch.Tensor, units: SourceUnits, key1: torch.Tensor,
-                splits: tuple[list[int], list[int]], ops) -> tuple[torch.Tensor, torch.Tensor, _Stage1]:
+    def _stage1(
+        self, x_TH: torch.Tensor, units: SourceUnits, key1: torch.Tensor, splits: tuple[list[int], list[int]], ops
+    ) -> tuple[torch.Tensor, torch.Tensor, _Stage1]:
         """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit."""
         send, recv = splits
         num_tokens, top_k = units.ids_TK.shape
@@ -296,12 +333,24 @@ class HierarchicalDispatcher:
         ids_send = torch.where(in_unit, units.ids_TK[token_of_unit], -1).to(torch.int32)
         x1 = all_to_all_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group)
         ids1 = all_to_all_plain(ids_send, recv, send, self.group).long()
-        return x1, ids1, _Stage1(splits=splits, units=units, token_of_unit_U=token_of_unit, unit_slot_U=unit_slot,
-                                 table_src_TK=table_src, unit_of_slot_TK=unit_of_slot, in_unit_UK=in_unit,
-                                 num_recv=ids1.shape[0])
+        return (
+            x1,
+            ids1,
+            _Stage1(
+                splits=splits,
+                units=units,
+                token_of_unit_U=token_of_unit,
+                unit_slot_U=unit_slot,
+                table_src_TK=table_src,
+                unit_of_slot_TK=unit_of_slot,
+                in_unit_UK=in_unit,
+                num_recv=ids1.shape[0],
+            ),
+        )
 
-    def _stage2(self, x1: torch.Tensor, ids1: torch.Tensor, splits: tuple[list[int], list[int]],
-                ops) -> tuple[torch.Tensor, torch.Tensor, _Stage2]:
+    def _stage2(
+        self, x1: torch.Tensor, ids1: torch.Tensor, splits: tuple[list[int], list[int]], ops
+    ) -> tuple[torch.Tensor, torch.Tensor, _Stage2]:
         """4. stage 2: a replica per (received row, other GPU of this node hosting its experts)."""
         send, recv = splits
         num_recv1, top_k = ids1.shape
@@ -322,14 +371,21 @@ class HierarchicalDispatcher:
         rows_M1 = torch.arange(num_recv1, device=device)
         table_node = torch.where(own_head, rows_M1[:, None], -1).view(-1)
         table_node[rep_slot] = num_recv1 + torch.arange(rep_slot.numel(), device=device)
-        return x2, ids2, _Stage2(
-            splits=splits, rep_src_U2=rep_src, rep_slot_U2=rep_slot, rep_mask_U2K=rep_mask,
-            rep_of_slot_M1K=torch.where(valid1 & (rank1 != ep_rank), table_rep.gather(1, head_k), -1),
-            table_node_M1K=table_node.view(num_recv1, top_k),
-            own_slot_M1=rows_M1 * top_k + own_head.int().argmax(dim=1))
+        return (
+            x2,
+            ids2,
+            _Stage2(
+                splits=splits,
+                rep_src_U2=rep_src,
+                rep_slot_U2=rep_slot,
+                rep_mask_U2K=rep_mask,
+                rep_of_slot_M1K=torch.where(valid1 & (rank1 != ep_rank), table_rep.gather(1, head_k), -1),
+                table_node_M1K=table_node.view(num_recv1, top_k),
+                own_slot_M1=rows_M1 * top_k + own_head.int().argmax(dim=1),
+            ),
+        )
 
-    def _expand(self, x_MH: torch.Tensor, ids_MK: torch.Tensor, num_rows: int,
-                ops) -> tuple[torch.Tensor, _LocalRows]:
+    def _expand(self, x_MH: torch.Tensor, ids_MK: torch.Tensor, num_rows: int, ops) -> tuple[torch.Tensor, _LocalRows]:
         """5. expand to local experts, expert-major: the same (key, position) sort, keys = local expert ids."""
         num_local, ep_rank, top_k = self.num_local_experts, self.ep_rank, ids_MK.shape[1]
         local = (ids_MK >= 0) & (ids_MK // num_local == ep_rank)
@@ -362,8 +418,7 @@ class HierarchicalDispatcher:
         # 8. one row per unit back to its source; a token's units summed in (node, expert) order
         back_UH = all_to_all_rows(node_MH, s1.splits[0], s1.splits[1], self.group)
         out_TH = _sum_rows(ops, back_UH, s1.token_of_unit_U, s1.unit_slot_U, s1.table_src_TK)
-        self._record_combine(ctx, y_NH.shape[1] * y_NH.element_size(),
-                             weights_TK.shape[1] * weights_TK.element_size())
+        self._record_combine(ctx, y_NH.shape[1] * y_NH.element_size(), weights_TK.shape[1] * weights_TK.element_size())
         return out_TH
 
     # ---- counters: host numbers only, from the one sync of dispatch ----------------------------------------
@@ -377,11 +432,20 @@ class HierarchicalDispatcher:
     def _record(self, counts: _Counts, row_bytes: int) -> None:
         local, direct, inter = self._link_rows(counts.stage1[0])
         replica = sum(counts.stage2[0]) if counts.stage2 is not None else 0
-        self._last = RBDStats(calls=1, slots=counts.slots, token_nodes=counts.token_nodes, rows_local=local,
-                              rows_intra_direct=direct, rows_inter=inter, rows_replica=replica,
-                              replicas_caused=counts.replicas_caused, flat_rows_intra=counts.flat_rows_intra,
-                              flat_rows_inter=counts.flat_rows_inter, bytes_intra=(direct + replica) * row_bytes,
-                              bytes_inter=inter * row_bytes)
+        self._last = RBDStats(
+            calls=1,
+            slots=counts.slots,
+            token_nodes=counts.token_nodes,
+            rows_local=local,
+            rows_intra_direct=direct,
+            rows_inter=inter,
+            rows_replica=replica,
+            replicas_caused=counts.replicas_caused,
+            flat_rows_intra=counts.flat_rows_intra,
+            flat_rows_inter=counts.flat_rows_inter,
+            bytes_intra=(direct + replica) * row_bytes,
+            bytes_inter=inter * row_bytes,
+        )
         self.stats.add(self._last)
         self.last_stats = self._last.as_dict()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -19,7 +19,7 @@ class LocalDispatcher:
     """
 
     fuses_experts = True
-    stats: Optional[TrafficStats] = None  # nothing leaves the rank
+    stats: TrafficStats | None = None  # nothing leaves the rank
 
     def __init__(self, kernel_backend: str = "auto"):
         self.kernel_backend = kernel_backend

@@ -13,7 +13,7 @@ equal-split all-to-all: every rank sends each expert's C rows, padding included,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ from xmoe.dispatch.routing import RoutingPlan
 
 class PaddedDispatcher:
     fuses_experts = False
-    stats: Optional[TrafficStats] = None  # the baseline counts no traffic
+    stats: TrafficStats | None = None  # the baseline counts no traffic
 
     def _masks(self, plan: RoutingPlan, weights_TK: torch.Tensor | None, dtype: torch.dtype):
         num_tokens, num_experts = plan.num_tokens, plan.num_experts
@@ -61,7 +61,7 @@ class PaddedAllToAllDispatcher(PaddedDispatcher):
     as the trainer's equal micro-batches do; a mismatch fails in the collective.
     """
 
-    def __init__(self, ep_group: Optional[dist.ProcessGroup]):
+    def __init__(self, ep_group: dist.ProcessGroup | None):
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)  # shard_experts has checked that it divides E
 
@@ -72,8 +72,11 @@ class PaddedAllToAllDispatcher(PaddedDispatcher):
         num_local = num_experts // num_ranks
         splits = [num_local * capacity] * num_ranks
         recv = all_to_all_rows(x_ECH.reshape(num_experts * capacity, hidden), splits, splits, self.group)
-        x_local = recv.view(num_ranks, num_local, capacity, hidden).transpose(0, 1).reshape(
-            num_local, num_ranks * capacity, hidden)
+        x_local = (
+            recv.view(num_ranks, num_local, capacity, hidden)
+            .transpose(0, 1)
+            .reshape(num_local, num_ranks * capacity, hidden)
+        )
         counts_E = torch.full((num_local,), num_ranks * capacity, dtype=torch.long, device=x_TH.device)
         return x_local, counts_E, capacity
 

@@ -27,8 +27,9 @@ class SourceUnits:
     pilot_TK: torch.Tensor  # rank of the pilot of the slot's node run
 
 
-def source_units(expert_ids_TK: torch.Tensor, node_of_expert_E: torch.Tensor, num_nodes: int,
-                 num_local_experts: int, my_node: int) -> SourceUnits:
+def source_units(
+    expert_ids_TK: torch.Tensor, node_of_expert_E: torch.Tensor, num_nodes: int, num_local_experts: int, my_node: int
+) -> SourceUnits:
     """Units, pilots and replicas of a routing (pure; -1 marks a dropped slot; nodes numbered 0 .. num_nodes - 1).
     Sorting by node * E + expert makes a node's slots contiguous with its lowest expert first (the pilot rule),
     whatever the rank-to-node map."""
@@ -50,7 +51,12 @@ def source_units(expert_ids_TK: torch.Tensor, node_of_expert_E: torch.Tensor, nu
     arange_K = torch.arange(top_k, device=ids.device).expand(num_tokens, top_k)
     pilot_k = torch.where(node_head, arange_K, -1).cummax(dim=1).values.clamp(min=0)
     return SourceUnits(
-        perm_TK=perm_TK, ids_TK=ids_TK, rank_TK=rank_TK, valid_TK=valid, own_TK=own, node_head_TK=node_head,
+        perm_TK=perm_TK,
+        ids_TK=ids_TK,
+        rank_TK=rank_TK,
+        valid_TK=valid,
+        own_TK=own,
+        node_head_TK=node_head,
         unit_head_TK=unit_head,
         unit_head_k_TK=torch.where(unit_head, arange_K, -1).cummax(dim=1).values.clamp(min=0),
         replica_TK=rank_head & ~own & ~node_head,

@@ -15,7 +15,6 @@ one device-to-host read of that count (``int(keep.sum())``), once per layer call
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -29,7 +28,7 @@ class RoutingPlan:
     tokens_per_expert_E: torch.Tensor  # int64: kept rows per expert
     offsets_E: torch.Tensor  # int32: inclusive prefix sum of tokens_per_expert_E (torch._grouped_mm's `offs`)
     num_dropped: torch.Tensor  # int64 scalar: routed slots dropped by capacity
-    capacity: Optional[int]  # slots kept per expert, None when dropless
+    capacity: int | None  # slots kept per expert, None when dropless
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +63,7 @@ def build_plan(
     expert_ids_TK: torch.Tensor,
     scores_TK: torch.Tensor,
     num_experts: int,
-    capacity: Optional[int] = None,
+    capacity: int | None = None,
 ) -> RoutingPlan:
     """Sort the T*K routed slots by expert and apply the capacity rule.
 

@@ -21,7 +21,6 @@ import re
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,8 +28,16 @@ from safetensors.torch import save_file
 
 from xmoe.checks import missing
 from xmoe.config import ModelConfig
-from xmoe.hf.families import (DEEPSEEK, SCORE_BIAS_FAMILIES, expert_index, fitting_family, hf_config_from_model,
-                              mla_rope_rows, model_config_from_hf, tensor_names)
+from xmoe.hf.families import (
+    DEEPSEEK,
+    SCORE_BIAS_FAMILIES,
+    expert_index,
+    fitting_family,
+    hf_config_from_model,
+    mla_rope_rows,
+    model_config_from_hf,
+    tensor_names,
+)
 from xmoe.model.init import local_box
 from xmoe.model.transformer import Transformer
 
@@ -62,14 +69,15 @@ def read_config(path: str | os.PathLike) -> dict:
     return read_json(file, "restore the model directory's config.json")
 
 
-def read_model_config(path: str | os.PathLike, max_seq_len: Optional[int] = None) -> tuple[dict, ModelConfig]:
+def read_model_config(path: str | os.PathLike, max_seq_len: int | None = None) -> tuple[dict, ModelConfig]:
     """(config.json, the ModelConfig it describes) of a Hugging Face directory; errors name the file."""
     hf = read_config(path)
     try:
         return hf, model_config_from_hf(hf, max_seq_len)
     except KeyError as e:
-        raise ValueError(f"{Path(path) / 'config.json'} lacks the field {e} that a {hf.get('model_type')} config "
-                         "needs") from None
+        raise ValueError(
+            f"{Path(path) / 'config.json'} lacks the field {e} that a {hf.get('model_type')} config needs"
+        ) from None
     except (TypeError, ValueError) as e:  # "hidden_size": "128" reaches arithmetic or the config's type check
         quoted = [f"{k}: {v!r}" for k, v in hf.items() if isinstance(v, str) and _numeric(v)]
         why = f"numbers written as strings ({', '.join(quoted)}); write them without quotes" if quoted else str(e)
@@ -105,7 +113,7 @@ def _weight_map(path: Path) -> dict[str, str]:
         return weight_map
     if (path / SINGLE_FILE).is_file():
         with _open_shard(path / SINGLE_FILE) as f:
-            return {name: SINGLE_FILE for name in f.keys()}
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
     raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
@@ -116,15 +124,16 @@ def _beyond_model(name: str, num_layers: int) -> bool:
 
 
 @torch.no_grad()
-def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optional[dict] = None,
-                 experts: Optional[range] = None) -> None:
+def load_weights(
+    model: Transformer, path: str | os.PathLike, hf_config: dict | None = None, experts: range | None = None
+) -> None:
     """Copy the checkpoint at ``path`` into ``model`` (built for the same config), streaming shard by shard."""
     path = Path(path)
     hf = hf_config if hf_config is not None else read_config(path)
     family, cfg = hf["model_type"], model.cfg
     deinterleave = family == "deepseek_v2" or (family == "deepseek_v3" and hf.get("rope_interleave", True))
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-    wanted: dict[str, tuple[str, Optional[str]]] = {}  # HF name -> (our name, expert matrix or None)
+    wanted: dict[str, tuple[str, str | None]] = {}  # HF name -> (our name, expert matrix or None)
     skipped: set[str] = set()
     for ours, theirs, matrix in tensor_names(cfg, family):
         if matrix is not None and experts is not None and expert_index(theirs) not in experts:
@@ -135,7 +144,9 @@ def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optiona
     missing = [name for name in wanted if name not in weight_map]
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors the {family} config implies are missing, e.g. {missing[:3]}")
-    unexpected = [n for n in weight_map if n not in wanted and n not in skipped and not _beyond_model(n, cfg.num_layers)]
+    unexpected = [
+        n for n in weight_map if n not in wanted and n not in skipped and not _beyond_model(n, cfg.num_layers)
+    ]
     if unexpected:
         raise ValueError(f"{path}: tensors xmoe has no place for (unsupported options?), e.g. {unexpected[:3]}")
     by_file: dict[str, list[str]] = defaultdict(list)
@@ -149,17 +160,17 @@ def load_weights(model: Transformer, path: str | os.PathLike, hf_config: Optiona
                 try:
                     _read_into(f, name, targets[ours], matrix is not None, rows, path)
                 except SafetensorError as e:  # a shard whose header is whole but whose data is not
-                    raise ValueError(f"{path / file}: tensor {name} is unreadable ({e}); download or export the "
-                                     "model again") from None
+                    raise ValueError(
+                        f"{path / file}: tensor {name} is unreadable ({e}); download or export the model again"
+                    ) from None
 
 
-def _read_into(f, name: str, target: torch.Tensor, is_expert: bool, rope_rows: Optional[torch.Tensor],
-               path: Path) -> None:
+def _read_into(f, name: str, target: torch.Tensor, is_expert: bool, rope_rows: torch.Tensor | None, path: Path) -> None:
     """Copy HF tensor ``name`` into this rank's part of ``target`` (a plain tensor or a DTensor shard), reading only
     that part: one expert of an (E, A, B) stack is HF's (B, A) matrix, transposed; other tensors share the layout
     (MLA's rope rows permuted: those are read whole, one tensor at a time)."""
     local, shape, offset = local_box(target)
-    box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
+    box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=False))
     stored = f.get_slice(name)
     if is_expert:
         expert, shape, box = expert_index(name) - offset[0], shape[1:], box[1:]
@@ -181,8 +192,14 @@ def _read_into(f, name: str, target: torch.Tensor, is_expert: bool, rope_rows: O
     local.copy_(tensor)
 
 
-def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    *, max_seq_len: Optional[int] = None, experts: Optional[range] = None) -> Transformer:
+def load_pretrained(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    max_seq_len: int | None = None,
+    experts: range | None = None,
+) -> Transformer:
     """An xmoe Transformer (eval mode) with the architecture and weights of a Hugging Face directory.
 
     ``model(tokens)`` returns logits. ``max_seq_len`` caps the rotary tables (default: the config's
@@ -215,9 +232,15 @@ def _hf_tensors(model: Transformer, family: str):
 
 
 @torch.no_grad()
-def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: Optional[str] = None,
-                    base_config: Optional[dict] = None, dtype: Optional[torch.dtype] = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def save_pretrained(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    family: str | None = None,
+    base_config: dict | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
     """Write ``model`` as a Hugging Face checkpoint directory loadable by AutoModelForCausalLM.from_pretrained.
 
     ``family`` defaults to ``fitting_family(model.cfg)``; ``base_config`` (default: the ``hf_config`` an import left
@@ -227,14 +250,18 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: Opti
         raise ValueError(f"max_shard_bytes ({max_shard_bytes}) must be > 0")
     cfg = model.cfg
     family = family or fitting_family(cfg)
-    hf = hf_config_from_model(cfg, family, base_config if base_config is not None else getattr(model, "hf_config", None))
+    hf = hf_config_from_model(
+        cfg, family, base_config if base_config is not None else getattr(model, "hf_config", None)
+    )
     out_dtype = dtype or model.embed.weight.dtype
     if out_dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype ({out_dtype}) must be one of {list(_DTYPE_NAMES)}")
     hf["dtype"] = _DTYPE_NAMES[out_dtype]
     if family not in SCORE_BIAS_FAMILIES and any(bool(m.router.expert_bias.any()) for m in model.moe_layers()):
-        raise ValueError(f"the routers hold a non-zero expert_bias (loss-free balancing), which {family} checkpoints "
-                         "cannot store; export as deepseek_v3 or train with moe.bias_update_rate=0")
+        raise ValueError(
+            f"the routers hold a non-zero expert_bias (loss-free balancing), which {family} checkpoints "
+            "cannot store; export as deepseek_v3 or train with moe.bias_update_rate=0"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
@@ -249,8 +276,11 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, family: Opti
         shards[-1].append(name)
         shard_bytes += size
         total += size
-    files = ([SINGLE_FILE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     file_of = {name: files[i] for i, names in enumerate(shards) for name in names}
     # 2. write one shard at a time
     pending: dict[str, torch.Tensor] = {}

@@ -22,7 +22,8 @@ that are not a prefix-free run...) is refused with a ValueError naming it: an im
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -30,9 +31,14 @@ from xmoe.config import ModelConfig, MoEConfig
 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "qwen2_moe")
 QWEN = ("qwen3_moe", "qwen2_moe")
-ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "deepseek_v2": "DeepseekV2ForCausalLM"}
+ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+}
 DEEPSEEK = ("deepseek_v3", "deepseek_v2")
 SCORE_BIAS_FAMILIES = ("deepseek_v3",)  # the ones whose checkpoints hold the router's score-correction bias
 
@@ -54,32 +60,53 @@ def _rope(hf: dict, family: str) -> dict:
         raise _refuse(family, f"{where}.rope_type", rope_type, "rotary embeddings are plain ('default') or 'yarn'")
     for field, ok in (("attention_factor", None), ("truncate", True), ("partial_rotary_factor", 1.0)):
         if params.get(field, ok) != ok:
-            raise _refuse(family, f"{where}.{field}", params[field], "xmoe's YaRN derives it as transformers' "
-                                                                      "default does")
+            raise _refuse(
+                family, f"{where}.{field}", params[field], "xmoe's YaRN derives it as transformers' default does"
+            )
     if not params.get("original_max_position_embeddings"):
-        raise _refuse(family, f"{where}.original_max_position_embeddings", None, "YaRN needs the pre-training "
-                                                                                "context length")
+        raise _refuse(
+            family, f"{where}.original_max_position_embeddings", None, "YaRN needs the pre-training context length"
+        )
     original = params["original_max_position_embeddings"]
     factor = params.get("factor") or hf["max_position_embeddings"] / original
-    return dict(out, rope_scaling="yarn", rope_factor=float(factor), rope_original_max_len=int(original),
-                rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
-                rope_mscale=float(params.get("mscale") or 0), rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0))
+    return dict(
+        out,
+        rope_scaling="yarn",
+        rope_factor=float(factor),
+        rope_original_max_len=int(original),
+        rope_beta_fast=float(params.get("beta_fast") or 32),
+        rope_beta_slow=float(params.get("beta_slow") or 1),
+        rope_mscale=float(params.get("mscale") or 0),
+        rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+    )
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling == "none":
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_len, "beta_fast": cfg.rope_beta_fast,
-            "beta_slow": cfg.rope_beta_slow, "mscale": cfg.rope_mscale, "mscale_all_dim": cfg.rope_mscale_all_dim}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": cfg.rope_theta,
+        "factor": cfg.rope_factor,
+        "original_max_position_embeddings": cfg.rope_original_max_len,
+        "beta_fast": cfg.rope_beta_fast,
+        "beta_slow": cfg.rope_beta_slow,
+        "mscale": cfg.rope_mscale,
+        "mscale_all_dim": cfg.rope_mscale_all_dim,
+    }
 
 
 def _check_common(hf: dict, family: str) -> None:
-    checks = [("hidden_act", "silu", "experts are SwiGLU (silu)"), ("attention_bias", False, "no attention biases"),
-              ("mlp_bias", False, "no FFN biases"), ("clip_qkv", None, "q/k/v clipping is not implemented"),
-              ("use_sliding_window", False, "attention is full causal"), ("sliding_window", None, "full causal"),
-              ("moe_layer_freq", 1, "every layer after the dense prefix is MoE"),
-              ("decoder_sparse_step", 1, "every layer after the dense prefix is MoE")]
+    checks = [
+        ("hidden_act", "silu", "experts are SwiGLU (silu)"),
+        ("attention_bias", False, "no attention biases"),
+        ("mlp_bias", False, "no FFN biases"),
+        ("clip_qkv", None, "q/k/v clipping is not implemented"),
+        ("use_sliding_window", False, "attention is full causal"),
+        ("sliding_window", None, "full causal"),
+        ("moe_layer_freq", 1, "every layer after the dense prefix is MoE"),
+        ("decoder_sparse_step", 1, "every layer after the dense prefix is MoE"),
+    ]
     for field, ok, why in checks:
         value = hf.get(field, ok)
         if field == "sliding_window" and family in QWEN and not hf.get("use_sliding_window"):
@@ -88,18 +115,24 @@ def _check_common(hf: dict, family: str) -> None:
             raise _refuse(family, field, value, why)
 
 
-def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelConfig:
+def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfig:
     """xmoe ModelConfig of a Hugging Face config.json (a dict)."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; supported families: {', '.join(FAMILIES)}")
     _check_common(hf, family)
     H, layers = hf["hidden_size"], hf["num_hidden_layers"]
-    common = dict(vocab_size=hf["vocab_size"], hidden_size=H, num_layers=layers, num_heads=hf["num_attention_heads"],
-                  max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
-                  **_rope(hf, family), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                  tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                  init_std=float(hf.get("initializer_range", 0.02)))
+    common = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=H,
+        num_layers=layers,
+        num_heads=hf["num_attention_heads"],
+        max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
+        **_rope(hf, family),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
     moe_common = dict(hidden_size=H, top_k=hf["num_experts_per_tok"], init_std=common["init_std"])
     if family in DEEPSEEK:
         v3 = family == "deepseek_v3"
@@ -107,23 +140,39 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
             raise _refuse(family, "scoring_func", hf["scoring_func"], "DeepSeek-V3 routing scores are sigmoids")
         method = hf.get("topk_method", "noaux_tc" if v3 else "greedy")
         if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
-            raise _refuse(family, "topk_method", method, "DeepSeek-V3 routes by 'noaux_tc', DeepSeek-V2 by "
-                                                         "'greedy' or 'group_limited_greedy'")
+            raise _refuse(
+                family,
+                "topk_method",
+                method,
+                "DeepSeek-V3 routes by 'noaux_tc', DeepSeek-V2 by 'greedy' or 'group_limited_greedy'",
+            )
         if not hf.get("n_shared_experts"):
-            raise _refuse(family, "n_shared_experts", hf.get("n_shared_experts"), "DeepSeek models have shared "
-                                                                                 "experts")
+            raise _refuse(family, "n_shared_experts", hf.get("n_shared_experts"), "DeepSeek models have shared experts")
         grouped = v3 or method == "group_limited_greedy"
-        moe = MoEConfig(ffn_hidden_size=hf["moe_intermediate_size"], num_experts=hf["n_routed_experts"],
-                        num_shared_experts=hf["n_shared_experts"], score_func="sigmoid" if v3 else "softmax",
-                        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
-                        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                        num_expert_groups=(hf.get("n_group") or 1) if grouped else 1,
-                        topk_groups=(hf.get("topk_group") or 1) if grouped else 1, **moe_common)
-        return ModelConfig(moe=moe, ffn_hidden_size=hf["intermediate_size"],
-                           first_k_dense=hf.get("first_k_dense_replace", 0), attention="mla",
-                           q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
-                           qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                           v_head_dim=hf["v_head_dim"], latent_norm_eps=1e-6, **common)
+        moe = MoEConfig(
+            ffn_hidden_size=hf["moe_intermediate_size"],
+            num_experts=hf["n_routed_experts"],
+            num_shared_experts=hf["n_shared_experts"],
+            score_func="sigmoid" if v3 else "softmax",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            num_expert_groups=(hf.get("n_group") or 1) if grouped else 1,
+            topk_groups=(hf.get("topk_group") or 1) if grouped else 1,
+            **moe_common,
+        )
+        return ModelConfig(
+            moe=moe,
+            ffn_hidden_size=hf["intermediate_size"],
+            first_k_dense=hf.get("first_k_dense_replace", 0),
+            attention="mla",
+            q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            latent_norm_eps=1e-6,
+            **common,
+        )
     # the three softmax families
     num_experts = hf["num_local_experts"] if family == "mixtral" else hf.get("num_experts", hf.get("num_local_experts"))
     expert_ffn = hf["intermediate_size"] if family in ("mixtral", "olmoe") else hf["moe_intermediate_size"]
@@ -131,8 +180,9 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
     first_k_dense = 0
     shared = {}
     if family == "qwen2_moe":
-        shared = dict(num_shared_experts=1, shared_ffn_hidden_size=hf["shared_expert_intermediate_size"],
-                      shared_expert_gate=True)
+        shared = dict(
+            num_shared_experts=1, shared_ffn_hidden_size=hf["shared_expert_intermediate_size"], shared_expert_gate=True
+        )
     if family in QWEN:
         dense = sorted(hf.get("mlp_only_layers") or [])
         if dense != list(range(len(dense))):
@@ -141,13 +191,19 @@ def model_config_from_hf(hf: dict, max_seq_len: Optional[int] = None) -> ModelCo
     head_dim = hf.get("head_dim") or 0
     if head_dim == H // hf["num_attention_heads"]:
         head_dim = 0
-    moe = MoEConfig(ffn_hidden_size=expert_ffn, num_experts=num_experts, norm_topk_prob=norm_topk, **shared,
-                    **moe_common)
-    return ModelConfig(moe=moe, ffn_hidden_size=hf.get("intermediate_size", 0) if first_k_dense else 0,
-                       qkv_bias=family == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
-                       first_k_dense=first_k_dense, num_kv_heads=hf.get("num_key_value_heads") or 0,
-                       attn_head_dim=head_dim,
-                       qk_norm={"qwen3_moe": "head", "olmoe": "proj"}.get(family, "none"), **common)
+    moe = MoEConfig(
+        ffn_hidden_size=expert_ffn, num_experts=num_experts, norm_topk_prob=norm_topk, **shared, **moe_common
+    )
+    return ModelConfig(
+        moe=moe,
+        ffn_hidden_size=hf.get("intermediate_size", 0) if first_k_dense else 0,
+        qkv_bias=family == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
+        first_k_dense=first_k_dense,
+        num_kv_heads=hf.get("num_key_value_heads") or 0,
+        attn_head_dim=head_dim,
+        qk_norm={"qwen3_moe": "head", "olmoe": "proj"}.get(family, "none"),
+        **common,
+    )
 
 
 def infer_family(cfg: ModelConfig) -> str:
@@ -168,9 +224,12 @@ def fitting_family(cfg: ModelConfig) -> str:
     fits = [family for family, problems in reasons.items() if not problems]
     if fits:
         return fits[0]
-    raise ValueError("no Hugging Face family xmoe writes can express this model; " + "; ".join(
-        f"{family}: {', '.join(problems)}" for family, problems in reasons.items()) + ". Export a model whose "
-        "architecture one family has, e.g. one trained with --init-from a Hugging Face directory")
+    raise ValueError(
+        "no Hugging Face family xmoe writes can express this model; "
+        + "; ".join(f"{family}: {', '.join(problems)}" for family, problems in reasons.items())
+        + ". Export a model whose "
+        "architecture one family has, e.g. one trained with --init-from a Hugging Face directory"
+    )
 
 
 def _problems(cfg: ModelConfig, family: str) -> list[str]:
@@ -193,8 +252,10 @@ def _problems(cfg: ModelConfig, family: str) -> list[str]:
             problems.append("moe.score_func must be 'softmax' with num_shared_experts >= 1 and norm_topk_prob False")
     elif family == "qwen2_moe":
         if moe.score_func != "softmax" or moe.num_expert_groups > 1 or not moe.shared_expert_gate:
-            problems.append("moe.score_func must be 'softmax' with no expert groups and one gated shared expert "
-                            "(moe.shared_expert_gate)")
+            problems.append(
+                "moe.score_func must be 'softmax' with no expert groups and one gated shared expert "
+                "(moe.shared_expert_gate)"
+            )
     else:
         if moe.score_func != "softmax" or moe.num_shared_experts or moe.num_expert_groups > 1:
             problems.append("moe.score_func must be 'softmax' with no shared experts and no expert groups")
@@ -209,7 +270,7 @@ def _problems(cfg: ModelConfig, family: str) -> list[str]:
     return problems
 
 
-def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = None) -> dict:
+def hf_config_from_model(cfg: ModelConfig, family: str, base: dict | None = None) -> dict:
     """A config.json for ``cfg`` in ``family``'s terms; ``base`` (an imported config.json) keeps its other fields
     (token ids, generation settings). Refuses a model the family cannot express, naming the field."""
     if family not in FAMILIES:
@@ -221,27 +282,51 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
     out = dict(base or {})
     for stale in ("rope_scaling", "torch_dtype", "quantization_config"):
         out.pop(stale, None)
-    out.update(architectures=[ARCHITECTURES[family]], model_type=family, vocab_size=cfg.vocab_size,
-               hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-               num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
-               rms_norm_eps=cfg.norm_eps, rope_parameters=_rope_parameters(cfg),
-               rope_theta=cfg.rope_theta,  # where transformers < 5 reads it
-               tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False,
-               initializer_range=cfg.init_std, num_experts_per_tok=moe.top_k)
+    out.update(
+        architectures=[ARCHITECTURES[family]],
+        model_type=family,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters=_rope_parameters(cfg),
+        rope_theta=cfg.rope_theta,  # where transformers < 5 reads it
+        tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        initializer_range=cfg.init_std,
+        num_experts_per_tok=moe.top_k,
+    )
     if family in DEEPSEEK:
-        out.update(n_routed_experts=moe.num_experts, n_shared_experts=moe.num_shared_experts,
-                   moe_intermediate_size=moe.ffn_hidden_size, intermediate_size=cfg.ffn_hidden_size,
-                   first_k_dense_replace=cfg.first_k_dense, n_group=moe.num_expert_groups,
-                   topk_group=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
-                   routed_scaling_factor=moe.routed_scaling_factor, q_lora_rank=cfg.q_lora_rank or None,
-                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, rope_interleave=True,
-                   head_dim=cfg.qk_rope_head_dim, qk_head_dim=cfg.head_dim)
+        out.update(
+            n_routed_experts=moe.num_experts,
+            n_shared_experts=moe.num_shared_experts,
+            moe_intermediate_size=moe.ffn_hidden_size,
+            intermediate_size=cfg.ffn_hidden_size,
+            first_k_dense_replace=cfg.first_k_dense,
+            n_group=moe.num_expert_groups,
+            topk_group=moe.topk_groups,
+            norm_topk_prob=moe.norm_topk_prob,
+            routed_scaling_factor=moe.routed_scaling_factor,
+            q_lora_rank=cfg.q_lora_rank or None,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_interleave=True,
+            head_dim=cfg.qk_rope_head_dim,
+            qk_head_dim=cfg.head_dim,
+        )
         if family == "deepseek_v2":
             out.pop("rope_interleave")  # V2's rotary is always interleaved
-            out.update(topk_method="group_limited_greedy" if moe.num_expert_groups > 1 else "greedy",
-                       n_group=moe.num_expert_groups if moe.num_expert_groups > 1 else None,
-                       topk_group=moe.topk_groups if moe.num_expert_groups > 1 else None)
+            out.update(
+                topk_method="group_limited_greedy" if moe.num_expert_groups > 1 else "greedy",
+                n_group=moe.num_expert_groups if moe.num_expert_groups > 1 else None,
+                topk_group=moe.topk_groups if moe.num_expert_groups > 1 else None,
+            )
         else:
             out.setdefault("num_nextn_predict_layers", 0)
         return out
@@ -249,17 +334,24 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: Optional[dict] = N
     if family == "mixtral":
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size)
     elif family == "olmoe":
-        out.update(num_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size,
-                   norm_topk_prob=moe.norm_topk_prob)
+        out.update(
+            num_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size, norm_topk_prob=moe.norm_topk_prob
+        )
     else:
         if family == "qwen2_moe":
-            out.update(shared_expert_intermediate_size=moe.shared_width, qkv_bias=cfg.qkv_bias,
-                       use_sliding_window=False)
-        out.update(num_experts=moe.num_experts, moe_intermediate_size=moe.ffn_hidden_size,
-                   intermediate_size=cfg.ffn_hidden_size if cfg.first_k_dense else out.get("intermediate_size",
-                                                                                           cfg.ffn_hidden_size),
-                   norm_topk_prob=moe.norm_topk_prob, mlp_only_layers=list(range(cfg.first_k_dense)),
-                   decoder_sparse_step=1)
+            out.update(
+                shared_expert_intermediate_size=moe.shared_width, qkv_bias=cfg.qkv_bias, use_sliding_window=False
+            )
+        out.update(
+            num_experts=moe.num_experts,
+            moe_intermediate_size=moe.ffn_hidden_size,
+            intermediate_size=cfg.ffn_hidden_size
+            if cfg.first_k_dense
+            else out.get("intermediate_size", cfg.ffn_hidden_size),
+            norm_topk_prob=moe.norm_topk_prob,
+            mlp_only_layers=list(range(cfg.first_k_dense)),
+            decoder_sparse_step=1,
+        )
     return out
 
 
@@ -271,23 +363,23 @@ def _deinterleave(rope: int) -> torch.Tensor:
     return torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
 
 
-def mla_rope_rows(cfg: ModelConfig, name: str) -> Optional[torch.Tensor]:
+def mla_rope_rows(cfg: ModelConfig, name: str) -> torch.Tensor | None:
     """For an MLA projection whose output rows hold rotary features, the row permutation interleaved -> halves
     (None for other tensors). q: per head [nope | rope]; wkv_a: [latent | rope]."""
     perm_R = _deinterleave(cfg.qk_rope_head_dim)
     if name.endswith(("attn.wq.weight", "attn.wq_b.weight")):
         qk = cfg.head_dim
         rows = torch.arange(cfg.num_heads * qk).view(cfg.num_heads, qk)
-        rows[:, cfg.qk_nope_head_dim:] = rows[:, cfg.qk_nope_head_dim:][:, perm_R]
+        rows[:, cfg.qk_nope_head_dim :] = rows[:, cfg.qk_nope_head_dim :][:, perm_R]
         return rows.reshape(-1)
     if name.endswith("attn.wkv_a.weight"):
         rows = torch.arange(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        rows[cfg.kv_lora_rank:] = rows[cfg.kv_lora_rank:][perm_R]
+        rows[cfg.kv_lora_rank :] = rows[cfg.kv_lora_rank :][perm_R]
         return rows
     return None
 
 
-def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, Optional[str]]]:
+def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, str | None]]:
     """(xmoe parameter name, Hugging Face name, expert weight) for every tensor of ``family``.
 
     Expert stacks appear once per expert: the HF name holds that expert's index and the third item names the
@@ -303,8 +395,11 @@ def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, Opti
         yield x + "ffn_norm.weight", h + "post_attention_layernorm.weight", None
         if cfg.attention == "mla":
             attn = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
-            attn.update({"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"} if cfg.q_lora_rank
-                        else {"wq": "q_proj"})
+            attn.update(
+                {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"}
+                if cfg.q_lora_rank
+                else {"wq": "q_proj"}
+            )
         else:
             attn = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
             if cfg.qk_norm != "none":
@@ -337,4 +432,3 @@ def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, Opti
 def expert_index(hf_name: str) -> int:
     """The expert number in a per-expert HF tensor name (``...experts.{e}.<matrix>.weight``)."""
     return int(hf_name.split("experts.")[1].split(".")[0])
-

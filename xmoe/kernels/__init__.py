@@ -26,7 +26,7 @@ import torch
 from xmoe.kernels._common import interpreting
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_available() -> bool:  # asked on every layer call: look once
     try:
         importlib.import_module("triton")
@@ -49,7 +49,7 @@ def get_ops(backend: str, device: torch.device) -> ModuleType:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"torch" or "triton": the backend that ``backend`` ("auto" included) names on ``device``."""
+    """ "torch" or "triton": the backend that ``backend`` ("auto" included) names on ``device``."""
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     return backend

@@ -30,8 +30,8 @@ import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Optional
 
 import torch
 import triton
@@ -72,14 +72,14 @@ class Use:
     workload: str
     shape: str
     shipped: bool
-    shape_class: Optional[str] = None
+    shape_class: str | None = None
 
 
 @dataclass
 class Recording:
     launches: dict[Launch, set[Use]] = field(default_factory=dict)
     picks: set[tuple[str, str]] = field(default_factory=set)  # (device, shape class) picked by a shipped workload
-    pending_class: Optional[str] = None
+    pending_class: str | None = None
 
 
 def _triton_internals():
@@ -108,29 +108,38 @@ class _Recorder:
     def _record(self, *args, **kwargs) -> None:
         specialize = _triton_internals()[0]
         names = [p.name for p in self.fn.params]
-        bound = dict(zip(names, args))
+        bound = dict(zip(names, args, strict=False))
         bound.update({k: v for k, v in kwargs.items() if k in names})
         options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in names))
         # what Triton's launch refuses, refused here: a wrong argument count, an unknown keyword
         unknown = [k for k, _ in options if k not in vars(self.backend.parse_options(dict(options)))]
         if len(args) > len(names) or len(bound) != len(names) or unknown:
-            raise TypeError(f"{self.fn.__name__} launched with {len(args)} positional arguments for {len(names)}, "
-                            f"without {sorted(set(names) - set(bound))}, with unknown keywords {unknown}")
+            raise TypeError(
+                f"{self.fn.__name__} launched with {len(args)} positional arguments for {len(names)}, "
+                f"without {sorted(set(names) - set(bound))}, with unknown keywords {unknown}"
+            )
         signature, constexprs, attrs = [], [], []
         for i, p in enumerate(self.fn.params):
             value = bound[p.name]
             if p.is_constexpr:
                 kind, key = "constexpr", value
             else:
-                kind, key = specialize(self.backend, value, p.is_const, not p.do_not_specialize,
-                                       not p.do_not_specialize_on_alignment)[:2]
+                kind, key = specialize(
+                    self.backend, value, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment
+                )[:2]
             signature.append((p.name, kind))
             if kind == "constexpr":
                 constexprs.append((p.name, key))
             elif isinstance(key, str) and self.backend.parse_attr(key):
                 attrs.append((i, tuple(tuple(a) for a in self.backend.parse_attr(key))))
-        launch = Launch(self.target, f"{self.fn.__module__}:{self.fn.__name__}", tuple(signature), tuple(constexprs),
-                        tuple(attrs), options)
+        launch = Launch(
+            self.target,
+            f"{self.fn.__module__}:{self.fn.__name__}",
+            tuple(signature),
+            tuple(constexprs),
+            tuple(attrs),
+            options,
+        )
         use = self.use
         if {"BLOCK_M", "BLOCK_N", "BLOCK_K"} <= set(bound) and self.recording.pending_class:
             use = replace(use, shape_class=self.recording.pending_class)  # a tiled GEMM: its tile's class
@@ -191,8 +200,9 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
             setattr(module, name, obj)
 
 
-def record(devices=DEVICES, workloads: Optional[list[Workload]] = None,
-           shapes: Optional[set[str]] = None, forced: Optional[dict] = None) -> Recording:
+def record(
+    devices=DEVICES, workloads: list[Workload] | None = None, shapes: set[str] | None = None, forced: dict | None = None
+) -> Recording:
     """Every launch of the workloads (all, or those given) on each device, at their shapes (or those named)."""
     from xmoe.kernels._common import interpreting
 
@@ -216,7 +226,7 @@ def record(devices=DEVICES, workloads: Optional[list[Workload]] = None,
 # Compiling and reading the binaries
 
 
-def unsupported() -> Optional[str]:
+def unsupported() -> str | None:
     """Why this Triton cannot run these compiles, or None: they need its call specialisation, both backends and
     the cuobjdump it ships."""
     try:
@@ -225,7 +235,7 @@ def unsupported() -> Optional[str]:
         from triton import knobs
 
         cuobjdump = knobs.nvidia.cuobjdump.path
-    except Exception as e:  # an older Triton
+    except Exception as e:  # noqa: BLE001 (an older Triton lacks these in several ways)
         return f"Triton {triton.__version__} lacks what these compiles use: {type(e).__name__}: {e}"
     missing = [b for b in ("nvidia", "amd") if b not in triton.backends.backends]
     if missing:
@@ -254,8 +264,13 @@ def amd_resources(amdgcn: str) -> dict:
             raise ValueError(f"no .{name} in the amdgcn metadata")
         return int(m.group(1))
 
-    out = {"vgprs": field_("vgpr_count"), "agprs": field_("agpr_count"), "vgpr_spills": field_("vgpr_spill_count"),
-           "sgpr_spills": field_("sgpr_spill_count"), "scratch_bytes": field_("private_segment_fixed_size")}
+    out = {
+        "vgprs": field_("vgpr_count"),
+        "agprs": field_("agpr_count"),
+        "vgpr_spills": field_("vgpr_spill_count"),
+        "sgpr_spills": field_("sgpr_spill_count"),
+        "scratch_bytes": field_("private_segment_fixed_size"),
+    }
     out["spills"] = out["vgpr_spills"] + out["scratch_bytes"] > 0
     return out
 
@@ -275,8 +290,9 @@ def _res_usage(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
 
 
 MAX_THREADS = 1024
@@ -292,11 +308,18 @@ def compile_launch(launch: Launch) -> dict:
     max_shared = max(d.max_shared for d in DEVICES if d.target == launch.target)
     start = time.perf_counter()
     try:
-        src = ASTSource(fn=fn, signature=dict(launch.signature), constexprs=dict(launch.constexprs),
-                        attrs={(i,): [list(a) for a in attr] for i, attr in launch.attrs})
+        src = ASTSource(
+            fn=fn,
+            signature=dict(launch.signature),
+            constexprs=dict(launch.constexprs),
+            attrs={(i,): [list(a) for a in attr] for i, attr in launch.attrs},
+        )
         compiled = triton.compile(src, target=gpu_target(launch.target), options=dict(launch.options))
-        out = (nvidia_resources(_res_usage(compiled.asm["cubin"])) if "cubin" in compiled.asm
-               else amd_resources(compiled.asm["amdgcn"]))
+        out = (
+            nvidia_resources(_res_usage(compiled.asm["cubin"]))
+            if "cubin" in compiled.asm
+            else amd_resources(compiled.asm["amdgcn"])
+        )
         out.update(shared=int(compiled.metadata.shared), mma=matrix_instructions(compiled))
         threads = int(compiled.metadata.num_warps) * TARGETS[launch.target][2]
         if out["shared"] > max_shared:
@@ -304,7 +327,7 @@ def compile_launch(launch: Launch) -> dict:
         if threads > MAX_THREADS:
             raise RuntimeError(f"{threads} threads per program, more than {MAX_THREADS}")
         out.update(ok=True, error=None)
-    except Exception as e:  # a compile error is a result here, reported with the launch
+    except Exception as e:  # noqa: BLE001 (a compile error is a result here, reported with the launch)
         out = {"ok": False, "error": f"{type(e).__name__}: {str(e).strip()[-2000:]}", "spills": False}
     out["seconds"] = round(time.perf_counter() - start, 2)
     return out
@@ -326,8 +349,13 @@ def uncovered(recording: Recording) -> list[str]:
 
 def missed_classes(recording: Recording, devices=DEVICES) -> list[str]:
     """Shipped-table classes that the workloads never picked on the device shipping them."""
-    return sorted(f"{d.name} {key}" for d in devices if d.table for key in tiles.shipped_table(d.table)
-                  if (d.name, key) not in recording.picks)
+    return sorted(
+        f"{d.name} {key}"
+        for d in devices
+        if d.table
+        for key in tiles.shipped_table(d.table)
+        if (d.name, key) not in recording.picks
+    )
 
 
 # Shipped configurations seen to spill (target, kernel, tile: every flag variant of that tile), with the local
@@ -335,33 +363,63 @@ def missed_classes(recording: Recording, devices=DEVICES) -> list[str]:
 # configuration; docs/kernels.md ("Resources per target") has the table and what would remove them.
 KNOWN_SPILLS = {
     ("cuda:90", "_router_topk_bwd_kernel", "BLOCK_T=64 BLOCK_E=64 num_warps=4"): "Triton 3.6: 56-120 B, 3.9: 64-136 B",
-    ("cuda:90", "_swiglu_up_fwd_kernel", "BLOCK_M=128 BLOCK_N=128 BLOCK_K=32 num_stages=6 num_warps=8"):
-        "Triton 3.6: 56 B, 3.9: none",
-    ("cuda:90", "_grouped_mm_kernel", "BLOCK_M=128 BLOCK_N=256 BLOCK_K=64 num_stages=4 num_warps=8"):
-        "Triton 3.6: 8 B (dx, a ragged column tile), 3.9: none",
-    ("cuda:90", "_grouped_mm_kernel", "BLOCK_M=64 BLOCK_N=64 BLOCK_K=32 num_stages=3 num_warps=4"):
-        "Triton 3.6: 16 B (dx in fp32), 3.9: none",
-    ("cuda:90", "_fp8_up_fwd_kernel", "BLOCK_M=128 BLOCK_N=128 BLOCK_K=128 GROUP=128 num_stages=3 num_warps=16"):
-        "Triton 3.6: 8 B, 3.9: 8 B (the grouped path at the tiny preset: rows not gathered, F = 64 a ragged tile)",
+    (
+        "cuda:90",
+        "_swiglu_up_fwd_kernel",
+        "BLOCK_M=128 BLOCK_N=128 BLOCK_K=32 num_stages=6 num_warps=8",
+    ): "Triton 3.6: 56 B, 3.9: none",
+    (
+        "cuda:90",
+        "_grouped_mm_kernel",
+        "BLOCK_M=128 BLOCK_N=256 BLOCK_K=64 num_stages=4 num_warps=8",
+    ): "Triton 3.6: 8 B (dx, a ragged column tile), 3.9: none",
+    (
+        "cuda:90",
+        "_grouped_mm_kernel",
+        "BLOCK_M=64 BLOCK_N=64 BLOCK_K=32 num_stages=3 num_warps=4",
+    ): "Triton 3.6: 16 B (dx in fp32), 3.9: none",
+    (
+        "cuda:90",
+        "_fp8_up_fwd_kernel",
+        "BLOCK_M=128 BLOCK_N=128 BLOCK_K=128 GROUP=128 num_stages=3 num_warps=16",
+    ): "Triton 3.6: 8 B, 3.9: 8 B (the grouped path at the tiny preset: rows not gathered, F = 64 a ragged tile)",
 }
 
 
-def check(devices=DEVICES, workloads: Optional[list[Workload]] = None, shapes: Optional[set[str]] = None,
-          forced: Optional[dict] = None, jobs: int = 1) -> dict:
+def check(
+    devices=DEVICES,
+    workloads: list[Workload] | None = None,
+    shapes: set[str] | None = None,
+    forced: dict | None = None,
+    jobs: int = 1,
+) -> dict:
     """Record, compile and report: {"rows": one per distinct launch, "uncovered", "missed_classes"}."""
     recording = record(devices, workloads, shapes, forced)
-    launches = sorted(recording.launches,
-                      key=lambda l: (l.target, l.kernel.split(":")[1], l.tile(), l.flags(), repr(l)))
+    launches = sorted(
+        recording.launches, key=lambda r: (r.target, r.kernel.split(":")[1], r.tile(), r.flags(), repr(r))
+    )
     rows = []
-    for launch, result in zip(launches, compile_all(launches, jobs)):
+    for launch, result in zip(launches, compile_all(launches, jobs), strict=False):
         uses = recording.launches[launch]
         kernel = launch.kernel.split(":")[1]
-        rows.append({
-            "target": launch.target, "kernel": kernel, "module": launch.kernel.split(":")[0],
-            "tile": launch.tile(), "flags": launch.flags(), "shipped": any(u.shipped for u in uses),
-            "known_spill": KNOWN_SPILLS.get((launch.target, kernel, launch.tile())),
-            "classes": sorted({f"{u.device}: {u.shape_class}" for u in uses if u.shape_class and u.shipped}),
-            "uses": sorted(f"{u.device} | {u.workload} | {u.shape}" for u in uses),
-            "signature": dict(launch.signature), "options": dict(launch.options), **result})
-    return {"rows": rows, "uncovered": uncovered(recording) if workloads is None else [],
-            "missed_classes": missed_classes(recording, devices) if workloads is None and shapes is None else []}
+        rows.append(
+            {
+                "target": launch.target,
+                "kernel": kernel,
+                "module": launch.kernel.split(":")[0],
+                "tile": launch.tile(),
+                "flags": launch.flags(),
+                "shipped": any(u.shipped for u in uses),
+                "known_spill": KNOWN_SPILLS.get((launch.target, kernel, launch.tile())),
+                "classes": sorted({f"{u.device}: {u.shape_class}" for u in uses if u.shape_class and u.shipped}),
+                "uses": sorted(f"{u.device} | {u.workload} | {u.shape}" for u in uses),
+                "signature": dict(launch.signature),
+                "options": dict(launch.options),
+                **result,
+            }
+        )
+    return {
+        "rows": rows,
+        "uncovered": uncovered(recording) if workloads is None else [],
+        "missed_classes": missed_classes(recording, devices) if workloads is None and shapes is None else [],
+    }

@@ -23,9 +23,10 @@ take (float8_e4m3fn on sm_90, float8_e4m3fnuz on gfx942; the FP8 kernels' pointe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -46,8 +47,8 @@ class Device:
     name: str
     target: str  # a key of TARGETS
     max_shared: int
-    table: Optional[str] = None  # xmoe/kernels/tuned/<table>.json
-    fp8: Optional[torch.dtype] = None  # the e4m3 dtype of its fp8 matrix instructions; None: it has none
+    table: str | None = None  # xmoe/kernels/tuned/<table>.json
+    fp8: torch.dtype | None = None  # the e4m3 dtype of its fp8 matrix instructions; None: it has none
 
 
 # (backend, arch, warp size) of triton's GPUTarget
@@ -72,23 +73,35 @@ class Shape:
     top_k: int
 
     @classmethod
-    def preset(cls, preset: str, tokens: int) -> "Shape":
+    def preset(cls, preset: str, tokens: int) -> Shape:
         return cls(f"{preset} T={tokens}", tokens, *PRESET_LAYERS[preset])
 
 
 # (H, F, E, K) of the presets' MoE layers (xmoe/model/presets.py, a layer above this package; the compile test
 # holds the two equal)
-PRESET_LAYERS = {"tiny": (128, 64, 16, 4), "small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6),
-                 "large": (7168, 2048, 256, 8)}
+PRESET_LAYERS = {
+    "tiny": (128, 64, 16, 4),
+    "small": (2048, 1408, 64, 6),
+    "medium": (5120, 1536, 128, 6),
+    "large": (7168, 2048, 256, 8),
+}
 
 
 # The three model shapes at the token counts the shipped H200 table was tuned on; tiny's H and F are below one
 # tile (masked tiles); small at T=256 has 24 rows per expert (the heuristic's 64-row tiles).
-LAYER_SHAPES = (*(Shape.preset(p, t) for p in ("small", "medium", "large") for t in (8192, 16384)),
-                Shape.preset("tiny", 512), Shape.preset("small", 256))
+LAYER_SHAPES = (
+    *(Shape.preset(p, t) for p in ("small", "medium", "large") for t in (8192, 16384)),
+    Shape.preset("tiny", 512),
+    Shape.preset("small", 256),
+)
 # the router kernel's blocks depend on E and K alone: the presets' and its limits (router_topk.MAX_*)
-ROUTER_SHAPES = (Shape.preset("tiny", 512), Shape.preset("small", 8192), Shape.preset("medium", 8192),
-                 Shape.preset("large", 8192), Shape("router limits", 4096, 0, 0, 512, 16))
+ROUTER_SHAPES = (
+    Shape.preset("tiny", 512),
+    Shape.preset("small", 8192),
+    Shape.preset("medium", 8192),
+    Shape.preset("large", 8192),
+    Shape("router limits", 4096, 0, 0, 512, 16),
+)
 
 
 @dataclass(frozen=True)
@@ -103,8 +116,7 @@ class Workload:
 WORKLOADS: list[Workload] = []
 
 
-def workload(name: str, shapes: tuple[Shape, ...] = LAYER_SHAPES, fp8: bool = False,
-             shipped: bool = True) -> Callable:
+def workload(name: str, shapes: tuple[Shape, ...] = LAYER_SHAPES, fp8: bool = False, shipped: bool = True) -> Callable:
     """Register ``run(shape, device)``: launches on meta tensors whose kernels are to compile for every device
     (for devices with fp8 matrix instructions only, when ``fp8``)."""
 
@@ -128,9 +140,14 @@ def layer_tensors(shape: Shape, dtype: torch.dtype) -> SimpleNamespace:
     def index(*size):
         return torch.empty(*size, dtype=torch.long, device=META)
 
-    return SimpleNamespace(x_TH=leaf(T, H), weights_TK=leaf(T, K, dt=torch.float32),
-                           plan_args=(index(T * K), index(T * K), index(T, K), index(E)),
-                           w1=leaf(E, H, F), w3=leaf(E, H, F), w2=leaf(E, F, H))
+    return SimpleNamespace(
+        x_TH=leaf(T, H),
+        weights_TK=leaf(T, K, dt=torch.float32),
+        plan_args=(index(T * K), index(T * K), index(T, K), index(E)),
+        w1=leaf(E, H, F),
+        w3=leaf(E, H, F),
+        w2=leaf(E, F, H),
+    )
 
 
 def _moe_experts(shape: Shape, dtype: torch.dtype) -> None:
@@ -177,7 +194,7 @@ def _router(shape: Shape, device: Device) -> None:
         weights_TK.backward(torch.empty_like(weights_TK))
 
 
-def fp8_layer(shape: Shape, device: Device) -> tuple[SimpleNamespace, "Fp8ExpertWeights", str]:
+def fp8_layer(shape: Shape, device: Device) -> tuple[SimpleNamespace, Fp8ExpertWeights, str]:
     """(layer_tensors in bf16, the FP8 copies of its weights, the device's format name): the copies quantised
     from fp32 weights, as reuse_weight_casts makes them from the parameters once per step (outside it, one process
     quantises them once per forward); the bf16 w1, w3, w2 receive the weight gradients, as make_casts' stand-ins

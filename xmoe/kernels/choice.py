@@ -9,8 +9,9 @@ apart.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -25,19 +26,20 @@ class KernelChoice:
     wgrad: str  # "autograd" (no Triton GEMMs: the torch backend, the padded baseline), "triton" or "grouped_mm"
     tiles: str  # "none" (no Triton GEMMs) or tiles.source's words
 
-    def applied(self) -> ContextManager[KernelConfig]:
+    def applied(self) -> AbstractContextManager[KernelConfig]:
         """The kernels run under this run's kernels section until the block ends."""
         return tiles.use_options(self.config)
 
     def record(self) -> dict[str, Any]:
         """The kernels section and what it resolved to: {"wgrad": ..., "autotune": ..., "effective": {...}}."""
-        return {**asdict(self.config), "effective": {"backend": self.backend, "wgrad": self.wgrad,
-                                                     "tiles": self.tiles}}
+        return {**asdict(self.config), "effective": {"backend": self.backend, "wgrad": self.wgrad, "tiles": self.tiles}}
 
     def describe(self) -> str:
         autotune = "on" if self.config.autotune else "off"
-        return (f"kernels: backend {self.backend}, weight gradients {self.wgrad} (kernels.wgrad {self.config.wgrad}),"
-                f" tiles {self.tiles} (kernels.autotune {autotune})")
+        return (
+            f"kernels: backend {self.backend}, weight gradients {self.wgrad} (kernels.wgrad {self.config.wgrad}),"
+            f" tiles {self.tiles} (kernels.autotune {autotune})"
+        )
 
 
 def resolve_choice(run: RunConfig, device: torch.device, dtype: torch.dtype) -> KernelChoice:
@@ -57,6 +59,11 @@ def resolve_choice(run: RunConfig, device: torch.device, dtype: torch.dtype) -> 
     # a rank sends T * K rows (at most E * C kept) and, under EP, receives as many on average
     num_rows = min(num_tokens * moe.top_k, moe.num_experts * moe.capacity(num_tokens))
     with tiles.use_options(cfg):
-        wgrad = wgrad_engine(torch.empty(0, dtype=dtype, device=device), num_rows, moe.num_experts // run.parallel.ep,
-                             moe.hidden_size, moe.ffn_hidden_size)
+        wgrad = wgrad_engine(
+            torch.empty(0, dtype=dtype, device=device),
+            num_rows,
+            moe.num_experts // run.parallel.ep,
+            moe.hidden_size,
+            moe.ffn_hidden_size,
+        )
         return KernelChoice(cfg, backend, wgrad, tiles.source(dtype, device))

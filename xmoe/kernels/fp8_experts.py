@@ -33,11 +33,12 @@ from xmoe.kernels.grouped_gemm import can_reuse_saved
 from xmoe.kernels.grouped_wgrad import grouped_wgrad, wgrad_engine
 from xmoe.kernels.triton_ops import _mark_overwritten, column_chunks
 
-__all__ = ["moe_experts_fp8", "grouped_swiglu_fp8"]
+__all__ = ["grouped_swiglu_fp8", "moe_experts_fp8"]
 
 
-def _chunked_mm_combine(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, row_of_slot_TK, weights_TK,
-                        num_tokens, out_dtype):
+def _chunked_mm_combine(
+    a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, row_of_slot_TK, weights_TK, num_tokens, out_dtype
+):
     """combine(a1 b1^T (+ a2 b2^T), weights) -> (T, width), one column chunk of the (N, width) product at a time;
     chunks start on the weights' 128-column scale blocks."""
     width = b1_ENK.shape[1]
@@ -47,9 +48,18 @@ def _chunked_mm_combine(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, ro
     def product(c0, c1):
         cols = slice(c0, c1)
         groups = slice(c0 // GROUP, cdiv(c1, GROUP))
-        return fp8_grouped_mm(a1, sa1, b1_ENK[:, cols], sb1[:, groups], a2, sa2,
-                              b2_ENK[:, cols] if second else None, sb2[:, groups] if second else None, counts_E,
-                              out_dtype)
+        return fp8_grouped_mm(
+            a1,
+            sa1,
+            b1_ENK[:, cols],
+            sb1[:, groups],
+            a2,
+            sa2,
+            b2_ENK[:, cols] if second else None,
+            sb2[:, groups] if second else None,
+            counts_E,
+            out_dtype,
+        )
 
     if len(chunks) == 1:
         return combine_fwd(product(0, width), row_of_slot_TK, weights_TK)
@@ -63,27 +73,78 @@ def _chunked_mm_combine(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, ro
 
 class MoEExpertsFp8Fn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
-                w1_EHF, w3_EHF, w2_EFH, qw: Fp8ExpertWeights, fmt: str):
+    def forward(
+        ctx,
+        x_TH,
+        weights_TK,
+        token_ids_N,
+        slot_ids_N,
+        row_of_slot_TK,
+        tokens_per_expert_E,
+        w1_EHF,
+        w3_EHF,
+        w2_EFH,
+        qw: Fp8ExpertWeights,
+        fmt: str,
+    ):
         if token_ids_N.shape != slot_ids_N.shape:
-            raise ValueError(f"token_ids_N {tuple(token_ids_N.shape)} and slot_ids_N {tuple(slot_ids_N.shape)} "
-                             "must have one shape")
+            raise ValueError(
+                f"token_ids_N {tuple(token_ids_N.shape)} and slot_ids_N {tuple(slot_ids_N.shape)} must have one shape"
+            )
         xq, scale_x = quantize_rows(x_TH, fmt)
-        h1, h3, aq, scale_a = fp8_swiglu_up_fwd(xq, scale_x, token_ids_N, qw.w1_EFH, qw.w3_EFH,
-                                                qw.scale1.transpose(1, 2), qw.scale3.transpose(1, 2),
-                                                tokens_per_expert_E, any(ctx.needs_input_grad), fmt, x_TH.dtype)
+        h1, h3, aq, scale_a = fp8_swiglu_up_fwd(
+            xq,
+            scale_x,
+            token_ids_N,
+            qw.w1_EFH,
+            qw.w3_EFH,
+            qw.scale1.transpose(1, 2),
+            qw.scale3.transpose(1, 2),
+            tokens_per_expert_E,
+            any(ctx.needs_input_grad),
+            fmt,
+            x_TH.dtype,
+        )
         del xq, scale_x
-        out_TH = _chunked_mm_combine(aq, scale_a, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None,
-                                     tokens_per_expert_E, row_of_slot_TK, weights_TK, x_TH.shape[0], x_TH.dtype)
-        ctx.save_for_backward(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
-                              qw.w1_EHF, qw.w3_EHF, qw.w2_EFH, qw.scale1, qw.scale3, qw.scale2, h1, h3)
+        out_TH = _chunked_mm_combine(
+            aq,
+            scale_a,
+            qw.w2_EHF,
+            qw.scale2.transpose(1, 2),
+            None,
+            None,
+            None,
+            None,
+            tokens_per_expert_E,
+            row_of_slot_TK,
+            weights_TK,
+            x_TH.shape[0],
+            x_TH.dtype,
+        )
+        ctx.save_for_backward(
+            x_TH,
+            weights_TK,
+            token_ids_N,
+            slot_ids_N,
+            row_of_slot_TK,
+            tokens_per_expert_E,
+            qw.w1_EHF,
+            qw.w3_EHF,
+            qw.w2_EFH,
+            qw.scale1,
+            qw.scale3,
+            qw.scale2,
+            h1,
+            h3,
+        )
         ctx.fmt = fmt
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
-        (x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, q1, q3, q2, s1, s3, s2, h1,
-         h3) = ctx.saved_tensors
+        (x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, q1, q3, q2, s1, s3, s2, h1, h3) = (
+            ctx.saved_tensors
+        )
         grad_TH = grad_TH.contiguous()
         row_w_N = weights_TK.reshape(-1)[slot_ids_N].float()
         reuse = can_reuse_saved()
@@ -93,7 +154,8 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
         #    h1 when allowed) for the weight gradients, dh1 and dh3 in FP8 for dx, and the combine-weight gradient
         gq, scale_g = quantize_rows(grad_TH, ctx.fmt)
         dh1, dh3, a_w, grad_w_N, dh1q, scale_dh1, dh3q, scale_dh3 = fp8_swiglu_down_bwd(
-            gq, scale_g, token_ids_N, q2, s2, h1, h3, row_w_N, counts_E, reuse, ctx.fmt)
+            gq, scale_g, token_ids_N, q2, s2, h1, h3, row_w_N, counts_E, reuse, ctx.fmt
+        )
         del gq, scale_g
         if reuse:
             _mark_overwritten(h1, h3)
@@ -105,8 +167,9 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
             a_w.untyped_storage().resize_(0)
         del a_w
         # 3. dx = dh1 w1^T + dh3 w3^T in FP8, summed per token (k in order), one column chunk at a time
-        dx_TH = _chunked_mm_combine(dh1q, scale_dh1, q1, s1, dh3q, scale_dh3, q3, s3, counts_E, row_of_slot_TK, None,
-                                    x_TH.shape[0], x_TH.dtype)
+        dx_TH = _chunked_mm_combine(
+            dh1q, scale_dh1, q1, s1, dh3q, scale_dh3, q3, s3, counts_E, row_of_slot_TK, None, x_TH.shape[0], x_TH.dtype
+        )
         del dh1q, dh3q, scale_dh1, scale_dh3
         # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e), bf16
         x_rows, x_ids = (x_TH.index_select(0, token_ids_N), None) if gather else (x_TH, token_ids_N)
@@ -117,26 +180,50 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
         return dx_TH, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None, None
 
 
-def moe_experts_fp8(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF,
-                    w2_EFH, qw: Fp8ExpertWeights, fmt: str):
+def moe_experts_fp8(
+    x_TH,
+    weights_TK,
+    token_ids_N,
+    slot_ids_N,
+    row_of_slot_TK,
+    tokens_per_expert_E,
+    w1_EHF,
+    w3_EHF,
+    w2_EFH,
+    qw: Fp8ExpertWeights,
+    fmt: str,
+):
     """out[t] = sum_k w[t,k] * expert_{e(t,k)}(x[t]) with FP8 expert GEMMs; gradients for x, the weights and the
     routing weights as moe_experts gives them."""
-    return MoEExpertsFp8Fn.apply(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
-                                 w1_EHF, w3_EHF, w2_EFH, qw, fmt)
+    return MoEExpertsFp8Fn.apply(
+        x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, qw, fmt
+    )
 
 
 class GroupedSwiGLUFp8Fn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E, qw: Fp8ExpertWeights, fmt: str):
         xq, scale_x = quantize_rows(x_NH, fmt)
-        h1, h3, aq, scale_a = fp8_swiglu_up_fwd(xq, scale_x, None, qw.w1_EFH, qw.w3_EFH, qw.scale1.transpose(1, 2),
-                                                qw.scale3.transpose(1, 2), tokens_per_expert_E,
-                                                any(ctx.needs_input_grad), fmt, x_NH.dtype)
+        h1, h3, aq, scale_a = fp8_swiglu_up_fwd(
+            xq,
+            scale_x,
+            None,
+            qw.w1_EFH,
+            qw.w3_EFH,
+            qw.scale1.transpose(1, 2),
+            qw.scale3.transpose(1, 2),
+            tokens_per_expert_E,
+            any(ctx.needs_input_grad),
+            fmt,
+            x_NH.dtype,
+        )
         del xq, scale_x
-        y_NH = fp8_grouped_mm(aq, scale_a, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None,
-                              tokens_per_expert_E, x_NH.dtype)
-        ctx.save_for_backward(x_NH, tokens_per_expert_E, qw.w1_EHF, qw.w3_EHF, qw.w2_EFH, qw.scale1, qw.scale3,
-                              qw.scale2, h1, h3)
+        y_NH = fp8_grouped_mm(
+            aq, scale_a, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None, tokens_per_expert_E, x_NH.dtype
+        )
+        ctx.save_for_backward(
+            x_NH, tokens_per_expert_E, qw.w1_EHF, qw.w3_EHF, qw.w2_EFH, qw.scale1, qw.scale3, qw.scale2, h1, h3
+        )
         ctx.fmt = fmt
         return y_NH
 
@@ -147,7 +234,8 @@ class GroupedSwiGLUFp8Fn(torch.autograd.Function):
         reuse = can_reuse_saved()
         gq, scale_g = quantize_rows(grad_NH, ctx.fmt)
         dh1, dh3, a, _, dh1q, scale_dh1, dh3q, scale_dh3 = fp8_swiglu_down_bwd(
-            gq, scale_g, None, q2, s2, h1, h3, None, counts_E, reuse, ctx.fmt)
+            gq, scale_g, None, q2, s2, h1, h3, None, counts_E, reuse, ctx.fmt
+        )
         del gq, scale_g
         if reuse:
             _mark_overwritten(h1, h3)

@@ -25,7 +25,6 @@ gathers and the absence of atomics are those of grouped_gemm.py.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 import triton
@@ -41,9 +40,30 @@ FP8_DTYPES = tuple(f.dtype for f in FORMATS.values())
 
 
 @triton.jit
-def _fp8_dot(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, src, e, offs_n, KA, NC, stride_a, stride_sa, stride_be, stride_bn,
-             stride_sbe, stride_sbn, stride_sbk, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _fp8_dot(
+    acc,
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    src,
+    e,
+    offs_n,
+    KA,
+    NC,
+    stride_a,
+    stride_sa,
+    stride_be,
+    stride_bn,
+    stride_sbe,
+    stride_sbn,
+    stride_sbk,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """acc + sum over BLOCK_K steps of (a[src] b[e]^T over the step) * sa[src, group] * sb[e, n // G, group]."""
     e64 = e.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -51,7 +71,7 @@ def _fp8_dot(acc, a_ptr, sa_ptr, b_ptr, sb_ptr, src, e, offs_n, KA, NC, stride_a
     b_offs = e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
     sa_ptrs = sa_ptr + src * stride_sa
     sb_ptrs = sb_ptr + e64 * stride_sbe + (offs_n // GROUP) * stride_sbn
-    for k in range(0, (KA + BLOCK_K - 1) // BLOCK_K):
+    for k in range((KA + BLOCK_K - 1) // BLOCK_K):
         grp = (k * BLOCK_K) // GROUP
         if EVEN_K and EVEN_N:
             a = tl.load(a_ptr + a_offs)
@@ -74,16 +94,36 @@ def _fp8_up_fwd_kernel(
     x_ptr,  # (T, H) when GATHER else (N, H): FP8, row stride stride_x, unit column stride
     sx_ptr,  # scales of x: (rows of x, cdiv(H, G)) fp32, row stride stride_sx
     token_ids_ptr,  # (N,) int32/int64: source row in x of each row (read when GATHER)
-    w1_ptr, w3_ptr,  # (E, F, H) FP8, K-major: strides (stride_we, stride_wn, unit), shared
-    s1_ptr, s3_ptr,  # block scales, [e, f // G, h // G] at strides (stride_se, stride_sn, stride_sk), shared
-    h1_ptr, h3_ptr,  # (N, F) activations' dtype, contiguous; written when STORE_H
+    w1_ptr,
+    w3_ptr,  # (E, F, H) FP8, K-major: strides (stride_we, stride_wn, unit), shared
+    s1_ptr,
+    s3_ptr,  # block scales, [e, f // G, h // G] at strides (stride_se, stride_sn, stride_sk), shared
+    h1_ptr,
+    h3_ptr,  # (N, F) activations' dtype, contiguous; written when STORE_H
     aq_ptr,  # (N, F) FP8, contiguous: a = silu(h1) * h3 quantised
     sa_ptr,  # (N, cdiv(F, G)) fp32, contiguous: its scales
     map_ptr,  # (3, num_tiles) int32 from grouped_gemm._tile_map_kernel
-    E, num_tiles, H, F, stride_x, stride_sx, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-    GATHER: tl.constexpr, STORE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    E,
+    num_tiles,
+    H,
+    F,
+    stride_x,
+    stride_sx,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    GATHER: tl.constexpr,
+    STORE_H: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # BLOCK_N == GROUP: the tile's columns are one scale group of a, and one block column of the weights
@@ -103,7 +143,7 @@ def _fp8_up_fwd_kernel(
     s_offs = e64 * stride_se + pid_n * stride_sn
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (H + BLOCK_K - 1) // BLOCK_K):
+    for k in range((H + BLOCK_K - 1) // BLOCK_K):
         grp = (k * BLOCK_K) // GROUP
         if EVEN_K and EVEN_N:
             x = tl.load(x_ptrs)
@@ -116,8 +156,12 @@ def _fp8_up_fwd_kernel(
             w1 = tl.load(w1_ptr + w_offs, mask=w_mask, other=0.0)
             w3 = tl.load(w3_ptr + w_offs, mask=w_mask, other=0.0)
         sx = tl.load(sx_ptrs + grp)
-        acc1 += tl.dot(x, w1, input_precision=DOT_PRECISION) * (sx * tl.load(s1_ptr + s_offs + grp * stride_sk))[:, None]
-        acc3 += tl.dot(x, w3, input_precision=DOT_PRECISION) * (sx * tl.load(s3_ptr + s_offs + grp * stride_sk))[:, None]
+        acc1 += (
+            tl.dot(x, w1, input_precision=DOT_PRECISION) * (sx * tl.load(s1_ptr + s_offs + grp * stride_sk))[:, None]
+        )
+        acc3 += (
+            tl.dot(x, w3, input_precision=DOT_PRECISION) * (sx * tl.load(s3_ptr + s_offs + grp * stride_sk))[:, None]
+        )
         x_ptrs += BLOCK_K
         w_offs += BLOCK_K
     a = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # silu(h1) * h3; columns past F are 0 (masked loads)
@@ -135,17 +179,37 @@ def _fp8_up_fwd_kernel(
 
 @triton.jit
 def _fp8_grouped_mm_kernel(
-    a1_ptr, a2_ptr,  # (N, KA) FP8, row stride stride_a, unit column stride; a1 is (T, KA) read at idx[n] when
+    a1_ptr,
+    a2_ptr,  # (N, KA) FP8, row stride stride_a, unit column stride; a1 is (T, KA) read at idx[n] when
     #                  GATHER; a2 read when HAS_SECOND
-    sa1_ptr, sa2_ptr,  # their scales: (rows, cdiv(KA, G)) fp32, row stride stride_sa
+    sa1_ptr,
+    sa2_ptr,  # their scales: (rows, cdiv(KA, G)) fp32, row stride stride_sa
     idx_ptr,  # (N,) int32/int64 source row of each row (read when GATHER)
-    b1_ptr, b2_ptr,  # (E, NC, KA) FP8, K-major: strides (stride_be, stride_bn, unit), shared
-    sb1_ptr, sb2_ptr,  # block scales, [e, n // G, k // G] at strides (stride_sbe, stride_sbn, stride_sbk), shared
+    b1_ptr,
+    b2_ptr,  # (E, NC, KA) FP8, K-major: strides (stride_be, stride_bn, unit), shared
+    sb1_ptr,
+    sb2_ptr,  # block scales, [e, n // G, k // G] at strides (stride_sbe, stride_sbn, stride_sbk), shared
     c_ptr,  # (N, NC) activations' dtype, contiguous
     map_ptr,  # (3, num_tiles) int32 from grouped_gemm._tile_map_kernel
-    E, num_tiles, KA, NC, stride_a, stride_sa, stride_be, stride_bn, stride_sbe, stride_sbn, stride_sbk,
-    GATHER: tl.constexpr, HAS_SECOND: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    E,
+    num_tiles,
+    KA,
+    NC,
+    stride_a,
+    stride_sa,
+    stride_be,
+    stride_bn,
+    stride_sbe,
+    stride_sbn,
+    stride_sbk,
+    GATHER: tl.constexpr,
+    HAS_SECOND: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
@@ -157,12 +221,55 @@ def _fp8_grouped_mm_kernel(
     row_end, offs_m, src = _row_tile(map_ptr, idx_ptr, num_tiles, pid_m, GATHER, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _fp8_dot(acc, a1_ptr, sa1_ptr, b1_ptr, sb1_ptr, src, e, offs_n, KA, NC, stride_a, stride_sa, stride_be,
-                   stride_bn, stride_sbe, stride_sbn, stride_sbk, EVEN_K, EVEN_N, BLOCK_K, GROUP, DOT_PRECISION)
+    acc = _fp8_dot(
+        acc,
+        a1_ptr,
+        sa1_ptr,
+        b1_ptr,
+        sb1_ptr,
+        src,
+        e,
+        offs_n,
+        KA,
+        NC,
+        stride_a,
+        stride_sa,
+        stride_be,
+        stride_bn,
+        stride_sbe,
+        stride_sbn,
+        stride_sbk,
+        EVEN_K,
+        EVEN_N,
+        BLOCK_K,
+        GROUP,
+        DOT_PRECISION,
+    )
     if HAS_SECOND:  # dx = dh1 w1^T + dh3 w3^T into one accumulator
-        acc = _fp8_dot(acc, a2_ptr, sa2_ptr, b2_ptr, sb2_ptr, src, e, offs_n, KA, NC, stride_a, stride_sa,
-                       stride_be, stride_bn, stride_sbe, stride_sbn, stride_sbk, EVEN_K, EVEN_N, BLOCK_K, GROUP,
-                       DOT_PRECISION)
+        acc = _fp8_dot(
+            acc,
+            a2_ptr,
+            sa2_ptr,
+            b2_ptr,
+            sb2_ptr,
+            src,
+            e,
+            offs_n,
+            KA,
+            NC,
+            stride_a,
+            stride_sa,
+            stride_be,
+            stride_bn,
+            stride_sbe,
+            stride_sbn,
+            stride_sbk,
+            EVEN_K,
+            EVEN_N,
+            BLOCK_K,
+            GROUP,
+            DOT_PRECISION,
+        )
     mask = (offs_m < row_end)[:, None] if EVEN_N else (offs_m < row_end)[:, None] & (offs_n < NC)[None, :]
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -170,15 +277,24 @@ def _fp8_grouped_mm_kernel(
 @triton.jit
 def _fp8_swiglu_bwd_kernel(
     da_ptr,  # (N, F) activations' dtype: g w2^T per row (before the combine weight), contiguous
-    h1_ptr, h3_ptr,  # (N, F) dtype of da, contiguous
+    h1_ptr,
+    h3_ptr,  # (N, F) dtype of da, contiguous
     row_w_ptr,  # (N,) fp32 combine weight of each row (read when HAS_W)
-    dh1_ptr, dh3_ptr, a_ptr,  # (N, F) dtype of da, contiguous out; a_ptr gets w * a (HAS_W) or a
+    dh1_ptr,
+    dh3_ptr,
+    a_ptr,  # (N, F) dtype of da, contiguous out; a_ptr gets w * a (HAS_W) or a
     grad_w_ptr,  # (N,) fp32 out: <da_n, a_n> (HAS_W)
-    q1_ptr, q3_ptr,  # (N, F) FP8 out: dh1, dh3 quantised
-    s1_ptr, s3_ptr,  # (N, cdiv(F, G)) fp32 out: their scales
-    N, F,
-    HAS_W: tl.constexpr, FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+    q1_ptr,
+    q3_ptr,  # (N, F) FP8 out: dh1, dh3 quantised
+    s1_ptr,
+    s3_ptr,  # (N, cdiv(F, G)) fp32 out: their scales
+    N,
+    F,
+    HAS_W: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     # grouped_gemm._swiglu_bwd_kernel with one scale group per step over F (it says why this is a pass of its own)
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -188,7 +304,7 @@ def _fp8_swiglu_bwd_kernel(
     if HAS_W:
         row_w = tl.load(row_w_ptr + offs_r, mask=mask_r, other=0.0)
         gw = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for grp in range(0, num_groups):  # fixed order over F: the weight gradient is deterministic
+    for grp in range(num_groups):  # fixed order over F: the weight gradient is deterministic
         offs_f = grp * GROUP + tl.arange(0, GROUP)
         mask = mask_r[:, None] & (offs_f < F)[None, :]
         offs = rows[:, None] * F + offs_f[None, :]
@@ -229,8 +345,10 @@ def _check_fp8(name: str, q: torch.Tensor, ndim: int) -> None:
     if q.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(q.shape)}")
     if q.dtype not in FP8_DTYPES and not (interpreting() and q.dtype == torch.float32):
-        raise ValueError(f"{name} has dtype {q.dtype}; the FP8 kernels take {FP8_DTYPES} (float32 holding FP8 "
-                         "values under TRITON_INTERPRET=1)")
+        raise ValueError(
+            f"{name} has dtype {q.dtype}; the FP8 kernels take {FP8_DTYPES} (float32 holding FP8 "
+            "values under TRITON_INTERPRET=1)"
+        )
     if q.stride(-1) != 1:
         raise ValueError(f"{name} must have a unit stride in its last (reduction) dimension")
 
@@ -247,10 +365,19 @@ def _launch(cfg: TileConfig, dtype: torch.dtype) -> dict:
 
 
 @kernel_op("fp8_swiglu_up_fwd")
-def fp8_swiglu_up_fwd(xq: torch.Tensor, scale_x: torch.Tensor, token_ids_N: Optional[torch.Tensor],
-                      w1_EFH: torch.Tensor, w3_EFH: torch.Tensor, scale1_EFH: torch.Tensor, scale3_EFH: torch.Tensor,
-                      tokens_per_expert_E: torch.Tensor, store_h: bool, fmt: str, out_dtype: torch.dtype,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_swiglu_up_fwd(
+    xq: torch.Tensor,
+    scale_x: torch.Tensor,
+    token_ids_N: torch.Tensor | None,
+    w1_EFH: torch.Tensor,
+    w3_EFH: torch.Tensor,
+    scale1_EFH: torch.Tensor,
+    scale3_EFH: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    store_h: bool,
+    fmt: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h1, h3, aq, scale_a): h1, h3 (N, F) in out_dtype ((0, F) unless store_h) and a = silu(h1) * h3 quantised
     in 1 x G groups. Rows are xq[token_ids_N] when token_ids_N is given, else xq. scale*_EFH: block scales
     indexed [e, f // G, h // G] (a transposed view of quantize_blocks' scale)."""
@@ -276,10 +403,32 @@ def fp8_swiglu_up_fwd(xq: torch.Tensor, scale_x: torch.Tensor, token_ids_N: Opti
         cfg = replace(cfg, block_n=GROUP)  # the epilogue quantises one group of a per row
         map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
         _fp8_up_fwd_kernel[(map_3T.shape[1] * cdiv(ffn, GROUP),)](
-            xq, scale_x, token_ids_N if token_ids_N is not None else map_3T, w1_EFH, w3_EFH, scale1_EFH, scale3_EFH,
-            h1, h3, aq, scale_a, map_3T, num_experts, map_3T.shape[1], hidden, ffn, xq.stride(0), scale_x.stride(0),
-            w1_EFH.stride(0), w1_EFH.stride(1), *scale1_EFH.stride(), GATHER=token_ids_N is not None,
-            STORE_H=store_h, EVEN_K=hidden % cfg.block_k == 0, EVEN_N=ffn % GROUP == 0, **consts,
+            xq,
+            scale_x,
+            token_ids_N if token_ids_N is not None else map_3T,
+            w1_EFH,
+            w3_EFH,
+            scale1_EFH,
+            scale3_EFH,
+            h1,
+            h3,
+            aq,
+            scale_a,
+            map_3T,
+            num_experts,
+            map_3T.shape[1],
+            hidden,
+            ffn,
+            xq.stride(0),
+            scale_x.stride(0),
+            w1_EFH.stride(0),
+            w1_EFH.stride(1),
+            *scale1_EFH.stride(),
+            GATHER=token_ids_N is not None,
+            STORE_H=store_h,
+            EVEN_K=hidden % cfg.block_k == 0,
+            EVEN_N=ffn % GROUP == 0,
+            **consts,
             **_launch(cfg, xq.dtype),
         )
 
@@ -288,13 +437,16 @@ def fp8_swiglu_up_fwd(xq: torch.Tensor, scale_x: torch.Tensor, token_ids_N: Opti
 
 
 @fp8_swiglu_up_fwd.register_fake
-def _(xq, scale_x, token_ids_N, w1_EFH, w3_EFH, scale1_EFH, scale3_EFH, tokens_per_expert_E, store_h, fmt,
-      out_dtype):
+def _(xq, scale_x, token_ids_N, w1_EFH, w3_EFH, scale1_EFH, scale3_EFH, tokens_per_expert_E, store_h, fmt, out_dtype):
     num_rows = token_ids_N.shape[0] if token_ids_N is not None else xq.shape[0]
     ffn = w1_EFH.shape[1]
     h = xq.new_empty(num_rows if store_h else 0, ffn, dtype=out_dtype)
-    return h, torch.empty_like(h), xq.new_empty(num_rows, ffn), xq.new_empty(num_rows, cdiv(ffn, GROUP),
-                                                                             dtype=torch.float32)
+    return (
+        h,
+        torch.empty_like(h),
+        xq.new_empty(num_rows, ffn),
+        xq.new_empty(num_rows, cdiv(ffn, GROUP), dtype=torch.float32),
+    )
 
 
 def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dtype, kernel) -> torch.Tensor:
@@ -302,11 +454,18 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
     _check_fp8("b1_ENK", b1_ENK, 3)
     _check_groups(counts_E, b1_ENK)
     check_device(a1, sa1, b1_ENK, sb1, counts_E)
-    if a2 is not None and (a2.shape != a1.shape or b2_ENK.shape != b1_ENK.shape or idx_N is not None
-                           or a2.stride() != a1.stride() or sa2.stride() != sa1.stride()
-                           or b2_ENK.stride() != b1_ENK.stride() or sb2.stride() != sb1.stride()):
-        raise ValueError("the second (a, b) pair must match the first one's shapes and layouts, and rows are not "
-                         "gathered")
+    if a2 is not None and (
+        a2.shape != a1.shape
+        or b2_ENK.shape != b1_ENK.shape
+        or idx_N is not None
+        or a2.stride() != a1.stride()
+        or sa2.stride() != sa1.stride()
+        or b2_ENK.stride() != b1_ENK.stride()
+        or sb2.stride() != sb1.stride()
+    ):
+        raise ValueError(
+            "the second (a, b) pair must match the first one's shapes and layouts, and rows are not gathered"
+        )
     num_experts, width, depth = b1_ENK.shape
     if a1.shape[1] != depth:
         raise ValueError(f"a1 has {a1.shape[1]} columns but b1_ENK reduces over {depth}")
@@ -320,11 +479,30 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
     def launch(cfg: TileConfig) -> None:
         map_3T, _ = tile_map(counts_E, num_rows, cfg.block_m)
         _fp8_grouped_mm_kernel[(map_3T.shape[1] * cdiv(width, cfg.block_n),)](
-            a1, a2 if a2 is not None else a1, sa1, sa2 if a2 is not None else sa1,
-            idx_N if idx_N is not None else map_3T, b1_ENK, b2_ENK if a2 is not None else b1_ENK, sb1,
-            sb2 if a2 is not None else sb1, c, map_3T, num_experts, map_3T.shape[1], depth, width, a1.stride(0),
-            sa1.stride(0), b1_ENK.stride(0), b1_ENK.stride(1), *sb1.stride(), GATHER=idx_N is not None,
-            HAS_SECOND=a2 is not None, EVEN_K=depth % cfg.block_k == 0, EVEN_N=width % cfg.block_n == 0,
+            a1,
+            a2 if a2 is not None else a1,
+            sa1,
+            sa2 if a2 is not None else sa1,
+            idx_N if idx_N is not None else map_3T,
+            b1_ENK,
+            b2_ENK if a2 is not None else b1_ENK,
+            sb1,
+            sb2 if a2 is not None else sb1,
+            c,
+            map_3T,
+            num_experts,
+            map_3T.shape[1],
+            depth,
+            width,
+            a1.stride(0),
+            sa1.stride(0),
+            b1_ENK.stride(0),
+            b1_ENK.stride(1),
+            *sb1.stride(),
+            GATHER=idx_N is not None,
+            HAS_SECOND=a2 is not None,
+            EVEN_K=depth % cfg.block_k == 0,
+            EVEN_N=width % cfg.block_n == 0,
             **_launch(cfg, a1.dtype),
         )
 
@@ -333,15 +511,35 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
 
 
 @kernel_op("fp8_grouped_mm")
-def fp8_grouped_mm(a1: torch.Tensor, scale_a1: torch.Tensor, b1_ENK: torch.Tensor, scale_b1: torch.Tensor,
-                   a2: Optional[torch.Tensor], scale_a2: Optional[torch.Tensor], b2_ENK: Optional[torch.Tensor],
-                   scale_b2: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_grouped_mm(
+    a1: torch.Tensor,
+    scale_a1: torch.Tensor,
+    b1_ENK: torch.Tensor,
+    scale_b1: torch.Tensor,
+    a2: torch.Tensor | None,
+    scale_a2: torch.Tensor | None,
+    b2_ENK: torch.Tensor | None,
+    scale_b2: torch.Tensor | None,
+    tokens_per_expert_E: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """c[rows of e] = a1[rows of e] @ b1_ENK[e]^T (+ the same for a2, b2), out_dtype; the a's FP8 in 1 x G groups
     (scale_a: (rows, cdiv(K, G))), the b's FP8 in G x G blocks, K-major (a column slice of N is a view), scale_b
     indexed [e, n // G, k // G]."""
-    return _fp8_mm(a1, scale_a1, b1_ENK, scale_b1, a2, scale_a2, b2_ENK, scale_b2, tokens_per_expert_E, None,
-                   out_dtype, "fp8_mm" if a2 is None else "fp8_dx")
+    return _fp8_mm(
+        a1,
+        scale_a1,
+        b1_ENK,
+        scale_b1,
+        a2,
+        scale_a2,
+        b2_ENK,
+        scale_b2,
+        tokens_per_expert_E,
+        None,
+        out_dtype,
+        "fp8_mm" if a2 is None else "fp8_dx",
+    )
 
 
 @fp8_grouped_mm.register_fake
@@ -350,11 +548,21 @@ def _(a1, scale_a1, b1_ENK, scale_b1, a2, scale_a2, b2_ENK, scale_b2, tokens_per
 
 
 @kernel_op("fp8_swiglu_down_bwd")
-def fp8_swiglu_down_bwd(gq: torch.Tensor, scale_g: torch.Tensor, token_ids_N: Optional[torch.Tensor],
-                        w2_EFH: torch.Tensor, scale2_EFH: torch.Tensor, h1_NF: torch.Tensor, h3_NF: torch.Tensor,
-                        row_weights_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor, reuse_h: bool,
-                        fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_swiglu_down_bwd(
+    gq: torch.Tensor,
+    scale_g: torch.Tensor,
+    token_ids_N: torch.Tensor | None,
+    w2_EFH: torch.Tensor,
+    scale2_EFH: torch.Tensor,
+    h1_NF: torch.Tensor,
+    h3_NF: torch.Tensor,
+    row_weights_N: torch.Tensor | None,
+    tokens_per_expert_E: torch.Tensor,
+    reuse_h: bool,
+    fmt: str,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     """(dh1, dh3, a_scaled, grad_row_weights, dh1q, scale_dh1, dh3q, scale_dh3): grouped_gemm.swiglu_down_bwd
     with FP8 inputs (gq in 1 x G groups, read at rows token_ids_N when given; w2_EFH, the FP8 w2 in its own
     layout, with scale2_EFH indexed [e, f // G, h // G]) and, besides the results in h1's dtype (for the weight
@@ -365,8 +573,20 @@ def fp8_swiglu_down_bwd(gq: torch.Tensor, scale_g: torch.Tensor, token_ids_N: Op
     num_rows, ffn = h1_NF.shape
     consts = _format_of(gq, fmt)
     has_w = row_weights_N is not None
-    da = _fp8_mm(gq, scale_g, w2_EFH, scale2_EFH, None, None, None, None, tokens_per_expert_E, token_ids_N,
-                 h1_NF.dtype, "fp8_down_bwd")
+    da = _fp8_mm(
+        gq,
+        scale_g,
+        w2_EFH,
+        scale2_EFH,
+        None,
+        None,
+        None,
+        None,
+        tokens_per_expert_E,
+        token_ids_N,
+        h1_NF.dtype,
+        "fp8_down_bwd",
+    )
     dh3, a = (h3_NF, h1_NF) if reuse_h else (torch.empty_like(h1_NF), torch.empty_like(h1_NF))
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
     q1, q3 = (torch.empty(num_rows, ffn, dtype=gq.dtype, device=gq.device) for _ in range(2))
@@ -376,8 +596,25 @@ def fp8_swiglu_down_bwd(gq: torch.Tensor, scale_g: torch.Tensor, token_ids_N: Op
     block_r = 16 if interpreting() else 8
     # dh1 is written over da: every element is read and then written by the same program in one step
     _fp8_swiglu_bwd_kernel[(cdiv(num_rows, block_r),)](
-        da, h1_NF, h3_NF, row_weights_N.float().contiguous() if has_w else da, da, dh3, a, grad_w if has_w else da,
-        q1, q3, s1, s3, num_rows, ffn, HAS_W=has_w, **consts, BLOCK_R=block_r, GROUP=GROUP, num_warps=4,
+        da,
+        h1_NF,
+        h3_NF,
+        row_weights_N.float().contiguous() if has_w else da,
+        da,
+        dh3,
+        a,
+        grad_w if has_w else da,
+        q1,
+        q3,
+        s1,
+        s3,
+        num_rows,
+        ffn,
+        HAS_W=has_w,
+        **consts,
+        BLOCK_R=block_r,
+        GROUP=GROUP,
+        num_warps=4,
     )
     return da, dh3, a, grad_w, q1, s1, q3, s3
 
@@ -388,5 +625,13 @@ def _(gq, scale_g, token_ids_N, w2_EFH, scale2_EFH, h1_NF, h3_NF, row_weights_N,
     num_w = num_rows if row_weights_N is not None else 0
     q = gq.new_empty(num_rows, ffn)
     s = gq.new_empty(num_rows, cdiv(ffn, GROUP), dtype=torch.float32)
-    return (torch.empty_like(h1_NF), torch.empty_like(h1_NF), torch.empty_like(h1_NF),
-            h1_NF.new_empty(num_w, dtype=torch.float32), q, s, torch.empty_like(q), torch.empty_like(s))
+    return (
+        torch.empty_like(h1_NF),
+        torch.empty_like(h1_NF),
+        torch.empty_like(h1_NF),
+        h1_NF.new_empty(num_w, dtype=torch.float32),
+        q,
+        s,
+        torch.empty_like(q),
+        torch.empty_like(s),
+    )

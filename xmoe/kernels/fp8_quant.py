@@ -64,8 +64,9 @@ def _format_name(device_type: str, device_index: int) -> str:
     if device_type != "cuda":
         if device_type == "cpu" and interpreting():
             return "e4m3fn"  # tests: the kernels in Triton's interpreter, FP8 values held in float32
-        raise ValueError(f"moe.fp8='experts' needs a GPU with FP8 matrix instructions; a {device_type} device has "
-                         f"none: {FIX}")
+        raise ValueError(
+            f"moe.fp8='experts' needs a GPU with FP8 matrix instructions; a {device_type} device has none: {FIX}"
+        )
     props = torch.cuda.get_device_properties(device_index)
     if torch.version.hip is not None:
         arch = props.gcnArchName.split(":")[0]
@@ -73,12 +74,16 @@ def _format_name(device_type: str, device_index: int) -> str:
             return "e4m3fnuz"
         if arch == "gfx950":
             return "e4m3fn"
-        raise ValueError(f"moe.fp8='experts' needs FP8 matrix instructions (AMD gfx942 or gfx950); {props.name} "
-                         f"({arch}) has none: {FIX}")
+        raise ValueError(
+            f"moe.fp8='experts' needs FP8 matrix instructions (AMD gfx942 or gfx950); {props.name} "
+            f"({arch}) has none: {FIX}"
+        )
     if (props.major, props.minor) >= (8, 9):
         return "e4m3fn"
-    raise ValueError(f"moe.fp8='experts' needs FP8 matrix instructions (NVIDIA sm_89 or newer: Ada, Hopper, "
-                     f"Blackwell); {props.name} (sm_{props.major}{props.minor}) has none: {FIX}")
+    raise ValueError(
+        f"moe.fp8='experts' needs FP8 matrix instructions (NVIDIA sm_89 or newer: Ada, Hopper, "
+        f"Blackwell); {props.name} (sm_{props.major}{props.minor}) has none: {FIX}"
+    )
 
 
 def fp8_format(device: torch.device) -> Fp8Format:
@@ -134,9 +139,13 @@ def _quant_rows_kernel(
     x_ptr,  # (R, C) fp32/bf16/fp16, row stride stride_x, unit column stride
     q_ptr,  # (R, C) FP8 (float32 under the interpreter), contiguous
     s_ptr,  # (R, cdiv(C, GROUP)) fp32, contiguous
-    R, C, stride_x,
-    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+    R,
+    C,
+    stride_x,
+    FP8_MAX: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
@@ -155,8 +164,13 @@ def _quant_blocks_kernel(
     q_ptr,  # (E, R, C) FP8, contiguous
     qt_ptr,  # (E, C, R) FP8, contiguous: the transposed copy
     s_ptr,  # (E, cdiv(R, GROUP), cdiv(C, GROUP)) fp32, contiguous
-    R, C, stride_we, stride_wr,
-    FP8_MAX: tl.constexpr, MIN_EXP: tl.constexpr, GROUP: tl.constexpr,
+    R,
+    C,
+    stride_we,
+    stride_wr,
+    FP8_MAX: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     # one G x G block per program, walked CHUNK rows at a time, in loops that are not unrolled: the whole fp32 block
@@ -204,7 +218,15 @@ def quantize_rows(x_RC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
         return q, scale
     block_r = 16 if interpreting() else 32
     _quant_rows_kernel[(cdiv(rows, block_r), cdiv(cols, GROUP))](
-        x_RC, q, scale, rows, cols, x_RC.stride(0), **format_constexprs(form), BLOCK_R=block_r, GROUP=GROUP,
+        x_RC,
+        q,
+        scale,
+        rows,
+        cols,
+        x_RC.stride(0),
+        **format_constexprs(form),
+        BLOCK_R=block_r,
+        GROUP=GROUP,
         num_warps=4,
     )
     return q, scale
@@ -213,8 +235,10 @@ def quantize_rows(x_RC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
 @quantize_rows.register_fake
 def _(x_RC, fmt):
     rows, cols = x_RC.shape
-    return (x_RC.new_empty(rows, cols, dtype=_format(fmt).storage()),
-            x_RC.new_empty(rows, cdiv(cols, GROUP), dtype=torch.float32))
+    return (
+        x_RC.new_empty(rows, cols, dtype=_format(fmt).storage()),
+        x_RC.new_empty(rows, cdiv(cols, GROUP), dtype=torch.float32),
+    )
 
 
 @kernel_op("fp8_quantize_blocks")
@@ -232,8 +256,18 @@ def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
     if q.numel() == 0:
         return q, qt, scale
     _quant_blocks_kernel[(cdiv(cols, GROUP), cdiv(rows, GROUP), experts)](
-        w_ERC, q, qt, scale, rows, cols, w_ERC.stride(0), w_ERC.stride(1), **format_constexprs(form), GROUP=GROUP,
-        CHUNK=32, num_warps=4,
+        w_ERC,
+        q,
+        qt,
+        scale,
+        rows,
+        cols,
+        w_ERC.stride(0),
+        w_ERC.stride(1),
+        **format_constexprs(form),
+        GROUP=GROUP,
+        CHUNK=32,
+        num_warps=4,
     )
     return q, qt, scale
 
@@ -242,8 +276,11 @@ def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
 def _(w_ERC, fmt):
     experts, rows, cols = w_ERC.shape
     storage = _format(fmt).storage()
-    return (w_ERC.new_empty(experts, rows, cols, dtype=storage), w_ERC.new_empty(experts, cols, rows, dtype=storage),
-            w_ERC.new_empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32))
+    return (
+        w_ERC.new_empty(experts, rows, cols, dtype=storage),
+        w_ERC.new_empty(experts, cols, rows, dtype=storage),
+        w_ERC.new_empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32),
+    )
 
 
 class Fp8ExpertWeights(NamedTuple):
@@ -252,6 +289,7 @@ class Fp8ExpertWeights(NamedTuple):
     w3_EHF the input gradient (dh1 w1^T + dh3 w3^T; reduction F) and w2_EFH the down dgrad (g w2^T; reduction H).
     scale1, scale3: (E, cdiv(H, G), cdiv(F, G)) and scale2: (E, cdiv(F, G), cdiv(H, G)), fp32, one per 128 x 128
     block of the weight in its (E, H, F) / (E, F, H) layout, shared by both copies."""
+
     w1_EFH: torch.Tensor
     w3_EFH: torch.Tensor
     w2_EHF: torch.Tensor
@@ -263,12 +301,14 @@ class Fp8ExpertWeights(NamedTuple):
     scale2: torch.Tensor
 
 
-def quantize_expert_weights(w1_EHF: torch.Tensor, w3_EHF: torch.Tensor, w2_EFH: torch.Tensor,
-                            fmt: str) -> Fp8ExpertWeights:
+def quantize_expert_weights(
+    w1_EHF: torch.Tensor, w3_EHF: torch.Tensor, w2_EFH: torch.Tensor, fmt: str
+) -> Fp8ExpertWeights:
     """The FP8 copies the experts' GEMMs read (one pass over each weight): once per optimizer step, by
     ``reuse_weight_casts`` (xmoe/moe/experts.py), or once per forward where the weights are not cached there."""
     q1, q1t, s1 = quantize_blocks(w1_EHF, fmt)
     q3, q3t, s3 = quantize_blocks(w3_EHF, fmt)
     q2, q2t, s2 = quantize_blocks(w2_EFH, fmt)
-    return Fp8ExpertWeights(w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w1_EHF=q1, w3_EHF=q3, w2_EFH=q2, scale1=s1,
-                            scale3=s3, scale2=s2)
+    return Fp8ExpertWeights(
+        w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w1_EHF=q1, w3_EHF=q3, w2_EFH=q2, scale1=s1, scale3=s3, scale2=s2
+    )

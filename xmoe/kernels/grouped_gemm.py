@@ -22,8 +22,6 @@ anywhere: every output element is written by one program, and each program sums 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -38,8 +36,11 @@ def _tile_map_kernel(
     counts_ptr,  # (E,) int32/int64 rows per expert
     map_ptr,  # (3, num_tiles) int32 out: expert (E past the last tile), first row, end row of the expert
     bounds_ptr,  # (3, E) int32 out: first row, end row and first row tile of each expert
-    E, num_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+    E,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
@@ -81,13 +82,29 @@ def _row_tile(map_ptr, idx_ptr, num_tiles, pid_m, GATHER: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
-def _grouped_dot(acc, a_ptr, b_ptr, src, e, offs_n, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _grouped_dot(
+    acc,
+    a_ptr,
+    b_ptr,
+    src,
+    e,
+    offs_n,
+    KA,
+    NC,
+    stride_a,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """acc + a[src] @ b[e][:, offs_n] over the KA columns of a (masked when KA or NC leave partial blocks)."""
     offs_k = tl.arange(0, BLOCK_K)
     a_offs = src[:, None] * stride_a + offs_k[None, :]
     b_offs = e.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    for k in range(0, (KA + BLOCK_K - 1) // BLOCK_K):
+    for k in range((KA + BLOCK_K - 1) // BLOCK_K):
         if EVEN_K and EVEN_N:
             a = tl.load(a_ptr + a_offs)
             b = tl.load(b_ptr + b_offs)
@@ -105,12 +122,27 @@ def _grouped_dot(acc, a_ptr, b_ptr, src, e, offs_n, KA, NC, stride_a, stride_be,
 def _swiglu_up_fwd_kernel(
     x_ptr,  # (T, H) when GATHER else (N, H); fp32/bf16/fp16, row stride stride_x, unit column stride
     token_ids_ptr,  # (N,) int32/int64: source row in x of each row (read when GATHER)
-    w1_ptr, w3_ptr,  # (E, H, F) dtype of x, strides (stride_we, stride_wh, stride_wf), shared
-    h1_ptr, h3_ptr, a_ptr,  # (N, F) dtype of x, contiguous; h1/h3 written when STORE_H
+    w1_ptr,
+    w3_ptr,  # (E, H, F) dtype of x, strides (stride_we, stride_wh, stride_wf), shared
+    h1_ptr,
+    h3_ptr,
+    a_ptr,  # (N, F) dtype of x, contiguous; h1/h3 written when STORE_H
     map_ptr,  # (3, num_tiles) int32 from _tile_map_kernel: expert, first row, end row of each row tile
-    E, num_tiles, H, F, stride_x, stride_we, stride_wh, stride_wf,
-    GATHER: tl.constexpr, STORE_H: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    E,
+    num_tiles,
+    H,
+    F,
+    stride_x,
+    stride_we,
+    stride_wh,
+    stride_wf,
+    GATHER: tl.constexpr,
+    STORE_H: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # n fastest: consecutive programs share the x row tile (read once into L2) and the expert's weights
@@ -127,7 +159,7 @@ def _swiglu_up_fwd_kernel(
     w_offs = e.to(tl.int64) * stride_we + offs_k[:, None] * stride_wh + offs_n[None, :] * stride_wf
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (H + BLOCK_K - 1) // BLOCK_K):
+    for k in range((H + BLOCK_K - 1) // BLOCK_K):
         if EVEN_K and EVEN_N:
             x = tl.load(x_ptrs)
             w1 = tl.load(w1_ptr + w_offs)
@@ -153,15 +185,29 @@ def _swiglu_up_fwd_kernel(
 
 @triton.jit
 def _grouped_mm_kernel(
-    a1_ptr, a2_ptr,  # (N, KA) fp, row stride stride_a, unit column stride; a2 read when HAS_SECOND;
+    a1_ptr,
+    a2_ptr,  # (N, KA) fp, row stride stride_a, unit column stride; a2 read when HAS_SECOND;
     #                  a1 is (T, KA) read at rows idx[n] when GATHER
     idx_ptr,  # (N,) int32/int64 source row of each row (read when GATHER)
-    b1_ptr, b2_ptr,  # (E, KA, NC) dtype of a, strides (stride_be, stride_bk, stride_bn), shared
+    b1_ptr,
+    b2_ptr,  # (E, KA, NC) dtype of a, strides (stride_be, stride_bk, stride_bn), shared
     c_ptr,  # (N, NC) dtype of a, contiguous
     map_ptr,  # (3, num_tiles) int32 from _tile_map_kernel
-    E, num_tiles, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
-    GATHER: tl.constexpr, HAS_SECOND: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    E,
+    num_tiles,
+    KA,
+    NC,
+    stride_a,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    GATHER: tl.constexpr,
+    HAS_SECOND: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     num_pid_n = (NC + BLOCK_N - 1) // BLOCK_N
@@ -173,11 +219,43 @@ def _grouped_mm_kernel(
     row_end, offs_m, src = _row_tile(map_ptr, idx_ptr, num_tiles, pid_m, GATHER, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _grouped_dot(acc, a1_ptr, b1_ptr, src, e, offs_n, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
-                       EVEN_K, EVEN_N, BLOCK_K, DOT_PRECISION)
+    acc = _grouped_dot(
+        acc,
+        a1_ptr,
+        b1_ptr,
+        src,
+        e,
+        offs_n,
+        KA,
+        NC,
+        stride_a,
+        stride_be,
+        stride_bk,
+        stride_bn,
+        EVEN_K,
+        EVEN_N,
+        BLOCK_K,
+        DOT_PRECISION,
+    )
     if HAS_SECOND:  # second (a, b) pair over the same KA: dx = dh1 w1^T + dh3 w3^T in one accumulator
-        acc = _grouped_dot(acc, a2_ptr, b2_ptr, src, e, offs_n, KA, NC, stride_a, stride_be, stride_bk, stride_bn,
-                           EVEN_K, EVEN_N, BLOCK_K, DOT_PRECISION)
+        acc = _grouped_dot(
+            acc,
+            a2_ptr,
+            b2_ptr,
+            src,
+            e,
+            offs_n,
+            KA,
+            NC,
+            stride_a,
+            stride_be,
+            stride_bk,
+            stride_bn,
+            EVEN_K,
+            EVEN_N,
+            BLOCK_K,
+            DOT_PRECISION,
+        )
     mask = (offs_m < row_end)[:, None] if EVEN_N else (offs_m < row_end)[:, None] & (offs_n < NC)[None, :]
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -185,12 +263,18 @@ def _grouped_mm_kernel(
 @triton.jit
 def _swiglu_bwd_kernel(
     da_ptr,  # (N, F) fp: g w2^T per row (before the combine weight), contiguous
-    h1_ptr, h3_ptr,  # (N, F) dtype of da, contiguous
+    h1_ptr,
+    h3_ptr,  # (N, F) dtype of da, contiguous
     row_w_ptr,  # (N,) fp32 combine weight of each row (read when HAS_W)
-    dh1_ptr, dh3_ptr, a_ptr,  # (N, F) dtype of da, contiguous out; a_ptr gets w * a (HAS_W) or a
+    dh1_ptr,
+    dh3_ptr,
+    a_ptr,  # (N, F) dtype of da, contiguous out; a_ptr gets w * a (HAS_W) or a
     grad_w_ptr,  # (N,) fp32 out: <da_n, a_n> = d<g, y_n>/dw_n (HAS_W)
-    N, F,
-    HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    N,
+    F,
+    HAS_W: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
 ):
     # A separate pass rather than the dgrad GEMM's epilogue: there, h1/h3 tiles next to the fp32 accumulator
     # spilled (255 registers + 0.1-2.6 KB stack per thread) and only 64 x 128 tiles fit. H200, medium T=16384:
@@ -221,15 +305,21 @@ def _swiglu_bwd_kernel(
         tl.store(grad_w_ptr + offs_r, gw, mask=mask_r)
 
 
-def _dot_precision(dtype: torch.dtype) -> Optional[str]:
+def _dot_precision(dtype: torch.dtype) -> str | None:
     # fp32 stays exact; 16-bit dots ignore the setting, so they take the backend's default (HIP on gfx90a refuses
     # to compile a dot that names "tf32", whatever its inputs)
     return "ieee" if dtype == torch.float32 else None
 
 
 def _launch_kwargs(cfg: TileConfig, dtype: torch.dtype) -> dict:
-    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=_dot_precision(dtype),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=_dot_precision(dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def tile_map(counts_E: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,8 +333,15 @@ def tile_map(counts_E: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch
     bounds_3E = torch.empty(3, num_experts, dtype=torch.int32, device=counts_E.device)
     block_t = 64
     _tile_map_kernel[(cdiv(num_tiles, block_t),)](
-        counts_E, map_3T, bounds_3E, num_experts, num_tiles,
-        BLOCK_M=block_m, BLOCK_E=next_pow2(max(num_experts, 1)), BLOCK_T=block_t, num_warps=4,
+        counts_E,
+        map_3T,
+        bounds_3E,
+        num_experts,
+        num_tiles,
+        BLOCK_M=block_m,
+        BLOCK_E=next_pow2(max(num_experts, 1)),
+        BLOCK_T=block_t,
+        num_warps=4,
     )
     return map_3T, bounds_3E
 
@@ -260,8 +357,14 @@ def _check_experts(x: torch.Tensor, counts_E: torch.Tensor, *weights: torch.Tens
 
 
 @kernel_op("swiglu_up_fwd")
-def swiglu_up_fwd(x: torch.Tensor, token_ids_N: Optional[torch.Tensor], w1_EHF: torch.Tensor, w3_EHF: torch.Tensor,
-                  tokens_per_expert_E: torch.Tensor, store_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_up_fwd(
+    x: torch.Tensor,
+    token_ids_N: torch.Tensor | None,
+    w1_EHF: torch.Tensor,
+    w3_EHF: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    store_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h1, h3, a) of shape (N, F); rows are x[token_ids_N] when token_ids_N is given, else x. h1/h3 are (0, F)
     unless store_h."""
     check_float("x", x, 2)
@@ -284,10 +387,25 @@ def swiglu_up_fwd(x: torch.Tensor, token_ids_N: Optional[torch.Tensor], w1_EHF: 
     def launch(cfg: TileConfig) -> None:
         map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
         _swiglu_up_fwd_kernel[(map_3T.shape[1] * cdiv(ffn, cfg.block_n),)](
-            x, token_ids_N if token_ids_N is not None else map_3T, w1_EHF, w3_EHF, h1, h3, a, map_3T,
-            num_experts, map_3T.shape[1], hidden, ffn, x.stride(0), *w1_EHF.stride(),
-            GATHER=token_ids_N is not None, STORE_H=store_h, EVEN_K=hidden % cfg.block_k == 0,
-            EVEN_N=ffn % cfg.block_n == 0, **_launch_kwargs(cfg, x.dtype),
+            x,
+            token_ids_N if token_ids_N is not None else map_3T,
+            w1_EHF,
+            w3_EHF,
+            h1,
+            h3,
+            a,
+            map_3T,
+            num_experts,
+            map_3T.shape[1],
+            hidden,
+            ffn,
+            x.stride(0),
+            *w1_EHF.stride(),
+            GATHER=token_ids_N is not None,
+            STORE_H=store_h,
+            EVEN_K=hidden % cfg.block_k == 0,
+            EVEN_N=ffn % cfg.block_n == 0,
+            **_launch_kwargs(cfg, x.dtype),
         )
 
     launch(tiles.pick("up_fwd", x.dtype, x.device, hidden, ffn, num_rows, num_experts, launch))
@@ -322,10 +440,24 @@ def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, kernel: str)
     def launch(cfg: TileConfig) -> None:
         map_3T, _ = tile_map(tokens_per_expert_E, num_rows, cfg.block_m)
         _grouped_mm_kernel[(map_3T.shape[1] * cdiv(width, cfg.block_n),)](
-            a1, a2 if a2 is not None else a1, idx_N if idx_N is not None else map_3T, b1_EKN,
-            b2_EKN if b2_EKN is not None else b1_EKN, c, map_3T, num_experts, map_3T.shape[1], depth, width,
-            a1.stride(0), *b1_EKN.stride(), GATHER=idx_N is not None, HAS_SECOND=a2 is not None,
-            EVEN_K=depth % cfg.block_k == 0, EVEN_N=width % cfg.block_n == 0, **_launch_kwargs(cfg, a1.dtype),
+            a1,
+            a2 if a2 is not None else a1,
+            idx_N if idx_N is not None else map_3T,
+            b1_EKN,
+            b2_EKN if b2_EKN is not None else b1_EKN,
+            c,
+            map_3T,
+            num_experts,
+            map_3T.shape[1],
+            depth,
+            width,
+            a1.stride(0),
+            *b1_EKN.stride(),
+            GATHER=idx_N is not None,
+            HAS_SECOND=a2 is not None,
+            EVEN_K=depth % cfg.block_k == 0,
+            EVEN_N=width % cfg.block_n == 0,
+            **_launch_kwargs(cfg, a1.dtype),
         )
 
     launch(tiles.pick(kernel, a1.dtype, a1.device, depth, width, num_rows, num_experts, launch))
@@ -333,8 +465,13 @@ def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, kernel: str)
 
 
 @kernel_op("grouped_mm")
-def grouped_mm(a1: torch.Tensor, b1_EKN: torch.Tensor, a2: Optional[torch.Tensor], b2_EKN: Optional[torch.Tensor],
-               tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm(
+    a1: torch.Tensor,
+    b1_EKN: torch.Tensor,
+    a2: torch.Tensor | None,
+    b2_EKN: torch.Tensor | None,
+    tokens_per_expert_E: torch.Tensor,
+) -> torch.Tensor:
     """c[rows of e] = a1[rows of e] @ b1_EKN[e] (+ a2[rows of e] @ b2_EKN[e]); b may be a strided view (a
     transpose, a column slice)."""
     return _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, None, "mm" if a2 is None else "dx")
@@ -346,9 +483,16 @@ def _(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E):
 
 
 @kernel_op("swiglu_down_bwd")
-def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH: torch.Tensor, h1_NF: torch.Tensor,
-                    h3_NF: torch.Tensor, row_weights_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
-                    reuse_h: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def swiglu_down_bwd(
+    g: torch.Tensor,
+    token_ids_N: torch.Tensor | None,
+    w2_EFH: torch.Tensor,
+    h1_NF: torch.Tensor,
+    h3_NF: torch.Tensor,
+    row_weights_N: torch.Tensor | None,
+    tokens_per_expert_E: torch.Tensor,
+    reuse_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh1, dh3, a_scaled, grad_row_weights) given the gradient g of y = (row_weights *) (silu(h1) * h3) w2.
 
     1. da = g[token_ids_N] w2_e^T (grouped GEMM reading g rows by token id when token_ids_N is given);
@@ -372,8 +516,20 @@ def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH
     # every element is read (da, h1, h3) and then written (dh1, dh3, a) by the same program in one step, so
     # the outputs may alias the inputs
     _swiglu_bwd_kernel[(cdiv(num_rows, block_r),)](
-        da, h1_NF, h3_NF, row_weights_N.float().contiguous() if has_w else da, dh1, dh3, a,
-        grad_w if has_w else da, num_rows, ffn, HAS_W=has_w, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=4,
+        da,
+        h1_NF,
+        h3_NF,
+        row_weights_N.float().contiguous() if has_w else da,
+        dh1,
+        dh3,
+        a,
+        grad_w if has_w else da,
+        num_rows,
+        ffn,
+        HAS_W=has_w,
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        num_warps=4,
     )
     return dh1, dh3, a, grad_w
 
@@ -381,8 +537,12 @@ def swiglu_down_bwd(g: torch.Tensor, token_ids_N: Optional[torch.Tensor], w2_EFH
 @swiglu_down_bwd.register_fake
 def _(g, token_ids_N, w2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, reuse_h):
     num_w = h1_NF.shape[0] if row_weights_N is not None else 0
-    return (torch.empty_like(h1_NF), torch.empty_like(h1_NF), torch.empty_like(h1_NF),
-            h1_NF.new_empty(num_w, dtype=torch.float32))
+    return (
+        torch.empty_like(h1_NF),
+        torch.empty_like(h1_NF),
+        torch.empty_like(h1_NF),
+        h1_NF.new_empty(num_w, dtype=torch.float32),
+    )
 
 
 def can_reuse_saved() -> bool:

@@ -22,8 +22,6 @@ measurements (benchmarks/results/per_gemm.md, bench_experts_wgrad.md, bench_expe
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -35,15 +33,36 @@ from xmoe.kernels.tiles import TileConfig
 
 
 @triton.jit
-def _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_m, offs_n, M, NC, stride_a, stride_b,
-                HAS_SECOND: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _wgrad_dots(
+    acc1,
+    acc2,
+    a_ptr,
+    b1_ptr,
+    b2_ptr,
+    src_a,
+    src_b,
+    in_group,
+    offs_m,
+    offs_n,
+    M,
+    NC,
+    stride_a,
+    stride_b,
+    HAS_SECOND: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One reduction step of both wgrad kernels: acc1 += A^T B1 (and acc2 += A^T B2) over BLOCK_K rows whose
     source rows are src_a / src_b; rows past the group load a real row (finite) and are zeroed in A^T alone."""
     if EVEN_M:
         at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None], mask=in_group[None, :], other=0.0)
     else:
-        at = tl.load(a_ptr + src_a[None, :] * stride_a + offs_m[:, None],
-                     mask=in_group[None, :] & (offs_m < M)[:, None], other=0.0)
+        at = tl.load(
+            a_ptr + src_a[None, :] * stride_a + offs_m[:, None],
+            mask=in_group[None, :] & (offs_m < M)[:, None],
+            other=0.0,
+        )
     if EVEN_N:
         b1 = tl.load(b1_ptr + src_b[:, None] * stride_b + offs_n[None, :])
     else:
@@ -53,8 +72,7 @@ def _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_
         if EVEN_N:
             b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :])
         else:
-            b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :],
-                         other=0.0)
+            b2 = tl.load(b2_ptr + src_b[:, None] * stride_b + offs_n[None, :], mask=(offs_n < NC)[None, :], other=0.0)
         acc2 = tl.dot(at, b2, acc2, input_precision=DOT_PRECISION)
     return acc1, acc2
 
@@ -77,15 +95,26 @@ def _output_tile(order_ptr, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
 def _grouped_wgrad_kernel(
     a_ptr,  # (T or N, M) fp, row stride stride_a, unit column stride; row n read at a_idx[n] when A_GATHER
     a_idx_ptr,  # (N,) int32/int64 (A_GATHER and B_GATHER are exclusive)
-    b1_ptr, b2_ptr,  # (T or N, NC) dtype of a, row stride stride_b; b2 read when HAS_SECOND
+    b1_ptr,
+    b2_ptr,  # (T or N, NC) dtype of a, row stride stride_b; b2 read when HAS_SECOND
     b_idx_ptr,  # (N,) int32/int64 (read when B_GATHER)
-    c1_ptr, c2_ptr,  # (E, M, NC) dtype of a, contiguous: c[e] = A_e^T B_e
+    c1_ptr,
+    c2_ptr,  # (E, M, NC) dtype of a, contiguous: c[e] = A_e^T B_e
     bounds_ptr,  # (3, E) int32 from _tile_map_kernel: first row and end row of each expert (third row unused)
     order_ptr,  # (E,) int64: experts by decreasing row count, so the longest reductions start first
-    E, M, NC, stride_a, stride_b,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, HAS_SECOND: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    E,
+    M,
+    NC,
+    stride_a,
+    stride_b,
+    A_GATHER: tl.constexpr,
+    B_GATHER: tl.constexpr,
+    HAS_SECOND: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     e, offs_m, offs_n = _output_tile(order_ptr, M, NC, BLOCK_M, BLOCK_N)
@@ -113,8 +142,26 @@ def _grouped_wgrad_kernel(
             src_next = tl.load(idx_ptr + tl.minimum(rows + BLOCK_K, row_end - 1))
         src_a = src if A_GATHER else rows.to(tl.int64)
         src_b = src if B_GATHER else rows.to(tl.int64)
-        acc1, acc2 = _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_m, offs_n, M, NC,
-                                 stride_a, stride_b, HAS_SECOND, EVEN_M, EVEN_N, DOT_PRECISION)
+        acc1, acc2 = _wgrad_dots(
+            acc1,
+            acc2,
+            a_ptr,
+            b1_ptr,
+            b2_ptr,
+            src_a,
+            src_b,
+            in_group,
+            offs_m,
+            offs_n,
+            M,
+            NC,
+            stride_a,
+            stride_b,
+            HAS_SECOND,
+            EVEN_M,
+            EVEN_N,
+            DOT_PRECISION,
+        )
     c_offs = e.to(tl.int64) * M * NC + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :]
     if EVEN_M and EVEN_N:
         tl.store(c1_ptr + c_offs, acc1.to(c1_ptr.dtype.element_ty))
@@ -129,14 +176,31 @@ def _grouped_wgrad_kernel(
 
 @triton.jit
 def _grouped_wgrad_flat_kernel(
-    a_ptr, a_idx_ptr, b1_ptr, b2_ptr, b_idx_ptr, c1_ptr, c2_ptr,  # as in _grouped_wgrad_kernel
+    a_ptr,
+    a_idx_ptr,
+    b1_ptr,
+    b2_ptr,
+    b_idx_ptr,
+    c1_ptr,
+    c2_ptr,  # as in _grouped_wgrad_kernel
     map_ptr,  # (3, map_width) int32 tile map with BLOCK_K-row tiles: expert, first row, end row of each tile
     bounds_ptr,  # (3, E) int32 of the same map: first row, end row, first row tile of each expert
     order_ptr,  # (cdiv(E, GROUP),) int64: groups of GROUP consecutive experts, by decreasing row count
-    E, map_width, M, NC, stride_a, stride_b,
-    GROUP: tl.constexpr, A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, HAS_SECOND: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    E,
+    map_width,
+    M,
+    NC,
+    stride_a,
+    stride_b,
+    GROUP: tl.constexpr,
+    A_GATHER: tl.constexpr,
+    B_GATHER: tl.constexpr,
+    HAS_SECOND: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # One (m, n) output tile for GROUP consecutive experts, whose rows are consecutive too: one flat loop over
@@ -160,8 +224,10 @@ def _grouped_wgrad_flat_kernel(
         if HAS_SECOND:
             tl.store(c2_ptr + e.to(tl.int64) * M * NC + c_offs, acc2.to(c2_ptr.dtype.element_ty), mask=c_mask)
     t0 = tl.load(bounds_ptr + 2 * E + e0)
-    t1 = tl.load(bounds_ptr + 2 * E + e_last) + (
-        tl.load(bounds_ptr + E + e_last) - tl.load(bounds_ptr + e_last) + BLOCK_K - 1) // BLOCK_K
+    t1 = (
+        tl.load(bounds_ptr + 2 * E + e_last)
+        + (tl.load(bounds_ptr + E + e_last) - tl.load(bounds_ptr + e_last) + BLOCK_K - 1) // BLOCK_K
+    )
     # tile t's expert, rows and row ids are loaded one tile ahead and carried (loads that depend on a load of
     # the same iteration stall the copy pipeline, see _grouped_wgrad_kernel); clamped to a real tile
     tc = tl.maximum(tl.minimum(t0, t1 - 1), 0)
@@ -186,8 +252,26 @@ def _grouped_wgrad_flat_kernel(
             src_next = tl.load(idx_ptr + tl.minimum(r0 + offs_k, r_end - 1))
         src_a = src if A_GATHER else rows.to(tl.int64)
         src_b = src if B_GATHER else rows.to(tl.int64)
-        acc1, acc2 = _wgrad_dots(acc1, acc2, a_ptr, b1_ptr, b2_ptr, src_a, src_b, in_group, offs_m, offs_n, M, NC,
-                                 stride_a, stride_b, HAS_SECOND, EVEN_M, EVEN_N, DOT_PRECISION)
+        acc1, acc2 = _wgrad_dots(
+            acc1,
+            acc2,
+            a_ptr,
+            b1_ptr,
+            b2_ptr,
+            src_a,
+            src_b,
+            in_group,
+            offs_m,
+            offs_n,
+            M,
+            NC,
+            stride_a,
+            stride_b,
+            HAS_SECOND,
+            EVEN_M,
+            EVEN_N,
+            DOT_PRECISION,
+        )
         last = (t + 1 == t1) | (e_nxt != e_cur)  # this expert's last row tile: store, then start the next one
         c_e = e_cur.to(tl.int64) * M * NC + c_offs
         c_mask = (offs_m < tl.where(last, M, 0))[:, None] & in_n
@@ -200,9 +284,14 @@ def _grouped_wgrad_flat_kernel(
 
 
 @kernel_op("grouped_wgrad")
-def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Tensor, b2: Optional[torch.Tensor],
-                  b_idx_N: Optional[torch.Tensor], tokens_per_expert_E: torch.Tensor,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_wgrad(
+    a: torch.Tensor,
+    a_idx_N: torch.Tensor | None,
+    b1: torch.Tensor,
+    b2: torch.Tensor | None,
+    b_idx_N: torch.Tensor | None,
+    tokens_per_expert_E: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(c1, c2): c[e] = A_e^T B_e over expert e's rows, A rows = a[a_idx_N] (or a), B rows = b[b_idx_N] (or b).
     c2 is empty when b2 is None. Without row ids, where ``wgrad_engine`` says so, by torch._grouped_mm."""
     if a_idx_N is not None and b_idx_N is not None:
@@ -216,11 +305,17 @@ def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Te
     num_experts = tokens_per_expert_E.shape[0]
     width_a, width_b = a.shape[1], b1.shape[1]
     num_rows = a_idx_N.shape[0] if a_idx_N is not None else a.shape[0]
-    if (a_idx_N is None and b_idx_N is None and num_experts > 0
-            and wgrad_engine(a, num_rows, num_experts, width_a, width_b) == "grouped_mm"):
+    if (
+        a_idx_N is None
+        and b_idx_N is None
+        and num_experts > 0
+        and wgrad_engine(a, num_rows, num_experts, width_a, width_b) == "grouped_mm"
+    ):
         offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
-        return (grouped_mm_wgrad(a, b1, offs_E),
-                grouped_mm_wgrad(a, b2, offs_E) if b2 is not None else a.new_empty(0, width_a, width_b))
+        return (
+            grouped_mm_wgrad(a, b1, offs_E),
+            grouped_mm_wgrad(a, b2, offs_E) if b2 is not None else a.new_empty(0, width_a, width_b),
+        )
     c1 = a.new_empty(num_experts, width_a, width_b)
     c2 = a.new_empty(num_experts if b2 is not None else 0, width_a, width_b)
     if num_rows == 0 or num_experts == 0:
@@ -240,34 +335,62 @@ def grouped_wgrad(a: torch.Tensor, a_idx_N: Optional[torch.Tensor], b1: torch.Te
 def _launch_wgrad(cfg, counts_E, num_rows, a, a_idx_N, b1, b2, b_idx_N, c1, c2) -> None:
     num_experts, width_a, width_b = c1.shape
     # operands past the flags: a launch reads a_idx / b_idx / b2 / c2 only when its flag says so
-    common = (a, a_idx_N if a_idx_N is not None else counts_E, b1, b2 if b2 is not None else b1,
-              b_idx_N if b_idx_N is not None else counts_E, c1, c2 if b2 is not None else c1)
-    flags = dict(A_GATHER=a_idx_N is not None, B_GATHER=b_idx_N is not None, HAS_SECOND=b2 is not None,
-                 EVEN_M=width_a % cfg.block_m == 0, EVEN_N=width_b % cfg.block_n == 0, **_launch_kwargs(cfg, a.dtype))
+    common = (
+        a,
+        a_idx_N if a_idx_N is not None else counts_E,
+        b1,
+        b2 if b2 is not None else b1,
+        b_idx_N if b_idx_N is not None else counts_E,
+        c1,
+        c2 if b2 is not None else c1,
+    )
+    flags = dict(
+        A_GATHER=a_idx_N is not None,
+        B_GATHER=b_idx_N is not None,
+        HAS_SECOND=b2 is not None,
+        EVEN_M=width_a % cfg.block_m == 0,
+        EVEN_N=width_b % cfg.block_n == 0,
+        **_launch_kwargs(cfg, a.dtype),
+    )
     tiles_mn = cdiv(width_a, cfg.block_m) * cdiv(width_b, cfg.block_n)
     if cfg.group == 1:
         _, bounds_3E = tile_map(counts_E, num_rows, cfg.block_m)
         order_E = torch.argsort(counts_E, descending=True)  # longest-first: shorter tail when skewed
         _grouped_wgrad_kernel[(num_experts * tiles_mn,)](
-            *common, bounds_3E, order_E, num_experts, width_a, width_b, a.stride(0), b1.stride(0), **flags)
+            *common, bounds_3E, order_E, num_experts, width_a, width_b, a.stride(0), b1.stride(0), **flags
+        )
         return
     # row tiles of block_k rows (the reduction step), so that no tile straddles two experts
     map_3T, bounds_3E = tile_map(counts_E, num_rows, cfg.block_k)
     num_groups = cdiv(num_experts, cfg.group)
     group_of_e = torch.arange(num_experts, device=counts_E.device) // cfg.group
     group_rows = torch.zeros(num_groups, dtype=counts_E.dtype, device=counts_E.device).index_add_(
-        0, group_of_e, counts_E)
+        0, group_of_e, counts_E
+    )
     order_G = torch.argsort(group_rows, descending=True)  # longest groups first, as for single experts
     _grouped_wgrad_flat_kernel[(num_groups * tiles_mn,)](
-        *common, map_3T, bounds_3E, order_G, num_experts, map_3T.shape[1], width_a, width_b, a.stride(0),
-        b1.stride(0), GROUP=cfg.group, **flags)
+        *common,
+        map_3T,
+        bounds_3E,
+        order_G,
+        num_experts,
+        map_3T.shape[1],
+        width_a,
+        width_b,
+        a.stride(0),
+        b1.stride(0),
+        GROUP=cfg.group,
+        **flags,
+    )
 
 
 @grouped_wgrad.register_fake
 def _(a, a_idx_N, b1, b2, b_idx_N, tokens_per_expert_E):
     num_experts = tokens_per_expert_E.shape[0]
-    return (a.new_empty(num_experts, a.shape[1], b1.shape[1]),
-            a.new_empty(num_experts if b2 is not None else 0, a.shape[1], b1.shape[1]))
+    return (
+        a.new_empty(num_experts, a.shape[1], b1.shape[1]),
+        a.new_empty(num_experts if b2 is not None else 0, a.shape[1], b1.shape[1]),
+    )
 
 
 # Where "auto" takes the Hopper path (module docstring): many experts with short reductions.
@@ -282,7 +405,7 @@ def _is_sm90(device_index: int) -> bool:
 
 
 def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, ffn: int) -> str:
-    """"grouped_mm" or "triton": what computes the weight gradients for these operands (grouped_wgrad without row
+    """ "grouped_mm" or "triton": what computes the weight gradients for these operands (grouped_wgrad without row
     ids; the fused backward gathers its rows first when this says "grouped_mm"). hidden, ffn: the two widths.
 
     ``tiles.OPTIONS.wgrad`` (a run's ``kernels.wgrad``): "triton" always the kernels above; "grouped_mm"
@@ -291,17 +414,32 @@ def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, 
     most GROUPED_MM_MAX_ROWS_PER_EXPERT rows. Either way H and F must be multiples of 8 (its 16-byte stride rule)
     and there must be rows; otherwise "triton"."""
     mode = tiles.OPTIONS.wgrad
-    usable = (hasattr(torch, "_grouped_mm") and hidden % 8 == 0 and ffn % 8 == 0 and num_rows > 0
-              # its GPU kernels and torch.compile's shape function take bf16 only; the CPU kernel fp32 too
-              and (x.dtype == torch.bfloat16
-                   or (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling())))
+    usable = (
+        hasattr(torch, "_grouped_mm")
+        and hidden % 8 == 0
+        and ffn % 8 == 0
+        and num_rows > 0
+        # its GPU kernels and torch.compile's shape function take bf16 only; the CPU kernel fp32 too
+        and (
+            x.dtype == torch.bfloat16
+            or (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling())
+        )
+    )
     if mode == "triton" or not usable:
         return "triton"
     if mode == "grouped_mm":
         return "grouped_mm"
-    return "grouped_mm" if (x.is_cuda and x.dtype == torch.bfloat16 and _is_sm90(x.device.index or 0)
-                            and num_experts >= GROUPED_MM_MIN_EXPERTS
-                            and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * num_experts) else "triton"
+    return (
+        "grouped_mm"
+        if (
+            x.is_cuda
+            and x.dtype == torch.bfloat16
+            and _is_sm90(x.device.index or 0)
+            and num_experts >= GROUPED_MM_MIN_EXPERTS
+            and num_rows <= GROUPED_MM_MAX_ROWS_PER_EXPERT * num_experts
+        )
+        else "triton"
+    )
 
 
 def grouped_mm_wgrad(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,11 @@ def _gather_rows_fwd_kernel(
     x_ptr,  # (T, H) fp, row stride stride_x, unit column stride
     token_ids_ptr,  # (N,) int32/int64
     out_ptr,  # (N, H) dtype of x, contiguous
-    N, H, stride_x,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    N,
+    H,
+    stride_x,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -48,8 +51,17 @@ def gather_rows_fwd(x_TH: torch.Tensor, token_ids_N: torch.Tensor) -> torch.Tens
     block_n = 4
     block_h = 32 if interpreting() else min(1024, next_pow2(hidden))
     grid = (cdiv(num_rows, block_n), cdiv(hidden, block_h))
-    _gather_rows_fwd_kernel[grid](x_TH, token_ids_N.contiguous(), out_NH, num_rows, hidden, x_TH.stride(0),
-                                  BLOCK_N=block_n, BLOCK_H=block_h, num_warps=4)
+    _gather_rows_fwd_kernel[grid](
+        x_TH,
+        token_ids_N.contiguous(),
+        out_NH,
+        num_rows,
+        hidden,
+        x_TH.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
     return out_NH
 
 

@@ -85,8 +85,11 @@ def _probe_cpu_grouped_mm() -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with (
+            torch.enable_grad(),
+            torch.autocast("cpu", enabled=False),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        ):
             x = torch.ones(3, 8, requires_grad=True)
             w = torch.ones(2, 8, 8, requires_grad=True)
             torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32)).backward(torch.ones(3, 8))
@@ -144,8 +147,9 @@ def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
     return torch.cat(outs)
 
 
-def moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF,
-                w2_EFH, ops=None):
+def moe_experts(
+    x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, ops=None
+):
     """gather -> grouped SwiGLU -> combine, unfused, through ``ops`` (a backend module; default this one)."""
     ops = ops or _THIS
     x_NH = ops.gather_rows(x_TH, token_ids_N, row_of_slot_TK)

@@ -50,16 +50,25 @@ def _router_topk_fwd_kernel(
     weights_ptr,  # (T, K) fp32 contiguous, out
     ids_ptr,  # (T, K) int64 contiguous, out
     scores_ptr,  # (T, K) fp32 contiguous, out: raw scores of the chosen experts
-    T, E, K, scale,
-    SIGMOID: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    T,
+    E,
+    K,
+    scale,
+    SIGMOID: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)
     mask_t, mask_e = offs_t < T, offs_e < E
-    logits = tl.load(logits_ptr + offs_t.to(tl.int64)[:, None] * E + offs_e[None, :],
-                     mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+    logits = tl.load(
+        logits_ptr + offs_t.to(tl.int64)[:, None] * E + offs_e[None, :],
+        mask=mask_t[:, None] & mask_e[None, :],
+        other=0.0,
+    )
     s = _scores(logits, mask_e, SIGMOID)
     bias = tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0)
     choice = tl.where(mask_e[None, :], s + bias[None, :], float("-inf"))
@@ -93,8 +102,14 @@ def _router_topk_bwd_kernel(
     logits_ptr,  # (T, E) fp32 contiguous
     ids_ptr,  # (T, K) int64 contiguous
     grad_logits_ptr,  # (T, E) fp32 contiguous, out
-    T, E, K, scale,
-    SIGMOID: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    T,
+    E,
+    K,
+    scale,
+    SIGMOID: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
@@ -146,9 +161,14 @@ def _check(logits_TE: torch.Tensor, top_k: int, score_func: str) -> None:
 
 
 @kernel_op("router_topk_fwd")
-def router_topk_fwd(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor, top_k: int, score_func: str,
-                    norm_topk_prob: bool, routed_scaling_factor: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def router_topk_fwd(
+    logits_TE: torch.Tensor,
+    expert_bias_E: torch.Tensor,
+    top_k: int,
+    score_func: str,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights_TK fp32, ids_TK int64, scores_TK fp32): see the module docstring."""
     _check(logits_TE, top_k, score_func)
     num_tokens, num_experts = logits_TE.shape
@@ -161,10 +181,21 @@ def router_topk_fwd(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor, top_k:
     if num_tokens:
         block_t, block_e, block_k = _blocks(num_experts, top_k)
         _router_topk_fwd_kernel[(cdiv(num_tokens, block_t),)](
-            logits_TE.contiguous(), expert_bias_E.float().contiguous(), weights_TK, ids_TK, scores_TK,
-            num_tokens, num_experts, top_k, float(routed_scaling_factor),
-            SIGMOID=score_func == "sigmoid", NORM=norm_topk_prob,
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+            logits_TE.contiguous(),
+            expert_bias_E.float().contiguous(),
+            weights_TK,
+            ids_TK,
+            scores_TK,
+            num_tokens,
+            num_experts,
+            top_k,
+            float(routed_scaling_factor),
+            SIGMOID=score_func == "sigmoid",
+            NORM=norm_topk_prob,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            BLOCK_K=block_k,
+            num_warps=4,
         )
     return weights_TK, ids_TK, scores_TK
 
@@ -177,17 +208,33 @@ def _(logits_TE, expert_bias_E, top_k, score_func, norm_topk_prob, routed_scalin
 
 
 @kernel_op("router_topk_bwd")
-def router_topk_bwd(grad_weights_TK: torch.Tensor, logits_TE: torch.Tensor, ids_TK: torch.Tensor, score_func: str,
-                    norm_topk_prob: bool, routed_scaling_factor: float) -> torch.Tensor:
+def router_topk_bwd(
+    grad_weights_TK: torch.Tensor,
+    logits_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    score_func: str,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> torch.Tensor:
     """grad_logits_TE of router_topk_fwd's weights_TK."""
     num_tokens, num_experts = logits_TE.shape
     grad_TE = torch.empty_like(logits_TE)
     if num_tokens:
         block_t, block_e, _ = _blocks(num_experts, ids_TK.shape[1])
         _router_topk_bwd_kernel[(cdiv(num_tokens, block_t),)](
-            grad_weights_TK.float().contiguous(), logits_TE, ids_TK.contiguous(), grad_TE,
-            num_tokens, num_experts, ids_TK.shape[1], float(routed_scaling_factor),
-            SIGMOID=score_func == "sigmoid", NORM=norm_topk_prob, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+            grad_weights_TK.float().contiguous(),
+            logits_TE,
+            ids_TK.contiguous(),
+            grad_TE,
+            num_tokens,
+            num_experts,
+            ids_TK.shape[1],
+            float(routed_scaling_factor),
+            SIGMOID=score_func == "sigmoid",
+            NORM=norm_topk_prob,
+            BLOCK_T=block_t,
+            BLOCK_E=block_e,
+            num_warps=4,
         )
     return grad_TE
 
@@ -201,8 +248,9 @@ class RouterTopkFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, expert_bias_E, top_k, score_func, norm_topk_prob, routed_scaling_factor):
         logits_TE = logits_TE.contiguous()
-        weights_TK, ids_TK, scores_TK = router_topk_fwd(logits_TE, expert_bias_E, top_k, score_func,
-                                                        norm_topk_prob, routed_scaling_factor)
+        weights_TK, ids_TK, scores_TK = router_topk_fwd(
+            logits_TE, expert_bias_E, top_k, score_func, norm_topk_prob, routed_scaling_factor
+        )
         ctx.save_for_backward(logits_TE, ids_TK)
         ctx.args = (score_func, norm_topk_prob, routed_scaling_factor)
         ctx.mark_non_differentiable(ids_TK, scores_TK)
@@ -218,8 +266,14 @@ class RouterTopkFn(torch.autograd.Function):
         return grad_TE, None, None, None, None, None
 
 
-def router_topk(logits_TE: torch.Tensor, expert_bias_E: torch.Tensor | None, top_k: int,
-                score_func: str = "softmax", norm_topk_prob: bool = False, routed_scaling_factor: float = 1.0):
+def router_topk(
+    logits_TE: torch.Tensor,
+    expert_bias_E: torch.Tensor | None,
+    top_k: int,
+    score_func: str = "softmax",
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+):
     """(weights_TK, ids_TK, scores_TK) of the router (no expert groups); only weights_TK carries a gradient."""
     if expert_bias_E is None:
         expert_bias_E = logits_TE.new_zeros(logits_TE.shape[-1])

@@ -30,9 +30,10 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import ClassVar
 
 import torch
 
@@ -88,8 +89,13 @@ FP8_BASE: dict[str, TileConfig] = {
     "fp8_dx": TileConfig(128, 128, 128, 8, 4),
     "fp8_down_bwd": TileConfig(128, 128, 128, 8, 4),
 }
-_FP8_MM_CANDIDATES = [TileConfig(128, 128, 128, 8, 4), TileConfig(128, 128, 128, 16, 3), TileConfig(128, 128, 128, 16, 4),
-                      TileConfig(64, 256, 128, 8, 3), TileConfig(64, 128, 128, 4, 4)]
+_FP8_MM_CANDIDATES = [
+    TileConfig(128, 128, 128, 8, 4),
+    TileConfig(128, 128, 128, 16, 3),
+    TileConfig(128, 128, 128, 16, 4),
+    TileConfig(64, 256, 128, 8, 3),
+    TileConfig(64, 128, 128, 4, 4),
+]
 
 # What autotuning tries, per kernel (the BASE or FP8_BASE entry first). wgrad groups: several experts per program for
 # experts with few rows (E = 256, ~512 rows each on the large shape), where every output tile otherwise refills
@@ -99,11 +105,21 @@ CANDIDATES: dict[str, list[TileConfig]] = {
     "mm": [BASE["mm"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
     "dx": [BASE["dx"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
     "down_bwd": [BASE["down_bwd"], TileConfig(128, 256, 32, 8, 6), TileConfig(128, 128, 64, 8, 4)],
-    "wgrad": [BASE["wgrad"], TileConfig(128, 256, 64, 8, 3), TileConfig(256, 128, 64, 8, 3),
-              TileConfig(128, 128, 32, 4, 6, 2),
-              TileConfig(128, 128, 32, 4, 6, 4), TileConfig(128, 256, 64, 8, 3, 2)],
-    "wgrad2": [BASE["wgrad2"], TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 4, 2),
-               TileConfig(128, 128, 32, 8, 4, 4), TileConfig(128, 128, 64, 8, 3, 2)],
+    "wgrad": [
+        BASE["wgrad"],
+        TileConfig(128, 256, 64, 8, 3),
+        TileConfig(256, 128, 64, 8, 3),
+        TileConfig(128, 128, 32, 4, 6, 2),
+        TileConfig(128, 128, 32, 4, 6, 4),
+        TileConfig(128, 256, 64, 8, 3, 2),
+    ],
+    "wgrad2": [
+        BASE["wgrad2"],
+        TileConfig(128, 128, 64, 8, 3),
+        TileConfig(128, 128, 32, 8, 4, 2),
+        TileConfig(128, 128, 32, 8, 4, 4),
+        TileConfig(128, 128, 64, 8, 3, 2),
+    ],
     "fp8_up": [FP8_BASE["fp8_up"], TileConfig(128, 128, 128, 16, 4), TileConfig(64, 128, 128, 8, 4)],
     "fp8_mm": _FP8_MM_CANDIDATES,
     "fp8_dx": _FP8_MM_CANDIDATES,
@@ -120,7 +136,7 @@ _PICKED: dict[tuple, TileConfig] = {}
 
 
 @contextlib.contextmanager
-def use_options(config: Optional[KernelConfig] = None, **changes) -> Iterator[KernelConfig]:
+def use_options(config: KernelConfig | None = None, **changes) -> Iterator[KernelConfig]:
     """Run the kernels under ``config`` (a run's kernels section), or under OPTIONS with ``changes`` (e.g.
     ``wgrad="triton"``, validated as the config validates them), until the block ends; picks made under other
     options are not reused. A module attribute set for a block, not an argument (it would have to pass through
@@ -159,7 +175,7 @@ def shape_class(kernel: str, depth: int, width: int, num_rows: int, num_experts:
     return f"{kernel}|k{next_pow2(depth)}|n{next_pow2(width)}|r{rows}"
 
 
-def smem_bytes(kernel: str, cfg: TileConfig, elem_bytes: Optional[int] = None) -> int:
+def smem_bytes(kernel: str, cfg: TileConfig, elem_bytes: int | None = None) -> int:
     """Shared memory of a config's pipeline: num_stages copies of the operand tiles one step loads (16-bit
     operands, 8-bit for the FP8 kernels, unless elem_bytes says otherwise)."""
     if elem_bytes is None:
@@ -177,11 +193,11 @@ def _max_shared(device_index: int) -> int:
         import triton
 
         return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
-    except Exception:  # an unknown backend: assume an H100/H200-class budget and let launches report the rest
+    except Exception:  # noqa: BLE001 (an unknown backend: assume an H100/H200-class budget and let launches report the rest)
         return 227 * 1024
 
 
-def fit_to_gpu(kernel: str, cfg: TileConfig, max_shared: int) -> Optional[TileConfig]:
+def fit_to_gpu(kernel: str, cfg: TileConfig, max_shared: int) -> TileConfig | None:
     """cfg with its stages cut until they fit max_shared (at least 2 stages), or None when even 2 do not fit."""
     while smem_bytes(kernel, cfg) > max_shared and cfg.num_stages > 2:
         cfg = replace(cfg, num_stages=cfg.num_stages - 1)
@@ -218,8 +234,16 @@ def device_budget(device: torch.device) -> tuple[int, dict[str, TileConfig]]:
     return _max_shared(device.index or 0), shipped_table(_gpu_name(device))
 
 
-def pick(kernel: str, dtype: torch.dtype, device: torch.device, depth: int, width: int, num_rows: int,
-         num_experts: int, run: Optional[Callable[[TileConfig], object]] = None) -> TileConfig:
+def pick(
+    kernel: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    depth: int,
+    width: int,
+    num_rows: int,
+    num_experts: int,
+    run: Callable[[TileConfig], object] | None = None,
+) -> TileConfig:
     """The config for one launch (see the module docstring for the order). ``run(cfg)`` launches the kernel with
     cfg; autotuning calls it, so pass it only when the launch writes nothing but its own outputs."""
     if kernel in _FORCED:
@@ -269,14 +293,18 @@ def candidates(kernel: str, max_shared: int) -> list[TileConfig]:
     return [cand for cand in CANDIDATES[kernel] if smem_bytes(kernel, cand) <= max_shared]
 
 
-def _tune(kernel: str, run: Callable[[TileConfig], object], max_shared: int,
-          timer: Callable[[Callable[[], object]], float] = _bench_ms) -> Optional[TileConfig]:
+def _tune(
+    kernel: str,
+    run: Callable[[TileConfig], object],
+    max_shared: int,
+    timer: Callable[[Callable[[], object]], float] = _bench_ms,
+) -> TileConfig | None:
     """The fastest of the kernel's candidates that fit max_shared, timed by ``timer`` (median ms of a call)."""
     best = None
     for cand in candidates(kernel, max_shared):
         try:
-            ms = timer(lambda: run(cand))
-        except Exception:  # out of resources, or a compiler that cannot pipeline this form: not a candidate here
+            ms = timer(lambda cand=cand: run(cand))
+        except Exception:  # noqa: BLE001  # out of resources, or a compiler that cannot pipeline this form: not a candidate here
             continue
         if best is None or ms < best[0]:
             best = (ms, cand)
@@ -304,14 +332,14 @@ def shipped_table(gpu_name: str, folder: Path = SHIPPED_DIR) -> dict[str, TileCo
 class _DiskCache:
     """Tuned configs of one GPU model and Triton version: {shape class: [block_m, ..., group]} in one JSON file."""
 
-    _open: dict[str, "_DiskCache"] = {}
+    _open: ClassVar[dict[str, _DiskCache]] = {}
 
     def __init__(self, path: Path):
         self.path = path
         self.entries = self._read()
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "_DiskCache":
+    def for_device(cls, device: torch.device) -> _DiskCache:
         import triton
 
         folder = Path(os.environ.get("XMOE_CACHE_DIR") or Path.home() / ".cache" / "xmoe")
@@ -326,7 +354,7 @@ class _DiskCache:
         except (OSError, ValueError):
             return {}
 
-    def get(self, key: str) -> Optional[TileConfig]:
+    def get(self, key: str) -> TileConfig | None:
         entry = self.entries.get(key)
         return TileConfig(*entry) if entry else None
 

@@ -36,7 +36,7 @@ from xmoe.kernels.grouped_wgrad import grouped_wgrad, wgrad_engine
 from xmoe.kernels.permute import gather_rows
 from xmoe.kernels.router_topk import router_topk, router_topk_supports
 
-__all__ = ["gather_rows", "combine_rows", "grouped_swiglu", "moe_experts", "router_topk", "router_topk_supports"]
+__all__ = ["combine_rows", "gather_rows", "grouped_swiglu", "moe_experts", "router_topk", "router_topk_supports"]
 
 
 def _mark_overwritten(*saved: torch.Tensor) -> None:
@@ -68,8 +68,7 @@ def _chunked_mm_combine(a1, b1_EKN, a2, b2_EKN, counts_E, row_of_slot_TK, weight
         return combine_fwd(grouped_mm(a1, b1_EKN, a2, b2_EKN, counts_E), row_of_slot_TK, weights_TK)
     out_TH = a1.new_empty(num_tokens, width)
     for c0, c1 in chunks:
-        part = grouped_mm(a1, b1_EKN[:, :, c0:c1], a2, b2_EKN[:, :, c0:c1] if b2_EKN is not None else None,
-                          counts_E)
+        part = grouped_mm(a1, b1_EKN[:, :, c0:c1], a2, b2_EKN[:, :, c0:c1] if b2_EKN is not None else None, counts_E)
         combine_into(part, row_of_slot_TK, weights_TK, out_TH[:, c0:c1])
         del part  # freed before the next chunk's buffer is allocated: one chunk alive at a time
     return out_TH
@@ -77,18 +76,32 @@ def _chunked_mm_combine(a1, b1_EKN, a2, b2_EKN, counts_E, row_of_slot_TK, weight
 
 class MoEExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
-                w1_EHF, w3_EHF, w2_EFH):
+    def forward(
+        ctx, x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH
+    ):
         if token_ids_N.shape != slot_ids_N.shape:
-            raise ValueError(f"token_ids_N {tuple(token_ids_N.shape)} and slot_ids_N {tuple(slot_ids_N.shape)} "
-                             "must have one shape")
+            raise ValueError(
+                f"token_ids_N {tuple(token_ids_N.shape)} and slot_ids_N {tuple(slot_ids_N.shape)} must have one shape"
+            )
         store_h = any(ctx.needs_input_grad)
         h1, h3, a = swiglu_up_fwd(x_TH, token_ids_N, w1_EHF, w3_EHF, tokens_per_expert_E, store_h)
-        out_TH = _chunked_mm_combine(a, w2_EFH, None, None, tokens_per_expert_E, row_of_slot_TK, weights_TK,
-                                     x_TH.shape[0])
+        out_TH = _chunked_mm_combine(
+            a, w2_EFH, None, None, tokens_per_expert_E, row_of_slot_TK, weights_TK, x_TH.shape[0]
+        )
         del a
-        ctx.save_for_backward(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
-                              w1_EHF, w3_EHF, w2_EFH, h1, h3)
+        ctx.save_for_backward(
+            x_TH,
+            weights_TK,
+            token_ids_N,
+            slot_ids_N,
+            row_of_slot_TK,
+            tokens_per_expert_E,
+            w1_EHF,
+            w3_EHF,
+            w2_EFH,
+            h1,
+            h3,
+        )
         return out_TH
 
     @staticmethod
@@ -114,8 +127,9 @@ class MoEExpertsFn(torch.autograd.Function):
             a_w.untyped_storage().resize_(0)
         del a_w
         # 3. dx = dh1 w1^T + dh3 w3^T summed per token (k in order, no atomics), one column chunk at a time
-        dx_TH = _chunked_mm_combine(dh1, w1.transpose(1, 2), dh3, w3.transpose(1, 2), counts_E, row_of_slot_TK,
-                                    None, x_TH.shape[0])
+        dx_TH = _chunked_mm_combine(
+            dh1, w1.transpose(1, 2), dh3, w3.transpose(1, 2), counts_E, row_of_slot_TK, None, x_TH.shape[0]
+        )
         # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e): one pass over x's rows read by token id, or gathered
         x_rows, x_ids = (x_TH.index_select(0, token_ids_N), None) if gather else (x_TH, token_ids_N)
         dw1, dw3 = grouped_wgrad(x_rows, x_ids, dh1, dh3, None, counts_E)
@@ -126,11 +140,11 @@ class MoEExpertsFn(torch.autograd.Function):
         return dx_TH, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2
 
 
-def moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF,
-                w2_EFH):
+def moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH):
     """Routed SwiGLU experts with gather and combine fused in: out[t] = sum_k w[t,k] * expert_{e(t,k)}(x[t])."""
-    return MoEExpertsFn.apply(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
-                              w1_EHF, w3_EHF, w2_EFH)
+    return MoEExpertsFn.apply(
+        x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH
+    )
 
 
 class GroupedSwiGLUFn(torch.autograd.Function):

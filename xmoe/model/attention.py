@@ -14,8 +14,6 @@ Checkpoints whose rotary features are interleaved pairs (2j, 2j+1), as DeepSeek-
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,8 +31,8 @@ class KVCache:
 
     def __init__(self, num_layers: int) -> None:
         self.pos = 0
-        self.keys: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.values: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
 
     def update(self, layer_id: int, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's keys/values of layer ``layer_id``; return all of them (B, G, L, D)."""
@@ -45,8 +43,9 @@ class KVCache:
         return k_BGSD, v_BGSD
 
 
-def causal_attention(q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor,
-                     scale: Optional[float] = None) -> torch.Tensor:
+def causal_attention(
+    q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible positions (scale None: 1/sqrt(D)); the S queries are the last S of
     the L keys.
 
@@ -67,8 +66,9 @@ def causal_attention(q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.T
 class Attention(nn.Module):
     """Multi-head attention with G <= N key/value heads (grouped-query when G < N) and rotary positions.
 
-    ``qkv_bias`` adds biases to the q, k and v projections (Qwen2-MoE). ``qk_norm``: "head" RMS-normalises every head of q and k over its D features (Qwen3); "proj" the whole q
-    (N*D) and k (G*D) projections before they split into heads (OLMoE). SDPA picks the fused kernel.
+    ``qkv_bias`` adds biases to the q, k and v projections (Qwen2-MoE). ``qk_norm``: "head" RMS-normalises every
+    head of q and k over its D features (Qwen3); "proj" the whole q (N*D) and k (G*D) projections before they split
+    into heads (OLMoE). SDPA picks the fused kernel.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0) -> None:
@@ -86,8 +86,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_width, cfg.norm_eps)
             self.k_norm = RMSNorm(k_width, cfg.norm_eps)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         q, k, v = self.wq(x_BSH), self.wk(x_BSH), self.wv(x_BSH)
         if self.qk_norm == "proj":
@@ -136,8 +137,9 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_rank, n * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(n * self.v_dim, h, bias=False)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SR2: torch.Tensor, sin_SR2: torch.Tensor,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SR2: torch.Tensor, sin_SR2: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         q = self.wq_b(self.q_norm(self.wq_a(x_BSH))) if hasattr(self, "wq_b") else self.wq(x_BSH)
         q_BNSD = q.view(B, S, -1, self.nope_dim + self.rope_dim).transpose(1, 2)

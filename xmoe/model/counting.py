@@ -69,9 +69,7 @@ class FlopCount:
 
 def _check_matrices(expert_matrices: int) -> None:
     if expert_matrices not in (2, 3):
-        raise ValueError(
-            f"expert_matrices ({expert_matrices}) must be 2 (GELU, the paper's) or 3 (SwiGLU, xmoe's)"
-        )
+        raise ValueError(f"expert_matrices ({expert_matrices}) must be 2 (GELU, the paper's) or 3 (SwiGLU, xmoe's)")
 
 
 def _check_seq_len(cfg: ModelConfig, seq_len: int) -> None:
@@ -132,15 +130,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, expert_matrices: int = 3) ->
     def per_token(*keys: str) -> float:
         return 2.0 * sum(macs[k] for k in keys) / seq_len
 
-    return FlopCount({
-        "embedding": 0.0,
-        "attention": per_token("attn_proj", "attn_scores"),
-        "dense_ffn": per_token("dense_ffn") * ffn_scale,
-        "routed_experts": per_token("routed_experts") * ffn_scale,
-        "shared_experts": per_token("shared_experts") * ffn_scale,
-        "router": per_token("router"),
-        "head": per_token("lm_head"),
-    })
+    return FlopCount(
+        {
+            "embedding": 0.0,
+            "attention": per_token("attn_proj", "attn_scores"),
+            "dense_ffn": per_token("dense_ffn") * ffn_scale,
+            "routed_experts": per_token("routed_experts") * ffn_scale,
+            "shared_experts": per_token("shared_experts") * ffn_scale,
+            "router": per_token("router"),
+            "head": per_token("lm_head"),
+        }
+    )
 
 
 def paper_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

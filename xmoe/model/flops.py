@@ -36,7 +36,6 @@ Per-GPU throughput: pass the global token and row counts of the step and divide 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from xmoe.config import ModelConfig
 
@@ -72,7 +71,7 @@ class FlopDims:
         self.v_head_dim = self.v_head_dim or self.head_dim
 
     @classmethod
-    def from_model_config(cls, model: ModelConfig, seq_len: int) -> "FlopDims":
+    def from_model_config(cls, model: ModelConfig, seq_len: int) -> FlopDims:
         """The dimensions of ``model`` at sequence length ``seq_len``."""
         return cls(
             hidden_size=model.hidden_size,
@@ -105,7 +104,7 @@ def attention_matrix_params(model: ModelConfig) -> int:
     return q + kv + N * model.v_head_dim * H
 
 
-def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> dict[str, int]:
+def forward_macs(d: FlopDims, num_sequences: int, routed_rows: int | None = None) -> dict[str, int]:
     """Forward multiply-accumulates of one step by component, formula (a) above. Integers, exact."""
     H, s, n = d.hidden_size, d.seq_len, num_sequences * d.seq_len
     num_dense = d.num_layers - d.num_moe_layers
@@ -116,13 +115,17 @@ def forward_macs(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = N
         "attn_scores": d.num_layers * num_sequences * d.num_heads * (d.head_dim + d.v_head_dim) * (s * (s + 1) // 2),
         "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
         "router": n * d.num_moe_layers * H * d.num_experts,
-        "shared_experts": n * d.num_moe_layers * 3 * H * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
+        "shared_experts": n
+        * d.num_moe_layers
+        * 3
+        * H
+        * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
         "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
         "lm_head": n * d.vocab_size * H,
     }
 
 
-def train_flops(d: FlopDims, num_sequences: int, routed_rows: Optional[int] = None) -> int:
+def train_flops(d: FlopDims, num_sequences: int, routed_rows: int | None = None) -> int:
     """Training FLOPs of one step (forward + backward), xmoe's formula (a)."""
     return 2 * 3 * sum(forward_macs(d, num_sequences, routed_rows).values())
 

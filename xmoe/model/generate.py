@@ -10,8 +10,6 @@ reaches ``top_p`` (the most likely token always stays), renormalises and draws w
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from xmoe.model.attention import KVCache
@@ -20,8 +18,9 @@ from xmoe.model.transformer import Transformer
 
 def _check(model: Transformer, prompt_BS: torch.Tensor, max_new_tokens: int, temperature: float, top_p: float) -> None:
     if prompt_BS.ndim != 2 or prompt_BS.shape[1] == 0 or prompt_BS.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"prompt must be a non-empty integer tensor (batch, seq); got {tuple(prompt_BS.shape)} "
-                         f"{prompt_BS.dtype}")
+        raise ValueError(
+            f"prompt must be a non-empty integer tensor (batch, seq); got {tuple(prompt_BS.shape)} {prompt_BS.dtype}"
+        )
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 0")
     if not temperature >= 0:
@@ -30,12 +29,15 @@ def _check(model: Transformer, prompt_BS: torch.Tensor, max_new_tokens: int, tem
         raise ValueError(f"top_p ({top_p}) must be in (0, 1]")
     limit = model.cfg.max_seq_len
     if prompt_BS.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"prompt ({prompt_BS.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_seq_len ({limit}); shorten the prompt or ask for fewer tokens")
+        raise ValueError(
+            f"prompt ({prompt_BS.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_seq_len ({limit}); shorten the prompt or ask for fewer tokens"
+        )
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float,
-                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def sample_next(
+    logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Next token ids (B,) from the last position's logits."""
     if temperature == 0:
         return logits_BV.argmax(-1)
@@ -50,9 +52,17 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float,
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: Optional[int] = None, pad_id: Optional[int] = None,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def generate(
+    model: Transformer,
+    prompt_BS: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """The prompt followed by up to ``max_new_tokens`` generated tokens, (B, S + n).
 
     With ``eos_id``, a sequence that produced it is finished: its later positions hold ``pad_id`` (default

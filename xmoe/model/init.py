@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,8 +50,10 @@ def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple
     local = param.to_local()
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if tuple(shape) != tuple(local.shape):
-        raise RuntimeError(f"local shard of shape {tuple(local.shape)} is not the box {tuple(shape)} at "
-                           f"{tuple(offset)} of its global {tuple(param.shape)} tensor")
+        raise RuntimeError(
+            f"local shard of shape {tuple(local.shape)} is not the box {tuple(shape)} at "
+            f"{tuple(offset)} of its global {tuple(param.shape)} tensor"
+        )
     return local, tuple(param.shape), tuple(offset)
 
 
@@ -61,14 +63,15 @@ def normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
 
 
 @torch.no_grad()
-def normal_box_(local: torch.Tensor, shape: Sequence[int], offset: Sequence[int], std: float, seed: int,
-                name: str) -> None:
+def normal_box_(
+    local: torch.Tensor, shape: Sequence[int], offset: Sequence[int], std: float, seed: int, name: str
+) -> None:
     """Fill ``local``, the box at ``offset`` of a global tensor of ``shape``, with that box's values."""
     if local.numel() == 0:
         return
     rows = block_rows(shape)
     r0, r1 = offset[0], offset[0] + local.shape[0]
-    box = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
+    box = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:], strict=False))
     for block in range(r0 // rows, (r1 - 1) // rows + 1):
         start = block * rows
         values = torch.empty((min(rows, shape[0] - start), *shape[1:]), device=local.device)

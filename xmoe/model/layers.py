@@ -39,8 +39,9 @@ def yarn_inv_freq(inv_freq_D2: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Te
     return inv_freq_D2, magnitude
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
-                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device=None, cfg: ModelConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (seq_len, head_dim // 2), fp32; with ``cfg.rope_scaling == "yarn"``, YaRN's.
 
     Angles are formed in float64 and rounded once to fp32: at position 4096 an fp32 product already errs by
@@ -51,8 +52,10 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None,
     if cfg is not None and cfg.rope_scaling == "yarn":
         inv_freq_D2, magnitude = yarn_inv_freq(inv_freq_D2, cfg)
     angles_SD2 = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq_D2)
-    return ((angles_SD2.cos() * magnitude).to(device, torch.float32),
-            (angles_SD2.sin() * magnitude).to(device, torch.float32))
+    return (
+        (angles_SD2.cos() * magnitude).to(device, torch.float32),
+        (angles_SD2.sin() * magnitude).to(device, torch.float32),
+    )
 
 
 def apply_rotary(x_BNSD: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:

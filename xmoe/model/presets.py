@@ -11,7 +11,7 @@ to reproduce the paper's token dropping.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from xmoe.config import ModelConfig, MoEConfig
 
@@ -42,9 +42,7 @@ def tiny() -> ModelConfig:
     )
 
 
-def _paper(
-    seq: int, hidden: int, expert_ffn: int, heads: int, experts: int, top_k: int, layers: int
-) -> ModelConfig:
+def _paper(seq: int, hidden: int, expert_ffn: int, heads: int, experts: int, top_k: int, layers: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=PAPER_VOCAB_SIZE,
         hidden_size=hidden,

@@ -32,7 +32,6 @@ Legend: B batch, S sequence, H hidden, N heads, G key/value heads, D head_dim, F
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +70,9 @@ class Block(nn.Module):
             self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
         self.recompute = "none"
 
-    def attn_branch(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor,
-                    cache: Optional[KVCache] = None) -> torch.Tensor:
+    def attn_branch(
+        self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         if cache is None:
             return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
         return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2, cache=cache)
@@ -83,8 +83,9 @@ class Block(nn.Module):
     def _both(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
         return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2))
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         if cache is not None:
             return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2, cache))
         if self.recompute == "none" or not torch.is_grad_enabled():
@@ -127,15 +128,13 @@ class Transformer(nn.Module):
             self.head.weight = self.embed.weight
         # Non-persistent: derived from the config, so checkpoints stay free of them and a meta-device build
         # recomputes them in init_weights().
-        cos_SD2, sin_SD2 = rope_tables(
-            cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, self.embed.weight.device, cfg
-        )
+        cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, self.embed.weight.device, cfg)
         self.register_buffer("rope_cos", cos_SD2, persistent=False)
         self.register_buffer("rope_sin", sin_SD2, persistent=False)
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """(Re)initialise every parameter and buffer by the rule in the module docstring.
 
         With ``seed`` the values are layout-independent (xmoe/model/init.py): each parameter's are a function of
@@ -176,8 +175,9 @@ class Transformer(nn.Module):
         """Number of distinct parameters (a tied head is counted once); equals counting.count_params."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens_BS: torch.Tensor, targets_BS: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """Logits, or the loss with ``targets_BS``. With ``cache`` (generation) the tokens continue the cached
         positions: their keys and values are appended to it and its position advances."""
         if tokens_BS.ndim != 2 or tokens_BS.dtype not in (torch.int64, torch.int32):

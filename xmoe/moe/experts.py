@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +27,15 @@ class RoutedExperts(nn.Module):
     on GPUs with FP8 matrix instructions; the weights stay what they are (fp32 parameters) and are quantised once
     per optimizer step (``make_casts``, called by xmoe/moe/step.py's MoEStep), else once per forward."""
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float = 0.02,
-                 kernel_backend: str = "auto", fp8: bool = False):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        init_std: float = 0.02,
+        kernel_backend: str = "auto",
+        fp8: bool = False,
+    ):
         super().__init__()
         self.kernel_backend = kernel_backend
         self.init_std = init_std
@@ -43,8 +49,9 @@ class RoutedExperts(nn.Module):
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=self.init_std)
 
-    def local_weights(self, dtype: torch.dtype, casts: Optional[tuple] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def local_weights(
+        self, dtype: torch.dtype, casts: tuple | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w3, w2) of the experts on this rank, in the compute dtype. ``casts`` (make_casts' copies for the
         optimizer step) serve every call with gradients on (the micro-batches of one step): the gradients of all of
         them flow back through the one cast into the fp32 parameters."""
@@ -52,7 +59,7 @@ class RoutedExperts(nn.Module):
             return casts
         return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
 
-    def fp8_weights(self, fmt: str, casts: Optional[tuple] = None) -> tuple:
+    def fp8_weights(self, fmt: str, casts: tuple | None = None) -> tuple:
         """(w1, w3, w2, Fp8ExpertWeights): what the FP8 GEMMs read and the tensors their weight gradients are
         returned for; ``casts`` (make_casts' for the optimizer step) serve every call with gradients on."""
         from xmoe.kernels.fp8_quant import quantize_expert_weights  # imports triton: only when FP8 is asked for
@@ -80,8 +87,14 @@ class RoutedExperts(nn.Module):
             return tuple(_leaf_into(w, w.detach().to(dtype)) for w in params)
         return tuple(w.to(dtype) for w in params)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert_E: torch.Tensor, plan: Optional[RoutingPlan] = None,
-                weights_TK: Optional[torch.Tensor] = None, casts: Optional[tuple] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        plan: RoutingPlan | None = None,
+        weights_TK: torch.Tensor | None = None,
+        casts: tuple | None = None,
+    ) -> torch.Tensor:
         """Rows (N, H) grouped by expert -> (N, H); or, with ``plan`` and ``weights_TK``, tokens (T, H) -> the
         weighted sum of each token's expert outputs (T, H): gather, experts and combine in one backend op
         (fused by the Triton backend). Called as a module either way, so wrappers' hooks (FSDP) run. ``casts``:
@@ -91,8 +104,9 @@ class RoutedExperts(nn.Module):
         w1, w3, w2 = self.local_weights(x.dtype, casts)
         ops = get_ops(self.kernel_backend, x.device)
         if plan is not None:
-            return ops.moe_experts(x, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK,
-                                   tokens_per_expert_E, w1, w3, w2)
+            return ops.moe_experts(
+                x, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, tokens_per_expert_E, w1, w3, w2
+            )
         if x.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
             return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
         return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
@@ -102,14 +116,27 @@ class RoutedExperts(nn.Module):
 
         fmt = fp8_format(x.device).name  # refuses devices without FP8 matrix instructions, naming the fix
         if x.dim() != 2:
-            raise ValueError("FP8 experts take rows (N, H) or tokens with a plan, not the padded baseline's "
-                             "(E, C, H) buffers; use dispatcher 'pft' or 'rbd', or moe.fp8='off'")
+            raise ValueError(
+                "FP8 experts take rows (N, H) or tokens with a plan, not the padded baseline's "
+                "(E, C, H) buffers; use dispatcher 'pft' or 'rbd', or moe.fp8='off'"
+            )
         from xmoe.kernels import fp8_experts
 
         w1, w3, w2, qw = self.fp8_weights(fmt, casts)
         if plan is not None:
-            return fp8_experts.moe_experts_fp8(x, weights_TK, plan.token_ids_N, plan.slot_ids_N,
-                                               plan.row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, fmt)
+            return fp8_experts.moe_experts_fp8(
+                x,
+                weights_TK,
+                plan.token_ids_N,
+                plan.slot_ids_N,
+                plan.row_of_slot_TK,
+                tokens_per_expert_E,
+                w1,
+                w3,
+                w2,
+                qw,
+                fmt,
+            )
         return fp8_experts.grouped_swiglu_fp8(x, w1, w3, w2, tokens_per_expert_E, qw, fmt)
 
 

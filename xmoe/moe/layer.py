@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -47,7 +46,7 @@ def make_dispatcher(cfg: MoEConfig) -> Dispatcher:
     return LocalDispatcher(cfg.kernel_backend)
 
 
-def moe_layers(model: nn.Module) -> list["MoELayer"]:
+def moe_layers(model: nn.Module) -> list[MoELayer]:
     """Every MoELayer inside ``model``, in registration (layer) order; wrapped ones (FSDP, DDP) included."""
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
@@ -58,8 +57,8 @@ class LayerStep:
     ``aux_loss_scale`` and ``casts`` it reads, ``stats`` it reports at each forward."""
 
     aux_loss_scale: float
-    casts: Optional[tuple] = None  # RoutedExperts.make_casts' copies, for the experts' forward
-    stats: Optional[dict[str, torch.Tensor]] = None
+    casts: tuple | None = None  # RoutedExperts.make_casts' copies, for the experts' forward
+    stats: dict[str, torch.Tensor] | None = None
 
 
 class MoELayer(nn.Module):
@@ -72,12 +71,16 @@ class MoELayer(nn.Module):
     weight casts from it.
     """
 
-    def __init__(self, cfg: MoEConfig, dispatcher: Optional[Dispatcher] = None):
+    def __init__(self, cfg: MoEConfig, dispatcher: Dispatcher | None = None):
         super().__init__()
         self.cfg = cfg
         self.router = Router(cfg)
         self.experts = RoutedExperts(
-            cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std, cfg.kernel_backend,
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.ffn_hidden_size,
+            cfg.init_std,
+            cfg.kernel_backend,
             fp8=cfg.fp8 == "experts",
         )
         self.shared_experts = (
@@ -87,7 +90,7 @@ class MoELayer(nn.Module):
             self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         self.dispatcher: Dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
         # the optimizer step this layer runs in (None: it computes alone, its aux losses with gradient 1)
-        self.moe_step: Optional[LayerStep] = None
+        self.moe_step: LayerStep | None = None
         # True: forward raises on a NaN / inf input, naming the layer's input (a host sync per call, so off by
         # default). The trainer leaves it off: a non-finite input makes the loss non-finite, which the trainer
         # detects at no per-layer cost (xmoe/train/safety.py); turn it on to find which layer a NaN enters.
@@ -103,8 +106,10 @@ class MoELayer(nn.Module):
         if not x.is_floating_point():
             raise ValueError(f"MoELayer expects a floating-point input, got dtype {x.dtype}")
         if self.check_finite and not bool(torch.isfinite(x).all()):
-            raise ValueError(f"MoELayer input of shape {tuple(x.shape)} holds NaN or inf values "
-                             f"({int((~torch.isfinite(x)).sum())} of {x.numel()})")
+            raise ValueError(
+                f"MoELayer input of shape {tuple(x.shape)} holds NaN or inf values "
+                f"({int((~torch.isfinite(x)).sum())} of {x.numel()})"
+            )
         num_sequences = x.shape[0] if x.dim() == 3 else 1
         x_TH = x.reshape(-1, cfg.hidden_size)
 
@@ -155,4 +160,3 @@ class MoELayer(nn.Module):
             f"shared={cfg.num_shared_experts}, capacity_factor={cfg.capacity_factor}, dispatcher={cfg.dispatcher}"
             + (", fp8=experts" if cfg.fp8 == "experts" else "")
         )
-

@@ -83,8 +83,9 @@ class Router(nn.Module):
         # reference and the fallback (its speed against the torch path: benchmarks/results/bench_router.md).
         ops = get_ops(cfg.kernel_backend, logits_TE.device)
         if hasattr(ops, "router_topk") and ops.router_topk_supports(cfg.num_experts, cfg.top_k, cfg.num_expert_groups):
-            weights_TK, ids_TK, scores_TK = ops.router_topk(logits_TE, self.expert_bias, cfg.top_k, cfg.score_func,
-                                                            cfg.norm_topk_prob, cfg.routed_scaling_factor)
+            weights_TK, ids_TK, scores_TK = ops.router_topk(
+                logits_TE, self.expert_bias, cfg.top_k, cfg.score_func, cfg.norm_topk_prob, cfg.routed_scaling_factor
+            )
             # the balance loss gets its own scores: its gradient reaches logits_TE through them, the weights'
             # through the kernel's backward, so neither is counted twice
             scores_TE = self._scores(logits_TE) if cfg.aux_loss_coef > 0 else None
@@ -101,8 +102,11 @@ class Router(nn.Module):
         zero = logits_TE.new_zeros(())
         empty = logits_TE.shape[0] == 0  # no tokens (a rank's empty shard): no loss rather than 0 / 0
         aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences) if cfg.aux_loss_coef > 0 and not empty else zero
-        z_loss = (cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
-                  if cfg.z_loss_coef > 0 and not empty else zero)
+        z_loss = (
+            cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
+            if cfg.z_loss_coef > 0 and not empty
+            else zero
+        )
         return RouterOutput(weights_TK, ids_TK, scores_TK.detach(), aux_loss, z_loss, counts_E)
 
     def _balance_loss(self, scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int) -> torch.Tensor:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -51,7 +50,7 @@ class StepStats:
 
     aux: torch.Tensor
     rows: torch.Tensor
-    load_LE: Optional[torch.Tensor]
+    load_LE: torch.Tensor | None
     traffic: dict[str, int] = field(default_factory=dict)
 
 
@@ -70,8 +69,15 @@ class MoEStep:
     accumulation (two passes, 18 bytes; measured there too). The parameters then get their gradients outside
     autograd, so only for a model no wrapper reduces through autograd hooks (one process; not DDP)."""
 
-    def __init__(self, model: nn.Module, micro_batches: int, device: torch.device, *,
-                 cast_dtype: Optional[torch.dtype] = None, detach_casts: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        micro_batches: int,
+        device: torch.device,
+        *,
+        cast_dtype: torch.dtype | None = None,
+        detach_casts: bool = False,
+    ):
         if micro_batches < 1:
             raise ValueError(f"micro_batches ({micro_batches}) must be >= 1")
         self.micro_batches = micro_batches
@@ -80,13 +86,13 @@ class MoEStep:
         self._slots = [LayerStep(1.0 / micro_batches) for _ in self._layers]
         self._aux = torch.zeros((), device=device)
         self._rows = torch.zeros((), dtype=torch.long, device=device)
-        self._load_LE: Optional[torch.Tensor] = None
+        self._load_LE: torch.Tensor | None = None
 
-    def __enter__(self) -> "MoEStep":
+    def __enter__(self) -> MoEStep:
         """The layers report to this step; their experts' weight copies are made now (with gradients on: a step
         taken under no_grad casts nothing ahead)."""
         make = self.cast_dtype is not None and torch.is_grad_enabled()
-        for layer, slot in zip(self._layers, self._slots):
+        for layer, slot in zip(self._layers, self._slots, strict=False):
             experts = layer.experts
             if make and not any(hasattr(w, "to_local") for w in (experts.w1, experts.w3, experts.w2)):
                 slot.casts = experts.make_casts(self.cast_dtype, self.detach_casts)
@@ -95,7 +101,7 @@ class MoEStep:
 
     def __exit__(self, *exc) -> None:
         """The copies are dropped, so nothing stale outlives the step; the layers compute alone again."""
-        for layer, slot in zip(self._layers, self._slots):
+        for layer, slot in zip(self._layers, self._slots, strict=False):
             layer.moe_step = None
             slot.casts = None
 
@@ -125,7 +131,7 @@ class MoEStep:
             load_LE = self._load_LE.float()
             if dist.is_initialized():
                 dist.all_reduce(load_LE)
-            for layer, load_E in zip(self._layers, load_LE):
+            for layer, load_E in zip(self._layers, load_LE, strict=False):
                 layer.router.update_bias(load_E)
         return StepStats(self._aux / self.micro_batches, self._rows, self._load_LE, self._take_traffic())
 

@@ -18,7 +18,6 @@ generator block (init.py) or one tensor being read (HF) exists at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from torch import nn
@@ -43,8 +42,15 @@ class BuiltModel:
     compiled: bool
 
 
-def parallelize(model: Transformer, dims: Optional[ParallelDims], *, sequence_parallel: bool = False,
-                ssmb: bool = True, fsdp: Optional[bool] = None, param_dtype: Optional[torch.dtype] = None) -> bool:
+def parallelize(
+    model: Transformer,
+    dims: ParallelDims | None,
+    *,
+    sequence_parallel: bool = False,
+    ssmb: bool = True,
+    fsdp: bool | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> bool:
     """Step 2, in place, on meta (or real) tensors. ``fsdp``: None = FSDP2 when experts or heads are sharded (ep or
     tp > 1), True = also under pure data parallelism (ZeRO-3 replicas), False = never. ``param_dtype``: FSDP2's
     compute dtype (bf16 on GPUs). Returns whether the materialised model is to be wrapped in DDP (step 5)."""
@@ -60,10 +66,21 @@ def parallelize(model: Transformer, dims: Optional[ParallelDims], *, sequence_pa
     return dims.tp == dims.ep == 1
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str, dims: Optional[ParallelDims] = None, *, seed: int = 0,
-                init_from: Optional[str] = None, sequence_parallel: bool = False, ssmb: bool = True,
-                fsdp: Optional[bool] = None, param_dtype: Optional[torch.dtype] = None, recompute: str = "none",
-                compile: str = "off", loss_chunk_tokens: int = 4096) -> BuiltModel:
+def build_model(
+    cfg: ModelConfig,
+    device: torch.device | str,
+    dims: ParallelDims | None = None,
+    *,
+    seed: int = 0,
+    init_from: str | None = None,
+    sequence_parallel: bool = False,
+    ssmb: bool = True,
+    fsdp: bool | None = None,
+    param_dtype: torch.dtype | None = None,
+    recompute: str = "none",
+    compile: str = "off",
+    loss_chunk_tokens: int = 4096,
+) -> BuiltModel:
     """Steps 1-6 for ``cfg`` on ``device`` (``dims``: a built ParallelDims for several processes, else None).
 
     ``init_from``: a Hugging Face directory whose weights replace the initial values (``cfg`` must be its
@@ -71,8 +88,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str, dims: Optional[Par
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens)
-    ddp = parallelize(model, dims, sequence_parallel=sequence_parallel, ssmb=ssmb, fsdp=fsdp,
-                      param_dtype=param_dtype)
+    ddp = parallelize(model, dims, sequence_parallel=sequence_parallel, ssmb=ssmb, fsdp=fsdp, param_dtype=param_dtype)
     model.to_empty(device=device)
     model.init_weights(seed=seed)
     if init_from is not None:

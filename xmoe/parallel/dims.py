@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -73,8 +72,8 @@ class ParallelDims:
     placement: str
     rank: int = 0
     grid: torch.Tensor = field(init=False, repr=False)
-    mesh: Optional[object] = field(default=None, init=False, repr=False)  # DeviceMesh once built
-    dense_mesh: Optional[object] = field(default=None, init=False, repr=False)  # DeviceMesh ("dp_ep", "tp")
+    mesh: object | None = field(default=None, init=False, repr=False)  # DeviceMesh once built
+    dense_mesh: object | None = field(default=None, init=False, repr=False)  # DeviceMesh ("dp_ep", "tp")
 
     def __post_init__(self) -> None:
         if self.dp * self.ep * self.tp != self.world_size:
@@ -99,12 +98,12 @@ class ParallelDims:
     def from_config(
         cls,
         cfg: ParallelConfig,
-        world_size: Optional[int] = None,
+        world_size: int | None = None,
         *,
-        rank: Optional[int] = None,
-        node_size: Optional[int] = None,
-        num_experts: Optional[int] = None,
-    ) -> "ParallelDims":
+        rank: int | None = None,
+        node_size: int | None = None,
+        num_experts: int | None = None,
+    ) -> ParallelDims:
         """Degrees from ``cfg``; world size, rank and node size from the arguments, else the launcher.
 
         Node size: ``node_size`` argument, else ``cfg.gpus_per_node``, else LOCAL_WORLD_SIZE (torchrun, or
@@ -141,7 +140,7 @@ class ParallelDims:
         d, e, t = (int(i) for i in (self.grid == rank).nonzero()[0])
         return {"dp": d, "ep": e, "tp": t}
 
-    def coord(self, axis: str, rank: Optional[int] = None) -> int:
+    def coord(self, axis: str, rank: int | None = None) -> int:
         """This rank's (or ``rank``'s) index along ``axis``. Along "dp_ep" (also: which data shard it reads) it is
         rank // tp, for both placements: TP is innermost, so the ranks of one TP group are consecutive."""
         rank = self.rank if rank is None else rank
@@ -149,7 +148,7 @@ class ParallelDims:
             return rank // self.tp
         return self.coords_of(rank)[_check_axis(axis)]
 
-    def group_ranks(self, axis: str, rank: Optional[int] = None) -> list[int]:
+    def group_ranks(self, axis: str, rank: int | None = None) -> list[int]:
         """Global ranks of the ``axis`` group containing this rank (or ``rank``), in axis order (ascending)."""
         c = self.coords_of(self.rank if rank is None else rank)
         if axis == DENSE_AXIS:
@@ -163,10 +162,10 @@ class ParallelDims:
         seen = {tuple(self.group_ranks(axis, r)) for r in range(self.world_size)}
         return [list(g) for g in sorted(seen)]
 
-    def node_of(self, rank: Optional[int] = None) -> int:
+    def node_of(self, rank: int | None = None) -> int:
         return node_of(self.rank if rank is None else rank, self.node_size)
 
-    def nodes_of_group(self, axis: str, rank: Optional[int] = None) -> list[int]:
+    def nodes_of_group(self, axis: str, rank: int | None = None) -> list[int]:
         """The nodes the ``axis`` group of this rank (or ``rank``) spans, sorted."""
         return sorted({self.node_of(r) for r in self.group_ranks(axis, rank)})
 
@@ -176,7 +175,9 @@ class ParallelDims:
 
     def _warn_on_node_straddling(self) -> None:
         if self.tp > 1 and len(self.nodes_of_group("tp", 0)) > 1:
-            warnings.warn(f"tp ({self.tp}) spans nodes (node size {self.node_size}): TP traffic crosses the network")
+            warnings.warn(
+                f"tp ({self.tp}) spans nodes (node size {self.node_size}): TP traffic crosses the network", stacklevel=2
+            )
         if self.placement == "ep_first" and self.ep > 1:
             # nodes each EP group (one per (dp, tp) coordinate) spans, for all groups at once: one pass over the
             # grid, not a group lookup per rank (which made `xmoe plan` quadratic in the world size)
@@ -187,12 +188,13 @@ class ParallelDims:
                 warnings.warn(
                     f"ep_first: some EP groups span {spans} nodes where {ideal} would do (ep * tp = "
                     f"{self.ep * self.tp}, node size {self.node_size}); choose ep * tp dividing, or a multiple of, "
-                    "the node size"
+                    "the node size",
+                    stacklevel=2,
                 )
 
     # ---- process groups -----------------------------------------------------------------------------------
 
-    def build_mesh(self, device_type: str = "cuda") -> "ParallelDims":
+    def build_mesh(self, device_type: str = "cuda") -> ParallelDims:
         """Create the DeviceMesh (a collective call: every rank must call it, once). Returns self."""
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -222,7 +224,7 @@ class ParallelDims:
             return self.dense_mesh[DENSE_AXIS]
         return self.mesh[_check_axis(axis)]
 
-    def group(self, axis: str) -> "torch.distributed.ProcessGroup":
+    def group(self, axis: str) -> torch.distributed.ProcessGroup:
         return self.submesh(axis).get_group()
 
 
@@ -232,6 +234,6 @@ def _check_axis(axis: str) -> str:
     return axis
 
 
-def _env_int(name: str) -> Optional[int]:
+def _env_int(name: str) -> int | None:
     value = os.environ.get(name)  # SLURM writes "4(x2)" for 4 tasks on each of 2 nodes
     return int(value.split("(")[0]) if value else None

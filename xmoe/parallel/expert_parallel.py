@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -111,7 +111,7 @@ def _placement_kwarg(fully_shard, dp: int) -> dict:
     return {"shard_placement_fn": _expert_placement(dp)}
 
 
-def mixed_precision_policies(param_dtype: Optional[torch.dtype]) -> tuple[dict, dict]:
+def mixed_precision_policies(param_dtype: torch.dtype | None) -> tuple[dict, dict]:
     """FSDP2 keyword arguments (cast units, fp32 units). With ``param_dtype`` (bf16 on GPUs) the units all-gather
     their fp32 shards as ``param_dtype`` and reduce gradients in fp32, so the matmuls save FSDP's own unsharded
     weights for backward (freed after forward, gathered again for backward) instead of autocast's bf16 copies,
@@ -130,7 +130,7 @@ def apply_expert_parallel(
     dims: ParallelDims,
     *,
     reshard_after_forward: bool = True,
-    param_dtype: Optional[torch.dtype] = None,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """EP (``shard_experts``) then FSDP2 with the right mesh per parameter group; returns the model (now an
     FSDPModule). FSDP units: each routed-experts module ("dp"; sharded on dim 1 when its experts do not split over
@@ -148,8 +148,13 @@ def apply_expert_parallel(
     cast, fp32 = mixed_precision_policies(param_dtype)
     dp_mesh, dense_mesh = dims.submesh("dp"), dims.submesh(DENSE_AXIS)
     for layer in moe_layers(model):
-        fully_shard(layer.experts, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                    **_placement_kwarg(fully_shard, dims.dp), **cast)
+        fully_shard(
+            layer.experts,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard_after_forward,
+            **_placement_kwarg(fully_shard, dims.dp),
+            **cast,
+        )
         if fp32:
             fully_shard(layer.router, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **fp32)
     embed = getattr(model, "embed", None)
@@ -166,8 +171,9 @@ def apply_expert_parallel(
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    dims: Optional[ParallelDims] = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, dims: ParallelDims | None = None
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients that live on different meshes (experts on ("dp", "ep"),
     dense weights on "dp_ep"), plain tensors included. Returns the total norm as a plain tensor.
 
@@ -184,7 +190,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:
         _StridedShard = Shard
-    groups: dict[Optional[tuple], list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple | None, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
         if p.grad is not None:
             key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
@@ -196,8 +202,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     norms, partial_sum = [], None
     for key, params in groups.items():
         grads = [p.grad for p in params]
-        if (fusable and key is not None and all(isinstance(pl, (Shard, _StridedShard)) for pl in key[1])
-                and sorted(key[0].mesh.flatten().tolist()) == dense_ranks):
+        if (
+            fusable
+            and key is not None
+            and all(isinstance(pl, (Shard, _StridedShard)) for pl in key[1])
+            and sorted(key[0].mesh.flatten().tolist()) == dense_ranks
+        ):
             local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type) ** norm_type
             partial_sum = local if partial_sum is None else partial_sum + local.to(partial_sum.device)
             continue

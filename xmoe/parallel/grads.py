@@ -97,8 +97,9 @@ class TensorParallelGradAverage:
         if isinstance(grad, DTensor):  # expert stacks under EP: the local experts, the same on every TP peer
             local = grad.to_local() / self.size
             dist.all_reduce(local, group=self.group)
-            return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
-                                      shape=grad.shape, stride=grad.stride())
+            return DTensor.from_local(
+                local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+            )
         out = grad / self.size  # a new tensor: never modify the buffer autograd handed in
         dist.all_reduce(out, group=self.group)
         return out

@@ -43,8 +43,10 @@ def plan_counts(model: nn.Module, imbalance: float) -> int:
             layer.dispatcher.imbalance = imbalance
             swapped += 1
         elif not d.fuses_experts:
-            raise ValueError(f"--measure simulates the padding-free all-to-all dispatcher; this model's MoE layers "
-                             f"use {type(d).__name__}: set moe.dispatcher='pft'")
+            raise ValueError(
+                f"--measure simulates the padding-free all-to-all dispatcher; this model's MoE layers "
+                f"use {type(d).__name__}: set moe.dispatcher='pft'"
+            )
     return swapped
 
 

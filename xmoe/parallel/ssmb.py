@@ -46,8 +46,6 @@ what ``xmoe.plan.memory`` assumes; their gradients are averaged over "tp" like t
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -112,7 +110,7 @@ class SSMBRegion:
         self.rank = dist.get_rank(group)
         self.sequence_parallel = sequence_parallel
         self.grad_average = TensorParallelGradAverage(group)
-        self._shape: Optional[torch.Size] = None
+        self._shape: torch.Size | None = None
 
     def enter(self, module: nn.Module, args: tuple):
         h = args[0]

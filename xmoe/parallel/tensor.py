@@ -115,14 +115,16 @@ def _sequence_parallel_plan(block: nn.Module) -> dict:
     plan = {
         "attn_norm": SequenceParallel(),
         # Attention.forward(x, cos, sin): gather x over the sequence, leave the rotary tables alone
-        "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                   desired_input_layouts=(Replicate(), None, None), use_local_output=True),
+        "attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=True
+        ),
         # an MoE block takes plain local tokens; a dense FFN gathers them first
         "ffn_norm": SequenceParallel(use_local_output=block.is_moe),
     }
     if not block.is_moe:
-        plan["ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                         use_local_output=True)
+        plan["ffn"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return plan
 
 
@@ -156,13 +158,18 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, *, sequence_para
         from xmoe.parallel.ssmb import apply_ssmb
 
         model.register_forward_pre_hook(_check_sequence_split(dims.tp))
-        parallelize_module(model, mesh, {
-            "embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
-            "norm": SequenceParallel(use_local_output=False),
-        })
+        parallelize_module(
+            model,
+            mesh,
+            {
+                "embed": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1)),
+                "norm": SequenceParallel(use_local_output=False),
+            },
+        )
         # the LM head and the loss see every position: gather the final norm's output
-        parallelize_module(model.norm, mesh, PrepareModuleOutput(output_layouts=Shard(1),
-                                                                  desired_output_layouts=Replicate()))
+        parallelize_module(
+            model.norm, mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+        )
         apply_ssmb(model, dims, sequence_parallel=True)
     return model
 
@@ -171,7 +178,9 @@ def _check_sequence_split(tp: int):
     def check(module: nn.Module, args: tuple) -> None:
         seq_len = args[0].shape[1]
         if seq_len % tp:
-            raise ValueError(f"sequence parallelism splits each sequence over tp ({tp}) ranks: seq_len ({seq_len}) "
-                             f"must be divisible by {tp}")
+            raise ValueError(
+                f"sequence parallelism splits each sequence over tp ({tp}) ranks: seq_len ({seq_len}) "
+                f"must be divisible by {tp}"
+            )
 
     return check

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Optional
 
 from xmoe.config import RECOMPUTE_MODES
 from xmoe.model.presets import PRESETS, get_preset
@@ -30,12 +29,19 @@ EXAMPLES = """examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="plan_command", required=True, metavar="{memory,comm}")
-    mem = sub.add_parser("memory", help="per-GPU memory of training a preset; searches layouts that fit",
-                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mem = sub.add_parser(
+        "memory",
+        help="per-GPU memory of training a preset; searches layouts that fit",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     mem.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
     mem.add_argument("--gpus", type=int, default=8, help="world size (default 8)")
-    mem.add_argument("--gpu-mem", type=float,
-                     help=f"GiB per GPU (default: this machine's GPU, else {ASSUMED_GPU_MEM:g}, an MI250X GCD)")
+    mem.add_argument(
+        "--gpu-mem",
+        type=float,
+        help=f"GiB per GPU (default: this machine's GPU, else {ASSUMED_GPU_MEM:g}, an MI250X GCD)",
+    )
     mem.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     mem.add_argument("--tp", type=int, help="tensor-parallel degree (default: searched in 1, 2, 4, 8)")
     mem.add_argument("--ep", type=int, help="expert-parallel degree (default: searched among divisors of E)")
@@ -45,49 +51,71 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     mem.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute (default: searched)")
     mem.add_argument("--padded", action="store_true", help="GShard/DeepSpeed-MoE capacity buffers instead of PFT")
-    mem.add_argument("--capacity-factor", type=float,
-                     help="capacity factor (default: 1.25 with --padded, dropless otherwise)")
+    mem.add_argument(
+        "--capacity-factor", type=float, help="capacity factor (default: 1.25 with --padded, dropless otherwise)"
+    )
     mem.add_argument("--no-ssmb", action="store_true", help="run the MoE block on all tokens of every TP rank")
-    mem.add_argument("--placement", choices=("ep_first", "dp_first"), default="ep_first",
-                     help="placement when an EP group cannot fit in a node (inside a node: always ep_first)")
+    mem.add_argument(
+        "--placement",
+        choices=("ep_first", "dp_first"),
+        default="ep_first",
+        help="placement when an EP group cannot fit in a node (inside a node: always ep_first)",
+    )
     mem.add_argument("--imbalance", type=float, default=1.0, help="max/mean routed rows per rank (default 1)")
-    mem.add_argument("--kernel", choices=("triton", "torch"),
-                     help="expert kernels: triton saves 2 F-wide tensors per row, torch 4 (default triton; with "
-                          "--measure, what the device runs: triton on a GPU, torch on a CPU)")
-    mem.add_argument("--trainer", action="store_true",
-                     help="the peak of `xmoe train` on one GPU instead (fp32 weights and AdamW, bf16 expert copies, "
-                          "compiled regions), per recompute mode and micro-batch")
+    mem.add_argument(
+        "--kernel",
+        choices=("triton", "torch"),
+        help="expert kernels: triton saves 2 F-wide tensors per row, torch 4 (default triton; with "
+        "--measure, what the device runs: triton on a GPU, torch on a CPU)",
+    )
+    mem.add_argument(
+        "--trainer",
+        action="store_true",
+        help="the peak of `xmoe train` on one GPU instead (fp32 weights and AdamW, bf16 expert copies, "
+        "compiled regions), per recompute mode and micro-batch",
+    )
     mem.add_argument("--layers", type=int, help="the preset with this many layers (a shortened model)")
-    mem.add_argument("--accumulation", type=int, default=1,
-                     help="with --trainer: micro-batches per optimizer step (default 1)")
+    mem.add_argument(
+        "--accumulation", type=int, default=1, help="with --trainer: micro-batches per optimizer step (default 1)"
+    )
     mem.add_argument("--eager", action="store_true", help="with --trainer: compiled regions off (--compile off)")
-    mem.add_argument("--reserve", type=float, default=2.0,
-                     help="GiB for CUDA context, NCCL, fragmentation (default 2)")
-    mem.add_argument("--measure", action="store_true",
-                     help="also run one rank of the layout here, in a simulated world (torch's fake process group: "
-                          "real shards, kernels and allocations, no communication), and print its measured peak and "
-                          "compute time beside the prediction")
+    mem.add_argument("--reserve", type=float, default=2.0, help="GiB for CUDA context, NCCL, fragmentation (default 2)")
+    mem.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run one rank of the layout here, in a simulated world (torch's fake process group: "
+        "real shards, kernels and allocations, no communication), and print its measured peak and "
+        "compute time beside the prediction",
+    )
     mem.add_argument("--rank", type=int, default=0, help="with --measure: the rank to run (default 0)")
     mem.add_argument("--steps", type=int, default=3, help="with --measure: training steps (default 3, >= 3)")
     mem.add_argument("--device", default="auto", help="with --measure: auto (GPU if present, default), cpu or cuda")
     mem.add_argument("--json", action="store_true", help="with --measure: print one JSON object instead")
 
-    com = sub.add_parser("comm", help="flat all-to-all vs RBD traffic and time of one MoE dispatch",
-                         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    com = sub.add_parser(
+        "comm",
+        help="flat all-to-all vs RBD traffic and time of one MoE dispatch",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     com.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
     com.add_argument("--gpus", type=int, default=64, help="world size (default 64)")
     com.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     com.add_argument("--ep", type=int, help="expert-parallel degree (default min(E, gpus / tp))")
     com.add_argument("--tp", type=int, default=1, help="tensor-parallel degree, spaces EP ranks apart (default 1)")
-    com.add_argument("--placement", choices=("ep_first", "dp_first"), default="ep_first",
-                     help="EP group layout over nodes (default ep_first)")
+    com.add_argument(
+        "--placement",
+        choices=("ep_first", "dp_first"),
+        default="ep_first",
+        help="EP group layout over nodes (default ep_first)",
+    )
     com.add_argument("--intra-bw", type=float, default=300.0, help="GB/s per GPU inside a node (default 300)")
-    com.add_argument("--inter-bw", type=float, default=25.0,
-                     help="GB/s per GPU across nodes, its NIC share (default 25)")
+    com.add_argument(
+        "--inter-bw", type=float, default=25.0, help="GB/s per GPU across nodes, its NIC share (default 25)"
+    )
     com.add_argument("--intra-lat", type=float, default=5.0, help="us per intra-node stage (default 5)")
     com.add_argument("--inter-lat", type=float, default=10.0, help="us per inter-node stage (default 10)")
-    com.add_argument("--routing", default="uniform",
-                     help="uniform (default) | skewed | FILE.json (tokens per expert)")
+    com.add_argument("--routing", default="uniform", help="uniform (default) | skewed | FILE.json (tokens per expert)")
     com.add_argument("--tokens-per-gpu", type=int, help="tokens each GPU routes (default: the preset's seq)")
     com.add_argument("--mc-tokens", type=int, default=4096, help="Monte Carlo tokens per source GPU (default 4096)")
     com.add_argument("--seed", type=int, default=0, help="seed of the sampled routing (default 0)")
@@ -95,8 +123,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     """Counts >= 1 and sizes finite and > 0 (>= 0 where zero means something), naming the flag."""
-    counts = ("gpus", "gpus_per_node", "tp", "ep", "dp", "micro_batch", "max_micro_batch", "seq",
-              "tokens_per_gpu", "mc_tokens", "layers", "accumulation", "steps")
+    counts = (
+        "gpus",
+        "gpus_per_node",
+        "tp",
+        "ep",
+        "dp",
+        "micro_batch",
+        "max_micro_batch",
+        "seq",
+        "tokens_per_gpu",
+        "mc_tokens",
+        "layers",
+        "accumulation",
+        "steps",
+    )
     for name in counts:
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -116,9 +157,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.gpus > MAX_GPUS:
         raise ValueError(f"--gpus ({args.gpus}) must be <= {MAX_GPUS}: the planner lays out every rank")
     if getattr(args, "mc_tokens", 0) > MAX_MC_TOKENS:
-        raise ValueError(f"--mc-tokens ({args.mc_tokens}) must be <= {MAX_MC_TOKENS} (it draws tokens x experts "
-                         "random numbers per source GPU; the default 4096 came within 0.05% of the exact count in "
-                         "docs/planning.md's example)")
+        raise ValueError(
+            f"--mc-tokens ({args.mc_tokens}) must be <= {MAX_MC_TOKENS} (it draws tokens x experts "
+            "random numbers per source GPU; the default 4096 came within 0.05% of the exact count in "
+            "docs/planning.md's example)"
+        )
 
 
 def _gpu_memory_gib() -> tuple[float, str]:
@@ -128,8 +171,9 @@ def _gpu_memory_gib() -> tuple[float, str]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.total_memory / GIB, f"GPU memory: {props.total_memory / GIB:.1f} GiB, this machine's {props.name}"
-    return ASSUMED_GPU_MEM, (f"GPU memory: {ASSUMED_GPU_MEM:g} GiB assumed (an MI250X GCD; no GPU visible here): "
-                             "pass --gpu-mem for yours")
+    return ASSUMED_GPU_MEM, (
+        f"GPU memory: {ASSUMED_GPU_MEM:g} GiB assumed (an MI250X GCD; no GPU visible here): pass --gpu-mem for yours"
+    )
 
 
 def model_config(args: argparse.Namespace):
@@ -142,7 +186,7 @@ def model_config(args: argparse.Namespace):
     return cfg
 
 
-def prepare_memory(args: argparse.Namespace) -> tuple[object, Optional[str]]:
+def prepare_memory(args: argparse.Namespace) -> tuple[object, str | None]:
     """Checked arguments of `plan memory`: (the model config, a line saying which GPU memory was assumed or None);
     ``args.gpu_mem`` is filled in."""
     _check_args(args)
@@ -173,42 +217,79 @@ def rank_layouts(cfg, args, **extra) -> list:
     cf = args.capacity_factor if args.capacity_factor is not None else (1.25 if args.padded else None)
     if args.tp is not None and args.tp > args.gpus_per_node:
         raise ValueError(f"--tp ({args.tp}) must be <= --gpus-per-node ({args.gpus_per_node})")
-    options = dict(padded=args.padded, capacity_factor=cf, ssmb=not args.no_ssmb, seq_len=args.seq,
-                   imbalance=args.imbalance, kernel=args.kernel or "triton", reserve_gib=args.reserve,
-                   name=args.preset, **extra)
+    options = dict(
+        padded=args.padded,
+        capacity_factor=cf,
+        ssmb=not args.no_ssmb,
+        seq_len=args.seq,
+        imbalance=args.imbalance,
+        kernel=args.kernel or "triton",
+        reserve_gib=args.reserve,
+        name=args.preset,
+        **extra,
+    )
     return memory.search_layouts(
-        cfg, args.gpus, args.gpu_mem, gpus_per_node=args.gpus_per_node, tp=args.tp, ep=args.ep, dp=args.dp,
-        micro_batch=args.micro_batch, recompute=args.recompute, max_micro_batch=args.max_micro_batch,
-        placement=args.placement, **options)
+        cfg,
+        args.gpus,
+        args.gpu_mem,
+        gpus_per_node=args.gpus_per_node,
+        tp=args.tp,
+        ep=args.ep,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        recompute=args.recompute,
+        max_micro_batch=args.max_micro_batch,
+        placement=args.placement,
+        **options,
+    )
 
 
 def run_memory(cfg, args) -> str:
     ranked = rank_layouts(cfg, args)
     best = ranked[0]
-    searched = [n for n, v in (("tp", args.tp), ("ep", args.ep), ("dp", args.dp), ("micro-batch", args.micro_batch),
-                               ("recompute", args.recompute)) if v is None]
-    lines = [f"xmoe plan memory: {args.preset} on {args.gpus} GPUs ({args.gpus_per_node} per node), "
-             f"{args.gpu_mem:g} GiB each", _model_line(cfg)]
+    searched = [
+        n
+        for n, v in (
+            ("tp", args.tp),
+            ("ep", args.ep),
+            ("dp", args.dp),
+            ("micro-batch", args.micro_batch),
+            ("recompute", args.recompute),
+        )
+        if v is None
+    ]
+    lines = [
+        f"xmoe plan memory: {args.preset} on {args.gpus} GPUs ({args.gpus_per_node} per node), "
+        f"{args.gpu_mem:g} GiB each",
+        _model_line(cfg),
+    ]
     if not best.fits(args.gpu_mem):
         lines.append(f"NO layout fits in {args.gpu_mem:g} GiB; the smallest of {len(ranked)} tried is shown")
     elif searched:
-        lines.append(f"searched {', '.join(searched)}: {sum(m.fits(args.gpu_mem) for m in ranked)} of "
-                     f"{len(ranked)} settings fit; proposed:")
+        lines.append(
+            f"searched {', '.join(searched)}: {sum(m.fits(args.gpu_mem) for m in ranked)} of "
+            f"{len(ranked)} settings fit; proposed:"
+        )
     lines += _breakdown(cfg, best, args.gpu_mem)
     if searched and best.fits(args.gpu_mem):
-        lines += ["", "rule: fewest memory-saving tricks (recompute none < moe < full, then the smallest tp), then "
-                  f"the largest micro-batch (<= {args.max_micro_batch}), then the least traffic per GPU per "
-                  "micro-batch (FSDP2 / DDP collectives + all-to-all), then an EP group inside one node",
-                  "other feasible settings, by that rule:",
-                  f"  {'tp':>3}{'ep':>5}{'dp':>6}{'mb':>4}  {'recompute':<10}{'total GiB':>10}{'traffic GB':>11}"]
+        lines += [
+            "",
+            "rule: fewest memory-saving tricks (recompute none < moe < full, then the smallest tp), then "
+            f"the largest micro-batch (<= {args.max_micro_batch}), then the least traffic per GPU per "
+            "micro-batch (FSDP2 / DDP collectives + all-to-all), then an EP group inside one node",
+            "other feasible settings, by that rule:",
+            f"  {'tp':>3}{'ep':>5}{'dp':>6}{'mb':>4}  {'recompute':<10}{'total GiB':>10}{'traffic GB':>11}",
+        ]
         seen = set()
         for m in ranked[1:]:
             key = (m.parallel.tp, m.recompute)
             if m.fits(args.gpu_mem) and key not in seen and len(seen) < 6:
                 seen.add(key)
                 p = m.parallel
-                lines.append(f"  {p.tp:>3}{p.ep:>5}{p.dp:>6}{m.micro_batch:>4}  {m.recompute:<10}{m.total / GIB:>10.2f}"
-                             f"{sum(m.traffic.values()) / 1e9:>11.1f}")
+                lines.append(
+                    f"  {p.tp:>3}{p.ep:>5}{p.dp:>6}{m.micro_batch:>4}  {m.recompute:<10}{m.total / GIB:>10.2f}"
+                    f"{sum(m.traffic.values()) / 1e9:>11.1f}"
+                )
     return "\n".join(lines)
 
 
@@ -219,21 +300,35 @@ def run_trainer_memory(cfg, args) -> str:
 
     seq = args.seq or cfg.max_seq_len
     modes = [args.recompute] if args.recompute else list(RECOMPUTE_MODES)
-    batches = [args.micro_batch] if args.micro_batch else \
-        [2**i for i in range(int(math.log2(args.max_micro_batch)) + 1)]
-    lines = [f"xmoe plan memory --trainer: {args.preset} with {cfg.num_layers} layers, seq {seq}, one GPU of "
-             f"{args.gpu_mem:g} GiB, {args.accumulation} micro-batch(es) per step, compiled regions "
-             f"{'off' if args.eager else 'on'}", _model_line(cfg),
-             f"  {'recompute':<10}{'micro-batch':>12}{'states':>9}{'grads':>9}{'activ.':>9}{'working':>9}"
-             f"{'peak GiB':>10}  fits"]
+    batches = (
+        [args.micro_batch] if args.micro_batch else [2**i for i in range(int(math.log2(args.max_micro_batch)) + 1)]
+    )
+    lines = [
+        f"xmoe plan memory --trainer: {args.preset} with {cfg.num_layers} layers, seq {seq}, one GPU of "
+        f"{args.gpu_mem:g} GiB, {args.accumulation} micro-batch(es) per step, compiled regions "
+        f"{'off' if args.eager else 'on'}",
+        _model_line(cfg),
+        f"  {'recompute':<10}{'micro-batch':>12}{'states':>9}{'grads':>9}{'activ.':>9}{'working':>9}"
+        f"{'peak GiB':>10}  fits",
+    ]
     for mode in modes:
         for mb in batches:
-            m = estimate_trainer_memory(cfg, micro_batch=mb, seq_len=seq, recompute=mode,
-                                        accumulation=args.accumulation, compiled=not args.eager)
-            lines.append(f"  {mode:<10}{mb:>12}{m.states / GIB:>9.1f}{m.grads / GIB:>9.1f}{m.activations / GIB:>9.1f}"
-                         f"{m.working / GIB:>9.1f}{m.total / GIB:>10.1f}  {'yes' if m.total <= args.gpu_mem * GIB else 'no'}")
-    lines.append("states: fp32 weights, AdamW moments, bf16 expert copies; grads, activations, working: at the peak "
-                 "of backward (docs/training-speed.md compares these with measured peaks)")
+            m = estimate_trainer_memory(
+                cfg,
+                micro_batch=mb,
+                seq_len=seq,
+                recompute=mode,
+                accumulation=args.accumulation,
+                compiled=not args.eager,
+            )
+            lines.append(
+                f"  {mode:<10}{mb:>12}{m.states / GIB:>9.1f}{m.grads / GIB:>9.1f}{m.activations / GIB:>9.1f}"
+                f"{m.working / GIB:>9.1f}{m.total / GIB:>10.1f}  {'yes' if m.total <= args.gpu_mem * GIB else 'no'}"
+            )
+    lines.append(
+        "states: fp32 weights, AdamW moments, bf16 expert copies; grads, activations, working: at the peak "
+        "of backward (docs/training-speed.md compares these with measured peaks)"
+    )
     return "\n".join(lines)
 
 
@@ -242,9 +337,11 @@ def _model_line(cfg) -> str:
 
     moe = cfg.moe
     total, paper = count_params(cfg).total, paper_params(cfg)[0]
-    return (f"model: {cfg.num_layers} layers ({cfg.num_layers - cfg.first_k_dense} MoE), H {cfg.hidden_size}, "
-            f"{moe.num_experts} experts x F {moe.ffn_hidden_size}, top-{moe.top_k}, {moe.num_shared_experts} shared; "
-            f"{_count(total)} parameters (SwiGLU); {paper:.4g}B in the paper's convention (GELU, units of 2^30)")
+    return (
+        f"model: {cfg.num_layers} layers ({cfg.num_layers - cfg.first_k_dense} MoE), H {cfg.hidden_size}, "
+        f"{moe.num_experts} experts x F {moe.ffn_hidden_size}, top-{moe.top_k}, {moe.num_shared_experts} shared; "
+        f"{_count(total)} parameters (SwiGLU); {paper:.4g}B in the paper's convention (GELU, units of 2^30)"
+    )
 
 
 def _count(n: float) -> str:
@@ -266,27 +363,56 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
     nodes = memory.ep_group_nodes(p)
     dispatch = "padded (GShard)" if m.padded else "PFT"
     cf = f"capacity factor {m.capacity_factor:g}" if m.capacity_factor else "dropless"
-    ssmb = f"SSMB on: MoE block on {m.moe_tokens} of {m.tokens} tokens" if m.ssmb else (
-        "SSMB off" + (" (tp 1)" if p.tp == 1 else ""))
+    ssmb = (
+        f"SSMB on: MoE block on {m.moe_tokens} of {m.tokens} tokens"
+        if m.ssmb
+        else ("SSMB off" + (" (tp 1)" if p.tp == 1 else ""))
+    )
     unit, scale = _unit(m.total)
     layer_unit, layer_scale = _unit(min(max(m.moe_layer_bytes, sum(m.attention_layer.values())), 2**20))
     free = gpu_mem * GIB - m.total
-    where = {"FSDP2": f"FSDP2 shards: {m.dense_params / 1e6:.1f}M dense over dp*ep={p.dp * p.ep}, "
-                      f"{m.expert_params / 1e6:.1f}M expert over dp={p.dp}",
-             "DDP": f"DDP replica of {(m.dense_params + m.expert_params) / 1e6:.1f}M",
-             "none": f"one process, {(m.dense_params + m.expert_params) / 1e6:.1f}M"}[m.wrapper]
-    compute = ("fp32 throughout" if m.precision == "fp32" else "autocast bf16, FSDP2 gathers bf16"
-               if m.wrapper == "FSDP2" else "autocast bf16, compiled regions")
-    rows = [("parameters", f"fp32 ({where})", m.params),
-            ("gradients", "reduced fp32 shards, unsharded ones in flight" if m.wrapper == "FSDP2"
-             else "fp32, + DDP's buckets" if m.wrapper == "DDP" else "fp32", m.grads),
-            ("optimizer", "AdamW exp_avg + exp_avg_sq, fp32", m.optimizer),
-            ("gathered", "root kept, the unit in hand, the prefetched one" if m.wrapper == "FSDP2"
-             else "bf16 expert copies for the step", m.gathered),
-            ("activations", "saved, of the layers whose backward is still to run", m.activations),
-            ("working", "activation gradients, reduce-scatter input, loss" if m.wrapper == "FSDP2"
-             else "activation gradients, recomputed block, loss", m.working),
-            ("reserve", "CUDA context, NCCL buffers, fragmentation", m.reserve)]
+    where = {
+        "FSDP2": f"FSDP2 shards: {m.dense_params / 1e6:.1f}M dense over dp*ep={p.dp * p.ep}, "
+        f"{m.expert_params / 1e6:.1f}M expert over dp={p.dp}",
+        "DDP": f"DDP replica of {(m.dense_params + m.expert_params) / 1e6:.1f}M",
+        "none": f"one process, {(m.dense_params + m.expert_params) / 1e6:.1f}M",
+    }[m.wrapper]
+    compute = (
+        "fp32 throughout"
+        if m.precision == "fp32"
+        else "autocast bf16, FSDP2 gathers bf16"
+        if m.wrapper == "FSDP2"
+        else "autocast bf16, compiled regions"
+    )
+    rows = [
+        ("parameters", f"fp32 ({where})", m.params),
+        (
+            "gradients",
+            "reduced fp32 shards, unsharded ones in flight"
+            if m.wrapper == "FSDP2"
+            else "fp32, + DDP's buckets"
+            if m.wrapper == "DDP"
+            else "fp32",
+            m.grads,
+        ),
+        ("optimizer", "AdamW exp_avg + exp_avg_sq, fp32", m.optimizer),
+        (
+            "gathered",
+            "root kept, the unit in hand, the prefetched one"
+            if m.wrapper == "FSDP2"
+            else "bf16 expert copies for the step",
+            m.gathered,
+        ),
+        ("activations", "saved, of the layers whose backward is still to run", m.activations),
+        (
+            "working",
+            "activation gradients, reduce-scatter input, loss"
+            if m.wrapper == "FSDP2"
+            else "activation gradients, recomputed block, loss",
+            m.working,
+        ),
+        ("reserve", "CUDA context, NCCL buffers, fragmentation", m.reserve),
+    ]
     width = max(len(desc) for _, desc, _ in rows) + 2
     lines = [
         f"layout: tp {p.tp} x ep {p.ep} x dp {p.dp}, placement {p.placement} (EP group on {nodes} node"
@@ -303,10 +429,14 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
     ]
     t = m.traffic
     if m.wrapper != "none":
-        collectives = (f"DDP all-reduce {t['ddp'] / 1e9:.1f}" if m.wrapper == "DDP" else
-                       f"FSDP2 dense {t['fsdp_dense'] / 1e9:.1f}, FSDP2 experts {t['fsdp_experts'] / 1e9:.1f}")
-        lines.append(f"traffic per GPU per micro-batch (GB): {collectives}, expert all-to-all "
-                     f"{t['all_to_all'] / 1e9:.1f}")
+        collectives = (
+            f"DDP all-reduce {t['ddp'] / 1e9:.1f}"
+            if m.wrapper == "DDP"
+            else f"FSDP2 dense {t['fsdp_dense'] / 1e9:.1f}, FSDP2 experts {t['fsdp_experts'] / 1e9:.1f}"
+        )
+        lines.append(
+            f"traffic per GPU per micro-batch (GB): {collectives}, expert all-to-all {t['all_to_all'] / 1e9:.1f}"
+        )
     return lines + [f"note: {n}" for n in m.notes]
 
 
@@ -326,8 +456,16 @@ def run_comm(cfg, args) -> str:
     if args.tp > args.gpus_per_node:
         raise ValueError(f"--tp ({args.tp}) must be <= --gpus-per-node ({args.gpus_per_node})")
     probs = comm.routing_probs(args.routing, cfg.moe.num_experts, cfg.moe.top_k, args.seed)
-    common = dict(gpus_per_node=args.gpus_per_node, tp=args.tp, placement=args.placement, routing=probs,
-                  tokens_per_gpu=args.tokens_per_gpu, network=net, mc_tokens=args.mc_tokens, seed=args.seed)
+    common = dict(
+        gpus_per_node=args.gpus_per_node,
+        tp=args.tp,
+        placement=args.placement,
+        routing=probs,
+        tokens_per_gpu=args.tokens_per_gpu,
+        network=net,
+        mc_tokens=args.mc_tokens,
+        seed=args.seed,
+    )
     est = comm.estimate_comm(cfg, args.gpus, ep=args.ep, **common)
     r, moe = est.rows, cfg.moe
     mb = lambda rows: f"{est.nbytes(rows) / 1e6:.1f} MB"  # noqa: E731
@@ -349,20 +487,27 @@ def run_comm(cfg, args) -> str:
     ]
     if est.method == "closed form":
         mc = comm.estimate_comm(cfg, args.gpus, ep=args.ep, method="mc", **common)
-        lines.append(f"check by {mc.method}: inter rows flat {mc.rows.flat_inter:.0f}, "
-                     f"RBD {mc.rows.rbd_inter:.0f}, replicas {mc.rows.rbd_replicas:.0f}, "
-                     f"R {mc.rows.redundancy_rate:.3f}")
-    lines += ["", f"scaling (ep = {args.ep or 'min(E, gpus / tp)'}, {args.placement}, same tokens per GPU):",
-              f"{'gpus':>9}{'ep':>5}{'nodes':>6}{'flat inter':>12}{'RBD inter':>11}{'saved':>7}{'R':>7}"
-              f"{'flat MB':>9}{'RBD MB':>8}{'flat us':>9}{'RBD us':>8}{'speedup':>9}"]
+        lines.append(
+            f"check by {mc.method}: inter rows flat {mc.rows.flat_inter:.0f}, "
+            f"RBD {mc.rows.rbd_inter:.0f}, replicas {mc.rows.rbd_replicas:.0f}, "
+            f"R {mc.rows.redundancy_rate:.3f}"
+        )
+    lines += [
+        "",
+        f"scaling (ep = {args.ep or 'min(E, gpus / tp)'}, {args.placement}, same tokens per GPU):",
+        f"{'gpus':>9}{'ep':>5}{'nodes':>6}{'flat inter':>12}{'RBD inter':>11}{'saved':>7}{'R':>7}"
+        f"{'flat MB':>9}{'RBD MB':>8}{'flat us':>9}{'RBD us':>8}{'speedup':>9}",
+    ]
     # once ep stops growing with the GPU count every row reads the same: print each distinct row once, under
     # the range of GPU counts it holds for
     groups: list[tuple[list[int], str]] = []
     for e in comm.scaling_table(cfg, ep=args.ep, **common):
         x = e.rows
-        row = (f"{e.ep:>5}{e.group_nodes:>6}{x.flat_inter:>12.0f}{x.rbd_inter:>11.0f}"
-               f"{100 * x.inter_saving:>6.1f}%{x.redundancy_rate:>7.3f}{e.nbytes(x.flat_inter) / 1e6:>9.1f}"
-               f"{e.nbytes(x.rbd_inter) / 1e6:>8.1f}{e.flat_us:>9.0f}{e.rbd_us:>8.0f}{e.speedup:>8.2f}x")
+        row = (
+            f"{e.ep:>5}{e.group_nodes:>6}{x.flat_inter:>12.0f}{x.rbd_inter:>11.0f}"
+            f"{100 * x.inter_saving:>6.1f}%{x.redundancy_rate:>7.3f}{e.nbytes(x.flat_inter) / 1e6:>9.1f}"
+            f"{e.nbytes(x.rbd_inter) / 1e6:>8.1f}{e.flat_us:>9.0f}{e.rbd_us:>8.0f}{e.speedup:>8.2f}x"
+        )
         if groups and groups[-1][1] == row:
             groups[-1][0].append(e.gpus)
         else:

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -65,11 +65,11 @@ class RowCounts:
         """Fraction of flat inter-node rows RBD does not send."""
         return 1.0 - self.rbd_inter / self.flat_inter if self.flat_inter else 0.0
 
-    def scaled(self, factor: float) -> "RowCounts":
+    def scaled(self, factor: float) -> RowCounts:
         return RowCounts(*(getattr(self, f.name) * factor for f in fields(self)))
 
     @staticmethod
-    def mean(counts: Sequence["RowCounts"]) -> "RowCounts":
+    def mean(counts: Sequence[RowCounts]) -> RowCounts:
         return RowCounts(*(sum(getattr(c, f.name) for c in counts) / len(counts) for f in fields(RowCounts)))
 
 
@@ -120,8 +120,9 @@ def hit_probability(num_experts: int, top_k: int, m: int) -> float:
     return 1.0 - math.comb(num_experts - m, top_k) / math.comb(num_experts, top_k)
 
 
-def expected_rows_uniform(num_experts: int, top_k: int, expert_to_rank, rank_to_node, src_rank: int,
-                          num_tokens: float) -> RowCounts:
+def expected_rows_uniform(
+    num_experts: int, top_k: int, expert_to_rank, rank_to_node, src_rank: int, num_tokens: float
+) -> RowCounts:
     """Exact expectation of ``count_rows`` when every token picks a uniform K-subset of the E experts."""
     e2r, r2n = _as_numpy(expert_to_rank).astype(np.int64), _as_numpy(rank_to_node).astype(np.int64)
     if len(e2r) != num_experts:
@@ -147,8 +148,9 @@ def expected_rows_uniform(num_experts: int, top_k: int, expert_to_rank, rank_to_
     )
 
 
-def sample_routing(probs_E: Optional[np.ndarray], num_experts: int, top_k: int, num_tokens: int,
-                   rng: np.random.Generator) -> np.ndarray:
+def sample_routing(
+    probs_E: np.ndarray | None, num_experts: int, top_k: int, num_tokens: int, rng: np.random.Generator
+) -> np.ndarray:
     """(T, K) expert ids, K distinct per token, drawn successively with probabilities ``probs_E`` (uniform when
     None) by the Gumbel-top-k trick: the K largest of log p_e + Gumbel noise."""
     if probs_E is None:
@@ -160,7 +162,7 @@ def sample_routing(probs_E: Optional[np.ndarray], num_experts: int, top_k: int, 
     return np.argpartition(-keys, top_k - 1, axis=1)[:, :top_k]
 
 
-def routing_probs(spec: str, num_experts: int, top_k: int, seed: int = 0) -> Optional[np.ndarray]:
+def routing_probs(spec: str, num_experts: int, top_k: int, seed: int = 0) -> np.ndarray | None:
     """'uniform' -> None; 'skewed' -> Zipf popularity over a seeded permutation of the experts (hot experts
     land on random GPUs); a path to a .json file -> the recorded tokens-per-expert histogram, as a list of E
     counts, {"tokens_per_expert": [...]}, or per-layer rows [[...], ...] (summed)."""
@@ -186,8 +188,9 @@ def routing_probs(spec: str, num_experts: int, top_k: int, seed: int = 0) -> Opt
     return counts / counts.sum()
 
 
-def ep_layout(num_experts: int, gpus: int, ep: int, gpus_per_node: int, placement: str = "ep_first",
-              tp: int = 1) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def ep_layout(
+    num_experts: int, gpus: int, ep: int, gpus_per_node: int, placement: str = "ep_first", tp: int = 1
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(expert_to_rank_E, rank_to_node_W, group) of the EP group holding global rank 0 (xmoe's rank grid)."""
     experts_per_rank(num_experts, ep)
     if gpus % (ep * tp):
@@ -244,10 +247,23 @@ class CommEstimate:
         return self.flat_us / self.rbd_us if self.rbd_us else 1.0
 
 
-def estimate_comm(cfg: ModelConfig, gpus: int, *, gpus_per_node: int = 8, ep: Optional[int] = None, tp: int = 1,
-                  placement: str = "ep_first", routing: Union[str, np.ndarray, None] = "uniform",
-                  tokens_per_gpu: Optional[int] = None, network: Network = Network(), bytes_per_elem: int = 2,
-                  method: str = "auto", mc_tokens: int = 4096, mc_sources: int = 8, seed: int = 0) -> CommEstimate:
+def estimate_comm(
+    cfg: ModelConfig,
+    gpus: int,
+    *,
+    gpus_per_node: int = 8,
+    ep: int | None = None,
+    tp: int = 1,
+    placement: str = "ep_first",
+    routing: str | np.ndarray | None = "uniform",
+    tokens_per_gpu: int | None = None,
+    network: Network = Network(),
+    bytes_per_elem: int = 2,
+    method: str = "auto",
+    mc_tokens: int = 4096,
+    mc_sources: int = 8,
+    seed: int = 0,
+) -> CommEstimate:
     """Per-GPU rows, bytes and time of one dispatch of ``cfg``'s MoE layer on ``gpus`` GPUs.
 
     ep defaults to min(E, gpus / tp). ``routing``: 'uniform', 'skewed', a .json histogram path, or per-expert
@@ -269,9 +285,9 @@ def estimate_comm(cfg: ModelConfig, gpus: int, *, gpus_per_node: int = 8, ep: Op
     else:
         rng = np.random.default_rng(seed)
         sources = group[:: max(1, len(group) // mc_sources)][:mc_sources]
-        rows = RowCounts.mean([
-            count_rows(sample_routing(probs, E, K, mc_tokens, rng), e2r, r2n, s) for s in sources
-        ]).scaled(tokens / mc_tokens)
+        rows = RowCounts.mean(
+            [count_rows(sample_routing(probs, E, K, mc_tokens, rng), e2r, r2n, s) for s in sources]
+        ).scaled(tokens / mc_tokens)
         how = f"monte carlo ({mc_tokens} tokens x {len(sources)} sources, seed {seed})"
     group_nodes = len({int(r2n[r]) for r in group})
     return CommEstimate(gpus, ep, group_nodes, cfg.hidden_size, bytes_per_elem, rows, how, network)

@@ -5,7 +5,6 @@ hold its peak, as bytes by term. Letters and conventions: ``memory.py``'s docstr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from xmoe.config import ModelConfig, ParallelConfig
 from xmoe.model.counting import count_params
@@ -57,8 +56,8 @@ _NO_UNIT = _Unit(0.0, 1, 0)
 @dataclass(frozen=True)
 class _LayerUnits:
     block: _Unit  # attention, norms, dense FFN or shared experts (and the router on CPUs)
-    experts: Optional[_Unit]  # the routed experts of an MoE layer
-    router: Optional[_Unit]  # the router's fp32 unit of an MoE layer (GPUs)
+    experts: _Unit | None  # the routed experts of an MoE layer
+    router: _Unit | None  # the router's fp32 unit of an MoE layer (GPUs)
     moe_side: float  # parameters of the block's MoE part (ffn norm, shared experts, CPU router): gradients first
 
 
@@ -66,7 +65,7 @@ class _LayerUnits:
 class _Units:
     layers: list[_LayerUnits]
     root: _Unit  # final norm and head (+ the embedding on CPUs or when tied)
-    embed: Optional[_Unit]  # the untied embedding's fp32 unit (GPUs)
+    embed: _Unit | None  # the untied embedding's fp32 unit (GPUs)
     head: float  # head parameters (V x H): its gradient lives from the loss to the root's reduce-scatter
 
     def all(self) -> list[_Unit]:
@@ -92,14 +91,16 @@ def _fsdp_units(cfg: ModelConfig, par: ParallelConfig, precision: str) -> _Units
     layers = []
     for i in range(L):
         if i < cfg.first_k_dense:
-            layers.append(_LayerUnits(_Unit(attention + 3 * H * cfg.ffn_hidden_size / par.tp, dense_group, b),
-                                      None, None, 0.0))
+            layers.append(
+                _LayerUnits(_Unit(attention + 3 * H * cfg.ffn_hidden_size / par.tp, dense_group, b), None, None, 0.0)
+            )
             continue
         experts = _Unit(3 * (moe.num_experts // par.ep) * H * moe.ffn_hidden_size, par.dp, b)
         in_block = 0 if gpu else router
         block = _Unit(attention + shared + in_block, dense_group, b)
-        layers.append(_LayerUnits(block, experts, _Unit(router, dense_group, 4) if gpu else None,
-                                  H + shared + in_block))
+        layers.append(
+            _LayerUnits(block, experts, _Unit(router, dense_group, 4) if gpu else None, H + shared + in_block)
+        )
     tied = cfg.tie_embeddings
     embed_in_root = tied or not gpu
     # a tied embedding keeps the root an fp32 unit (the residual stream starts in fp32)
@@ -108,8 +109,16 @@ def _fsdp_units(cfg: ModelConfig, par: ParallelConfig, precision: str) -> _Units
     return _Units(layers, root, embed, V * H)
 
 
-def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _LayerActivations, recompute: str,
-                  precision: str, kernel: str, ssmb: bool) -> list[tuple[str, dict[str, float]]]:
+def _fsdp_moments(
+    cfg: ModelConfig,
+    par: ParallelConfig,
+    units: _Units,
+    acts: _LayerActivations,
+    recompute: str,
+    precision: str,
+    kernel: str,
+    ssmb: bool,
+) -> list[tuple[str, dict[str, float]]]:
     """Every moment of one FSDP2 training step that can hold its peak, as (label, bytes by term): the loss, each
     layer's FFN and attention branches in backward order, the end of backward, the optimizer step."""
     H, V, L, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, cfg.moe
@@ -123,8 +132,10 @@ def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _L
 
     residual = RESIDUAL_BYTES * T * H
     attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
-    plans = [_keeps(recompute, attn_b, moe_b if layer.experts else dense_b, residual, layer.experts is not None)
-             for layer in units.layers]
+    plans = [
+        _keeps(recompute, attn_b, moe_b if layer.experts else dense_b, residual, layer.experts is not None)
+        for layer in units.layers
+    ]
     tail = norm_activations(T, H) + b * T * H  # the final norm, the head's input
     left = sum(plan[0] for plan in plans)
     root, head_grad = units.root.weights, units.root.width * units.head
@@ -133,10 +144,22 @@ def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _L
     chunk = min(T, LOSS_CHUNK_TOKENS)
     more = float(T > chunk)
     first = units.layers[-1].block.weights  # the root's backward prefetches the last block
-    at("loss backward", gathered=root, prefetch=first, grads=more * head_grad, activations=left + tail,
-       transient=12 * chunk * V)
-    at("head gradient", gathered=root, prefetch=first, grads=(1 + more) * head_grad, activations=left + tail,
-       transient=b * chunk * V)
+    at(
+        "loss backward",
+        gathered=root,
+        prefetch=first,
+        grads=more * head_grad,
+        activations=left + tail,
+        transient=12 * chunk * V,
+    )
+    at(
+        "head gradient",
+        gathered=root,
+        prefetch=first,
+        grads=(1 + more) * head_grad,
+        activations=left + tail,
+        transient=b * chunk * V,
+    )
     # expert rows' gradients in the grouped SwiGLU's backward: in and out (N x H each), and of h1 / h3
     rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if kernel == "torch" else 2 * moe.ffn_hidden_size))
     # the combine's backward: the rows' output gradients, and on the torch path fp32 products (and fp32 copies of
@@ -149,9 +172,16 @@ def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _L
         block, experts, router = layer.block, layer.experts, layer.router or _NO_UNIT
         nxt = units.layers[i - 1].block.weights if i else (units.embed.weights if units.embed else 0.0)
         if not experts:  # a dense block: one unit, one stage
-            at(f"layer {i} block backward", gathered=root + block.weights, prefetch=nxt, grads=head_grad + reduced,
-               grads_unit=block.weights, reduce_buffer=in_flight, activations=left + ffn_regen,
-               transient=2 * residual + 2 * b * T * cfg.ffn_hidden_size / tp)
+            at(
+                f"layer {i} block backward",
+                gathered=root + block.weights,
+                prefetch=nxt,
+                grads=head_grad + reduced,
+                grads_unit=block.weights,
+                reduce_buffer=in_flight,
+                activations=left + ffn_regen,
+                transient=2 * residual + 2 * b * T * cfg.ffn_hidden_size / tp,
+            )
             reduced, in_flight, left = reduced + block.reduced, block.reduce_input, left - ffn_done - attn_done
             continue
         # the MoE branch's backward: the combine's first (the experts' all-gather prefetched; the shared experts'
@@ -159,34 +189,70 @@ def _fsdp_moments(cfg: ModelConfig, par: ParallelConfig, units: _Units, acts: _L
         # path's separate ops have freed the hidden tensors (one Triton op keeps them to its end); SSMB averages each
         # weight's gradient over tp into a new tensor, one weight at a time
         moe_side = block.width * layer.moe_side
-        at(f"layer {i} MoE backward", gathered=root + block.weights, prefetch=experts.weights + router.weights,
-           grads=head_grad + reduced, reduce_buffer=in_flight, activations=left + ffn_regen, grads_unit=moe_side,
-           transient=residual + combine_grad)
+        at(
+            f"layer {i} MoE backward",
+            gathered=root + block.weights,
+            prefetch=experts.weights + router.weights,
+            grads=head_grad + reduced,
+            reduce_buffer=in_flight,
+            activations=left + ffn_regen,
+            grads_unit=moe_side,
+            transient=residual + combine_grad,
+        )
         average = experts.weights / 3 if ssmb and tp > 1 else 0.0
         live = left + ffn_regen - acts.moe.get("combine_buffer", 0.0)
         hidden = acts.moe.get("expert_hidden", 0.0) if kernel == "torch" else 0.0
         for grads_made, freed in ((experts.weights / 3, 0.0), (experts.weights, hidden)):
-            at(f"layer {i} MoE backward", gathered=root + block.weights,
-               gathered_own=experts.weights + router.weights, prefetch=nxt, grads=head_grad + reduced,
-               reduce_buffer=in_flight, activations=live - freed, grads_unit=grads_made + router.weights + moe_side,
-               transient=residual + rows_grad + average)
+            at(
+                f"layer {i} MoE backward",
+                gathered=root + block.weights,
+                gathered_own=experts.weights + router.weights,
+                prefetch=nxt,
+                grads=head_grad + reduced,
+                reduce_buffer=in_flight,
+                activations=live - freed,
+                grads_unit=grads_made + router.weights + moe_side,
+                transient=residual + rows_grad + average,
+            )
         reduced += experts.reduced + router.reduced
         in_flight = (router if layer.router else experts).reduce_input
         left -= ffn_done
-        at(f"layer {i} attention backward", gathered=root + block.weights, prefetch=nxt, grads=head_grad + reduced,
-           grads_unit=block.weights, reduce_buffer=in_flight, activations=left + attn_regen,
-           transient=2 * residual + 4 * b * T * H / tp)
+        at(
+            f"layer {i} attention backward",
+            gathered=root + block.weights,
+            prefetch=nxt,
+            grads=head_grad + reduced,
+            grads_unit=block.weights,
+            reduce_buffer=in_flight,
+            activations=left + attn_regen,
+            transient=2 * residual + 4 * b * T * H / tp,
+        )
         reduced, in_flight, left = reduced + block.reduced, block.reduce_input, left - attn_done
     root_grads = head_grad if units.embed else units.root.weights  # the embedding's own, on CPUs or when tied
     embed = units.embed or _NO_UNIT
     # the embedding's gradient, then (in the final callback) the root's reduce-scatter: its gathered weights are
     # freed first and the buffer in flight released, the gradients copied into an fp32 input; then the embedding's
-    at("embedding backward", gathered=root, gathered_own=embed.weights, grads=root_grads + reduced,
-       grads_unit=embed.weights, reduce_buffer=in_flight)
-    at("root reduce-scatter", gathered_own=embed.weights, grads=root_grads + reduced, grads_unit=embed.weights,
-       reduce_buffer=units.root.reduce_input)
+    at(
+        "embedding backward",
+        gathered=root,
+        gathered_own=embed.weights,
+        grads=root_grads + reduced,
+        grads_unit=embed.weights,
+        reduce_buffer=in_flight,
+    )
+    at(
+        "root reduce-scatter",
+        gathered_own=embed.weights,
+        grads=root_grads + reduced,
+        grads_unit=embed.weights,
+        reduce_buffer=units.root.reduce_input,
+    )
     if units.embed:
-        at("embedding reduce-scatter", grads=reduced + units.root.reduced, grads_unit=embed.weights,
-           reduce_buffer=embed.reduce_input)
+        at(
+            "embedding reduce-scatter",
+            grads=reduced + units.root.reduced,
+            grads_unit=embed.weights,
+            reduce_buffer=embed.reduce_input,
+        )
     at("optimizer step", grads=GRAD_BYTES * P, adam_step=_adam_step(cfg, par, precision, sharded=True))
     return moments

@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
 
 from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
 from xmoe.dispatch.base import experts_per_rank
@@ -65,10 +64,21 @@ TP_CHOICES = (1, 2, 4, 8)
 
 
 # the finer terms of a moment, and the MemoryBreakdown field each adds to
-TERMS = {"params": "params", "optimizer": "optimizer", "adam_step": "optimizer", "gathered": "gathered",
-         "gathered_own": "gathered", "prefetch": "gathered", "casts": "gathered", "grads": "grads",
-         "grads_unit": "grads", "buckets": "grads", "activations": "activations", "reduce_buffer": "working",
-         "transient": "working"}
+TERMS = {
+    "params": "params",
+    "optimizer": "optimizer",
+    "adam_step": "optimizer",
+    "gathered": "gathered",
+    "gathered_own": "gathered",
+    "prefetch": "gathered",
+    "casts": "gathered",
+    "grads": "grads",
+    "grads_unit": "grads",
+    "buckets": "grads",
+    "activations": "activations",
+    "reduce_buffer": "working",
+    "transient": "working",
+}
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,7 @@ class MemoryBreakdown:
     seq_len: int
     recompute: str
     padded: bool
-    capacity_factor: Optional[float]
+    capacity_factor: float | None
     ssmb: bool
     tokens: int  # T: tokens per rank per micro-batch
     moe_tokens: int  # tokens the MoE block of this rank processes (T / tp under SSMB)
@@ -106,8 +116,9 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return (self.params + self.grads + self.optimizer + self.gathered + self.activations + self.working
-                + self.reserve)
+        return (
+            self.params + self.grads + self.optimizer + self.gathered + self.activations + self.working + self.reserve
+        )
 
     @property
     def peak(self) -> float:
@@ -122,9 +133,15 @@ class MemoryBreakdown:
         return self.total <= gpu_mem_gib * GIB
 
     def parts(self) -> dict[str, float]:
-        return {"parameters": self.params, "gradients": self.grads, "optimizer": self.optimizer,
-                "gathered": self.gathered, "activations": self.activations, "working": self.working,
-                "reserve": self.reserve}
+        return {
+            "parameters": self.params,
+            "gradients": self.grads,
+            "optimizer": self.optimizer,
+            "gathered": self.gathered,
+            "activations": self.activations,
+            "working": self.working,
+            "reserve": self.reserve,
+        }
 
     def tracker_parts(self) -> dict[str, float]:
         """The peak in the kinds of torch's MemTracker (what `--measure` reports), which names a tensor by how it
@@ -135,10 +152,13 @@ class MemoryBreakdown:
         rest of backward (gradients of the unit in hand, all-gather and reduce-scatter buffers, activation
         gradients, the loss chunk)."""
         t = dict.fromkeys(TERMS, 0.0) | self.peak_terms
-        return {"weights": t["params"] + t["gathered"], "gradients": t["grads"],
-                "optimizer": t["optimizer"] + t["adam_step"],
-                "activations": t["activations"] + t["gathered_own"] + t["buckets"] + t["casts"],
-                "temporaries": t["grads_unit"] + t["prefetch"] + t["reduce_buffer"] + t["transient"]}
+        return {
+            "weights": t["params"] + t["gathered"],
+            "gradients": t["grads"],
+            "optimizer": t["optimizer"] + t["adam_step"],
+            "activations": t["activations"] + t["gathered_own"] + t["buckets"] + t["casts"],
+            "temporaries": t["grads_unit"] + t["prefetch"] + t["reduce_buffer"] + t["transient"],
+        }
 
 
 def _validate(cfg: ModelConfig, par: ParallelConfig, micro_batch: int, seq_len: int, ssmb: bool) -> None:
@@ -157,15 +177,28 @@ def _validate(cfg: ModelConfig, par: ParallelConfig, micro_batch: int, seq_len: 
     if not 0 < seq_len <= cfg.max_seq_len:
         raise ValueError(f"seq_len ({seq_len}) must be in [1, max_seq_len={cfg.max_seq_len}]")
     if ssmb and par.tp > 1 and (micro_batch * seq_len) % par.tp:
-        raise ValueError(f"SSMB splits micro_batch*seq ({micro_batch * seq_len}) tokens over tp ({par.tp}); "
-                         "make it divisible or pass --no-ssmb")
+        raise ValueError(
+            f"SSMB splits micro_batch*seq ({micro_batch * seq_len}) tokens over tp ({par.tp}); "
+            "make it divisible or pass --no-ssmb"
+        )
 
 
-def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int = 1,
-                    seq_len: Optional[int] = None, recompute: str = "none", padded: bool = False,
-                    capacity_factor: Optional[float] = None, ssmb: bool = True, imbalance: float = 1.0,
-                    kernel: str = "triton", precision: str = "bf16", reserve_gib: float = 2.0,
-                    name: str = "") -> MemoryBreakdown:
+def estimate_memory(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    recompute: str = "none",
+    padded: bool = False,
+    capacity_factor: float | None = None,
+    ssmb: bool = True,
+    imbalance: float = 1.0,
+    kernel: str = "triton",
+    precision: str = "bf16",
+    reserve_gib: float = 2.0,
+    name: str = "",
+) -> MemoryBreakdown:
     """The per-GPU peak memory of training ``cfg`` under ``parallel`` in ``precision`` ("bf16": a GPU run, "fp32":
     a CPU run); the module docstring gives the model."""
     if recompute not in RECOMPUTE_MODES:
@@ -181,8 +214,21 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
     autocast = precision == "bf16"
     n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
     attn = attention_activations(T, cfg.hidden_size, cfg.num_heads, tp, b, autocast)
-    moe_act = moe_activations(cfg.moe, T_moe, ep=ep, padded=padded, capacity_factor=capacity_factor,
-                              imbalance=imbalance, kernel=kernel, b=b, router_fp32=True) if n_moe else {}
+    moe_act = (
+        moe_activations(
+            cfg.moe,
+            T_moe,
+            ep=ep,
+            padded=padded,
+            capacity_factor=capacity_factor,
+            imbalance=imbalance,
+            kernel=kernel,
+            b=b,
+            router_fp32=True,
+        )
+        if n_moe
+        else {}
+    )
     dense_act = dense_ffn_activations(T, cfg.hidden_size, cfg.ffn_hidden_size, tp, b, autocast) if n_dense else {}
     rows = moe_act.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
     if moe_act and ep == 1 and kernel == "triton" and not padded:
@@ -194,8 +240,10 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
     if parallel.world_size > 1 and (tp > 1 or ep > 1):
         wrapper = "FSDP2"
         units = _fsdp_units(cfg, parallel, precision)
-        label, terms = max(_fsdp_moments(cfg, parallel, units, acts, recompute, precision, kernel, ssmb),
-                           key=lambda moment: sum(moment[1].values()))
+        label, terms = max(
+            _fsdp_moments(cfg, parallel, units, acts, recompute, precision, kernel, ssmb),
+            key=lambda moment: sum(moment[1].values()),
+        )
         expert_params = sum(u.shard for u in units.experts())
         dense_params = sum(u.shard for u in units.all()) - expert_params
     else:
@@ -214,17 +262,34 @@ def estimate_memory(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: 
     if cfg.moe.fp8 != "off":
         notes.append(f"moe.fp8={cfg.moe.fp8!r}: planned as bf16 experts (the FP8 weight copies are not modelled)")
     return MemoryBreakdown(
-        name=name, parallel=parallel, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-        padded=padded, capacity_factor=capacity_factor, ssmb=ssmb and tp > 1, tokens=T, moe_tokens=T_moe,
-        dense_params=dense_params, expert_params=expert_params, reserve=reserve_gib * GIB,
-        traffic=_traffic(cfg, parallel, units, precision, rows), attention_layer=attn,
-        ffn_layer=moe_act or dense_act, precision=precision, wrapper=wrapper, peak_at=label, peak_terms=terms,
-        notes=tuple(notes), **fields,
+        name=name,
+        parallel=parallel,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        recompute=recompute,
+        padded=padded,
+        capacity_factor=capacity_factor,
+        ssmb=ssmb and tp > 1,
+        tokens=T,
+        moe_tokens=T_moe,
+        dense_params=dense_params,
+        expert_params=expert_params,
+        reserve=reserve_gib * GIB,
+        traffic=_traffic(cfg, parallel, units, precision, rows),
+        attention_layer=attn,
+        ffn_layer=moe_act or dense_act,
+        precision=precision,
+        wrapper=wrapper,
+        peak_at=label,
+        peak_terms=terms,
+        notes=tuple(notes),
+        **fields,
     )
 
 
-def _traffic(cfg: ModelConfig, par: ParallelConfig, units: Optional[_Units], precision: str,
-             rows: float) -> dict[str, float]:
+def _traffic(
+    cfg: ModelConfig, par: ParallelConfig, units: _Units | None, precision: str, rows: float
+) -> dict[str, float]:
     """Bytes each GPU sends per micro-batch (a ring sends (G-1)/G of a collective's bytes over a group of G):
     FSDP2 all-gathers every unit forward and backward at its gathered width and reduce-scatters its gradients in
     fp32; DDP all-reduces the fp32 gradients (twice (G-1)/G); the expert all-to-alls move the rows."""
@@ -250,8 +315,9 @@ def ep_group_nodes(parallel: ParallelConfig) -> int:
     world = parallel.world_size
     with warnings.catch_warnings():  # straddling warnings are the planner's business to report, not to raise
         warnings.simplefilter("ignore")
-        dims = ParallelDims(parallel.dp, parallel.ep, parallel.tp, world, parallel.gpus_per_node or world,
-                            parallel.placement)
+        dims = ParallelDims(
+            parallel.dp, parallel.ep, parallel.tp, world, parallel.gpus_per_node or world, parallel.placement
+        )
     return len(dims.nodes_of_group("ep", 0))
 
 
@@ -261,18 +327,34 @@ def _preference(m: MemoryBreakdown) -> tuple:
     GPU all-gather E/EP experts' weights each pass, a large EP moves rows instead), then EP inside a node."""
     par = m.parallel
     node = par.gpus_per_node or par.world_size
-    return (RECOMPUTE_MODES.index(m.recompute), par.tp, -m.micro_batch, round(sum(m.traffic.values()) / 1e6),
-            par.ep * par.tp > node)
+    return (
+        RECOMPUTE_MODES.index(m.recompute),
+        par.tp,
+        -m.micro_batch,
+        round(sum(m.traffic.values()) / 1e6),
+        par.ep * par.tp > node,
+    )
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search_layouts(cfg: ModelConfig, gpus: int, gpu_mem_gib: float, *, gpus_per_node: int = 8,
-                   tp: Optional[int] = None, ep: Optional[int] = None, dp: Optional[int] = None,
-                   micro_batch: Optional[int] = None, recompute: Optional[str] = None,
-                   max_micro_batch: int = 8, placement: str = "ep_first", **kwargs) -> list[MemoryBreakdown]:
+def search_layouts(
+    cfg: ModelConfig,
+    gpus: int,
+    gpu_mem_gib: float,
+    *,
+    gpus_per_node: int = 8,
+    tp: int | None = None,
+    ep: int | None = None,
+    dp: int | None = None,
+    micro_batch: int | None = None,
+    recompute: str | None = None,
+    max_micro_batch: int = 8,
+    placement: str = "ep_first",
+    **kwargs,
+) -> list[MemoryBreakdown]:
     """Every layout that the given options allow, feasible ones first in order of preference, then the rest
     by total memory. Options left as None are searched: tp in {1,2,4,8} (<= node, dividing gpus and heads),
     ep among the divisors of E that divide gpus / tp, dp = the rest, micro-batch 1, 2, 4, ... up to
@@ -291,8 +373,10 @@ def search_layouts(cfg: ModelConfig, gpus: int, gpu_mem_gib: float, *, gpus_per_
             raise ValueError(f"{label} ({value}) must divide gpus ({gpus})")
     given = [v for v in (tp, ep, dp) if v is not None]
     if (len(given) == 3 and tp * ep * dp != gpus) or gpus % math.prod(given):
-        raise ValueError(f"tp * ep * dp = {'*'.join(map(str, given))} = {math.prod(given)} must equal (or, with one "
-                         f"left to search, divide) gpus ({gpus})")
+        raise ValueError(
+            f"tp * ep * dp = {'*'.join(map(str, given))} = {math.prod(given)} must equal (or, with one "
+            f"left to search, divide) gpus ({gpus})"
+        )
     tps = [tp] if tp else [t for t in TP_CHOICES if t <= gpus_per_node and not gpus % t and not cfg.num_heads % t]
     if max_micro_batch < 1:
         raise ValueError(f"max_micro_batch ({max_micro_batch}) must be >= 1")
@@ -315,10 +399,10 @@ def search_layouts(cfg: ModelConfig, gpus: int, gpu_mem_gib: float, *, gpus_per_
                         errors.append(str(exc))
     if not results:
         why = f" (last reason: {errors[-1]})" if errors else ""
-        raise ValueError(f"no layout of {gpus} GPUs satisfies tp={tp}, ep={ep}, dp={dp} for this model "
-                         f"({cfg.moe.num_experts} experts, {cfg.num_heads} heads){why}")
+        raise ValueError(
+            f"no layout of {gpus} GPUs satisfies tp={tp}, ep={ep}, dp={dp} for this model "
+            f"({cfg.moe.num_experts} experts, {cfg.num_heads} heads){why}"
+        )
     feasible = sorted((m for m in results if m.fits(gpu_mem_gib)), key=_preference)
     infeasible = sorted((m for m in results if not m.fits(gpu_mem_gib)), key=lambda m: m.total)
     return feasible + infeasible
-
-

@@ -6,7 +6,6 @@ AdamW's transient. Letters and conventions: ``memory.py``'s docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 from xmoe.config import ModelConfig, MoEConfig, ParallelConfig
 
@@ -32,8 +31,7 @@ def norm_activations(T: int, H: int) -> float:
     return 8 * T * H + 4 * T + 4 * H
 
 
-def attention_activations(T: int, H: int, heads: int, tp: int, b: int = 2,
-                          autocast: bool = False) -> dict[str, float]:
+def attention_activations(T: int, H: int, heads: int, tp: int, b: int = 2, autocast: bool = False) -> dict[str, float]:
     """Bytes one attention sub-block saves (pre-norm RMSNorm, q/k/v/o projections, rotary, SDPA). ``autocast``:
     the norm's output is fp32 (an fp32 residual stream) and autocast casts it once per projection (its cache
     keeps weight casts only), so wq, wk and wv save a copy each."""
@@ -56,16 +54,25 @@ def dense_ffn_activations(T: int, H: int, F: int, tp: int, b: int = 2, autocast:
     }
 
 
-def capacity(moe: MoEConfig, num_tokens: int, capacity_factor: Optional[float] = None) -> int:
+def capacity(moe: MoEConfig, num_tokens: int, capacity_factor: float | None = None) -> int:
     """Slots per expert for ``num_tokens`` tokens: MoEConfig.capacity with ``capacity_factor`` (None: the
     config's own factor; dropless when both are None, where the padded baseline uses C = T)."""
     factor = capacity_factor if capacity_factor is not None else moe.capacity_factor
     return replace(moe, capacity_factor=factor).capacity(num_tokens)
 
 
-def moe_activations(moe: MoEConfig, T: int, *, ep: int = 1, padded: bool = False,
-                    capacity_factor: Optional[float] = None, imbalance: float = 1.0, kernel: str = "triton",
-                    b: int = 2, router_fp32: bool = False) -> dict[str, float]:
+def moe_activations(
+    moe: MoEConfig,
+    T: int,
+    *,
+    ep: int = 1,
+    padded: bool = False,
+    capacity_factor: float | None = None,
+    imbalance: float = 1.0,
+    kernel: str = "triton",
+    b: int = 2,
+    router_fp32: bool = False,
+) -> dict[str, float]:
     """Bytes one MoE block saves for T tokens (T is already T/tp under SSMB).
 
     PFT: the dispatch and combine buffers are N*H each with N = T*K routed rows (the paper's
@@ -138,8 +145,10 @@ def _adam_step(cfg: ModelConfig, par: ParallelConfig, precision: str, sharded: b
         return 0.0
     H, moe = cfg.hidden_size, cfg.moe
     dense_group, expert_group = (par.dp * par.ep, par.dp) if sharded else (1, 1)
-    largest = max(cfg.vocab_size * H / dense_group,
-                  H * cfg.num_heads * cfg.head_dim / par.tp / dense_group,
-                  H * max(moe.shared_width, cfg.ffn_hidden_size / par.tp) / dense_group,
-                  moe.num_experts // par.ep * H * moe.ffn_hidden_size / expert_group)
+    largest = max(
+        cfg.vocab_size * H / dense_group,
+        H * cfg.num_heads * cfg.head_dim / par.tp / dense_group,
+        H * max(moe.shared_width, cfg.ffn_hidden_size / par.tp) / dense_group,
+        moe.num_experts // par.ep * H * moe.ffn_hidden_size / expert_group,
+    )
     return 3 * MASTER_BYTES * largest

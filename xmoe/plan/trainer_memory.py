@@ -6,7 +6,6 @@ experts' bf16 copies, compiled regions), the same backward walk over eager fp32 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
 from xmoe.model.counting import count_params
@@ -42,8 +41,9 @@ class TrainerMemory:
         return self.states + self.grads + self.activations + self.working
 
 
-def block_activations(cfg: ModelConfig, T: int, i: int, *, compiled: bool = True, fused: bool = True,
-                      b: int = 2) -> tuple[float, float]:
+def block_activations(
+    cfg: ModelConfig, T: int, i: int, *, compiled: bool = True, fused: bool = True, b: int = 2
+) -> tuple[float, float]:
     """(attention branch, FFN branch) bytes block ``i`` of `xmoe train`'s model saves for T tokens, autocast bf16.
 
     Each branch keeps its fp32 residual input (RMSNorm's backward reads it) and the bf16 weight copies autocast
@@ -74,8 +74,14 @@ def _block_weights(cfg: ModelConfig, parts: dict[str, int]) -> list[float]:
     return [attn_w + (moe_w if i >= cfg.first_k_dense else dense_w) for i in range(L)]
 
 
-def _backward_walk(states: float, blocks: list[tuple[float, float, float, float]], start_grads: float,
-                   tail: float, loss_chunk: float, accumulating: bool = False) -> TrainerMemory:
+def _backward_walk(
+    states: float,
+    blocks: list[tuple[float, float, float, float]],
+    start_grads: float,
+    tail: float,
+    loss_chunk: float,
+    accumulating: bool = False,
+) -> TrainerMemory:
     """The peak of a replica's backward: the loss chunk at its start, then block by block top-down, each freeing
     its saved activations while its gradients appear (with ``accumulating`` every gradient exists throughout, in
     ``start_grads``). ``blocks``: (saved, rebuilt in backward, gradient bytes, transient) per block, bottom first."""
@@ -92,9 +98,16 @@ def _backward_walk(states: float, blocks: list[tuple[float, float, float, float]
     return best
 
 
-def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Optional[int] = None,
-                            recompute: str = "none", accumulation: int = 1, compiled: bool = True,
-                            fused: bool = True) -> TrainerMemory:
+def estimate_trainer_memory(
+    cfg: ModelConfig,
+    *,
+    micro_batch: int,
+    seq_len: int | None = None,
+    recompute: str = "none",
+    accumulation: int = 1,
+    compiled: bool = True,
+    fused: bool = True,
+) -> TrainerMemory:
     """The peak of one `xmoe train` step on one GPU, in the trainer's own precision layout:
 
     * states: fp32 parameters (4 B), AdamW's two fp32 moments (8 B), and the bf16 copies of the routed experts made
@@ -114,7 +127,7 @@ def estimate_trainer_memory(cfg: ModelConfig, *, micro_batch: int, seq_len: Opti
     if micro_batch < 1 or accumulation < 1:
         raise ValueError(f"micro_batch ({micro_batch}) and accumulation ({accumulation}) must be >= 1")
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
-    H, L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    H, _L, V = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
     T, b = micro_batch * seq_len, 2
     parts = count_params(cfg, expert_matrices=3).total_by_part
     total_params = sum(parts.values())
@@ -155,12 +168,19 @@ def _fp32_replica(cfg: ModelConfig, acts: _LayerActivations, recompute: str, ker
         blocks.append((kept, regen, GRAD_BYTES * weights[i], transient))
     tail = norm_activations(T, H) + b * T * H
     head = parts["head"] or parts["embedding"]
-    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * head, tail,
-                          12 * min(T, LOSS_CHUNK_TOKENS) * V)
+    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * head, tail, 12 * min(T, LOSS_CHUNK_TOKENS) * V)
 
 
-def _replica_peak(cfg: ModelConfig, par: ParallelConfig, acts: _LayerActivations, micro_batch: int, seq_len: int,
-                  recompute: str, precision: str, kernel: str) -> tuple[str, dict[str, float]]:
+def _replica_peak(
+    cfg: ModelConfig,
+    par: ParallelConfig,
+    acts: _LayerActivations,
+    micro_batch: int,
+    seq_len: int,
+    recompute: str,
+    precision: str,
+    kernel: str,
+) -> tuple[str, dict[str, float]]:
     """The peak of a whole replica: the trainer on one process, or a DDP rank (the same plus DDP's fp32 gradient
     buckets, as large as the gradients): the larger of backward's and the optimizer step's. bf16:
     estimate_trainer_memory (compiled regions, as the trainer runs them with ep = tp = 1 on a GPU); fp32: the same
@@ -168,14 +188,19 @@ def _replica_peak(cfg: ModelConfig, par: ParallelConfig, acts: _LayerActivations
     parts = count_params(cfg, expert_matrices=3).total_by_part
     P = sum(parts.values())
     if precision == "bf16":
-        m = estimate_trainer_memory(cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                                    fused=kernel == "triton")
+        m = estimate_trainer_memory(
+            cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute, fused=kernel == "triton"
+        )
     else:
         m = _fp32_replica(cfg, acts, recompute, kernel)
     buckets = GRAD_BYTES * P if par.world_size > 1 else 0.0
     states = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P, "buckets": buckets}
-    backward = states | {"casts": m.states - 12 * P, "grads": m.grads, "activations": m.activations,
-                         "transient": m.working}
+    backward = states | {
+        "casts": m.states - 12 * P,
+        "grads": m.grads,
+        "activations": m.activations,
+        "transient": m.working,
+    }
     step = states | {"grads": GRAD_BYTES * P, "adam_step": _adam_step(cfg, par, precision, sharded=False)}
     where = f"backward, {m.blocks_done} of {cfg.num_layers} blocks done" if m.blocks_done else "loss backward"
     return max((where, backward), ("optimizer step", step), key=lambda moment: sum(moment[1].values()))

@@ -36,7 +36,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -128,8 +128,8 @@ def save_checkpoint(
     out_dir: str | os.PathLike,
     step: int,
     model: torch.nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
-    extra: Optional[dict[str, Any]] = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
     keep_last: int = 2,
     *,
     config: Any = None,
@@ -175,8 +175,9 @@ def save_checkpoint(
     return final
 
 
-def _write(tmp: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-           extra: Optional[dict[str, Any]]) -> None:
+def _write(
+    tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+) -> None:
     """Step 2. Every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards."""
     rank, world = _rank_world()
     exc, state, prints = None, None, None
@@ -200,7 +201,7 @@ def _write(tmp: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Op
     _agree(exc, f"writing checkpoint {tmp}", tmp)
 
 
-def _state_dicts(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -218,9 +219,9 @@ def _fingerprints(state: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], flo
     sums = [v.detach().sum(dtype=torch.float64) for v in plain.values()]
     on_device = [i for i, x in enumerate(sums) if x.device.type != "cpu"]
     if on_device:  # one device-to-host copy for all of them, not one (and one host sync) per tensor
-        for i, x in zip(on_device, torch.stack([sums[i] for i in on_device]).cpu()):
+        for i, x in zip(on_device, torch.stack([sums[i] for i in on_device]).cpu(), strict=False):
             sums[i] = x
-    return {k: (tuple(v.shape), float(x)) for (k, v), x in zip(plain.items(), sums)}
+    return {k: (tuple(v.shape), float(x)) for (k, v), x in zip(plain.items(), sums, strict=False)}
 
 
 def _warn_unsynced_replicas(prints: dict[str, tuple[tuple[int, ...], float]]) -> None:
@@ -230,15 +231,20 @@ def _warn_unsynced_replicas(prints: dict[str, tuple[tuple[int, ...], float]]) ->
     if _rank_world()[1] == 1:
         return
     reference, *others = _all_gather(prints)
-    differ = sorted({
-        k for other in others for k, (shape, total) in other.items()
-        if k in reference and (reference[k][0] != shape or not _same(reference[k][1], total))
-    })
+    differ = sorted(
+        {
+            k
+            for other in others
+            for k, (shape, total) in other.items()
+            if k in reference and (reference[k][0] != shape or not _same(reference[k][1], total))
+        }
+    )
     if differ:
         warnings.warn(
             f"{len(differ)} plain (non-DTensor) tensors differ across ranks, e.g. {', '.join(differ[:4])}; "
             "DCP saves one rank's copy of each and every rank reloads that copy. Keep sharded weights as "
-            "DTensors (FSDP2, distribute_tensor) and replicated ones identical."
+            "DTensors (FSDP2, distribute_tensor) and replicated ones identical.",
+            stacklevel=2,
         )
 
 
@@ -278,7 +284,7 @@ def _check_compatible(ckpt: Path, state: dict[str, Any]) -> None:
 def load_checkpoint(
     path_or_out_dir: str | os.PathLike,
     model: torch.nn.Module,
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
     verify: bool = True,
     restore_rng: bool = True,
@@ -299,9 +305,7 @@ def load_checkpoint(
         root = _ckpt_root(path)
         found = find_latest(path)
         if found is None:
-            raise FileNotFoundError(
-                f"no complete checkpoint under {root} (dirs without {COMPLETE} are ignored)"
-            )
+            raise FileNotFoundError(f"no complete checkpoint under {root} (dirs without {COMPLETE} are ignored)")
         path = found
     meta = read_meta(path)
     _verify_files(path, meta, verify)
@@ -342,7 +346,7 @@ def load_checkpoint(
 def _read_rank_blob(path: Path, rank: int) -> dict[str, Any]:
     try:
         return torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - unpickling errors come in many types
+    except Exception as e:
         raise CheckpointError(
             f"extra state rank_{rank:05d}.pt in {path} is unreadable ({e}). {_suggest_previous(path)}"
         ) from e

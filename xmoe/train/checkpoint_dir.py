@@ -30,8 +30,9 @@ import os
 import secrets
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -85,7 +86,7 @@ def _underlying(exc: BaseException) -> BaseException:
 def _disk_full(exc: BaseException, where: Path) -> bool:
     """ENOSPC / EDQUOT anywhere in the exception chain or its text (DCP and torch.save report write failures
     as strings, torch.save even as "unexpected pos"), or less than _LOW_SPACE left where we were writing."""
-    seen: Optional[BaseException] = _underlying(exc)
+    seen: BaseException | None = _underlying(exc)
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -106,20 +107,17 @@ def _explain(exc: BaseException, where: Path) -> str:
             free = f"{shutil.disk_usage(where if where.exists() else where.parent).free / 2**20:.0f} MiB free"
         except OSError:
             free = "free space unknown"
-        return (f"disk full on the filesystem of {where} ({free}); free some space or write to another --out "
-                f"({text})")
+        return f"disk full on the filesystem of {where} ({free}); free some space or write to another --out ({text})"
     return text
 
 
-def _agree(exc: Optional[BaseException], what: str, where: Path) -> None:
+def _agree(exc: BaseException | None, what: str, where: Path) -> None:
     """Collective: raise the same CheckpointError on every rank if any rank failed."""
     errors = _all_gather(None if exc is None else _explain(exc, where))
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(
-            f"{what} failed on rank {rank} ({len(failed)} rank(s) failed): {message}"
-        ) from exc
+        raise CheckpointError(f"{what} failed on rank {rank} ({len(failed)} rank(s) failed): {message}") from exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -151,7 +149,7 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def step_of(path: Path) -> Optional[int]:
+def step_of(path: Path) -> int | None:
     """The step of a checkpoint directory's name (``step_000100``: 100); None for any other name, a save in
     progress or set aside included."""
     name = path.name
@@ -271,7 +269,7 @@ def _point_and_prune(root: Path, step: int, final: Path, keep_last: int) -> None
         _write_text(root / LATEST, final.name + "\n")
         _prune(root, step, final, keep_last)
     except OSError as e:
-        warnings.warn(f"checkpoint {final} is saved, but updating '{LATEST}' or pruning failed: {e}")
+        warnings.warn(f"checkpoint {final} is saved, but updating '{LATEST}' or pruning failed: {e}", stacklevel=2)
 
 
 def _publish(tmp: Path, final: Path) -> None:

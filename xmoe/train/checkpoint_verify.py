@@ -10,7 +10,7 @@ import os
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from xmoe.train.checkpoint_dir import (
     _TMP,
@@ -109,9 +109,7 @@ def _verify_files(ckpt: Path, meta: dict[str, Any], checksums: bool) -> None:
             problems.append(f"{name} fails its crc32 check (content corrupted)")
     problems = sorted({p for part in _all_gather(problems) for p in part})
     if problems:
-        raise CheckpointError(
-            f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}"
-        )
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}")
 
 
 def verify_checkpoint(ckpt: str | os.PathLike) -> dict[str, Any]:
@@ -122,7 +120,7 @@ def verify_checkpoint(ckpt: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def find_latest(out_dir: str | os.PathLike, *, checksums: bool = False) -> Optional[Path]:
+def find_latest(out_dir: str | os.PathLike, *, checksums: bool = False) -> Path | None:
     """Newest complete, verified checkpoint under ``out_dir`` (the run dir or its ``checkpoints/``), or None.
 
     Found by scanning, never by trusting the ``latest`` pointer (a failed pointer update must not send a resume
@@ -143,10 +141,15 @@ def find_latest(out_dir: str | os.PathLike, *, checksums: bool = False) -> Optio
             problems.append(str(e).split(". ")[0])
             continue
         if problems:
-            warnings.warn(f"skipped {len(problems)} newer checkpoint(s) that fail verification "
-                          f"({'; '.join(problems)}); using {path}")
+            warnings.warn(
+                f"skipped {len(problems)} newer checkpoint(s) that fail verification "
+                f"({'; '.join(problems)}); using {path}",
+                stacklevel=2,
+            )
         return path
     if problems:
-        raise CheckpointError(f"no usable checkpoint under {root}: {'; '.join(problems)}. Start again with "
-                              "--overwrite, or repair or remove the damaged checkpoint(s)")
+        raise CheckpointError(
+            f"no usable checkpoint under {root}: {'; '.join(problems)}. Start again with "
+            "--overwrite, or repair or remove the damaged checkpoint(s)"
+        )
     return None

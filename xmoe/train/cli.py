@@ -18,22 +18,46 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from xmoe.checks import missing
-from xmoe.config import (COMPILE_MODES, RECOMPUTE_MODES, DataConfig, KernelConfig, ModelConfig, MoEConfig,
-                         ParallelConfig, RunConfig, TrainConfig)
+from xmoe.config import (
+    COMPILE_MODES,
+    RECOMPUTE_MODES,
+    DataConfig,
+    KernelConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 log = logging.getLogger(__name__)
 
-SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "parallel": ParallelConfig,
-            "kernels": KernelConfig, "data": DataConfig}
+SECTIONS = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "kernels": KernelConfig,
+    "data": DataConfig,
+}
 TOP_LEVEL = ("preset", "init_from")  # RunConfig's own fields: a config file's keys outside any section
 # fields of an imported model that training may set freely: they change how it is trained, not which weights it has
 # or what it computes
-TRAINING_FIELDS = ("model.max_seq_len", "model.init_std", "model.moe.init_std", "model.moe.aux_loss_coef",
-                   "model.moe.aux_loss_type", "model.moe.z_loss_coef", "model.moe.bias_update_rate",
-                   "model.moe.capacity_factor", "model.moe.kernel_backend", "model.moe.dispatcher")
+TRAINING_FIELDS = (
+    "model.max_seq_len",
+    "model.init_std",
+    "model.moe.init_std",
+    "model.moe.aux_loss_coef",
+    "model.moe.aux_loss_type",
+    "model.moe.z_loss_coef",
+    "model.moe.bias_update_rate",
+    "model.moe.capacity_factor",
+    "model.moe.kernel_backend",
+    "model.moe.dispatcher",
+)
 _TINY, _PAPER = TrainConfig(), TrainConfig(lr=3e-4, global_batch_size=8, warmup_steps=100)  # see _default_train
 
 EXAMPLES = """examples:
@@ -45,72 +69,128 @@ EXAMPLES = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", help="model preset: tiny (default), small, medium, large, super (not with "
-                                    "--init-from, whose directory sets the architecture; a config file's preset)")
+    p.add_argument(
+        "--preset",
+        help="model preset: tiny (default), small, medium, large, super (not with "
+        "--init-from, whose directory sets the architecture; a config file's preset)",
+    )
     p.add_argument("--steps", type=int, help=f"optimizer steps (default {_TINY.steps})")
-    p.add_argument("--out", default="runs/default", help="run directory: metrics, checkpoints, plot "
-                   "(default runs/default); one run at a time")
-    p.add_argument("--data", help="'markov' (embedded synthetic corpus, default), or a .npy / .bin / .txt file "
-                                  "(data.path)")
+    p.add_argument(
+        "--out",
+        default="runs/default",
+        help="run directory: metrics, checkpoints, plot (default runs/default); one run at a time",
+    )
+    p.add_argument(
+        "--data", help="'markov' (embedded synthetic corpus, default), or a .npy / .bin / .txt file (data.path)"
+    )
     again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true",
-                       help="continue from the newest verified checkpoint in --out")
-    again.add_argument("--resume-from", metavar="CKPT_DIR",
-                       help="continue from this checkpoint directory (later ones in --out are set aside)")
-    again.add_argument("--overwrite", action="store_true",
-                       help="delete the run already in --out (metrics, summary, plot, checkpoints) and start again")
-    p.add_argument("--allow-changes", action="store_true",
-                   help="with --resume: accept a checkpoint whose model, data or schedule differ from this run's "
-                        "(fine-tuning); with --init-from: accept --set / --config values that change the imported "
-                        "architecture (e.g. fewer layers); without it either is refused")
+    again.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint in --out")
+    again.add_argument(
+        "--resume-from",
+        metavar="CKPT_DIR",
+        help="continue from this checkpoint directory (later ones in --out are set aside)",
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run already in --out (metrics, summary, plot, checkpoints) and start again",
+    )
+    p.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: accept a checkpoint whose model, data or schedule differ from this run's "
+        "(fine-tuning); with --init-from: accept --set / --config values that change the imported "
+        "architecture (e.g. fewer layers); without it either is refused",
+    )
     p.add_argument("--seed", type=int, help=f"seed of model init and data order (default {_TINY.seed})")
     p.add_argument("--dp", type=int, help="data-parallel degree (default: processes / (ep * tp))")
     p.add_argument("--ep", type=int, help="expert-parallel degree (default 1)")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default 1)")
     p.add_argument("--gpus-per-node", type=int, help="node size for placement (default: LOCAL_WORLD_SIZE)")
     p.add_argument("--placement", choices=["ep_first", "dp_first"], help="EP group layout over nodes")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)",
+    )
     p.add_argument("--dispatcher", choices=["pft", "padded", "rbd"], help="token dispatcher (default pft)")
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
-    p.add_argument("--fp8", choices=["off", "experts"],
-                   help="FP8 GEMMs for the routed experts (moe.fp8; default off; GPUs with FP8 matrix instructions)")
-    p.add_argument("--wgrad", choices=["auto", "triton", "grouped_mm"],
-                   help="what computes the Triton backward's weight gradients (kernels.wgrad; default $XMOE_WGRAD, "
-                        "else auto: torch._grouped_mm on sm_90 GPUs with >= 128 experts per rank, else Triton)")
-    p.add_argument("--autotune", action=argparse.BooleanOptionalAction,
-                   help="time every tile candidate of each new GPU kernel shape and keep the fastest (kernels.autotune;"
-                        " default on if XMOE_AUTOTUNE=1, else off: the shipped tile table or the heuristic)")
-    p.add_argument("--batch-size", type=int, help=f"global batch in sequences (default {_TINY.global_batch_size}; "
-                   f"paper presets {_PAPER.global_batch_size})")
-    p.add_argument("--micro-batch-size", type=int, help="sequences per forward per rank (default: the whole "
-                   "per-rank batch, no accumulation)")
-    p.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {_TINY.seq_len}; paper presets: "
-                   "their max_seq_len)")
+    p.add_argument(
+        "--fp8",
+        choices=["off", "experts"],
+        help="FP8 GEMMs for the routed experts (moe.fp8; default off; GPUs with FP8 matrix instructions)",
+    )
+    p.add_argument(
+        "--wgrad",
+        choices=["auto", "triton", "grouped_mm"],
+        help="what computes the Triton backward's weight gradients (kernels.wgrad; default $XMOE_WGRAD, "
+        "else auto: torch._grouped_mm on sm_90 GPUs with >= 128 experts per rank, else Triton)",
+    )
+    p.add_argument(
+        "--autotune",
+        action=argparse.BooleanOptionalAction,
+        help="time every tile candidate of each new GPU kernel shape and keep the fastest (kernels.autotune;"
+        " default on if XMOE_AUTOTUNE=1, else off: the shipped tile table or the heuristic)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"global batch in sequences (default {_TINY.global_batch_size}; paper presets {_PAPER.global_batch_size})",
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        help="sequences per forward per rank (default: the whole per-rank batch, no accumulation)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, help=f"tokens per sequence (default {_TINY.seq_len}; paper presets: their max_seq_len)"
+    )
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {_TINY.lr:g}; paper presets {_PAPER.lr:g})")
     p.add_argument("--log-every", type=int, help=f"log every N steps (default {_TINY.log_every})")
-    p.add_argument("--ckpt-every", type=int, help=f"checkpoint every N steps and at the end (default "
-                   f"{_TINY.ckpt_every}; 0: never)")
+    p.add_argument(
+        "--ckpt-every", type=int, help=f"checkpoint every N steps and at the end (default {_TINY.ckpt_every}; 0: never)"
+    )
     p.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to --out")
-    p.add_argument("--compile", choices=COMPILE_MODES,
-                   help="torch.compile each block's two branches and the loss (default auto: on for one GPU or pure "
-                        "data parallelism on GPUs, off on CPU)")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES,
-                   help="activation recompute in backward: none (default), moe (MoE branches), full (every block)")
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        help="torch.compile each block's two branches and the loss (default auto: on for one GPU or pure "
+        "data parallelism on GPUs, off on CPU)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        help="activation recompute in backward: none (default), moe (MoE branches), full (every block)",
+    )
     p.add_argument("--device", default="auto", help="auto (GPU if present, default), cpu or cuda")
-    p.add_argument("--config", help="JSON or TOML file describing the run: config sections (model, moe, train, "
-                                    "parallel, kernels, data) and the keys preset and init_from")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override one config field, e.g. --set moe.top_k=2 (repeatable)")
-    p.add_argument("--init-from", metavar="HF_DIR",
-                   help="start from a Hugging Face directory: its architecture, weights and tokenizer.json (a "
-                        "config file's init_from)")
-    p.add_argument("--val-data", help="validation data (.txt / .npy / .bin / markov; data.val_path); else "
-                                      "--val-fraction of --data")
+    p.add_argument(
+        "--config",
+        help="JSON or TOML file describing the run: config sections (model, moe, train, "
+        "parallel, kernels, data) and the keys preset and init_from",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config field, e.g. --set moe.top_k=2 (repeatable)",
+    )
+    p.add_argument(
+        "--init-from",
+        metavar="HF_DIR",
+        help="start from a Hugging Face directory: its architecture, weights and tokenizer.json (a "
+        "config file's init_from)",
+    )
+    p.add_argument(
+        "--val-data", help="validation data (.txt / .npy / .bin / markov; data.val_path); else --val-fraction of --data"
+    )
     p.add_argument("--val-fraction", type=float, help="hold out this fraction of --data for validation")
     p.add_argument("--eval-every", type=int, help="validation loss every N steps (and at the end)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print parameters and FLOPs of the configuration without allocating the model")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print parameters and FLOPs of the configuration without allocating the model",
+    )
 
 
 def _parse_value(text: str) -> Any:
@@ -146,15 +226,20 @@ def _load_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {file} must hold sections ({', '.join(SECTIONS)}), not {type(data).__name__}")
     unknown = set(data) - set(SECTIONS) - set(TOP_LEVEL)
     if unknown:
-        raise ValueError(f"config file {file}: unknown sections {sorted(unknown)}; valid: {sorted(SECTIONS)} and "
-                         f"the keys {', '.join(TOP_LEVEL)}")
+        raise ValueError(
+            f"config file {file}: unknown sections {sorted(unknown)}; valid: {sorted(SECTIONS)} and "
+            f"the keys {', '.join(TOP_LEVEL)}"
+        )
     for name, values in data.items():
         if name in TOP_LEVEL and not (isinstance(values, str) and values.strip()):
-            raise ValueError(f"config file {file}: {name} ({values!r}) must be a string naming a "
-                             f"{'preset' if name == 'preset' else 'Hugging Face directory'}")
+            raise ValueError(
+                f"config file {file}: {name} ({values!r}) must be a string naming a "
+                f"{'preset' if name == 'preset' else 'Hugging Face directory'}"
+            )
         if name in SECTIONS and not isinstance(values, dict):
-            raise ValueError(f"config file {file}: section {name} must be a table of fields (e.g. [{name}] in "
-                             f"TOML), not {values!r}")
+            raise ValueError(
+                f"config file {file}: section {name} must be a table of fields (e.g. [{name}] in TOML), not {values!r}"
+            )
     return data
 
 
@@ -176,7 +261,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--out ({args.out!r}) must name a run directory, e.g. runs/a")
 
 
-def _start(args: argparse.Namespace, file: dict[str, Any]) -> tuple[str, Optional[str]]:
+def _start(args: argparse.Namespace, file: dict[str, Any]) -> tuple[str, str | None]:
     """(preset, init_from): where the run's model comes from, each from its flag, else from the config file's key;
     the preset is "tiny" when neither is given, "" under init_from (whose directory sets the architecture)."""
     chosen: dict[str, tuple[str, str]] = {}  # key -> (value, where it was given)
@@ -187,8 +272,10 @@ def _start(args: argparse.Namespace, file: dict[str, Any]) -> tuple[str, Optiona
             chosen[key] = (file[key], f"{key} in {args.config}")
     if len(chosen) == 2:
         (preset, where_p), (init_from, where_i) = chosen["preset"], chosen["init_from"]
-        raise ValueError(f"{where_p} ({preset}) and {where_i} ({init_from}) both choose the architecture; drop the "
-                         "preset (the Hugging Face directory's config.json sets it)")
+        raise ValueError(
+            f"{where_p} ({preset}) and {where_i} ({init_from}) both choose the architecture; drop the "
+            "preset (the Hugging Face directory's config.json sets it)"
+        )
     init_from = chosen["init_from"][0] if "init_from" in chosen else None
     if args.allow_changes and not (args.resume or args.resume_from or init_from):
         raise ValueError("--allow-changes only applies with --resume, --resume-from or --init-from")
@@ -206,8 +293,11 @@ def check_device(device: str, flag: str = "--device") -> str:
     if kind == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda" and not torch.cuda.is_available():
-        why = "this torch build has no CUDA" if torch.version.cuda is None and torch.version.hip is None else \
-            "torch sees no GPU"
+        why = (
+            "this torch build has no CUDA"
+            if torch.version.cuda is None and torch.version.hip is None
+            else "torch sees no GPU"
+        )
         raise ValueError(f"{flag} {device} was asked for but {why}; use {flag} cpu")
     if index and int(index) >= torch.cuda.device_count():
         raise ValueError(f"{flag} {device}: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
@@ -235,19 +325,31 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
             raise ValueError(f"--set {item!r} must look like SECTION.FIELD=VALUE with SECTION in {sorted(SECTIONS)}")
         sections[section][field] = _parse_value(value)
 
-    flags = {"steps": args.steps, "seed": args.seed, "global_batch_size": args.batch_size,
-             "micro_batch_size": args.micro_batch_size, "seq_len": args.seq_len, "lr": args.lr,
-             "log_every": args.log_every, "ckpt_every": args.ckpt_every, "compile": args.compile,
-             "recompute": args.recompute, "val_fraction": getattr(args, "val_fraction", None),
-             "eval_every": getattr(args, "eval_every", None)}
+    flags = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "global_batch_size": args.batch_size,
+        "micro_batch_size": args.micro_batch_size,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "log_every": args.log_every,
+        "ckpt_every": args.ckpt_every,
+        "compile": args.compile,
+        "recompute": args.recompute,
+        "val_fraction": getattr(args, "val_fraction", None),
+        "eval_every": getattr(args, "eval_every", None),
+    }
     sections["train"].update({k: v for k, v in flags.items() if v is not None})
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
     for field, value in (("wgrad", getattr(args, "wgrad", None)), ("autotune", getattr(args, "autotune", None))):
         if value is not None:
             sections["kernels"][field] = value
-    for field, value in (("dispatcher", args.dispatcher), ("kernel_backend", args.kernel_backend),
-                         ("fp8", getattr(args, "fp8", None))):
+    for field, value in (
+        ("dispatcher", args.dispatcher),
+        ("kernel_backend", args.kernel_backend),
+        ("fp8", getattr(args, "fp8", None)),
+    ):
         if value is not None:
             sections["moe"][field] = value
     for field, value in (("path", getattr(args, "data", None)), ("val_path", getattr(args, "val_data", None))):
@@ -257,8 +359,10 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         sections["data"]["tokenizer"] = _imported_tokenizer(init_from)
 
     if "moe" in sections["model"]:
-        raise ValueError("model.moe is its own section: set its fields as moe.FIELD (e.g. --set moe.top_k=2, or a "
-                         "[moe] table in --config)")
+        raise ValueError(
+            "model.moe is its own section: set its fields as moe.FIELD (e.g. --set moe.top_k=2, or a "
+            "[moe] table in --config)"
+        )
     if "hidden_size" in sections["model"]:  # the MoE block's width follows the model's unless set explicitly
         sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
     moe = _apply(model.moe, "moe", sections["moe"])
@@ -270,8 +374,14 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     data = _apply(DataConfig(), "data", sections["data"])
 
     par_values = dict(sections["parallel"])
-    flags = {"dp": args.dp, "ep": args.ep, "tp": args.tp, "gpus_per_node": args.gpus_per_node,
-             "placement": args.placement, "sequence_parallel": args.sequence_parallel or None}
+    flags = {
+        "dp": args.dp,
+        "ep": args.ep,
+        "tp": args.tp,
+        "gpus_per_node": args.gpus_per_node,
+        "placement": args.placement,
+        "sequence_parallel": args.sequence_parallel or None,
+    }
     par_values.update({k: v for k, v in flags.items() if v is not None})
     parallel = _apply(ParallelConfig(), "parallel", par_values)  # validates ep and tp before dp divides by them
     if "dp" not in par_values:  # derived after the merge, from the ep and tp that will be used
@@ -281,11 +391,15 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
 
     experts_per_rank(model.moe.num_experts, parallel.ep)  # the one home of that check; names the fix
     if model.moe.dispatcher == "rbd" and parallel.ep == 1:
-        warnings.warn("moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
-                      "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1", stacklevel=2)
+        warnings.warn(
+            "moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
+            "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1",
+            stacklevel=2,
+        )
     kernels = _apply(KernelConfig(), "kernels", sections["kernels"])
-    return RunConfig(model=model, train=train, parallel=parallel, kernels=kernels, data=data, init_from=init_from,
-                     preset=preset)
+    return RunConfig(
+        model=model, train=train, parallel=parallel, kernels=kernels, data=data, init_from=init_from, preset=preset
+    )
 
 
 def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: ModelConfig, allow_changes: bool) -> None:
@@ -298,19 +412,24 @@ def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: Mode
     now: dict[str, Any] = {}
     flatten("model", dataclasses.asdict(imported), then)
     flatten("model", dataclasses.asdict(model), now)
-    changed = [f"{k}: imported {then[k]!r}, now {v!r}" for k, v in now.items()
-               if then[k] != v and k not in TRAINING_FIELDS]
+    changed = [
+        f"{k}: imported {then[k]!r}, now {v!r}" for k, v in now.items() if then[k] != v and k not in TRAINING_FIELDS
+    ]
     if changed and not allow_changes:
-        raise ValueError(f"--init-from {init_from}: {len(changed)} setting(s) change the imported model "
-                         f"({'; '.join(changed[:6])}), so checkpoint weights would be dropped or not match; drop "
-                         "them, or pass --allow-changes to train the changed model")
+        raise ValueError(
+            f"--init-from {init_from}: {len(changed)} setting(s) change the imported model "
+            f"({'; '.join(changed[:6])}), so checkpoint weights would be dropped or not match; drop "
+            "them, or pass --allow-changes to train the changed model"
+        )
     if changed:
         log.info(f"--allow-changes: training the imported model with {'; '.join(changed[:6])}")
     coef = hf.get("router_aux_loss_coef")
     if coef and not model.moe.aux_loss_coef:
-        log.info(f"--init-from: the load-balancing loss is off; {init_from}'s router_aux_loss_coef ({coef}) is not "
-                 "imported, as xmoe's balance loss is defined per layer (docs/routing.md): set one with --set "
-                 "moe.aux_loss_coef=VALUE")
+        log.info(
+            f"--init-from: the load-balancing loss is off; {init_from}'s router_aux_loss_coef ({coef}) is not "
+            "imported, as xmoe's balance loss is defined per layer (docs/routing.md): set one with --set "
+            "moe.aux_loss_coef=VALUE"
+        )
 
 
 def _default_train(preset: str, model: ModelConfig) -> TrainConfig:
@@ -337,7 +456,8 @@ def _check_fits(run_cfg: RunConfig, device: str) -> None:
             f"the model has {params:.3g} parameters ({4 * params / world / 2**30:.3g} GiB of fp32 weights per rank "
             f"over {world} rank(s), 16 bytes per parameter to train), more than this machine's "
             f"{memory / 2**30:.0f} GiB of memory; lower moe.num_experts ({model.moe.num_experts}), "
-            f"model.num_layers ({model.num_layers}) or hidden sizes (`xmoe plan memory` predicts what fits)")
+            f"model.num_layers ({model.num_layers}) or hidden sizes (`xmoe plan memory` predicts what fits)"
+        )
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -353,8 +473,15 @@ def run(args: argparse.Namespace) -> dict | None:
     _check_fits(run_cfg, device)
     from xmoe.train.trainer import Trainer
 
-    trainer = Trainer(run_cfg, args.out, device=args.device, resume=args.resume, overwrite=args.overwrite,
-                      resume_from=args.resume_from, allow_changes=args.allow_changes)
+    trainer = Trainer(
+        run_cfg,
+        args.out,
+        device=args.device,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        resume_from=args.resume_from,
+        allow_changes=args.allow_changes,
+    )
     return trainer.train()
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
 
 import numpy as np
 import torch
@@ -43,13 +42,13 @@ class TokenDataset:
     smallest that fits. The entropy fields (nats/token) are exact for generated sources, None for real data.
     """
 
-    def __init__(self, name: str, seq_len: int, vocab_size: int, seed: int, epoch_size: Optional[int]) -> None:
+    def __init__(self, name: str, seq_len: int, vocab_size: int, seed: int, epoch_size: int | None) -> None:
         self.name, self.seq_len, self.vocab_size = name, seq_len, vocab_size
         self.seed, self.epoch_size = seed, epoch_size
-        self.entropy_rate: Optional[float] = None
-        self.unigram_entropy: Optional[float] = None
-        self.bigram_entropy: Optional[float] = None
-        self.loss_floor: Optional[float] = None  # least expected mean loss over one window's predictions
+        self.entropy_rate: float | None = None
+        self.unigram_entropy: float | None = None
+        self.bigram_entropy: float | None = None
+        self.loss_floor: float | None = None  # least expected mean loss over one window's predictions
 
     def samples(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """(N, seq_len + 1) int64: the samples at ``positions`` of epoch ``epoch``'s order."""
@@ -59,9 +58,11 @@ class TokenDataset:
         """One line for the training log."""
         if self.entropy_rate is None:
             return f"{self.name}: {self.epoch_size} windows of {self.seq_len}+1 tokens, vocab {self.vocab_size}"
-        return (f"{self.name}: vocab {self.vocab_size}; nats/token: unigram {self.unigram_entropy:.4f}, "
-                f"bigram {self.bigram_entropy:.4f}, entropy rate {self.entropy_rate:.4f}, "
-                f"loss floor at seq_len {self.seq_len} {self.loss_floor:.4f}")
+        return (
+            f"{self.name}: vocab {self.vocab_size}; nats/token: unigram {self.unigram_entropy:.4f}, "
+            f"bigram {self.bigram_entropy:.4f}, entropy rate {self.entropy_rate:.4f}, "
+            f"loss floor at seq_len {self.seq_len} {self.loss_floor:.4f}"
+        )
 
 
 class MarkovDataset(TokenDataset):
@@ -85,8 +86,10 @@ class TokenArrayDataset(TokenDataset):
     def __init__(self, tokens: np.ndarray, name: str, seq_len: int, vocab_size: int, seed: int) -> None:
         num_tokens = len(tokens)
         if num_tokens < seq_len + 1:
-            raise ValueError(f"{name} holds {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-                             "use more data or a shorter seq_len")
+            raise ValueError(
+                f"{name} holds {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
+                "use more data or a shorter seq_len"
+            )
         super().__init__(name, seq_len, vocab_size, seed, epoch_size=(num_tokens - 1) // seq_len)
         self.tokens = tokens
         self._spare = (num_tokens - 1) - self.epoch_size * seq_len  # slack for the per-epoch shift
@@ -103,24 +106,26 @@ class TokenArrayDataset(TokenDataset):
         shift, perm = self._epoch_order(epoch)
         starts = shift + perm[positions] * self.seq_len
         length = self.seq_len + 1
-        return np.stack([np.asarray(self.tokens[s:s + length], dtype=np.int64) for s in starts])
+        return np.stack([np.asarray(self.tokens[s : s + length], dtype=np.int64) for s in starts])
 
 
-def _check_range(tokens: np.ndarray, vocab_size: Optional[int], name: str) -> int:
+def _check_range(tokens: np.ndarray, vocab_size: int | None, name: str) -> int:
     """Largest token; raises if any token is negative or >= vocab_size. Scans memory maps in chunks."""
     lo, hi = 0, 0
     for start in range(0, len(tokens), _SCAN_CHUNK):
-        chunk = tokens[start:start + _SCAN_CHUNK]
+        chunk = tokens[start : start + _SCAN_CHUNK]
         lo, hi = min(lo, int(chunk.min())), max(hi, int(chunk.max()))
     if lo < 0:
         raise ValueError(f"{name} holds a negative token ({lo}); token ids must be >= 0")
     if vocab_size is not None and hi >= vocab_size:
-        raise ValueError(f"{name} holds token {hi} >= vocab_size ({vocab_size}); raise vocab_size to at least "
-                         f"{hi + 1} or check the tokenizer (and, for .bin files, the dtype)")
+        raise ValueError(
+            f"{name} holds token {hi} >= vocab_size ({vocab_size}); raise vocab_size to at least "
+            f"{hi + 1} or check the tokenizer (and, for .bin files, the dtype)"
+        )
     return hi
 
 
-def _bin_dtype(path: str, dtype: Optional[str], vocab_size: Optional[int]) -> tuple[str, bool]:
+def _bin_dtype(path: str, dtype: str | None, vocab_size: int | None) -> tuple[str, bool]:
     """(dtype, inferred) for a .bin file; see ``load_tokens``."""
     sidecar, source = path + ".dtype", "dtype"
     if dtype is None and os.path.isfile(sidecar):
@@ -133,7 +138,7 @@ def _bin_dtype(path: str, dtype: Optional[str], vocab_size: Optional[int]) -> tu
     return dtype, False
 
 
-def load_tokens(path: str, dtype: Optional[str] = None, vocab_size: Optional[int] = None) -> np.ndarray:
+def load_tokens(path: str, dtype: str | None = None, vocab_size: int | None = None) -> np.ndarray:
     """Memory-map a token file as a 1-D integer array.
 
     .npy: a 1-D integer array (``np.save``). .bin: raw little-endian tokens; the dtype is ``dtype`` if
@@ -146,21 +151,27 @@ def load_tokens(path: str, dtype: Optional[str] = None, vocab_size: Optional[int
     if ext == ".npy":
         tokens = _load_npy(path)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{path!r} holds a {tokens.ndim}-D {tokens.dtype} array; expected 1-D integer "
-                             "tokens (flatten it, or re-tokenize with tokenize_file)")
+            raise ValueError(
+                f"{path!r} holds a {tokens.ndim}-D {tokens.dtype} array; expected 1-D integer "
+                "tokens (flatten it, or re-tokenize with tokenize_file)"
+            )
     elif ext == ".bin":
         dt, inferred = _bin_dtype(path, dtype, vocab_size)
         size, itemsize = os.path.getsize(path), np.dtype(dt).itemsize
         if size == 0:
             raise ValueError(f"token file {path!r} is empty")
         if size % itemsize:
-            raise ValueError(f"{path!r} has {size} bytes, not a multiple of {itemsize} ({dt}); "
-                             "check the dtype (argument or .dtype sidecar)")
+            raise ValueError(
+                f"{path!r} has {size} bytes, not a multiple of {itemsize} ({dt}); "
+                "check the dtype (argument or .dtype sidecar)"
+            )
         tokens = np.memmap(path, dtype=np.dtype(dt).newbyteorder("<"), mode="r")
         head = tokens[: min(len(tokens), 2**16) // 2 * 2]
         if inferred and len(head) >= 2 and not head[1::2].any() and head[0::2].any():
-            raise ValueError(f"{path!r} reads like uint32 tokens (every second uint16 is 0); pass "
-                             f"dtype='uint32' or write 'uint32' into {path + '.dtype'!r}")
+            raise ValueError(
+                f"{path!r} reads like uint32 tokens (every second uint16 is 0); pass "
+                f"dtype='uint32' or write 'uint32' into {path + '.dtype'!r}"
+            )
     else:
         raise ValueError(f"token file {path!r} has extension {ext!r}; expected .npy or .bin")
     if len(tokens) == 0:
@@ -181,8 +192,9 @@ def _load_npy(path: str) -> np.ndarray:
     with open(path, "rb") as f:
         magic = f.read(6)
     if magic != b"\x93NUMPY":
-        raise ValueError(f"{path!r} is not a .npy file (no NumPy header); write tokens with np.save, or name raw "
-                         "tokens .bin")
+        raise ValueError(
+            f"{path!r} is not a .npy file (no NumPy header); write tokens with np.save, or name raw tokens .bin"
+        )
     try:
         return np.load(path, mmap_mode="r")
     except ValueError as e:
@@ -200,13 +212,17 @@ def load_tokenizer(tokenizer: str):
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise ImportError("a tokenizers JSON file needs the `tokenizers` package: pip install "
-                          "'xmoe[tokenizers]', or use tokenizer='bytes'") from e
+        raise ImportError(
+            "a tokenizers JSON file needs the `tokenizers` package: pip install "
+            "'xmoe[tokenizers]', or use tokenizer='bytes'"
+        ) from e
     try:
         tok = Tokenizer.from_file(tokenizer)
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception type
-        raise ValueError(f"tokenizer {tokenizer!r} is not a readable tokenizers JSON file ({e}); restore it from the "
-                         "model it came with") from None
+        raise ValueError(
+            f"tokenizer {tokenizer!r} is not a readable tokenizers JSON file ({e}); restore it from the "
+            "model it came with"
+        ) from None
     return tok, tok.get_vocab_size()
 
 
@@ -241,36 +257,52 @@ def tokenize_file(text_path: str, out_path: str, tokenizer: str = "bytes") -> in
     raw = np.memmap(raw_path, dtype=dt, mode="r") if num_tokens else np.empty(0, dtype=dt)
     out = np.lib.format.open_memmap(out_path, mode="w+", dtype=dt, shape=(num_tokens,))
     for start in range(0, num_tokens, _SCAN_CHUNK):
-        out[start:start + _SCAN_CHUNK] = raw[start:start + _SCAN_CHUNK]
+        out[start : start + _SCAN_CHUNK] = raw[start : start + _SCAN_CHUNK]
     out.flush()
     del raw, out
     os.remove(raw_path)
     return num_tokens
 
 
-_MARKOV_OPTIONS = {"vocab": int, "order": int, "buckets": int, "branch": int, "alpha": float, "smooth": float,
-                   "source_seed": int}
+_MARKOV_OPTIONS = {
+    "vocab": int,
+    "order": int,
+    "buckets": int,
+    "branch": int,
+    "alpha": float,
+    "smooth": float,
+    "source_seed": int,
+}
 
 
 def _parse_markov(spec: str) -> dict:
     opts: dict = {}
-    body = spec[len("markov:"):] if spec.startswith("markov:") else ""
+    body = spec[len("markov:") :] if spec.startswith("markov:") else ""
     for item in filter(None, body.split(",")):
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or key not in _MARKOV_OPTIONS:
-            raise ValueError(f"bad markov option {item!r} in spec {spec!r}; expected key=value with key in "
-                             f"{sorted(_MARKOV_OPTIONS)}")
+            raise ValueError(
+                f"bad markov option {item!r} in spec {spec!r}; expected key=value with key in {sorted(_MARKOV_OPTIONS)}"
+            )
         try:
             opts[key] = _MARKOV_OPTIONS[key](value)
         except ValueError:
-            raise ValueError(f"markov option {key}={value!r} in spec {spec!r} is not a valid "
-                             f"{_MARKOV_OPTIONS[key].__name__}") from None
+            raise ValueError(
+                f"markov option {key}={value!r} in spec {spec!r} is not a valid {_MARKOV_OPTIONS[key].__name__}"
+            ) from None
     return opts
 
 
-def build_dataset(spec: str, seq_len: int, vocab_size: Optional[int] = None, seed: int = 0, *,
-                  tokenizer: str = "bytes", dtype: Optional[str] = None) -> TokenDataset:
+def build_dataset(
+    spec: str,
+    seq_len: int,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    *,
+    tokenizer: str = "bytes",
+    dtype: str | None = None,
+) -> TokenDataset:
     """A dataset from ``spec``: "markov[:opt=value,...]" (options of ``MarkovSource``) or a .npy / .bin /
     .txt path. ``vocab_size`` (the model's) is checked against the data; ``seed`` fixes the sample order
     (and, for markov, the samples, not the chain); ``tokenizer`` ("bytes" or a tokenizers JSON path) is
@@ -284,26 +316,33 @@ def build_dataset(spec: str, seq_len: int, vocab_size: Optional[int] = None, see
     if spec == "markov" or spec.startswith("markov:"):
         source = MarkovSource(**_parse_markov(spec))
         if vocab_size is not None and vocab_size < source.vocab:
-            raise ValueError(f"vocab_size ({vocab_size}) is smaller than the markov vocab ({source.vocab}); "
-                             f"raise vocab_size or use 'markov:vocab={vocab_size}'")
+            raise ValueError(
+                f"vocab_size ({vocab_size}) is smaller than the markov vocab ({source.vocab}); "
+                f"raise vocab_size or use 'markov:vocab={vocab_size}'"
+            )
         name = "markov(" + ", ".join(f"{k}={v}" for k, v in source.options.items()) + ")"
         return MarkovDataset(source, name, seq_len, vocab_size or source.vocab, seed)
     ext = os.path.splitext(spec)[1].lower()
     if os.path.isdir(spec):
         raise ValueError(f"data file {spec!r} is a directory; pass a .npy/.bin/.txt file or 'markov'")
     if not os.path.isfile(spec):
-        raise missing(spec, "data file", "pass an existing .npy/.bin/.txt path or 'markov[:opt=value,...]' for the "
-                                         "built-in source")
+        raise missing(
+            spec,
+            "data file",
+            "pass an existing .npy/.bin/.txt path or 'markov[:opt=value,...]' for the built-in source",
+        )
     if dtype is not None and ext != ".bin":
-        warnings.warn(f"dtype ({dtype!r}) only applies to .bin files; ignored for {spec!r}")
+        warnings.warn(f"dtype ({dtype!r}) only applies to .bin files; ignored for {spec!r}", stacklevel=2)
     if tokenizer != "bytes" and ext != ".txt":
-        warnings.warn(f"tokenizer ({tokenizer!r}) only applies to .txt files; ignored for {spec!r}")
+        warnings.warn(f"tokenizer ({tokenizer!r}) only applies to .txt files; ignored for {spec!r}", stacklevel=2)
     if ext == ".txt":
         size = os.path.getsize(spec)
         if size > MAX_TEXT_BYTES:
-            raise ValueError(f"{spec!r} has {size} bytes, more than MAX_TEXT_BYTES ({MAX_TEXT_BYTES}) that are "
-                             "tokenized in memory; pre-tokenize once with tokenize_file(text, 'out.npy') and "
-                             "train on the .npy")
+            raise ValueError(
+                f"{spec!r} has {size} bytes, more than MAX_TEXT_BYTES ({MAX_TEXT_BYTES}) that are "
+                "tokenized in memory; pre-tokenize once with tokenize_file(text, 'out.npy') and "
+                "train on the .npy"
+            )
         tok, tok_vocab = load_tokenizer(tokenizer)
         chunks = list(_text_chunks(spec, tok))
         tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)
@@ -312,8 +351,10 @@ def build_dataset(spec: str, seq_len: int, vocab_size: Optional[int] = None, see
         _check_range(tokens, vocab_size, repr(spec))
         return TokenArrayDataset(tokens, spec, seq_len, vocab_size or tok_vocab, seed)
     if ext not in (".npy", ".bin"):
-        raise ValueError(f"data file {spec!r} has extension {ext!r}; expected .npy, .bin or .txt "
-                         "(pre-tokenize other text with tokenize_file)")
+        raise ValueError(
+            f"data file {spec!r} has extension {ext!r}; expected .npy, .bin or .txt "
+            "(pre-tokenize other text with tokenize_file)"
+        )
     tokens = load_tokens(spec, dtype, vocab_size)
     top = _check_range(tokens, vocab_size, repr(spec))
     return TokenArrayDataset(tokens, spec, seq_len, vocab_size or top + 1, seed)
@@ -333,8 +374,9 @@ class TokenLoader:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
         if global_batch_size < 1 or global_batch_size % world_size:
-            raise ValueError(f"global_batch_size ({global_batch_size}) must be a positive multiple of "
-                             f"world_size ({world_size})")
+            raise ValueError(
+                f"global_batch_size ({global_batch_size}) must be a positive multiple of world_size ({world_size})"
+            )
         self.dataset, self.global_batch_size = dataset, global_batch_size
         self.rank, self.world_size = rank, world_size
         self.local_batch_size = global_batch_size // world_size
@@ -345,7 +387,7 @@ class TokenLoader:
         """Current epoch (always 0 for an endless stream)."""
         return 0 if self.dataset.epoch_size is None else self.samples_seen // self.dataset.epoch_size
 
-    def __iter__(self) -> "TokenLoader":
+    def __iter__(self) -> TokenLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,8 +400,9 @@ class TokenLoader:
             tokens_BS1 = self.dataset.samples(0, pos_B)
         else:
             epoch_B, index_B = np.divmod(pos_B, size)
-            tokens_BS1 = np.concatenate([self.dataset.samples(int(e), index_B[epoch_B == e])
-                                         for e in np.unique(epoch_B)])
+            tokens_BS1 = np.concatenate(
+                [self.dataset.samples(int(e), index_B[epoch_B == e]) for e in np.unique(epoch_B)]
+            )
         self.samples_seen += self.global_batch_size
         tokens_BS1 = torch.from_numpy(tokens_BS1)
         return tokens_BS1[:, :-1].contiguous(), tokens_BS1[:, 1:].contiguous()
@@ -371,6 +414,8 @@ class TokenLoader:
         """Continue after ``state``; the global batch size and world size may differ from the saving run."""
         for key in ("seed", "epoch_size"):
             if state[key] != getattr(self.dataset, key):
-                raise ValueError(f"loader state has {key}={state[key]} but the dataset has "
-                                 f"{getattr(self.dataset, key)}; resume with the same data and seed")
+                raise ValueError(
+                    f"loader state has {key}={state[key]} but the dataset has "
+                    f"{getattr(self.dataset, key)}; resume with the same data and seed"
+                )
         self.samples_seen = int(state["samples_seen"])

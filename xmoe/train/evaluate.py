@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 import numpy as np
 import torch
@@ -28,10 +27,11 @@ def windows_of(tokens: np.ndarray, seq_len: int, max_windows: int = 0) -> np.nda
     if max_windows:
         count = min(count, max_windows)
     if count < 1:
-        raise ValueError(f"{len(tokens)} evaluation tokens are fewer than seq_len + 1 = {seq_len + 1}; use more "
-                         "data or a shorter seq_len")
-    return np.stack([np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64)
-                     for i in range(count)])
+        raise ValueError(
+            f"{len(tokens)} evaluation tokens are fewer than seq_len + 1 = {seq_len + 1}; use more "
+            "data or a shorter seq_len"
+        )
+    return np.stack([np.asarray(tokens[i * seq_len : i * seq_len + seq_len + 1], dtype=np.int64) for i in range(count)])
 
 
 def validation_split(dataset: TokenDataset, fraction: float, max_windows: int) -> tuple[TokenDataset, np.ndarray]:
@@ -47,14 +47,17 @@ def validation_split(dataset: TokenDataset, fraction: float, max_windows: int) -
         raise ValueError(f"val_fraction needs a token dataset, not {type(dataset).__name__}")
     cut = int(len(dataset.tokens) * (1 - fraction))
     if cut < S + 1:
-        raise ValueError(f"val_fraction ({fraction}) leaves {cut} of the {len(dataset.tokens)} tokens of "
-                         f"{dataset.name} for training, fewer than seq_len + 1 = {S + 1}; lower val_fraction")
+        raise ValueError(
+            f"val_fraction ({fraction}) leaves {cut} of the {len(dataset.tokens)} tokens of "
+            f"{dataset.name} for training, fewer than seq_len + 1 = {S + 1}; lower val_fraction"
+        )
     train = TokenArrayDataset(dataset.tokens[:cut], dataset.name, S, dataset.vocab_size, dataset.seed)
     return train, windows_of(dataset.tokens[cut:], S, max_windows)
 
 
-def validation_windows(spec: str, seq_len: int, vocab_size: int, max_windows: int, seed: int = 0,
-                       tokenizer: str = "bytes") -> np.ndarray:
+def validation_windows(
+    spec: str, seq_len: int, vocab_size: int, max_windows: int, seed: int = 0, tokenizer: str = "bytes"
+) -> np.ndarray:
     """Windows of a validation data spec (a file, or 'markov...' with its own sample seed)."""
     dataset = build_dataset(spec, seq_len, vocab_size, seed, tokenizer=tokenizer)
     if isinstance(dataset, MarkovDataset):
@@ -63,16 +66,24 @@ def validation_windows(spec: str, seq_len: int, vocab_size: int, max_windows: in
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, windows_NS1: np.ndarray, batch_size: int, device: torch.device,
-             rank: int = 0, world_size: int = 1, autocast: bool = False) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    windows_NS1: np.ndarray,
+    batch_size: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+    autocast: bool = False,
+) -> dict[str, float]:
     """Mean next-token loss (nats) over the windows, with the token count; ``model(inputs, targets)`` must return
     the mean loss. Collective when torch.distributed is initialised: every rank calls it."""
     if batch_size < 1:
         raise ValueError(f"batch_size ({batch_size}) must be >= 1")
     per_rank = len(windows_NS1) // world_size
     if per_rank == 0:
-        raise ValueError(f"{len(windows_NS1)} evaluation windows cannot be split over {world_size} ranks; "
-                         "evaluate more data")
+        raise ValueError(
+            f"{len(windows_NS1)} evaluation windows cannot be split over {world_size} ranks; evaluate more data"
+        )
     mine = windows_NS1[rank * per_rank : (rank + 1) * per_rank]
     was_training = model.training
     model.eval()
@@ -92,7 +103,7 @@ def evaluate(model: torch.nn.Module, windows_NS1: np.ndarray, batch_size: int, d
     return {"loss": nats / tokens, "tokens": int(tokens)}
 
 
-def bits_per_byte(loss: float, num_tokens: int, num_bytes: Optional[int]) -> Optional[float]:
+def bits_per_byte(loss: float, num_tokens: int, num_bytes: int | None) -> float | None:
     """Total bits over the bytes the evaluated tokens stand for (None when unknown)."""
     if not num_bytes:
         return None
@@ -103,7 +114,7 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf
 
 
-def text_bytes_of(windows_NS1: np.ndarray, tokenizer: Optional[str]) -> Optional[int]:
+def text_bytes_of(windows_NS1: np.ndarray, tokenizer: str | None) -> int | None:
     """Bytes the targets of ``windows`` decode to: one per token for byte-level text; the UTF-8 length of the
     decoded targets with a tokenizers JSON; None when unknown."""
     targets = windows_NS1[:, 1:]

@@ -4,8 +4,6 @@ bigram entropies are computed exactly, so a run's log shows how far its loss is 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 # Legend (this file's own): N samples, T positions in a sample, V vocab, G hash buckets, C contexts (= G * V),
@@ -36,8 +34,16 @@ class MarkovSource:
     one 0.20 above (0.016 after 600 steps). vocab 256 / 4 buckets left a 0.8-1.2 nat gap at 300 steps.
     """
 
-    def __init__(self, vocab: int = 64, order: int = 2, buckets: Optional[int] = None, branch: int = 4,
-                 alpha: float = 1.0, smooth: float = 0.01, source_seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab: int = 64,
+        order: int = 2,
+        buckets: int | None = None,
+        branch: int = 4,
+        alpha: float = 1.0,
+        smooth: float = 0.01,
+        source_seed: int = 0,
+    ) -> None:
         if vocab < 2:
             raise ValueError(f"markov vocab ({vocab}) must be >= 2")
         if order not in (1, 2):
@@ -50,8 +56,9 @@ class MarkovSource:
         if not 1 <= branch <= vocab:
             raise ValueError(f"markov branch ({branch}) must be in [1, vocab={vocab}]")
         if buckets * vocab * vocab > 2**22:  # 2**23 already takes ~13 s to build
-            raise ValueError(f"markov buckets * vocab**2 ({buckets * vocab * vocab}) must be <= 2**22; "
-                             "lower vocab or buckets")
+            raise ValueError(
+                f"markov buckets * vocab**2 ({buckets * vocab * vocab}) must be <= 2**22; lower vocab or buckets"
+            )
         if not alpha > 0:
             raise ValueError(f"markov alpha ({alpha}) must be > 0")
         if not 0 < smooth <= 1:
@@ -59,8 +66,15 @@ class MarkovSource:
         if source_seed < 0:
             raise ValueError(f"markov source_seed ({source_seed}) must be >= 0")
         self.vocab, self.order, self.buckets = vocab, order, buckets
-        self.options = dict(vocab=vocab, order=order, buckets=buckets, branch=branch, alpha=alpha,
-                            smooth=smooth, source_seed=source_seed)
+        self.options = dict(
+            vocab=vocab,
+            order=order,
+            buckets=buckets,
+            branch=branch,
+            alpha=alpha,
+            smooth=smooth,
+            source_seed=source_seed,
+        )
         V, G = vocab, buckets
         rng = np.random.default_rng([source_seed, V, G, branch])
         # Balanced hash: every bucket gets vocab / G tokens.

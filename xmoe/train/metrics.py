@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -49,7 +49,7 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def peak_flops(device: Optional[torch.device | str | int] = None) -> Optional[float]:
+def peak_flops(device: torch.device | str | int | None = None) -> float | None:
     """Peak dense bf16 FLOP/s of a CUDA/ROCm device from the table above; None on CPU or unknown GPUs."""
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return None
@@ -57,7 +57,7 @@ def peak_flops(device: Optional[torch.device | str | int] = None) -> Optional[fl
     return next((tf * 1e12 for key, tf in PEAK_BF16_TFLOPS if key.lower() in name), None)
 
 
-def mfu(flops_per_s_per_gpu: float, device: Optional[torch.device | str | int] = None) -> Optional[float]:
+def mfu(flops_per_s_per_gpu: float, device: torch.device | str | int | None = None) -> float | None:
     """Model FLOPs utilisation = achieved / peak, or None when the peak is unknown."""
     peak = peak_flops(device)
     return None if peak is None else flops_per_s_per_gpu / peak
@@ -154,8 +154,11 @@ def describe_outputs(out_dir: str | os.PathLike) -> str:
     for name in ("metrics.jsonl", "summary.json", "loss.png", "tensorboard"):
         if (out / name).exists():
             lines.append(f"  {name:<40} {_size_text(_tree_bytes(out / name))}")
-    ckpts = sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir() and (p / "COMPLETE").is_file()) \
-        if (out / "checkpoints").is_dir() else []
+    ckpts = (
+        sorted(p for p in (out / "checkpoints").glob("step_*") if p.is_dir() and (p / "COMPLETE").is_file())
+        if (out / "checkpoints").is_dir()
+        else []
+    )
     for path in ckpts:
         lines.append(f"  {'checkpoints/' + path.name + '/':<40} {_size_text(_tree_bytes(path))}")
     return "\n".join(lines)
@@ -165,8 +168,11 @@ def summary_text(summary: dict[str, Any]) -> str:
     """The summary in units a person reads: nats/token, tokens/s, GiB, minutes."""
     parts = [f"steps {summary['steps']}"]
     if summary.get("final_loss") is not None:
-        parts.append(f"final loss {summary['final_loss']:.4g} nats/token (best {summary['best_loss']:.4g})"
-                     if summary.get("best_loss") is not None else f"final loss {summary['final_loss']:.4g}")
+        parts.append(
+            f"final loss {summary['final_loss']:.4g} nats/token (best {summary['best_loss']:.4g})"
+            if summary.get("best_loss") is not None
+            else f"final loss {summary['final_loss']:.4g}"
+        )
     if summary.get("final_val_loss") is not None:
         parts.append(f"validation loss {summary['final_val_loss']:.4g} (best {summary['best_val_loss']:.4g})")
     if summary.get("mean_tokens_per_s") is not None:
@@ -212,9 +218,9 @@ class MetricsLogger:
         total_steps: int,
         tensorboard: bool = False,
         *,
-        resume_step: Optional[int] = None,
-        stream: Optional[TextIO] = None,
-        progress_bar: Optional[bool] = None,
+        resume_step: int | None = None,
+        stream: TextIO | None = None,
+        progress_bar: bool | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         self.active = rank == 0
@@ -247,7 +253,8 @@ class MetricsLogger:
             except ImportError as e:
                 warnings.warn(
                     f"tensorboard=True but TensorBoard is unavailable ({e}); install it with "
-                    "`pip install tensorboard`. Continuing with metrics.jsonl only."
+                    "`pip install tensorboard`. Continuing with metrics.jsonl only.",
+                    stacklevel=2,
                 )
 
     def _read(self) -> list[dict[str, Any]]:
@@ -291,13 +298,13 @@ class MetricsLogger:
     def finish(
         self,
         *,
-        floor: Optional[float] = None,
-        baseline: Optional[float] = None,
-        references: Optional[dict[str, float]] = None,
-        status: Optional[str] = None,
-        title: Optional[str] = None,
-        step: Optional[int] = None,
-        info: Optional[dict[str, Any]] = None,
+        floor: float | None = None,
+        baseline: float | None = None,
+        references: dict[str, float] | None = None,
+        status: str | None = None,
+        title: str | None = None,
+        step: int | None = None,
+        info: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Print a summary, write ``summary.json`` and ``loss.png`` (loss vs step over the whole run, with
         dashed lines for ``floor`` (entropy rate), ``baseline`` (unigram entropy) and any ``references``).
@@ -312,7 +319,7 @@ class MetricsLogger:
         losses = [(r["step"], r["loss"]) for r in self.records if isinstance(r.get("loss"), (int, float))]
         timed = self.records[self._first_new + 1 :] or self.records[self._first_new :]
 
-        def mean(key: str) -> Optional[float]:
+        def mean(key: str) -> float | None:
             vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
             return sum(vals) / len(vals) if vals else None
 
@@ -348,8 +355,13 @@ class MetricsLogger:
         else:
             log.info(line)
 
-    def _plot(self, losses: list[tuple[int, float]], lines: dict[str, float], title: str,
-              val: Optional[list[tuple[int, float]]] = None) -> None:
+    def _plot(
+        self,
+        losses: list[tuple[int, float]],
+        lines: dict[str, float],
+        title: str,
+        val: list[tuple[int, float]] | None = None,
+    ) -> None:
         # The object API with an explicit Agg canvas: no pyplot, so no global backend switch and no display.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -360,8 +372,15 @@ class MetricsLogger:
         if losses:
             ax.plot([s for s, _ in losses], [v for _, v in losses], label="train loss", linewidth=1.2)
         if val:
-            ax.plot([s for s, _ in val], [v for _, v in val], marker="o", markersize=3, color="C9",
-                    label="validation loss", linewidth=1.2)
+            ax.plot(
+                [s for s, _ in val],
+                [v for _, v in val],
+                marker="o",
+                markersize=3,
+                color="C9",
+                label="validation loss",
+                linewidth=1.2,
+            )
         for i, (label, value) in enumerate(lines.items()):
             ax.axhline(value, linestyle="--", color=f"C{i + 1}", linewidth=1, label=f"{label}: {value:.3f}")
         ax.set_xlabel("step")

@@ -10,7 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ class Window:
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
     rows: torch.Tensor = field(init=False)  # routed rows the experts computed, summed
-    load_LE: Optional[torch.Tensor] = None  # tokens per expert per layer, summed (None: no MoE layers)
+    load_LE: torch.Tensor | None = None  # tokens per expert per layer, summed (None: no MoE layers)
     traffic: dict[str, int] = field(default_factory=dict)  # the dispatchers' counters, summed
 
     def __post_init__(self) -> None:
@@ -60,9 +60,11 @@ def comm_metrics(traffic: dict[str, int], steps: int) -> dict[str, float]:
     out = {"comm_mb_per_step": sent / steps / 2**20}
     if "rows_inter" in traffic:
         slots = traffic["slots"]
-        out.update(rbd_inter_rows=traffic["rows_inter"] / steps,
-                   flat_inter_rows=traffic["flat_rows_inter"] / steps,
-                   rbd_redundancy=1.0 - traffic["token_nodes"] / slots if slots else 0.0)
+        out.update(
+            rbd_inter_rows=traffic["rows_inter"] / steps,
+            flat_inter_rows=traffic["flat_rows_inter"] / steps,
+            rbd_redundancy=1.0 - traffic["token_nodes"] / slots if slots else 0.0,
+        )
     return out
 
 
@@ -72,8 +74,19 @@ class Reporter:
     ``unigram_entropy``); ``preset``: the preset the model came from ("" for none); ``kernels``: the run's kernel
     choices as resolved on its device (xmoe.kernels.choice), named in the header and recorded in the summary."""
 
-    def __init__(self, run: RunConfig, out_dir: Path, logger: metrics.MetricsLogger, *, rank: int, world: int,
-                 device: torch.device, dataset: Any, preset: str, kernels: Any):
+    def __init__(
+        self,
+        run: RunConfig,
+        out_dir: Path,
+        logger: metrics.MetricsLogger,
+        *,
+        rank: int,
+        world: int,
+        device: torch.device,
+        dataset: Any,
+        preset: str,
+        kernels: Any,
+    ):
         self.run, self.out_dir, self.logger = run, out_dir, logger
         self.rank, self.world, self.device = rank, world, device
         self.dataset, self.preset, self.kernels = dataset, preset, kernels
@@ -95,15 +108,25 @@ class Reporter:
         ]
         floor = getattr(self.dataset, "loss_floor", None)
         if floor is not None:
-            lines.append(f"loss floor (source entropy at this seq_len) {floor:.3f} nats/token, unigram baseline "
-                         f"{self.dataset.unigram_entropy:.3f}")
+            lines.append(
+                f"loss floor (source entropy at this seq_len) {floor:.3f} nats/token, unigram baseline "
+                f"{self.dataset.unigram_entropy:.3f}"
+            )
         if step:
             lines.append(f"continuing from step {step} to {t.steps}")
         lines.append(f"writing to {self.out_dir}/ (Ctrl-C or SIGTERM: save a checkpoint and stop)")
         log.info("\n".join(lines))
 
-    def log_window(self, step: int, loss: torch.Tensor, aux: torch.Tensor, grad_norm: torch.Tensor, lr: float,
-                   window: Window, val_loss: Optional[float] = None) -> None:
+    def log_window(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        aux: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: float,
+        window: Window,
+        val_loss: float | None = None,
+    ) -> None:
         """One record for the window ending at ``step`` (every rank calls it: the values are all-reduced)."""
         # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows and, when
         # there are MoE layers, the tokens per expert summed over layers (float64: counts stay exact)
@@ -123,11 +146,17 @@ class Reporter:
         # rows were counted on each rank for its own tokens; their sum is the global routed rows
         routed_rows = int(rows_v) if window.load_LE is not None else None
         per_device = metrics.train_flops(self.flop_dims, sequences, routed_rows=routed_rows) / seconds / self.world
-        record = dict(loss=loss_v, aux_loss=aux_v, lr=lr, grad_norm=gnorm_v,
-                      tokens_per_s=tokens / seconds, tflops=per_device / 1e12,
-                      paper_tflops=metrics.paper_train_flops(self.flop_dims, sequences) / seconds / self.world / 1e12,
-                      mfu=metrics.mfu(per_device, self.device) if self.device.type == "cuda" else None,
-                      mem_bytes=metrics.peak_memory_bytes(self.device))
+        record = dict(
+            loss=loss_v,
+            aux_loss=aux_v,
+            lr=lr,
+            grad_norm=gnorm_v,
+            tokens_per_s=tokens / seconds,
+            tflops=per_device / 1e12,
+            paper_tflops=metrics.paper_train_flops(self.flop_dims, sequences) / seconds / self.world / 1e12,
+            mfu=metrics.mfu(per_device, self.device) if self.device.type == "cuda" else None,
+            mem_bytes=metrics.peak_memory_bytes(self.device),
+        )
         record.update(comm_metrics(window.traffic, window.steps))
         if window.load_LE is not None:
             record["imbalance"] = metrics.load_imbalance(torch.tensor(load_v))
@@ -135,21 +164,30 @@ class Reporter:
             record["val_loss"] = val_loss
         self.logger.log(step, **record)
 
-    def finish(self, step: int, status: Optional[str] = None) -> dict:
+    def finish(self, step: int, status: str | None = None) -> dict:
         """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""
         floor = getattr(self.dataset, "loss_floor", None)
-        summary = self.logger.finish(floor=floor, baseline=getattr(self.dataset, "unigram_entropy", None),
-                                     status=status, title=f"{self.out_dir} ({self._model_text()})", step=step,
-                                     info={"kernels": self.kernels.record()})
+        summary = self.logger.finish(
+            floor=floor,
+            baseline=getattr(self.dataset, "unigram_entropy", None),
+            status=status,
+            title=f"{self.out_dir} ({self._model_text()})",
+            step=step,
+            info={"kernels": self.kernels.record()},
+        )
         if self.rank == 0:
             if floor is not None and isinstance(summary.get("final_loss"), float):
-                log.info(f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token "
-                         f"above the source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f})")
+                log.info(
+                    f"final loss {summary['final_loss']:.3f}: {summary['final_loss'] - floor:.3f} nats/token "
+                    f"above the source's floor {floor:.3f} (unigram baseline {self.dataset.unigram_entropy:.3f})"
+                )
             log.info(metrics.describe_outputs(self.out_dir))
         return summary
 
     def _model_text(self) -> str:
         m = self.run.model
         preset = f"preset {self.preset}, " if self.preset else ""
-        return (f"{preset}{m.num_layers} layers, H {m.hidden_size}, {m.moe.num_experts} experts top-{m.moe.top_k}, "
-                f"data {self.dataset.name.split('(')[0]}")
+        return (
+            f"{preset}{m.num_layers} layers, H {m.hidden_size}, {m.moe.num_experts} experts top-{m.moe.top_k}, "
+            f"data {self.dataset.name.split('(')[0]}"
+        )

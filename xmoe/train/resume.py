@@ -13,7 +13,7 @@ import logging
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -23,8 +23,18 @@ from xmoe.train.checkpoint_verify import find_latest, read_meta, verify_checkpoi
 log = logging.getLogger(__name__)
 
 # train fields a bit-identical continuation depends on (steps, cadences and micro-batching may change freely)
-RESUME_TRAIN_FIELDS = ("seed", "global_batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps",
-                       "weight_decay", "beta1", "beta2", "grad_clip")
+RESUME_TRAIN_FIELDS = (
+    "seed",
+    "global_batch_size",
+    "seq_len",
+    "lr",
+    "min_lr_ratio",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+)
 
 
 def _file_fingerprint(path: str) -> dict[str, Any]:
@@ -60,7 +70,7 @@ def flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def resume_mismatches(saved: Optional[dict[str, Any]], run: Any, data: dict[str, Any]) -> list[str]:
+def resume_mismatches(saved: dict[str, Any] | None, run: Any, data: dict[str, Any]) -> list[str]:
     """``section.field: checkpoint X, now Y`` for every model field, data property and schedule field
     (RESUME_TRAIN_FIELDS) that differs between a checkpoint's stored config and this run."""
     if not isinstance(saved, dict):
@@ -72,8 +82,11 @@ def resume_mismatches(saved: Optional[dict[str, Any]], run: Any, data: dict[str,
         now[f"train.{name}"] = getattr(run.train, name)
     then: dict[str, Any] = {}
     flatten("", {k: saved.get(k) for k in ("model", "data", "train") if isinstance(saved.get(k), dict)}, then)
-    return [f"{key}: checkpoint {then[key]!r}, now {value!r}" for key, value in now.items()
-            if key in then and then[key] != value]
+    return [
+        f"{key}: checkpoint {then[key]!r}, now {value!r}"
+        for key, value in now.items()
+        if key in then and then[key] != value
+    ]
 
 
 def _named_checkpoint(out_dir: Path, resume_from: str) -> Path:
@@ -85,13 +98,15 @@ def _named_checkpoint(out_dir: Path, resume_from: str) -> Path:
         path = named
     if not path.is_dir():
         what = "is a file" if path.is_file() else "does not exist"
-        raise FileNotFoundError(f"--resume-from {path} {what}; pass a checkpoint directory such as "
-                                f"{out_dir}/checkpoints/step_000100")
+        raise FileNotFoundError(
+            f"--resume-from {path} {what}; pass a checkpoint directory such as {out_dir}/checkpoints/step_000100"
+        )
     return path
 
 
-def resume_checkpoint(out_dir: Path, resume_from: Optional[str], run: Any, data: dict[str, Any],
-                      allow_changes: bool) -> Optional[Path]:
+def resume_checkpoint(
+    out_dir: Path, resume_from: str | None, run: Any, data: dict[str, Any], allow_changes: bool
+) -> Path | None:
     """Collective. The checkpoint a resume continues from, verified (sizes and crc32) and checked against
     ``run`` and ``data`` before anything is built: ``resume_from`` (a checkpoint directory, or the ``latest``
     file), else the newest under ``out_dir`` whose files check out, newer damaged ones skipped with a warning
@@ -113,14 +128,18 @@ def check_resume(ckpt_path: Path, meta: dict[str, Any], run: Any, data: dict[str
     schedule; ValueError listing the differing fields."""
     step = int(meta["step"])
     if step >= run.train.steps:
-        raise ValueError(f"nothing to do: checkpoint {ckpt_path} is at step {step} and --steps is {run.train.steps}; "
-                         "pass a larger --steps to train further")
+        raise ValueError(
+            f"nothing to do: checkpoint {ckpt_path} is at step {step} and --steps is {run.train.steps}; "
+            "pass a larger --steps to train further"
+        )
     differ = resume_mismatches(meta.get("config"), run, data)
     if differ and not allow_changes:
         raise ValueError(
             f"checkpoint {ckpt_path} was saved by a different run ({len(differ)} field(s) differ: "
             f"{'; '.join(differ[:8])}); resume with the same settings, or pass --allow-changes to continue from "
-            "it anyway (fine-tuning on new data or with a new schedule)")
+            "it anyway (fine-tuning on new data or with a new schedule)"
+        )
     if differ:
-        log.info(f"--allow-changes: continuing from {ckpt_path} with {len(differ)} changed field(s): "
-                 f"{'; '.join(differ[:8])}")
+        log.info(
+            f"--allow-changes: continuing from {ckpt_path} with {len(differ)} changed field(s): {'; '.join(differ[:8])}"
+        )

@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -34,8 +33,15 @@ REPLACED = "xmoe.replaced"  # the previous run's outputs while a new run (--over
 MOVING = "xmoe.replaced.tmp"  # REPLACED while being filled or emptied: a start killed then restores it, always
 # everything a trainer writes into its run directory (tokenizer.json and hf_config.json: copies an --init-from
 # run keeps for eval, export and generate)
-OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "checkpoints", "tensorboard", "tokenizer.json",
-           "hf_config.json")
+OUTPUTS = (
+    "metrics.jsonl",
+    "summary.json",
+    "loss.png",
+    "checkpoints",
+    "tensorboard",
+    "tokenizer.json",
+    "hf_config.json",
+)
 
 
 class RunLock(DirLock):
@@ -116,8 +122,9 @@ def _settle_replaced(out_dir: Path) -> str:
     if _holds_run(out_dir):
         shutil.rmtree(aside)
         return f"deleted {aside}: the run it held was replaced by the run now in {out_dir} (--overwrite)"
-    return _undo_start(out_dir).replace("the new run ended before writing anything",
-                                        "an --overwrite start was killed before writing anything")
+    return _undo_start(out_dir).replace(
+        "the new run ended before writing anything", "an --overwrite start was killed before writing anything"
+    )
 
 
 def _describe_run(out_dir: Path, found: list[str]) -> str:
@@ -143,7 +150,8 @@ def _check_resumable(out_dir: Path, found: list[str]) -> None:
         raise RunDirError(
             f"run directory {out_dir} holds a run ({_describe_run(out_dir, found)}) but no checkpoint to resume "
             "from (trained with --ckpt-every 0?); pass --overwrite to start again in its place, or choose another "
-            "--out")
+            "--out"
+        )
 
 
 def _start_new(out_dir: Path, lock: RunLock, overwrite: bool) -> list[str]:
@@ -154,15 +162,18 @@ def _start_new(out_dir: Path, lock: RunLock, overwrite: bool) -> list[str]:
         if not overwrite:
             raise RunDirError(
                 f"run directory {out_dir} already holds a run ({_describe_run(out_dir, found)}); pass --resume "
-                "to continue it, --overwrite to delete it and start again, or choose another --out")
+                "to continue it, --overwrite to delete it and start again, or choose another --out"
+            )
         moving = out_dir / MOVING
         moving.mkdir()
         for name in found:
             os.rename(out_dir / name.rstrip("/"), moving / name.rstrip("/"))
         os.rename(moving, out_dir / REPLACED)
-        notes.append(f"--overwrite: set the previous run in {out_dir} aside "
-                     f"({_describe_run(out_dir / REPLACED, found)}); it is deleted when this run writes its first "
-                     "log line or checkpoint, and restored if it ends before")
+        notes.append(
+            f"--overwrite: set the previous run in {out_dir} aside "
+            f"({_describe_run(out_dir / REPLACED, found)}); it is deleted when this run writes its first "
+            "log line or checkpoint, and restored if it ends before"
+        )
     else:
         for name in found:  # what a start that failed left (an empty metrics.jsonl, copied tokenizer files)
             _remove(out_dir / name.rstrip("/"))
@@ -181,8 +192,10 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock, lis
     notes = []
     try:
         if lock.stale:
-            notes.append(f"took over the lock of {_holder_text(lock.stale)}: {lock.stale_reason}, so that run ended "
-                         "without releasing it")
+            notes.append(
+                f"took over the lock of {_holder_text(lock.stale)}: {lock.stale_reason}, so that run ended "
+                "without releasing it"
+            )
         settled = _settle_replaced(out_dir)
         if settled:
             notes.append(settled)
@@ -201,7 +214,7 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock, lis
     return lock, notes
 
 
-def open_run_dir(out_dir: str | os.PathLike, *, rank: int, resume: bool, overwrite: bool) -> Optional[RunLock]:
+def open_run_dir(out_dir: str | os.PathLike, *, rank: int, resume: bool, overwrite: bool) -> RunLock | None:
     """Collective. Lock and prepare ``out_dir`` (see the module docstring); rank 0 returns the lock, whose
     ``commit`` the trainer calls once it has written its first log line or checkpoint and whose ``release`` ends
     the run; other ranks get None. Every rank raises RunDirError if rank 0 could not."""
@@ -227,5 +240,3 @@ def open_run_dir(out_dir: str | os.PathLike, *, rank: int, resume: bool, overwri
 
 
 # ------------------------------------------------------------------------------------- what resume checks
-
-

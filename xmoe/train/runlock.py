@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Self
+from typing import Any, Self
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,9 @@ def _read_holder(path: Path) -> dict[str, Any]:
 
 
 def _holder_text(holder: dict[str, Any]) -> str:
-    return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
-            + (f" (since {holder['started']})" if holder.get("started") else ""))
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}" + (
+        f" (since {holder['started']})" if holder.get("started") else ""
+    )
 
 
 def _untouched_s(path: Path) -> float:
@@ -75,15 +76,14 @@ class DirLock:
 
     def __init__(self, out_dir: Path) -> None:
         self.path = out_dir / LOCK
-        self._fd: Optional[int] = None
-        self.stale: Optional[dict[str, Any]] = None  # the dead holder whose lock was taken over
+        self._fd: int | None = None
+        self.stale: dict[str, Any] | None = None  # the dead holder whose lock was taken over
         self.stale_reason = ""  # what showed that holder to be gone
         self._stop_beating = threading.Event()
-        self._beating: Optional[threading.Thread] = None
+        self._beating: threading.Thread | None = None
 
     def acquire(self) -> Self:
-        me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         for _ in range(5):  # retried only when a releasing holder unlinks the file between open and lock
             created = not self.path.exists()
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -93,7 +93,8 @@ class DirLock:
                 os.close(fd)
                 raise RunDirError(
                     f"run directory {self.path.parent} is in use by {_holder_text(_read_holder(self.path))}; "
-                    "wait for that run to end or stop it, or choose another --out") from None
+                    "wait for that run to end or stop it, or choose another --out"
+                ) from None
             except OSError as e:
                 os.close(fd)
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
@@ -132,8 +133,10 @@ class DirLock:
             return
         untouched = _untouched_s(self.path)
         if untouched < STALE_AFTER_S:
-            log.info(f"{self.path} names {_holder_text(holder)}, touched {untouched:.0f} s ago: waiting up to "
-                     f"{STALE_AFTER_S - untouched:.0f} s to see whether that run is still alive")
+            log.info(
+                f"{self.path} names {_holder_text(holder)}, touched {untouched:.0f} s ago: waiting up to "
+                f"{STALE_AFTER_S - untouched:.0f} s to see whether that run is still alive"
+            )
         mtime = self.path.stat().st_mtime
         while untouched < STALE_AFTER_S:
             time.sleep(min(1.0, STALE_AFTER_S - untouched))
@@ -141,11 +144,14 @@ class DirLock:
                 raise RunDirError(
                     f"run directory {self.path.parent} is in use by {_holder_text(holder)}: its lock file is kept "
                     f"fresh, so that run is alive (this filesystem's flocks do not reach across hosts); wait for it "
-                    "to end or stop it, or choose another --out")
+                    "to end or stop it, or choose another --out"
+                )
             untouched = _untouched_s(self.path)
         self.stale = holder
-        self.stale_reason = (f"{checked} and its host has not touched the lock file for {untouched:.0f} s (a live "
-                             f"run touches it every {HEARTBEAT_S:.0f} s)")
+        self.stale_reason = (
+            f"{checked} and its host has not touched the lock file for {untouched:.0f} s (a live "
+            f"run touches it every {HEARTBEAT_S:.0f} s)"
+        )
 
     def _acquire_exclusive_file(self, me: dict[str, Any]) -> Self:
         """Fallback without flock: the lock file's existence is the lock; a dead holder on this host, or one that
@@ -159,13 +165,16 @@ class DirLock:
             if holder.get("host") == me["host"] and not _pid_alive(pid):
                 self.stale_reason = f"pid {pid} is not running"
             elif untouched >= STALE_AFTER_S:
-                self.stale_reason = (f"its lock file has not been touched for {untouched:.0f} s (a live run touches "
-                                     f"it every {HEARTBEAT_S:.0f} s)")
+                self.stale_reason = (
+                    f"its lock file has not been touched for {untouched:.0f} s (a live run touches "
+                    f"it every {HEARTBEAT_S:.0f} s)"
+                )
             else:
                 raise RunDirError(
                     f"run directory {self.path.parent} is in use by {_holder_text(holder)} (its lock file was "
                     f"touched {untouched:.0f} s ago); wait for that run to end or stop it, or choose another --out "
-                    f"(a lock file untouched for {STALE_AFTER_S:.0f} s is taken over)") from None
+                    f"(a lock file untouched for {STALE_AFTER_S:.0f} s is taken over)"
+                ) from None
             self.stale = holder
             self.path.unlink(missing_ok=True)
             return self._acquire_exclusive_file(me)

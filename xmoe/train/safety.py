@@ -23,7 +23,6 @@ import logging
 import os
 import signal
 import threading
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -59,7 +58,7 @@ class RunGuard:
     """Context manager: installs the stop-signal handlers (main thread only) and tracks non-finite steps."""
 
     def __init__(self, device: torch.device, nonfinite_skips: int = 0) -> None:
-        self.received: Optional[int] = None
+        self.received: int | None = None
         self.skips_allowed = nonfinite_skips
         self.skipped_in_row = 0
         self.skipped_total = 0
@@ -69,7 +68,7 @@ class RunGuard:
         self._vote_flag = torch.zeros(1, dtype=torch.long)
         self._vote_work = None
 
-    def __enter__(self) -> "RunGuard":
+    def __enter__(self) -> RunGuard:
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
@@ -113,8 +112,10 @@ class RunGuard:
         if self.exhausted:
             self._first_bad.fill_(step - self.skipped_in_row + 1)
             return True
-        log.warning(f"step {step}: non-finite loss or gradient norm, update skipped "
-                    f"({self.skipped_in_row} of {self.skips_allowed} allowed in a row)")
+        log.warning(
+            f"step {step}: non-finite loss or gradient norm, update skipped "
+            f"({self.skipped_in_row} of {self.skips_allowed} allowed in a row)"
+        )
         return True
 
     @property
@@ -122,7 +123,7 @@ class RunGuard:
         """The skip policy has run out: more non-finite steps in a row than allowed."""
         return 0 < self.skips_allowed < self.skipped_in_row
 
-    def check(self, world: int) -> tuple[Optional[int], Optional[int]]:
+    def check(self, world: int) -> tuple[int | None, int | None]:
         """(signal to stop for, first non-finite step), agreed over ranks; call at the same steps on every rank."""
         flags = torch.stack([torch.tensor(self.received or 0, device=self._first_bad.device), self._first_bad])
         if world > 1 and dist.is_initialized():
@@ -140,10 +141,9 @@ class RunGuard:
         if self._vote_group is None:
             return
         self._vote_flag = torch.tensor([self.received or 0], dtype=torch.long)
-        self._vote_work = dist.all_reduce(self._vote_flag, op=dist.ReduceOp.MAX, group=self._vote_group,
-                                          async_op=True)
+        self._vote_work = dist.all_reduce(self._vote_flag, op=dist.ReduceOp.MAX, group=self._vote_group, async_op=True)
 
-    def vote(self) -> Optional[int]:
+    def vote(self) -> int | None:
         """The signal any rank had received when the previous step's vote was posted (the same on every rank),
         or None; the vote has had a whole step to finish, so waiting for it costs nothing in practice."""
         if self._vote_work is None:

@@ -24,8 +24,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,10 +41,19 @@ from xmoe.train.step import forward_backward
 
 log = logging.getLogger(__name__)
 
-NOTE = ("simulated rank: no collective communicated (torch's fake process group), so times are compute only and "
-        "losses are meaningless; the all-to-all counts are the planner's (balanced routing x imbalance)")
-KINDS = {"PARAM": "weights", "GRAD": "gradients", "OPT": "optimizer", "ACT": "activations", "TEMP": "temporaries",
-         "BUFFER": "buffers", "OTH": "other"}  # MemTracker's reference types
+NOTE = (
+    "simulated rank: no collective communicated (torch's fake process group), so times are compute only and "
+    "losses are meaningless; the all-to-all counts are the planner's (balanced routing x imbalance)"
+)
+KINDS = {
+    "PARAM": "weights",
+    "GRAD": "gradients",
+    "OPT": "optimizer",
+    "ACT": "activations",
+    "TEMP": "temporaries",
+    "BUFFER": "buffers",
+    "OTH": "other",
+}  # MemTracker's reference types
 
 
 @dataclass
@@ -70,8 +80,9 @@ def _fake_world(world: int, rank: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
-def _batches(vocab: int, micro_batch: int, seq_len: int, device: torch.device, seed: int
-             ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(
+    vocab: int, micro_batch: int, seq_len: int, device: torch.device, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     while True:
         tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=gen).to(device)
@@ -83,10 +94,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int, seq_len: int, rank: int = 0,
-                 recompute: str = "none", imbalance: float = 1.0, steps: int = 3, device: str = "auto",
-                 ssmb: bool = True, seed: int = 0, lr: float = 1e-4, weight_decay: float = 0.1,
-                 simulate: bool = True) -> Measurement:
+def measure_rank(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    rank: int = 0,
+    recompute: str = "none",
+    imbalance: float = 1.0,
+    steps: int = 3,
+    device: str = "auto",
+    ssmb: bool = True,
+    seed: int = 0,
+    lr: float = 1e-4,
+    weight_decay: float = 0.1,
+    simulate: bool = True,
+) -> Measurement:
     """Rank ``rank`` of ``parallel`` (all ``parallel.world_size`` ranks of it) training ``cfg``: ``steps`` >= 3 steps
     of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
     ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
@@ -95,8 +119,9 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
 
     if steps < 3:
         raise ValueError(f"--steps ({steps}) must be >= 3: a warm-up step, a measured step, then timed ones")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     autocast = dev.type == "cuda"
     world = parallel.world_size
     if simulate:
@@ -104,14 +129,23 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
     try:
         dims = None
         if world > 1:
-            dims = ParallelDims.from_config(parallel, world, rank=rank,
-                                            node_size=parallel.gpus_per_node or world).build_mesh(dev.type)
+            dims = ParallelDims.from_config(
+                parallel, world, rank=rank, node_size=parallel.gpus_per_node or world
+            ).build_mesh(dev.type)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         tracker = MemTracker()
         with tracker:
-            built = build_model(cfg, dev, dims, seed=seed, sequence_parallel=parallel.sequence_parallel, ssmb=ssmb,
-                                param_dtype=torch.bfloat16 if autocast else None, recompute=recompute)
+            built = build_model(
+                cfg,
+                dev,
+                dims,
+                seed=seed,
+                sequence_parallel=parallel.sequence_parallel,
+                ssmb=ssmb,
+                param_dtype=torch.bfloat16 if autocast else None,
+                recompute=recompute,
+            )
             if simulate:
                 plan_counts(built.model, imbalance)
                 keep_buckets(built.wrapped)
@@ -120,8 +154,9 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
         batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
 
         def one_step() -> None:
-            _, moe = forward_backward(built.model, built.wrapped, batches, 1, dev, autocast,
-                                      detach_casts=world == 1)  # as the trainer
+            _, moe = forward_backward(
+                built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1
+            )  # as the trainer
             clip_grad_norm_(params, 1.0, dims=dims)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -139,17 +174,34 @@ def measure_rank(cfg: ModelConfig, parallel: ParallelConfig, *, micro_batch: int
         _sync(dev)
         ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
         # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
-        snapshot = next((kinds for where, kinds in tracker.get_tracker_snapshot("peak").items()
-                         if torch.device(where).type == dev.type), {})
-        by_kind = {KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items()
-                   if str(k) != "Total"}
+        snapshot = next(
+            (
+                kinds
+                for where, kinds in tracker.get_tracker_snapshot("peak").items()
+                if torch.device(where).type == dev.type
+            ),
+            {},
+        )
+        by_kind = {
+            KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items() if str(k) != "Total"
+        }
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
     finally:
         if simulate:
             dist.destroy_process_group()
-    layout = dict(world=world, rank=rank, tp=parallel.tp, ep=parallel.ep, dp=parallel.dp,
-                  placement=parallel.placement, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
-                  imbalance=imbalance, layers=cfg.num_layers)
+    layout = dict(
+        world=world,
+        rank=rank,
+        tp=parallel.tp,
+        ep=parallel.ep,
+        dp=parallel.dp,
+        placement=parallel.placement,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        recompute=recompute,
+        imbalance=imbalance,
+        layers=cfg.num_layers,
+    )
     return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, micro_batch * seq_len / (ms / 1e3))
 
 
@@ -162,11 +214,14 @@ def run(args) -> str:
     from xmoe.plan import cli as plan_cli
 
     if args.trainer:
-        raise ValueError("--measure runs one rank of a multi-GPU layout; for --trainer's one-GPU peak run "
-                         "`xmoe train` itself (its log reports the peak memory)")
+        raise ValueError(
+            "--measure runs one rank of a multi-GPU layout; for --trainer's one-GPU peak run "
+            "`xmoe train` itself (its log reports the peak memory)"
+        )
     if args.padded or args.capacity_factor is not None:
-        raise ValueError("--measure simulates the padding-free dropless dispatcher; leave out --padded and "
-                         "--capacity-factor")
+        raise ValueError(
+            "--measure simulates the padding-free dropless dispatcher; leave out --padded and --capacity-factor"
+        )
     if not 0 <= args.rank < args.gpus:
         raise ValueError(f"--rank ({args.rank}) must be in [0, --gpus={args.gpus})")
     cfg, note = plan_cli.prepare_memory(args)
@@ -178,14 +233,25 @@ def run(args) -> str:
     best = plan_cli.rank_layouts(cfg, args, precision="bf16" if device.type == "cuda" else "fp32")[0]
     kernel_backend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
-    header = (f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of tp "
-              f"{best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
-              f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}")
+    header = (
+        f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of tp "
+        f"{best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
+        f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}"
+    )
     if not args.json:
         log.info(f"xmoe plan memory --measure: building rank {args.rank} and running {args.steps} steps")
-    m = measure_rank(cfg, best.parallel, micro_batch=best.micro_batch, seq_len=best.seq_len, rank=args.rank,
-                     recompute=best.recompute, imbalance=args.imbalance, steps=args.steps, device=str(device),
-                     ssmb=not args.no_ssmb)
+    m = measure_rank(
+        cfg,
+        best.parallel,
+        micro_batch=best.micro_batch,
+        seq_len=best.seq_len,
+        rank=args.rank,
+        recompute=best.recompute,
+        imbalance=args.imbalance,
+        steps=args.steps,
+        device=str(device),
+        ssmb=not args.no_ssmb,
+    )
     result = m.as_dict() | {
         "preset": args.preset,
         "planned_peak_bytes": int(best.peak),
@@ -207,20 +273,26 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _table(r: dict[str, Any], note: Optional[str]) -> str:
+def _table(r: dict[str, Any], note: str | None) -> str:
     unit, gib = ("GiB", 2.0**30) if r["planned_peak_bytes"] >= 2**30 else ("MiB", 2.0**20)
     planned, measured = r["planned_by_kind"], dict(r["measured_by_kind"])
     measured["temporaries"] = sum(measured.pop(k, 0) for k in ("temporaries", "buffers", "other"))
     lines = [f"  {'':<30}{'planned ' + unit:>12}{'measured ' + unit:>14}"]
     lines += [f"  {kind:<30}{planned[kind] / gib:>12.3f}{measured.get(kind, 0) / gib:>14.3f}" for kind in planned]
-    lines.append(f"  {'peak (planned: less reserve)':<30}{r['planned_peak_bytes'] / gib:>12.3f}"
-                 f"{r['measured_peak_bytes'] / gib:>14.3f}   measured / planned {r['ratio']:.3f}")
+    lines.append(
+        f"  {'peak (planned: less reserve)':<30}{r['planned_peak_bytes'] / gib:>12.3f}"
+        f"{r['measured_peak_bytes'] / gib:>14.3f}   measured / planned {r['ratio']:.3f}"
+    )
     lines.append(f"planned peak: {r['planned_peak_at']}")
-    lines.append(f"compute {r['compute_ms_per_step']:.1f} ms per step ({r['steps']} steps on {r['device']}): "
-                 f"{r['tokens_per_s']:.0f} tokens/s per GPU from compute alone")
-    lines.append(f"by kind: MemTracker's, at the peak of a step (the planner's in the same kinds: "
-                 f"MemoryBreakdown.tracker_parts); peak: "
-                 f"{'the caching allocator' if r['device'].startswith('cuda') else 'live tensor storages'}")
+    lines.append(
+        f"compute {r['compute_ms_per_step']:.1f} ms per step ({r['steps']} steps on {r['device']}): "
+        f"{r['tokens_per_s']:.0f} tokens/s per GPU from compute alone"
+    )
+    lines.append(
+        f"by kind: MemTracker's, at the peak of a step (the planner's in the same kinds: "
+        f"MemoryBreakdown.tracker_parts); peak: "
+        f"{'the caching allocator' if r['device'].startswith('cuda') else 'live tensor storages'}"
+    )
     lines.append(f"note: {NOTE}")
     if note:
         lines.append(note)

@@ -7,7 +7,7 @@ optimizer step and then ``MoEStep.finish()`` (the expert-bias update, the step's
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -16,9 +16,15 @@ from xmoe.model.transformer import Transformer
 from xmoe.moe.step import MoEStep
 
 
-def forward_backward(model: Transformer, wrapped: nn.Module, batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
-                     accum: int, device: torch.device, autocast: bool, detach_casts: bool
-                     ) -> tuple[torch.Tensor, MoEStep]:
+def forward_backward(
+    model: Transformer,
+    wrapped: nn.Module,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    accum: int,
+    device: torch.device,
+    autocast: bool,
+    detach_casts: bool,
+) -> tuple[torch.Tensor, MoEStep]:
     """Forward and backward of ``accum`` micro-batches drawn from ``batches`` through ``wrapped`` (the model, or
     what wraps it); returns the mean loss (a device tensor) and the step's MoEStep, closed, for its finish() after
     the optimizer step. ``detach_casts``: the experts' one-process gradient path (MoEStep)."""

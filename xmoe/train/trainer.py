@@ -26,10 +26,10 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
+
 from xmoe.config import RunConfig
 from xmoe.kernels.choice import resolve_choice
 from xmoe.moe.step import MoEStep, StepStats
@@ -38,13 +38,12 @@ from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import clip_grad_norm_
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import checkpoint_dir
-from xmoe.train import metrics, rundir, safety
-from xmoe.train.resume import fingerprint, resume_checkpoint
+from xmoe.train import checkpoint_dir, metrics, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
 from xmoe.train.optim import lr_at, param_groups
 from xmoe.train.report import Reporter, Window
+from xmoe.train.resume import fingerprint, resume_checkpoint
 from xmoe.train.step import forward_backward
 
 log = logging.getLogger(__name__)
@@ -81,8 +80,17 @@ def _keep_imported_files(hf_dir: str, out: Path) -> None:
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, out_dir: str | os.PathLike, device: str = "auto", resume: bool = False, *,
-                 overwrite: bool = False, resume_from: Optional[str] = None, allow_changes: bool = False):
+    def __init__(
+        self,
+        run: RunConfig,
+        out_dir: str | os.PathLike,
+        device: str = "auto",
+        resume: bool = False,
+        *,
+        overwrite: bool = False,
+        resume_from: str | None = None,
+        allow_changes: bool = False,
+    ):
         """Train ``run`` (its model, schedule, layout, data and starting point) into ``out_dir``; the arguments
         are this invocation's. ``resume``: continue from the newest verified checkpoint in ``out_dir``
         (``resume_from``: from that checkpoint directory); a checkpoint whose model, data or schedule differ is
@@ -112,7 +120,7 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def _setup(self, run: RunConfig, resume: bool, resume_from: Optional[str], allow_changes: bool) -> None:
+    def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool) -> None:
         par = run.parallel
         if par.world_size != self.world:
             raise ValueError(
@@ -137,48 +145,70 @@ class Trainer:
         # and initialised (layout-independent values from the seed, or init_from's weights); recompute and compiled
         # regions on the blocks
         torch.manual_seed(t.seed)
-        built = build_model(run.model, self.device, self.dims, seed=t.seed, init_from=run.init_from,
-                            sequence_parallel=par.sequence_parallel,
-                            param_dtype=torch.bfloat16 if self.autocast else None,
-                            recompute=t.recompute, compile=t.compile)
+        built = build_model(
+            run.model,
+            self.device,
+            self.dims,
+            seed=t.seed,
+            init_from=run.init_from,
+            sequence_parallel=par.sequence_parallel,
+            param_dtype=torch.bfloat16 if self.autocast else None,
+            recompute=t.recompute,
+            compile=t.compile,
+        )
         self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.wrapped, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+            param_groups(self.wrapped, t.weight_decay),
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
             fused=self.device.type == "cuda",
         )
         self._params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.step = 0
         if found is not None:
             self._resume(found, resume_from is not None)
-        self.logger = metrics.MetricsLogger(self.out_dir, self.rank, t.steps, tensorboard=t.tensorboard,
-                                            resume_step=self.step if resume else None)
-        self.report = Reporter(run, self.out_dir, self.logger, rank=self.rank, world=self.world, device=self.device,
-                               dataset=self.dataset, preset=run.preset, kernels=self.kernels)
+        self.logger = metrics.MetricsLogger(
+            self.out_dir, self.rank, t.steps, tensorboard=t.tensorboard, resume_step=self.step if resume else None
+        )
+        self.report = Reporter(
+            run,
+            self.out_dir,
+            self.logger,
+            rank=self.rank,
+            world=self.world,
+            device=self.device,
+            dataset=self.dataset,
+            preset=run.preset,
+            kernels=self.kernels,
+        )
 
     def _load_data(self, run: RunConfig) -> None:
         """The training data, its fingerprint (stored in checkpoints; a resume must match it), the validation
         windows and the loader (one loader step = one micro-batch on every data-parallel rank)."""
         t, data = run.train, run.data
-        self.dataset = dataset = build_dataset(data.path, seq_len=t.seq_len, vocab_size=run.model.vocab_size,
-                                               seed=t.seed, tokenizer=data.tokenizer)
+        self.dataset = dataset = build_dataset(
+            data.path, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed, tokenizer=data.tokenizer
+        )
         self.data_info = fingerprint(data.path, dataset)
         self.val_windows = None
         if data.val_path is not None and t.val_fraction > 0:
-            raise ValueError(f"data.val_path ({data.val_path}) and val_fraction ({t.val_fraction}) both choose "
-                             "validation data; pass one of them")
+            raise ValueError(
+                f"data.val_path ({data.val_path}) and val_fraction ({t.val_fraction}) both choose "
+                "validation data; pass one of them"
+            )
         if data.val_path is not None:
-            self.val_windows = validation_windows(data.val_path, t.seq_len, run.model.vocab_size, t.val_windows,
-                                                  t.seed, data.tokenizer)
+            self.val_windows = validation_windows(
+                data.val_path, t.seq_len, run.model.vocab_size, t.val_windows, t.seed, data.tokenizer
+            )
         elif t.val_fraction > 0:
             dataset, self.val_windows = validation_split(dataset, t.val_fraction, t.val_windows)
             self.dataset = dataset
-        self.loader = TokenLoader(dataset, self.micro_batch * self.dp_size, rank=self.dp_rank,
-                                  world_size=self.dp_size)
+        self.loader = TokenLoader(dataset, self.micro_batch * self.dp_size, rank=self.dp_rank, world_size=self.dp_size)
 
     def _data_parallel_coords(self) -> tuple[int, int]:
         """This rank's index among the ranks that see different data, and how many there are."""
         par = self.run.parallel
-        self.dims: Optional[ParallelDims] = None
+        self.dims: ParallelDims | None = None
         if self.world == 1:
             return 0, 1
         self.dims = ParallelDims.from_config(par, self.world, rank=self.rank).build_mesh(self.device.type)
@@ -186,12 +216,19 @@ class Trainer:
         return self.dims.coord("dp") * par.ep + self.dims.coord("ep"), par.dp * par.ep
 
     def _validate(self) -> float:
-        return evaluate(self.wrapped, self.val_windows, self.micro_batch, self.device, self.dp_rank, self.dp_size,
-                        autocast=self.autocast)["loss"]
+        return evaluate(
+            self.wrapped,
+            self.val_windows,
+            self.micro_batch,
+            self.device,
+            self.dp_rank,
+            self.dp_size,
+            autocast=self.autocast,
+        )["loss"]
 
     # ------------------------------------------------------------------------------------------ state
 
-    def _checkpoint_to_resume(self, resume_from: Optional[str], allow_changes: bool) -> Optional[Path]:
+    def _checkpoint_to_resume(self, resume_from: str | None, allow_changes: bool) -> Path | None:
         """The checkpoint a resume continues (None: nothing saved yet), verified (sizes and crc32) and its stored
         model, data and schedule compared with this run's (resume.resume_checkpoint), before the model is built."""
         found = resume_checkpoint(self.out_dir, resume_from, self.run, self.data_info, allow_changes)
@@ -220,30 +257,43 @@ class Trainer:
             log.info(f"resumed from {found} at step {self.step}")
             if chosen:  # later checkpoints of this directory belong to the timeline being replaced
                 for path in checkpoint_dir.set_aside_newer(self.out_dir, self.step):
-                    log.info(f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) "
-                             f"as {path.name}")
+                    log.info(
+                        f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) "
+                        f"as {path.name}"
+                    )
 
     def save(self) -> Path:
         # the config as run, its data section with the fingerprint of the data it named (what a resume compares), and
         # the kernel choices as resolved on this device
-        config = {**asdict(self.run), "data": {**asdict(self.run.data), **self.data_info},
-                  "kernels": self.kernels.record()}
-        return ckpt.save_checkpoint(self.out_dir, self.step, self.wrapped, self.optimizer,
-                                    {"step": self.step, "loader": self.loader.state_dict()},
-                                    keep_last=self.run.train.keep_last, config=config)
+        config = {
+            **asdict(self.run),
+            "data": {**asdict(self.run.data), **self.data_info},
+            "kernels": self.kernels.record(),
+        }
+        return ckpt.save_checkpoint(
+            self.out_dir,
+            self.step,
+            self.wrapped,
+            self.optimizer,
+            {"step": self.step, "loader": self.loader.state_dict()},
+            keep_last=self.run.train.keep_last,
+            config=config,
+        )
 
     # ------------------------------------------------------------------------------------------- loop
 
     def _forward_backward(self, accum: int) -> tuple[torch.Tensor, MoEStep]:
-        return forward_backward(self.model, self.wrapped, self.loader, accum, self.device, self.autocast,
-                                detach_casts=self.world == 1)
+        return forward_backward(
+            self.model, self.wrapped, self.loader, accum, self.device, self.autocast, detach_casts=self.world == 1
+        )
 
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step on each rank."""
         return self.local_batch // self.micro_batch
 
-    def train_step(self, accum: int, guard: Optional[safety.RunGuard] = None
-                   ) -> tuple[torch.Tensor, StepStats, torch.Tensor, float]:
+    def train_step(
+        self, accum: int, guard: safety.RunGuard | None = None
+    ) -> tuple[torch.Tensor, StepStats, torch.Tensor, float]:
         """One optimizer step: forward and backward over ``accum`` micro-batches, clip, AdamW, then the MoE step's
         finish (the expert-bias update). Returns (mean loss, stats, grad norm, lr) as device tensors: nothing here
         reads them on the host. ``guard`` records a non-finite loss or gradient norm (and, under its skip policy,
@@ -285,8 +335,9 @@ class Trainer:
             window.add(stats)
 
             val_loss = None
-            if self.val_windows is not None and (self.step == t.steps or (t.eval_every and
-                                                                          self.step % t.eval_every == 0)):
+            if self.val_windows is not None and (
+                self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0)
+            ):
                 evaluating = time.perf_counter()
                 val_loss = self._validate()
                 window.exclude(evaluating)  # evaluation time is not training time
@@ -294,7 +345,7 @@ class Trainer:
             # a save due inside a run of skipped non-finite steps waits for the first good step: those states are
             # the last good step's, and saving them would prune good checkpoints for copies
             due = due or (bool(t.ckpt_every) and self.step % t.ckpt_every == 0)
-            ckpt_now = bool(t.ckpt_every) and (self.step == t.steps or due and not guard.skipped_in_row)
+            ckpt_now = bool(t.ckpt_every) and (self.step == t.steps or (due and not guard.skipped_in_row))
             if log_now:
                 self.report.log_window(self.step, loss, stats.aux, grad_norm, lr, window, val_loss)
                 self._wrote_output()
@@ -324,22 +375,33 @@ class Trainer:
             dist.barrier()
         return summary
 
-    def _last_good_checkpoint(self, before: int) -> Optional[Path]:
+    def _last_good_checkpoint(self, before: int) -> Path | None:
         good = [p for s, p in checkpoint_dir.complete_checkpoints(self.out_dir) if s < before]
         return good[-1] if good else None
 
     def _stop_nonfinite(self, first_bad: int) -> None:
         last = self._last_good_checkpoint(first_bad)
-        where = (f"the last good checkpoint is {last} (continue from it with --resume-from {last})" if last
-                 else "no checkpoint was saved before it")
+        where = (
+            f"the last good checkpoint is {last} (continue from it with --resume-from {last})"
+            if last
+            else "no checkpoint was saved before it"
+        )
         skips = self.run.train.nonfinite_skips
-        when = (f"at step {first_bad}" if not skips else
-                f"at step {first_bad} and stayed so through step {self.step}, more steps in a row than "
-                f"train.nonfinite_skips={skips} lets skip")
-        fix = ("let up to N bad steps be skipped with --set train.nonfinite_skips=N" if not skips else
-               "raise train.nonfinite_skips")
-        message = (f"the loss or gradient norm became non-finite {when} (lr {lr_at(first_bad, self.run.train):.3g}); "
-                   f"nothing from step {first_bad} on was saved and {where}. Lower --lr, check the data, or {fix}")
+        when = (
+            f"at step {first_bad}"
+            if not skips
+            else f"at step {first_bad} and stayed so through step {self.step}, more steps in a row than "
+            f"train.nonfinite_skips={skips} lets skip"
+        )
+        fix = (
+            "let up to N bad steps be skipped with --set train.nonfinite_skips=N"
+            if not skips
+            else "raise train.nonfinite_skips"
+        )
+        message = (
+            f"the loss or gradient norm became non-finite {when} (lr {lr_at(first_bad, self.run.train):.3g}); "
+            f"nothing from step {first_bad} on was saved and {where}. Lower --lr, check the data, or {fix}"
+        )
         self.report.finish(self.step, status=f"stopped: non-finite loss or gradient norm at step {first_bad}")
         raise safety.NonFiniteError(message)
 
@@ -347,5 +409,8 @@ class Trainer:
         name = safety.signal_name(signum)
         saved = self._last_good_checkpoint(self.step + 1) if self.run.train.ckpt_every else None
         self.report.finish(self.step, status=f"stopped by {name} at step {self.step}")
-        raise safety.RunStopped(signum, f"stopped by {name} at step {self.step} of {self.run.train.steps}; " + (
-            f"checkpoint {saved} saved: continue with --resume" if saved else "no checkpoint (--ckpt-every 0)"))
+        raise safety.RunStopped(
+            signum,
+            f"stopped by {name} at step {self.step} of {self.run.train.steps}; "
+            + (f"checkpoint {saved} saved: continue with --resume" if saved else "no checkpoint (--ckpt-every 0)"),
+        )
