@@ -252,15 +252,15 @@ def test_nonfinite_detected_at_the_log_step_without_per_step_sync(tmp_path, caps
 
 
 def _nan_grad_norm_at(monkeypatch, bad_calls: set[int]) -> None:
-    original = trainer.clip_grad_norm_
+    original = trainer.clip_gradients
     calls = []
 
-    def clip(params, max_norm, dims=None):
+    def clip(optimizer, params, max_norm, dims):
         calls.append(1)
-        norm = original(params, max_norm, dims=dims)
-        return torch.full_like(norm, math.nan) if len(calls) in bad_calls else norm
+        norm, divisor = original(optimizer, params, max_norm, dims)
+        return (torch.full_like(norm, math.nan) if len(calls) in bad_calls else norm), divisor
 
-    monkeypatch.setattr(trainer, "clip_grad_norm_", clip)
+    monkeypatch.setattr(trainer, "clip_gradients", clip)
 
 
 def test_skip_policy_skips_isolated_bad_steps_and_stops_on_a_run_of_them(tmp_path, capsys, monkeypatch):

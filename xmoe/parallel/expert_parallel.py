@@ -175,7 +175,31 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, dims: ParallelDims | None = None
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients that live on different meshes (experts on ("dp", "ep"),
-    dense weights on "dp_ep"), plain tensors included. Returns the total norm as a plain tensor.
+    dense weights on "dp_ep"), plain tensors included: ``total_grad_norm``, then each gradient scaled in place.
+    Returns the total norm as a plain tensor. Every rank must call it."""
+    params = list(parameters)
+    total = total_grad_norm(params, norm_type, dims)
+    for group in _by_mesh(params).values():  # per group: the scale is a plain scalar, fine next to any DTensor
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def _by_mesh(parameters: Iterable[torch.Tensor]) -> dict[tuple | None, list[torch.Tensor]]:
+    """The parameters that have gradients, grouped by their gradients' (mesh, placements); None: plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple | None, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups[key].append(p)
+    return groups
+
+
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, dims: ParallelDims | None = None
+) -> torch.Tensor:
+    """The norm of all gradients together, as a plain tensor, for gradients on different meshes.
 
     DTensor refuses to mix meshes in one op, so norms are taken per (mesh, placements) group, each reduced to a
     plain scalar, then combined. With ``dims``, every group sharded (no replicated mesh dimension) over exactly the
@@ -190,11 +214,7 @@ def clip_grad_norm_(
         from torch.distributed.tensor.placement_types import _StridedShard
     except ImportError:
         _StridedShard = Shard
-    groups: dict[tuple | None, list[torch.Tensor]] = defaultdict(list)
-    for p in parameters:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups[key].append(p)
+    groups = _by_mesh(parameters)
     if not groups:
         return torch.zeros(())
     dense_ranks = sorted(dims.group_ranks(DENSE_AXIS)) if dims is not None and dims.mesh is not None else None
@@ -217,7 +237,4 @@ def clip_grad_norm_(
         dist.all_reduce(partial_sum, group=dims.group(DENSE_AXIS))
         norms.append(partial_sum ** (1.0 / norm_type))
     device = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
-    for params in groups.values():  # per group again: the scale is a plain scalar, fine next to any DTensor
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)

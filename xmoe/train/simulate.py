@@ -34,10 +34,9 @@ import torch.distributed as dist
 from xmoe.config import ModelConfig, ParallelConfig
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
-from xmoe.parallel.expert_parallel import clip_grad_norm_
 from xmoe.parallel.simulated import keep_buckets, plan_counts
 from xmoe.train.optim import param_groups
-from xmoe.train.step import forward_backward
+from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +156,7 @@ def measure_rank(
             _, moe = forward_backward(
                 built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1
             )  # as the trainer
-            clip_grad_norm_(params, 1.0, dims=dims)
-            optimizer.step()
+            optimizer_step(optimizer, clip_gradients(optimizer, params, 1.0, dims)[1])
             optimizer.zero_grad(set_to_none=True)
             moe.finish()
 

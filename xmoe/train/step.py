@@ -1,7 +1,8 @@
 """The work of one optimizer step, shared by the trainer's loop and the simulated rank of `xmoe plan memory
 --measure` (so that what the simulation measures is what a training step does): forward and backward over the
-micro-batches inside the step's MoEStep (xmoe/moe/step.py, the one seam to the MoE layers). Clipping, the
-optimizer step and then ``MoEStep.finish()`` (the expert-bias update, the step's statistics) are the caller's.
+micro-batches inside the step's MoEStep (xmoe/moe/step.py, the one seam to the MoE layers), then the gradient
+clipping and the optimizer step (``clip_gradients``, ``optimizer_step``: a fused AdamW clips in its own pass).
+The caller calls them, and ``MoEStep.finish()`` after (the expert-bias update, the step's statistics).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import nn
 
 from xmoe.model.transformer import Transformer
 from xmoe.moe.step import MoEStep
+from xmoe.parallel.dims import ParallelDims
+from xmoe.parallel.expert_parallel import clip_grad_norm_, total_grad_norm
 
 
 def forward_backward(
@@ -45,3 +48,44 @@ def forward_backward(
             loss_sum += loss.detach()
             moe.end_micro_batch()
     return loss_sum / accum, moe
+
+
+def folds_clipping(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """True where ``optimizer`` can clip in its own pass: a fused Adam/AdamW over plain tensors, whose kernel
+    divides every gradient by its ``grad_scale`` tensor as it reads it (the protocol torch's GradScaler uses).
+    Clipping in place instead reads and writes every fp32 gradient once more (8 bytes per parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    return adam and fused and not any(isinstance(p, DTensor) for p in params)
+
+
+def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What to divide every gradient by to clip as ``torch.nn.utils.clip_grads_with_norm_`` multiplies: its
+    coefficient is max_norm / (norm + 1e-6), at most 1; this is its reciprocal, at least 1 (a device tensor)."""
+    return torch.clamp((total_norm.float() + 1e-6) / max_norm, min=1.0)
+
+
+def clip_gradients(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float, dims: ParallelDims | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip the step's gradients to ``max_norm`` (inf: measure only). Returns (the total norm, the divisor to hand
+    ``optimizer_step``): where the optimizer folds clipping (``folds_clipping``) the gradients are left as they
+    are and the divisor is returned, else they are scaled in place and the divisor is None."""
+    if folds_clipping(optimizer, params):
+        norm = total_grad_norm(params, dims=dims)
+        return norm, clip_divisor(norm, max_norm)
+    return clip_grad_norm_(params, max_norm, dims=dims), None
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, divisor: torch.Tensor | None) -> None:
+    """``optimizer.step()``, dividing every gradient by ``divisor`` inside a fused Adam's pass when given."""
+    if divisor is None:
+        optimizer.step()
+        return
+    optimizer.grad_scale = divisor  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale  # type: ignore[attr-defined]

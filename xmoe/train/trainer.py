@@ -13,9 +13,10 @@ Order of set-up (fixed, so every rank does the same thing):
      regions
   5. optimizer, then the resumed checkpoint loaded straight into the local shards
 Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, the routed experts' bf16 copies made
-once per step), clip, AdamW step, then the step's MoEStep finished (xmoe/moe/step.py: the auxiliary-loss-free bias
-update from loads summed over all ranks, so the bias stays identical everywhere), metrics every ``log_every`` steps
-(xmoe.train.report), the validation loss every ``eval_every`` steps and at the end when there is validation data
+once per step), clip and AdamW step (a fused AdamW clips in its own pass: xmoe.train.step), then the step's MoEStep
+finished (xmoe/moe/step.py: the auxiliary-loss-free bias update from loads summed over all ranks, so the bias stays
+identical everywhere), metrics every ``log_every`` steps (xmoe.train.report), the validation loss every
+``eval_every`` steps and at the end when there is validation data
 (``xmoe.train.evaluate``), an atomic checkpoint every ``ckpt_every`` steps and at the end.
 """
 
@@ -35,7 +36,6 @@ from xmoe.kernels.choice import resolve_choice
 from xmoe.moe.step import MoEStep, StepStats
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
-from xmoe.parallel.expert_parallel import clip_grad_norm_
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import checkpoint_dir, metrics, rundir, safety
@@ -44,7 +44,7 @@ from xmoe.train.evaluate import evaluate, validation_split, validation_windows
 from xmoe.train.optim import lr_at, param_groups
 from xmoe.train.report import Reporter, Window
 from xmoe.train.resume import fingerprint, resume_checkpoint
-from xmoe.train.step import forward_backward
+from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -304,14 +304,15 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss, moe = self._forward_backward(accum)
-        grad_norm = clip_grad_norm_(self._params, t.grad_clip if t.grad_clip > 0 else float("inf"), dims=self.dims)
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm, divisor = clip_gradients(self.optimizer, self._params, max_norm, self.dims)
         if guard is not None and guard.observe(self.step, loss, grad_norm, self.world):  # skip: update nothing
             self.optimizer.zero_grad(set_to_none=True)
             stats = moe.finish(update_bias=False)
             if guard.exhausted:
                 self._stop_nonfinite(guard.check(self.world)[1])
             return loss, stats, grad_norm, lr
-        self.optimizer.step()
+        optimizer_step(self.optimizer, divisor)
         self.optimizer.zero_grad(set_to_none=True)
         return loss, moe.finish(), grad_norm, lr
 
