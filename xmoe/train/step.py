@@ -39,7 +39,8 @@ def forward_backward(
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             no_sync = micro < accum - 1 and hasattr(wrapped, "no_sync")
-            with wrapped.no_sync() if no_sync else contextlib.nullcontext():
+            # no_sync: DDP's method, which nn.Module's __getattr__ types as Tensor | Module
+            with wrapped.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
                 loss = wrapped(inputs, targets)
                 (loss / accum).backward()
             loss_sum += loss.detach()
