@@ -20,6 +20,7 @@ import torch
 from xmoe.bench_cli import add_arguments, check_args
 from xmoe.config import MoEConfig
 from xmoe.model.presets import PRESETS, get_preset
+from xmoe.model_config import DispatcherName, KernelBackend
 
 # the layer shapes `xmoe bench` and the benchmarks time: each preset's MoE layer (tiny for CPUs, then the paper's)
 LAYER_SHAPES = tuple(PRESETS)
@@ -80,10 +81,10 @@ def time_ms(
 def bench_layer(
     shape: str,
     num_tokens: int,
-    dispatcher: str,
+    dispatcher: DispatcherName,
     device: torch.device,
     dtype: torch.dtype,
-    backend: str = "auto",
+    backend: KernelBackend = "auto",
     warmup: int = 2,
     repeats: int = 5,
     seed: int = 0,

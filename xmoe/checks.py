@@ -12,7 +12,7 @@ import typing
 from typing import Literal
 
 
-def missing(path: str | os.PathLike, what: str, fix: str = "") -> FileNotFoundError:
+def missing(path: str | os.PathLike[str], what: str, fix: str = "") -> FileNotFoundError:
     """The error for a path that leads to no file or directory, ending in ``fix``: a looping or dangling symlink is
     named as such (a plain existence check reports both as "not found")."""
     try:

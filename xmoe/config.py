@@ -13,7 +13,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar, Literal, TypeVar, get_args
 
 from xmoe.checks import check_types, positive
 from xmoe.checks import missing as missing  # re-exported: the commands import it from here
@@ -22,6 +22,7 @@ from xmoe.model_config import MoEConfig as MoEConfig
 from xmoe.model_config import yarn_mscale as yarn_mscale
 
 WgradEngine = Literal["auto", "triton", "grouped_mm"]
+Placement = Literal["ep_first", "dp_first"]
 RECOMPUTE_MODES = ("none", "moe", "full")  # cheapest first: the planner's search prefers them in this order
 COMPILE_MODES = ("auto", "on", "off")
 
@@ -38,7 +39,7 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1
     gpus_per_node: int | None = None
-    placement: Literal["ep_first", "dp_first"] = "ep_first"
+    placement: Placement = "ep_first"
     sequence_parallel: bool = False  # with tp > 1: norms on 1/tp of the positions (Megatron-style SP)
     section: ClassVar[str] = "parallel"
 
@@ -122,7 +123,10 @@ class TrainConfig:
             raise ValueError(f"grad_clip ({self.grad_clip}) must be finite and >= 0 (0 disables clipping)")
 
 
-def _from_env(name: str, field_name: str, choices: tuple[str, ...], default: str) -> str:
+_Choice = TypeVar("_Choice", bound=str)
+
+
+def _from_env(name: str, field_name: str, choices: tuple[_Choice, ...], default: _Choice) -> _Choice:
     """The environment's default of ``kernels.<field_name>``, checked when a KernelConfig is made."""
     value = os.environ.get(name) or default
     if value not in choices:

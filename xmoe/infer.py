@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from xmoe.checks import missing
 from xmoe.config import ModelConfig, MoEConfig
@@ -63,7 +64,7 @@ def load_source(source: str, step: int | None = None, device: str = "cpu"):
             raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
         hf, cfg = read_model_config(path)
         model = build_model(cfg, device, init_from=str(path)).model
-        model.hf_config = hf
+        model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
         tokenizer = path / RUN_TOKENIZER
         return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
     if not (path / "checkpoints").is_dir():
@@ -74,12 +75,12 @@ def load_source(source: str, step: int | None = None, device: str = "cpu"):
 
     model = read_pinned(lambda: _run_checkpoint(path, step), lambda found: _run_model(found, device))
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
-    hf = (
+    imported = (
         read_json(hf_file, "copy the config.json of the directory the run was imported from to it")
         if hf_file.is_file()
         else None
     )
-    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
+    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, imported
 
 
 def _run_model(found: Path, device: str):
@@ -246,7 +247,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     windows = validation_windows(
         args.data, args.seq_len, model.cfg.vocab_size, args.max_windows, tokenizer=tokenizer or "bytes"
     )
-    result = evaluate(model, windows, args.batch_size, torch.device(args.device))
+    result: dict[str, Any] = evaluate(model, windows, args.batch_size, torch.device(args.device))
     num_bytes = text_bytes_of(windows, tokenizer) if text else None
     result.update(
         perplexity=perplexity(result["loss"]),
@@ -295,6 +296,7 @@ def run_generate(args: argparse.Namespace) -> list[int]:
         if not ids:
             raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) holds no token id; give at least one")
     else:
+        assert args.prompt is not None  # the parser requires --prompt or --prompt-ids
         ids = _encode(args.prompt, tokenizer)
     bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
     if bad:

@@ -30,7 +30,9 @@ from xmoe.dispatch.routing import RoutingPlan
 
 class Dispatcher(Protocol):
     fuses_experts: bool
-    stats: TrafficStats | None
+
+    @property
+    def stats(self) -> TrafficStats | None: ...  # read-only: each dispatcher's own TrafficStats subclass
 
     def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 

@@ -237,6 +237,7 @@ class HierarchicalDispatcher:
         key1 = torch.where(units.unit_head_TK, units.rank_TK, self.num_ranks).view(-1)  # stage-1 destination
         counts = self._exchange_counts(units, key1, plan)  # 2.
         x1, ids1, stage1 = self._stage1(x_TH, units, key1, counts.stage1, ops)  # 3.
+        anchors: tuple[torch.Tensor, ...]
         x_loc, ids_loc, anchors, stage2 = x1, ids1, (x1,), None
         if counts.stage2 is not None:  # 4.
             x2, ids2, stage2 = self._stage2(x1, ids1, counts.stage2, ops)
@@ -390,7 +391,7 @@ class HierarchicalDispatcher:
         num_local, ep_rank, top_k = self.num_local_experts, self.ep_rank, ids_MK.shape[1]
         local = (ids_MK >= 0) & (ids_MK // num_local == ep_rank)
         slot_ids = rows_by_key(torch.where(local, ids_MK - ep_rank * num_local, num_local).view(-1), num_rows)
-        table_loc = index_table(slot_ids, tuple(ids_MK.shape))
+        table_loc = index_table(slot_ids, (ids_MK.shape[0], top_k))
         x_NH = ops.gather_rows(x_MH, slot_ids // top_k, table_loc)
         return x_NH, _LocalRows(token_ids_N=slot_ids // top_k, slot_ids_N=slot_ids, table_loc_MK=table_loc)
 

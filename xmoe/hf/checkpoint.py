@@ -172,6 +172,7 @@ def _read_into(f, name: str, target: torch.Tensor, is_expert: bool, rope_rows: t
     local, shape, offset = local_box(target)
     box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=False))
     stored = f.get_slice(name)
+    want: tuple[int, ...]
     if is_expert:
         expert, shape, box = expert_index(name) - offset[0], shape[1:], box[1:]
         if not 0 <= expert < local.shape[0]:
@@ -214,7 +215,7 @@ def load_pretrained(
     if dtype != torch.float32:
         for p in model.parameters():
             p.data = p.data.to(dtype)
-    model.hf_config = hf
+    model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
     return model.eval()
 
 

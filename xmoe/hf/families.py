@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from xmoe.config import ModelConfig, MoEConfig
+from xmoe.model_config import QKNorm
 
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2", "qwen2_moe")
 QWEN = ("qwen3_moe", "qwen2_moe")
@@ -41,6 +42,7 @@ ARCHITECTURES = {
 }
 DEEPSEEK = ("deepseek_v3", "deepseek_v2")
 SCORE_BIAS_FAMILIES = ("deepseek_v3",)  # the ones whose checkpoints hold the router's score-correction bias
+_QK_NORMS: dict[str, QKNorm] = {"qwen3_moe": "head", "olmoe": "proj"}  # the families with q/k norms; others: none
 
 
 def _refuse(family: str, field: str, value: Any, why: str) -> ValueError:
@@ -175,6 +177,8 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
         )
     # the three softmax families
     num_experts = hf["num_local_experts"] if family == "mixtral" else hf.get("num_experts", hf.get("num_local_experts"))
+    if num_experts is None:
+        raise _refuse(family, "num_experts", None, "the config must give the number of routed experts")
     expert_ffn = hf["intermediate_size"] if family in ("mixtral", "olmoe") else hf["moe_intermediate_size"]
     norm_topk = True if family == "mixtral" else bool(hf.get("norm_topk_prob", False))
     first_k_dense = 0
@@ -201,7 +205,7 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
         first_k_dense=first_k_dense,
         num_kv_heads=hf.get("num_key_value_heads") or 0,
         attn_head_dim=head_dim,
-        qk_norm={"qwen3_moe": "head", "olmoe": "proj"}.get(family, "none"),
+        qk_norm=_QK_NORMS.get(family, "none"),
         **common,
     )
 
@@ -236,7 +240,7 @@ def _problems(cfg: ModelConfig, family: str) -> list[str]:
     """What keeps ``family`` from expressing ``cfg`` (empty when it can)."""
     moe = cfg.moe
     want_attention = "mla" if family in DEEPSEEK else "mha"
-    want_qk_norm = {"qwen3_moe": "head", "olmoe": "proj"}.get(family, "none")
+    want_qk_norm = _QK_NORMS.get(family, "none")
     problems = []
     if cfg.attention != want_attention:
         problems.append(f"attention={cfg.attention!r} (the family needs {want_attention!r})")

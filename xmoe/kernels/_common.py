@@ -5,8 +5,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch._library.custom_ops import CustomOpDef
+
+_P = ParamSpec("_P")
+_R_co = TypeVar("_R_co", covariant=True)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -52,21 +59,32 @@ def check_device(*tensors: torch.Tensor) -> None:
         raise ValueError("the Triton kernels need GPU tensors, or TRITON_INTERPRET=1 for CPU tensors (fp32 only)")
 
 
-def kernel_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+class KernelOp(Protocol[_P, _R_co]):
+    """What ``kernel_op`` returns: the launcher's signature, its registered custom op (``.op``) and the op's
+    ``.register_fake``."""
+
+    op: CustomOpDef
+    register_fake: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
+
+
+def kernel_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable[_P, _R_co]], KernelOp[_P, _R_co]]:
     """Register the decorated launcher as the custom op ``xmoe::<name>`` (torch.compile then traces around it as
     an opaque call; attach its shape function with ``.register_fake``) and return a callable that, outside
     compilation, calls the launcher directly: the dispatcher round trip (schema binding, the autograd and
     dynamo-disable wrappers) costs ~40 µs of host time per call, several times a Triton launch's."""
 
-    def wrap(fn: Callable) -> Callable:
+    def wrap(fn: Callable[_P, _R_co]) -> KernelOp[_P, _R_co]:
         op = torch.library.custom_op(f"xmoe::{name}", mutates_args=mutates_args)(fn)
 
         @functools.wraps(fn)
         def call(*args):
             return op(*args) if torch.compiler.is_compiling() else fn(*args)
 
-        call.op = op
-        call.register_fake = op.register_fake
-        return call
+        kernel = cast("KernelOp[_P, _R_co]", call)
+        kernel.op = op
+        kernel.register_fake = op.register_fake
+        return kernel
 
     return wrap

@@ -188,7 +188,8 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
         recording.pending_class = key if dtype != torch.float32 else f"{kernel}|fp32"
         return pick(kernel, dtype, dev, depth, width, num_rows, num_experts)  # no run: never tuned
 
-    tiles.pick, tiles.device_budget = recording_pick, lambda dev: (device.max_shared, table)
+    budget_here = (device.max_shared, table)  # every device's budget while standing in
+    tiles.pick, tiles.device_budget = recording_pick, lambda device: budget_here  # named as in device_budget
     tiles.clear_memo()
     try:
         with tiles.use_options(autotune=False, wgrad="triton"):

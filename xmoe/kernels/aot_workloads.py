@@ -154,7 +154,10 @@ def _moe_experts(shape: Shape, dtype: torch.dtype) -> None:
     from xmoe.kernels import triton_ops
 
     t = layer_tensors(shape, dtype)
-    out = triton_ops.moe_experts(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2)
+    token_ids_N, slot_ids_N, row_of_slot_TK, counts_E = t.plan_args
+    out = triton_ops.moe_experts(
+        t.x_TH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, t.w1, t.w3, t.w2
+    )
     out.backward(torch.empty_like(out))
 
 
@@ -203,8 +206,8 @@ def fp8_layer(shape: Shape, device: Device) -> tuple[SimpleNamespace, Fp8ExpertW
 
     t = layer_tensors(shape, torch.bfloat16)
     (fmt,) = (f.name for f in FORMATS.values() if f.dtype == device.fp8)
-    params = (torch.empty_like(w, dtype=torch.float32) for w in (t.w1, t.w3, t.w2))
-    return t, quantize_expert_weights(*params, fmt), fmt
+    w1, w3, w2 = (torch.empty_like(w, dtype=torch.float32) for w in (t.w1, t.w3, t.w2))
+    return t, quantize_expert_weights(w1, w3, w2, fmt), fmt
 
 
 @workload("fp8_fused", fp8=True)
@@ -214,7 +217,10 @@ def _fp8_fused(shape: Shape, device: Device) -> None:
     from xmoe.kernels.fp8_experts import moe_experts_fp8
 
     t, qw, fmt = fp8_layer(shape, device)
-    out = moe_experts_fp8(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2, qw, fmt)
+    token_ids_N, slot_ids_N, row_of_slot_TK, counts_E = t.plan_args
+    out = moe_experts_fp8(
+        t.x_TH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, t.w1, t.w3, t.w2, qw, fmt
+    )
     out.backward(torch.empty_like(out))
 
 

@@ -519,7 +519,7 @@ def swiglu_down_bwd(
         da,
         h1_NF,
         h3_NF,
-        row_weights_N.float().contiguous() if has_w else da,
+        row_weights_N.float().contiguous() if row_weights_N is not None else da,
         dh1,
         dh3,
         a,

@@ -93,6 +93,7 @@ def _probe_cpu_grouped_mm() -> bool:
             x = torch.ones(3, 8, requires_grad=True)
             w = torch.ones(2, 8, 8, requires_grad=True)
             torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32)).backward(torch.ones(3, 8))
+        assert w.grad is not None  # the backward just filled it
         return bool(torch.all(w.grad[1] == 2.0))
     except (RuntimeError, NotImplementedError):
         return False

@@ -303,7 +303,7 @@ def _tune(
     best = None
     for cand in candidates(kernel, max_shared):
         try:
-            ms = timer(lambda cand=cand: run(cand))
+            ms = timer(functools.partial(run, cand))
         except Exception:  # noqa: BLE001  # out of resources, or a compiler that cannot pipeline this form: not a candidate here
             continue
         if best is None or ms < best[0]:

@@ -36,9 +36,11 @@ class KVCache:
 
     def update(self, layer_id: int, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's keys/values of layer ``layer_id``; return all of them (B, G, L, D)."""
-        if self.keys[layer_id] is not None:
-            k_BGSD = torch.cat((self.keys[layer_id], k_BGSD), dim=2)
-            v_BGSD = torch.cat((self.values[layer_id], v_BGSD), dim=2)
+        past_k, past_v = self.keys[layer_id], self.values[layer_id]
+        if past_k is not None:
+            assert past_v is not None  # stored together, below
+            k_BGSD = torch.cat((past_k, k_BGSD), dim=2)
+            v_BGSD = torch.cat((past_v, v_BGSD), dim=2)
         self.keys[layer_id], self.values[layer_id] = k_BGSD, v_BGSD
         return k_BGSD, v_BGSD
 

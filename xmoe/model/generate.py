@@ -80,6 +80,7 @@ def generate(
         for step in range(max_new_tokens):
             next_B = sample_next(logits_BSV[:, -1], temperature, top_p, generator).to(prompt_BS.dtype)
             if eos_id is not None:
+                assert pad_id is not None  # eos_id when not given
                 next_B = torch.where(done_B, torch.full_like(next_B, pad_id), next_B)
                 done_B |= next_B == eos_id
             out_BS = torch.cat((out_BS, next_B[:, None]), dim=1)

@@ -20,8 +20,12 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 BLOCK_VALUES = 2**20  # values per generator block of a 1-D or 2-D parameter
 
@@ -47,8 +51,9 @@ def local_box(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple
         return param, tuple(param.shape), (0,) * param.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    local = param.to_local()
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    dtensor = cast("DTensor", param)  # a tensor with to_local is a DTensor
+    local = dtensor.to_local()
+    shape, offset = compute_local_shape_and_global_offset(param.shape, dtensor.device_mesh, dtensor.placements)
     if tuple(shape) != tuple(local.shape):
         raise RuntimeError(
             f"local shard of shape {tuple(local.shape)} is not the box {tuple(shape)} at "

@@ -114,6 +114,9 @@ class Transformer(nn.Module):
     also casts the rotary tables to bf16 (positions past ~256 then lose angle precision).
     """
 
+    rope_cos: torch.Tensor  # buffers (register_buffer below)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, *, loss_chunk_tokens: int = 4096) -> None:
         super().__init__()
         if loss_chunk_tokens < 0:
@@ -221,6 +224,6 @@ class Transformer(nn.Module):
         logits_TV = self.head(h_TH).float()
         return F.cross_entropy(logits_TV, targets_T, ignore_index=IGNORE_INDEX, reduction="sum")
 
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[MoELayer]:
         """The MoELayer of every MoE block, in layer order."""
         return moe_layers(self)

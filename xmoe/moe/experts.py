@@ -57,7 +57,8 @@ class RoutedExperts(nn.Module):
         them flow back through the one cast into the fp32 parameters."""
         if casts is not None and not self.fp8 and casts[0].dtype == dtype and torch.is_grad_enabled():
             return casts
-        return tuple(_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+        return w1, w3, w2
 
     def fp8_weights(self, fmt: str, casts: tuple | None = None) -> tuple:
         """(w1, w3, w2, Fp8ExpertWeights): what the FP8 GEMMs read and the tensors their weight gradients are
@@ -66,8 +67,8 @@ class RoutedExperts(nn.Module):
 
         if casts is not None and self.fp8 and torch.is_grad_enabled():
             return casts
-        local = tuple(_local(w) for w in (self.w1, self.w3, self.w2))
-        return (*local, quantize_expert_weights(*(w.detach() for w in local), fmt))
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        return w1, w3, w2, quantize_expert_weights(w1.detach(), w3.detach(), w2.detach(), fmt)
 
     def make_casts(self, dtype: torch.dtype, detach: bool) -> tuple:
         """The weight copies one optimizer step's micro-batches share (MoEStep calls this when the step opens).
@@ -155,6 +156,7 @@ def _leaf_into(param: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
 
 def _accumulate_fp32(param: torch.Tensor, cast: torch.Tensor) -> None:
     """Add a compute-dtype copy's gradient into its fp32 parameter's .grad (one mixed-dtype pass) and drop it."""
+    assert cast.grad is not None  # a post-accumulate-grad hook runs once the gradient is there
     if param.grad is None:
         param.grad = cast.grad.to(param.dtype)
     else:

@@ -46,6 +46,8 @@ class RouterOutput(NamedTuple):
 
 
 class Router(nn.Module):
+    expert_bias: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
@@ -101,7 +103,10 @@ class Router(nn.Module):
         counts_E = count_ids(ids_TK, cfg.num_experts)
         zero = logits_TE.new_zeros(())
         empty = logits_TE.shape[0] == 0  # no tokens (a rank's empty shard): no loss rather than 0 / 0
-        aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences) if cfg.aux_loss_coef > 0 and not empty else zero
+        aux_loss = zero
+        if cfg.aux_loss_coef > 0 and not empty:
+            assert scores_TE is not None  # both paths compute the scores whenever the balance loss is on
+            aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences)
         z_loss = (
             cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
             if cfg.z_loss_coef > 0 and not empty

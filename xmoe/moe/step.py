@@ -91,11 +91,11 @@ class MoEStep:
     def __enter__(self) -> MoEStep:
         """The layers report to this step; their experts' weight copies are made now (with gradients on: a step
         taken under no_grad casts nothing ahead)."""
-        make = self.cast_dtype is not None and torch.is_grad_enabled()
+        cast_dtype = self.cast_dtype if torch.is_grad_enabled() else None
         for layer, slot in zip(self._layers, self._slots, strict=False):
             experts = layer.experts
-            if make and not any(hasattr(w, "to_local") for w in (experts.w1, experts.w3, experts.w2)):
-                slot.casts = experts.make_casts(self.cast_dtype, self.detach_casts)
+            if cast_dtype is not None and not any(hasattr(w, "to_local") for w in (experts.w1, experts.w3, experts.w2)):
+                slot.casts = experts.make_casts(cast_dtype, self.detach_casts)
             layer.moe_step = slot
         return self
 
@@ -107,10 +107,11 @@ class MoEStep:
 
     def end_micro_batch(self) -> None:
         """Add the micro-batch's routing statistics (every layer's report) to the step's, on the device."""
-        reports = [slot.stats for slot in self._slots]
-        if not reports:
+        given = [slot.stats for slot in self._slots]
+        if not given:
             return
-        if any(r is None for r in reports):
+        reports = [r for r in given if r is not None]
+        if len(reports) < len(given):
             raise RuntimeError("end_micro_batch() needs a forward of every MoE layer inside the step first")
 
         def total(key: str) -> torch.Tensor:

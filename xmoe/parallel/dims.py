@@ -31,11 +31,15 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from xmoe.config import ParallelConfig
 from xmoe.dispatch.base import experts_per_rank
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("dp", "ep", "tp")
 DENSE_AXIS = "dp_ep"  # all dp * ep ranks of one TP coordinate: data parallelism of dense parameters
@@ -72,8 +76,8 @@ class ParallelDims:
     placement: str
     rank: int = 0
     grid: torch.Tensor = field(init=False, repr=False)
-    mesh: object | None = field(default=None, init=False, repr=False)  # DeviceMesh once built
-    dense_mesh: object | None = field(default=None, init=False, repr=False)  # DeviceMesh ("dp_ep", "tp")
+    mesh: DeviceMesh | None = field(default=None, init=False, repr=False)  # once built
+    dense_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)  # ("dp_ep", "tp")
 
     def __post_init__(self) -> None:
         if self.dp * self.ep * self.tp != self.world_size:
@@ -153,7 +157,7 @@ class ParallelDims:
         c = self.coords_of(self.rank if rank is None else rank)
         if axis == DENSE_AXIS:
             return list(range(c["tp"], self.world_size, self.tp))
-        index = [c["dp"], c["ep"], c["tp"]]
+        index: list[int | slice] = [c["dp"], c["ep"], c["tp"]]
         index[AXES.index(_check_axis(axis))] = slice(None)
         return self.grid[tuple(index)].reshape(-1).tolist()
 
@@ -218,7 +222,7 @@ class ParallelDims:
 
     def submesh(self, axis: str):
         """The 1-D DeviceMesh of ``axis`` ("dp", "ep", "tp" or "dp_ep") that contains this rank."""
-        if self.mesh is None:
+        if self.mesh is None or self.dense_mesh is None:  # built together
             raise RuntimeError("call ParallelDims.build_mesh() before asking for meshes or groups")
         if axis == DENSE_AXIS:
             return self.dense_mesh[DENSE_AXIS]

@@ -157,8 +157,8 @@ def apply_expert_parallel(
         )
         if fp32:
             fully_shard(layer.router, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **fp32)
-    embed = getattr(model, "embed", None)
-    tied = embed is not None and getattr(model, "head", None) is not None and model.head.weight is embed.weight
+    embed, head = getattr(model, "embed", None), getattr(model, "head", None)
+    tied = embed is not None and head is not None and head.weight is embed.weight
     if fp32 and embed is not None and not tied:
         fully_shard(embed, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **fp32)
     for block in getattr(model, "layers", []):
@@ -196,6 +196,7 @@ def _by_mesh(parameters: Iterable[torch.Tensor]) -> dict[tuple | None, list[torc
     return groups
 
 
+@torch.no_grad()
 def total_grad_norm(
     parameters: Iterable[torch.Tensor], norm_type: float = 2.0, dims: ParallelDims | None = None
 ) -> torch.Tensor:
@@ -210,30 +211,35 @@ def total_grad_norm(
     """
     from torch.distributed.tensor import DTensor, Shard
 
+    partitions: tuple[type, ...] = (Shard,)
     try:  # FSDP2 over an EP-sharded dimension: strided, still a partition (not a Shard subclass in torch 2.13)
         from torch.distributed.tensor.placement_types import _StridedShard
+
+        partitions = (Shard, _StridedShard)
     except ImportError:
-        _StridedShard = Shard
+        pass
     groups = _by_mesh(parameters)
     if not groups:
         return torch.zeros(())
     dense_ranks = sorted(dims.group_ranks(DENSE_AXIS)) if dims is not None and dims.mesh is not None else None
-    fusable = math.isfinite(norm_type) and dense_ranks is not None and dims.dp * dims.ep > 1
+    fusable = math.isfinite(norm_type) and dims is not None and dense_ranks is not None and dims.dp * dims.ep > 1
     norms, partial_sum = [], None
     for key, params in groups.items():
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]  # all of them: only those were grouped
         if (
             fusable
             and key is not None
-            and all(isinstance(pl, (Shard, _StridedShard)) for pl in key[1])
+            and all(isinstance(pl, partitions) for pl in key[1])
             and sorted(key[0].mesh.flatten().tolist()) == dense_ranks
         ):
-            local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], norm_type) ** norm_type
+            shards = [g.to_local() for g in grads if isinstance(g, DTensor)]  # all of them: the group has a mesh
+            local = torch.nn.utils.get_total_norm(shards, norm_type) ** norm_type
             partial_sum = local if partial_sum is None else partial_sum + local.to(partial_sum.device)
             continue
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if partial_sum is not None:
+        assert dims is not None  # partial sums are taken only when fusable
         dist.all_reduce(partial_sum, group=dims.group(DENSE_AXIS))
         norms.append(partial_sum ** (1.0 / norm_type))
     device = norms[0].device

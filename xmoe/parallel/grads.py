@@ -77,7 +77,7 @@ class TensorParallelGradAverage:
     remembered by id (tensors compare elementwise, so no WeakSet) with a weak reference that tells a reused id
     from the same tensor. The hook runs before autograd accumulates, so gradient accumulation stays exact."""
 
-    def __init__(self, group):
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.num_reductions = 0  # gradients averaged so far (tests and benchmarks read it)

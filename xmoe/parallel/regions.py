@@ -57,8 +57,8 @@ def apply_compile(model: Transformer, device: torch.device, fullgraph: bool = Fa
     for layer in model.moe_layers():
         # resolve the kernel backends eagerly: a compiled region traces the resolved-table lookup only
         get_ops(layer.cfg.kernel_backend, device)
-    for block in blocks(model):
-        block.attn_branch = torch.compile(block.attn_branch, fullgraph=fullgraph)
-        block.ffn_branch = torch.compile(block.ffn_branch, fullgraph=fullgraph)
-    model._loss_sum = torch.compile(model._loss_sum, fullgraph=fullgraph)
+    for block in blocks(model):  # the compiled callables replace the bound methods on the instances
+        block.attn_branch = torch.compile(block.attn_branch, fullgraph=fullgraph)  # type: ignore[method-assign]
+        block.ffn_branch = torch.compile(block.ffn_branch, fullgraph=fullgraph)  # type: ignore[method-assign]
+    model._loss_sum = torch.compile(model._loss_sum, fullgraph=fullgraph)  # type: ignore[method-assign]
     log.info("compiled %d blocks' attention and FFN branches and the loss head", len(blocks(model)))

@@ -61,4 +61,4 @@ def keep_buckets(wrapped: nn.Module) -> None:
         done.set_result(bucket.buffer())
         return done
 
-    wrapped.register_comm_hook(None, keep)
+    wrapped.register_comm_hook(None, keep)  # type: ignore[operator]  # DDP's method, typed Tensor | Module here

@@ -46,12 +46,17 @@ what ``xmoe.plan.memory`` assumes; their gradients are averaged over "tp" like t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.grads import ScaleGrad, TensorParallelGradAverage
+
+if TYPE_CHECKING:
+    from xmoe.model.transformer import Block
 
 # recent torch renamed all_gather_into_tensor (keeping it as a deprecated alias); older versions have only that name
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -152,7 +157,7 @@ class SSMBRegion:
         return self.grad_average.num_reductions
 
 
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
+def moe_blocks(model: nn.Module) -> list[Block]:
     from xmoe.model.transformer import Block
 
     return [m for m in model.modules() if isinstance(m, Block) and m.is_moe]
@@ -180,5 +185,5 @@ def apply_ssmb(model: nn.Module, dims: ParallelDims, *, sequence_parallel: bool 
         for module in inside:
             if module is block.ffn or any(True for _ in module.parameters(recurse=False)):
                 module.register_forward_pre_hook(region.hook_params)
-        block.ssmb_region = region
+        block.ssmb_region = region  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
     return model

@@ -45,10 +45,15 @@ DCP saves and reloads them under any other TP degree or into one plain process, 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from xmoe.config import ModelConfig
 from xmoe.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from xmoe.model.transformer import Block
 
 ATTENTION_PLAN = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise"}
 DENSE_FFN_PLAN = {"ffn.w1": "colwise", "ffn.w3": "colwise", "ffn.w2": "rowwise"}
@@ -107,7 +112,7 @@ def _style(kind: str, sequence_parallel: bool = False):
     return RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
 
 
-def _sequence_parallel_plan(block: nn.Module) -> dict:
+def _sequence_parallel_plan(block: Block) -> dict:
     """What SP adds to one block's plan: sharded norms, an all-gather in front of attention (and the dense FFN)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
@@ -144,13 +149,13 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, *, sequence_para
         raise ValueError("apply_tensor_parallel expects an xmoe Transformer (with .cfg and .layers)")
     check_tensor_parallel(cfg, dims.tp)
     mesh = tp_mesh(dims)
-    for block in model.layers:
+    for block in model.layers:  # type: ignore[union-attr]  # the Blocks' ModuleList, typed Tensor | Module here
         if isinstance(block.attn.wq.weight, DTensor):
             raise ValueError("the model's attention weights are already DTensors: apply tensor parallelism once")
-        plan = dict(ATTENTION_PLAN)
+        kinds = dict(ATTENTION_PLAN)
         if not block.is_moe:
-            plan.update(DENSE_FFN_PLAN)
-        plan = {name: _style(kind, sequence_parallel) for name, kind in plan.items()}
+            kinds.update(DENSE_FFN_PLAN)
+        plan = {name: _style(kind, sequence_parallel) for name, kind in kinds.items()}
         if sequence_parallel:
             plan.update(_sequence_parallel_plan(block))
         parallelize_module(block, mesh, plan)
@@ -168,7 +173,9 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, *, sequence_para
         )
         # the LM head and the loss see every position: gather the final norm's output
         parallelize_module(
-            model.norm, mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+            model.norm,  # type: ignore[arg-type]  # an RMSNorm, typed Tensor | Module here
+            mesh,
+            PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
         )
         apply_ssmb(model, dims, sequence_parallel=True)
     return model

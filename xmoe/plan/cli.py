@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from xmoe.config import RECOMPUTE_MODES
+from xmoe.config import RECOMPUTE_MODES, ModelConfig
 from xmoe.model.presets import PRESETS, get_preset
 
 # The models (and, through them, torch) are imported when a plan runs: `xmoe --help` stays quick.
@@ -186,7 +186,7 @@ def model_config(args: argparse.Namespace):
     return cfg
 
 
-def prepare_memory(args: argparse.Namespace) -> tuple[object, str | None]:
+def prepare_memory(args: argparse.Namespace) -> tuple[ModelConfig, str | None]:
     """Checked arguments of `plan memory`: (the model config, a line saying which GPU memory was assumed or None);
     ``args.gpu_mem`` is filled in."""
     _check_args(args)
@@ -280,7 +280,7 @@ def run_memory(cfg, args) -> str:
             "other feasible settings, by that rule:",
             f"  {'tp':>3}{'ep':>5}{'dp':>6}{'mb':>4}  {'recompute':<10}{'total GiB':>10}{'traffic GB':>11}",
         ]
-        seen = set()
+        seen: set[tuple[int, str]] = set()
         for m in ranked[1:]:
             key = (m.parallel.tp, m.recompute)
             if m.fits(args.gpu_mem) and key not in seen and len(seen) < 6:

@@ -44,7 +44,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
+from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig, Placement
 from xmoe.dispatch.base import experts_per_rank
 from xmoe.model.counting import count_params
 from xmoe.parallel.dims import ParallelDims
@@ -352,7 +352,7 @@ def search_layouts(
     micro_batch: int | None = None,
     recompute: str | None = None,
     max_micro_batch: int = 8,
-    placement: str = "ep_first",
+    placement: Placement = "ep_first",
     **kwargs,
 ) -> list[MemoryBreakdown]:
     """Every layout that the given options allow, feasible ones first in order of preference, then the rest
@@ -372,7 +372,7 @@ def search_layouts(
         if value is not None and (value < 1 or gpus % value):
             raise ValueError(f"{label} ({value}) must divide gpus ({gpus})")
     given = [v for v in (tp, ep, dp) if v is not None]
-    if (len(given) == 3 and tp * ep * dp != gpus) or gpus % math.prod(given):
+    if (len(given) == 3 and math.prod(given) != gpus) or gpus % math.prod(given):
         raise ValueError(
             f"tp * ep * dp = {'*'.join(map(str, given))} = {math.prod(given)} must equal (or, with one "
             f"left to search, divide) gpus ({gpus})"
@@ -389,7 +389,7 @@ def search_layouts(
             if gpus % (t * e) or (dp is not None and dp * t * e != gpus):
                 continue
             d = gpus // (t * e)
-            place = "ep_first" if e * t <= gpus_per_node else placement
+            place: Placement = "ep_first" if e * t <= gpus_per_node else placement
             par = ParallelConfig(dp=d, ep=e, tp=t, gpus_per_node=gpus_per_node, placement=place)
             for rec in recs:
                 for mb in mbs:

@@ -132,10 +132,13 @@ def estimate_trainer_memory(
     parts = count_params(cfg, expert_matrices=3).total_by_part
     total_params = sum(parts.values())
     states = 12 * total_params + 2 * parts["routed_experts"]
-    blocks = []  # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
+    # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
+    blocks: list[tuple[float, float, float, float]] = []
     for i, weights in enumerate(_block_weights(cfg, parts)):
         is_moe = i >= cfg.first_k_dense
         attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
+        saved: float
+        regen: float
         if recompute == "full":
             saved, regen = 4 * T * H, attn + ffn
         elif recompute == "moe" and is_moe:

@@ -36,7 +36,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -94,7 +94,8 @@ def capture_rng_state() -> dict[str, Any]:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        # the legacy tuple, get_state's default (numpy's stubs type the default call as the dict form)
+        name, keys, pos, has_gauss, cached = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
         # Plain ints/lists so torch.load(weights_only=True) accepts it.
         state["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
     except ImportError:
@@ -160,7 +161,11 @@ def save_checkpoint(
             "has_optimizer": optimizer is not None,
             "xmoe_version": __version__,
             "torch_version": torch.__version__,
-            "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config,
+            "config": (
+                dataclasses.asdict(config)
+                if dataclasses.is_dataclass(config) and not isinstance(config, type)
+                else config
+            ),
             "files": files,
         }
         _publish_collective(tmp, final, meta)
@@ -180,7 +185,9 @@ def _write(
 ) -> None:
     """Step 2. Every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards."""
     rank, world = _rank_world()
-    exc, state, prints = None, None, None
+    exc: BaseException | None = None
+    state: dict[str, Any] | None = None
+    prints: dict[str, tuple[tuple[int, ...], float]] | None = None
     try:
         blob = {"rank": rank, "extra": dict(extra or {}), "rng": capture_rng_state()}
         with open(tmp / f"rank_{rank:05d}.pt", "wb") as f:
@@ -192,6 +199,7 @@ def _write(
     except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
         exc = e
     _agree(exc, f"writing checkpoint {tmp}", tmp)
+    assert state is not None and prints is not None  # made, or _agree raised
     _warn_unsynced_replicas(prints)
     try:
         with _dcp_quietly():

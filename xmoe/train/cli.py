@@ -271,9 +271,9 @@ def _start(args: argparse.Namespace, file: dict[str, Any]) -> tuple[str, str | N
         elif key in file:
             chosen[key] = (file[key], f"{key} in {args.config}")
     if len(chosen) == 2:
-        (preset, where_p), (init_from, where_i) = chosen["preset"], chosen["init_from"]
+        (preset, where_p), (directory, where_i) = chosen["preset"], chosen["init_from"]
         raise ValueError(
-            f"{where_p} ({preset}) and {where_i} ({init_from}) both choose the architecture; drop the "
+            f"{where_p} ({preset}) and {where_i} ({directory}) both choose the architecture; drop the "
             "preset (the Hugging Face directory's config.json sets it)"
         )
     init_from = chosen["init_from"][0] if "init_from" in chosen else None

@@ -83,6 +83,8 @@ class MarkovDataset(TokenDataset):
 class TokenArrayDataset(TokenDataset):
     """Windows of a 1-D token array (in memory or memory-mapped), ordered as in the module docstring."""
 
+    epoch_size: int  # always finite here
+
     def __init__(self, tokens: np.ndarray, name: str, seq_len: int, vocab_size: int, seed: int) -> None:
         num_tokens = len(tokens)
         if num_tokens < seq_len + 1:
@@ -404,8 +406,8 @@ class TokenLoader:
                 [self.dataset.samples(int(e), index_B[epoch_B == e]) for e in np.unique(epoch_B)]
             )
         self.samples_seen += self.global_batch_size
-        tokens_BS1 = torch.from_numpy(tokens_BS1)
-        return tokens_BS1[:, :-1].contiguous(), tokens_BS1[:, 1:].contiguous()
+        batch_BS1 = torch.from_numpy(tokens_BS1)
+        return batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
         return {"samples_seen": self.samples_seen, "seed": self.dataset.seed, "epoch_size": self.dataset.epoch_size}

@@ -62,6 +62,7 @@ def validation_windows(
     dataset = build_dataset(spec, seq_len, vocab_size, seed, tokenizer=tokenizer)
     if isinstance(dataset, MarkovDataset):
         return dataset.source.sample(seed + 1_000_003, np.arange(max_windows or 64), seq_len + 1)
+    assert isinstance(dataset, TokenArrayDataset)  # build_dataset makes one of the two
     return windows_of(dataset.tokens, seq_len, max_windows)
 
 

@@ -274,6 +274,7 @@ class MetricsLogger:
         record = {"step": int(step), **{k: _plain(v) for k, v in values.items()}}
         record["elapsed_s"] = round(self._offset + time.perf_counter() - self._t0, 3)
         self.records.append(record)
+        assert self._file is not None  # opened with the logger when active
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         line = format_progress(step, self.total_steps, record)
@@ -340,8 +341,8 @@ class MetricsLogger:
         val = [(r["step"], r["val_loss"]) for r in self.records if isinstance(r.get("val_loss"), (int, float))]
         if val:  # held-out loss, when the run evaluates one (--val-data / val_fraction)
             summary.update(final_val_loss=val[-1][1], best_val_loss=min(v for _, v in val))
-        lines = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
-        lines = {k: v for k, v in lines.items() if v is not None}
+        given = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
+        lines = {k: v for k, v in given.items() if v is not None}
         summary.update(info or {})
         _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
         self._plot(losses, lines, title or str(self.out_dir), val)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from xmoe.config import TrainConfig
@@ -11,7 +12,8 @@ from xmoe.config import TrainConfig
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices (and expert weight stacks); never norms or other 1-D parameters."""
-    decay, no_decay = [], []
+    decay: list[torch.Tensor] = []
+    no_decay: list[torch.Tensor] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

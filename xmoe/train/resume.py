@@ -57,6 +57,7 @@ def fingerprint(data_spec: str, dataset: Any) -> dict[str, Any]:
         parts = [_file_fingerprint(data_spec) if not dist.is_initialized() or dist.get_rank() == 0 else None]
         if dist.is_initialized():
             dist.broadcast_object_list(parts, src=0)
+        assert parts[0] is not None  # rank 0's, on every rank
         info.update(parts[0])
     return info
 
@@ -111,6 +112,7 @@ def resume_checkpoint(
     ``run`` and ``data`` before anything is built: ``resume_from`` (a checkpoint directory, or the ``latest``
     file), else the newest under ``out_dir`` whose files check out, newer damaged ones skipped with a warning
     saying why; None when ``out_dir`` has no checkpoint. Load it with ``verify=False``."""
+    found: Path | None
     if resume_from is not None:
         found = _named_checkpoint(out_dir, resume_from)
         meta = verify_checkpoint(found)

@@ -83,7 +83,11 @@ class DirLock:
         self._beating: threading.Thread | None = None
 
     def acquire(self) -> Self:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        me: dict[str, Any] = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
         for _ in range(5):  # retried only when a releasing holder unlinks the file between open and lock
             created = not self.path.exists()
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -185,6 +189,7 @@ class DirLock:
 
     def _start_heartbeat(self) -> None:
         stop, fd = self._stop_beating, self._fd
+        assert fd is not None  # called right after the lock is taken
 
         def beat() -> None:
             while not stop.wait(HEARTBEAT_S):

@@ -23,6 +23,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +66,7 @@ class RunGuard:
         self.skipped_in_row = 0
         self.skipped_total = 0
         self._first_bad = torch.zeros((), dtype=torch.long, device=device)  # 0: no bad step yet
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._vote_group = None  # several ranks: a gloo group for the per-step signal vote
         self._vote_flag = torch.zeros(1, dtype=torch.long)
         self._vote_work = None

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from xmoe.config import ModelConfig, ParallelConfig
+from xmoe.model_config import KernelBackend
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.simulated import keep_buckets, plan_counts
@@ -229,7 +230,7 @@ def run(args) -> str:
     # the planner in the trainer's precision on this device: bf16 (autocast, FSDP2 mixed precision) on GPUs,
     # fp32 on CPUs
     best = plan_cli.rank_layouts(cfg, args, precision="bf16" if device.type == "cuda" else "fp32")[0]
-    kernel_backend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
+    kernel_backend: KernelBackend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
     header = (
         f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of tp "

@@ -8,7 +8,7 @@ The caller calls them, and ``MoEStep.finish()`` after (the expert-bias update, t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ def forward_backward(
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
             no_sync = micro < accum - 1 and hasattr(wrapped, "no_sync")
-            with wrapped.no_sync() if no_sync else contextlib.nullcontext():
+            # no_sync: DDP's method, which nn.Module's __getattr__ types as Tensor | Module
+            with wrapped.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
                 loss = wrapped(inputs, targets)
                 (loss / accum).backward()
             loss_sum += loss.detach()
@@ -50,7 +51,7 @@ def forward_backward(
     return loss_sum / accum, moe
 
 
-def folds_clipping(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+def folds_clipping(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
     """True where ``optimizer`` can clip in its own pass: a fused Adam/AdamW over plain tensors, whose kernel
     divides every gradient by its ``grad_scale`` tensor as it reads it (the protocol torch's GradScaler uses).
     Clipping in place instead reads and writes every fp32 gradient once more (8 bytes per parameter)."""
@@ -68,7 +69,7 @@ def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def clip_gradients(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float, dims: ParallelDims | None
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_norm: float, dims: ParallelDims | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Clip the step's gradients to ``max_norm`` (inf: measure only). Returns (the total norm, the divisor to hand
     ``optimizer_step``): where the optimizer folds clipping (``folds_clipping``) the gradients are left as they

@@ -216,6 +216,7 @@ class Trainer:
         return self.dims.coord("dp") * par.ep + self.dims.coord("ep"), par.dp * par.ep
 
     def _validate(self) -> float:
+        assert self.val_windows is not None  # called only when the run has validation data
         return evaluate(
             self.wrapped,
             self.val_windows,
@@ -310,7 +311,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             stats = moe.finish(update_bias=False)
             if guard.exhausted:
-                self._stop_nonfinite(guard.check(self.world)[1])
+                first_bad = guard.check(self.world)[1]
+                assert first_bad is not None  # an exhausted guard has recorded where the bad steps began
+                self._stop_nonfinite(first_bad)
             return loss, stats, grad_norm, lr
         optimizer_step(self.optimizer, divisor)
         self.optimizer.zero_grad(set_to_none=True)
