@@ -11,6 +11,8 @@ Three ops and their composition, one signature per backend (see xmoe/kernels/__i
   moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2)
                                                                      combine(grouped_swiglu(gather(x))): a backend
                                                                      may fuse it (Triton does: no (N, H) buffers)
+and, for the gradients of the routed experts' compute-dtype weight copies:
+  accumulate_grad(grad, update, dtype) -> grad + update                into grad, or update in dtype if None
 
 Determinism: gather's backward and combine's forward both sum a token's K rows by looping over k in a fixed
 order, so no floating-point atomics (index_add_ / scatter_add_) are involved anywhere.
@@ -159,3 +161,9 @@ def moe_experts(
 
 
 _THIS = sys.modules[__name__]
+
+
+def accumulate_grad(grad: torch.Tensor | None, update: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad + update`` written into ``grad`` (None: ``update`` as a new tensor of ``dtype``): how a weight
+    gradient computed in a narrower dtype joins its parameter's .grad."""
+    return update.to(dtype) if grad is None else grad.add_(update)

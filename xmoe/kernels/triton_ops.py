@@ -30,6 +30,7 @@ import math
 import torch
 
 from xmoe.kernels._common import cdiv, interpreting
+from xmoe.kernels.accumulate import accumulate_grad as accumulate_grad
 from xmoe.kernels.combine import combine_fwd, combine_into, combine_rows
 from xmoe.kernels.grouped_gemm import can_reuse_saved, grouped_mm, swiglu_down_bwd, swiglu_up_fwd
 from xmoe.kernels.grouped_wgrad import grouped_wgrad, wgrad_engine

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -82,10 +83,12 @@ class RoutedExperts(nn.Module):
         if self.fp8:
             from xmoe.kernels.fp8_quant import fp8_format
 
-            receivers = tuple(_leaf_into(w, _stand_in(w, dtype)) for w in params) if detach else params
+            ops = get_ops(self.kernel_backend, self.w1.device)
+            receivers = tuple(_leaf_into(w, _stand_in(w, dtype), ops) for w in params) if detach else params
             return (*receivers, self.fp8_weights(fp8_format(self.w1.device).name)[3])
         if detach and dtype != self.w1.dtype:
-            return tuple(_leaf_into(w, w.detach().to(dtype)) for w in params)
+            ops = get_ops(self.kernel_backend, self.w1.device)
+            return tuple(_leaf_into(w, w.detach().to(dtype), ops) for w in params)
         return tuple(w.to(dtype) for w in params)
 
     def forward(
@@ -146,21 +149,19 @@ def _stand_in(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=param.device).expand(param.shape)
 
 
-def _leaf_into(param: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
-    """leaf as an autograd leaf of its own whose gradient each backward adds into param's .grad."""
+def _leaf_into(param: torch.Tensor, leaf: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+    """leaf as an autograd leaf of its own whose gradient each backward adds into param's .grad (by the kernel
+    backend's ``accumulate_grad``)."""
     leaf.requires_grad_(param.requires_grad)
     if param.requires_grad:
-        leaf.register_post_accumulate_grad_hook(functools.partial(_accumulate_fp32, param))
+        leaf.register_post_accumulate_grad_hook(functools.partial(_accumulate_fp32, param, ops))
     return leaf
 
 
-def _accumulate_fp32(param: torch.Tensor, cast: torch.Tensor) -> None:
+def _accumulate_fp32(param: torch.Tensor, ops: ModuleType, cast: torch.Tensor) -> None:
     """Add a compute-dtype copy's gradient into its fp32 parameter's .grad (one mixed-dtype pass) and drop it."""
     assert cast.grad is not None  # a post-accumulate-grad hook runs once the gradient is there
-    if param.grad is None:
-        param.grad = cast.grad.to(param.dtype)
-    else:
-        param.grad.add_(cast.grad)
+    param.grad = ops.accumulate_grad(param.grad, cast.grad, param.dtype)
     cast.grad = None
 
 
