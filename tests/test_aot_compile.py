@@ -106,7 +106,7 @@ def test_fp8_dot_compiles_to_fp8_matrix_instructions(rows):
 def test_fp8_kernels_take_each_targets_format_and_tiles(rows):
     from xmoe.kernels import tiles
 
-    fp8 = [r for r in rows if r["module"] in ("xmoe.kernels.fp8_quant", "xmoe.kernels.fp8_gemm")]
+    fp8 = [r for r in rows if r["module"] in ("xmoe.kernels.fp8_quant", "xmoe.kernels.fp8_gemm_kernels")]
     flavour = {"cuda:90": ("*fp8e4nv", "FP8_MAX=448.0", "e4m3"), "hip:gfx942": ("*fp8e4b8", "FP8_MAX=240.0", "fp8")}
     assert {r["target"] for r in fp8} == set(flavour)  # gfx90a has no fp8 matrix instructions
     for r in fp8:

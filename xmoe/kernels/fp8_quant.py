@@ -15,8 +15,8 @@ exactly on the format's max and a power of two rounds it (benchmarks/fp8_scales.
   quantize_expert_weights(w1_EHF, w3_EHF, w2_EFH, fmt) -> Fp8ExpertWeights
                                                        G x G blocks; each weight in its layout and transposed,
                                                        so that both GEMMs read it reduction-dimension-contiguous
-Kernels: _quant_rows_kernel, _quant_blocks_kernel; _group_scale and _store_fp8 are shared with fp8_gemm.py, whose
-producers quantise in their epilogues.
+Kernels: _quant_rows_kernel, _quant_blocks_kernel; _group_scale and _store_fp8 are shared with fp8_gemm_kernels.py,
+whose producers quantise in their epilogues.
 
 Formats (``FORMATS``): e4m3fn (NVIDIA sm_89 and newer, AMD gfx950) and e4m3fnuz (AMD gfx942, bias 8, no negative
 zero, largest value 240). ``fp8_format(device)`` names the one a device multiplies in, and refuses devices with no

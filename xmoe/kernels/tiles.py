@@ -78,7 +78,7 @@ BASE: dict[str, TileConfig] = {
 }
 
 # The FP8 kernels' base configs (they have no earlier table). BLOCK_K divides the 128-wide scale groups. Each
-# output tile holds its fp32 accumulator and the fresh one of the current step's product (fp8_gemm.py): 128 x 128
+# output tile holds its fp32 accumulator and the fresh one of the step's product (fp8_gemm_kernels.py): 128 x 128
 # tiles need 8 warps or more, 16 for the up kernel's two of each. Compiled for sm_90 (Triton 3.9, ahead of time)
 # none of these spills; 256-column tiles at 16 warps did (at most 128 registers per thread there: 160-192 bytes of
 # stack). H200, up kernel, T = 16384 (sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps 4.52 ms (medium) and
