@@ -186,6 +186,16 @@ def _fused_experts_fp32(shape: Shape, device: Device) -> None:
     _moe_experts(shape, torch.float32)
 
 
+@workload("grad_accumulate", shapes=(Shape.preset("small", 8192),))
+def _grad_accumulate(shape: Shape, device: Device) -> None:
+    """accumulate_grad: a bf16 expert weight gradient upcast into a new fp32 .grad, and added into one"""
+    from xmoe.kernels.accumulate import accumulate_grad
+
+    update = torch.empty(shape.experts, shape.hidden, shape.ffn, dtype=torch.bfloat16, device=META)
+    grad = accumulate_grad(None, update, torch.float32)
+    accumulate_grad(grad, update, torch.float32)
+
+
 @workload("router", shapes=ROUTER_SHAPES)
 def _router(shape: Shape, device: Device) -> None:
     """router_topk with softmax scores, and with sigmoid scores normalised, forward and backward"""
