@@ -70,12 +70,13 @@ def plan_args(preset: str, gpus: int, gpu_mem: float, layers, seq=None) -> list[
 def layouts(preset: str, gpus: int, gpu_mem: float, layers, seq=None) -> list[dict]:
     """The planner's proposed layout and the best feasible one with another (ep, tp), as plan-memory options."""
     from xmoe.plan import cli as plan_cli
+    from xmoe.plan.tables import rank_layouts
 
     parser = argparse.ArgumentParser()
     plan_cli.add_arguments(parser)
     args = parser.parse_args(plan_args(preset, gpus, gpu_mem, layers, seq)[1:])
     cfg, _ = plan_cli.prepare_memory(args)
-    ranked = [m for m in plan_cli.rank_layouts(cfg, args) if m.fits(gpu_mem)]
+    ranked = [m for m in rank_layouts(cfg, args) if m.fits(gpu_mem)]
     chosen = (
         ranked[:1]
         + [m for m in ranked[1:] if (m.parallel.ep, m.parallel.tp) != (ranked[0].parallel.ep, ranked[0].parallel.tp)][

@@ -3,7 +3,7 @@
 # T tokens, H hidden, K top-k, E experts, P ranks in the EP group, E_local = E / P experts per rank (contiguous),
 # Q most EP ranks on one node, U rows this rank sends in stage 1, M1 rows it receives there, U2 / M2 the same for
 # stage 2, M = M1 + M2, N rows its local experts compute. docs/rbd.md walks through the algorithm; step 1 (units,
-# pilots, replicas) is pure tensor code in rbd_units.py.
+# pilots, replicas) is pure tensor code in rbd_units.py; what each step records, and the counters, in rbd_plan.py.
 
 dispatch:
   1. each token's kept slots are sorted by (node, expert). A "unit" is a run on one remote node (a pilot) or on
@@ -38,108 +38,26 @@ autograd must then run it before the dispatch all-to-alls' backward, on every ra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from xmoe.dispatch.base import TrafficStats, experts_per_rank
+from xmoe.dispatch.base import experts_per_rank
 from xmoe.dispatch.comm import all_to_all_plain, all_to_all_rows, exchange_counts
+from xmoe.dispatch.rbd_plan import (
+    Counts,
+    DispatchContext,
+    LocalRows,
+    RBDStats,
+    Stage1,
+    Stage2,
+    combine_bytes,
+    dispatch_stats,
+)
 from xmoe.dispatch.rbd_units import SourceUnits, index_table, rows_by_key, shift_right, source_units
 from xmoe.dispatch.routing import RoutingPlan, count_ids
 from xmoe.kernels import get_ops
-
-
-@dataclass
-class RBDStats(TrafficStats):
-    """Traffic this rank SENT in forward passes since reset() (backward moves as much again, reversed); the
-    meaning of each field is in docs/rbd.md ("Counters"). Python numbers, from dispatch's one host sync."""
-
-    calls: int = 0
-    slots: int = 0
-    token_nodes: int = 0
-    rows_local: int = 0
-    rows_intra_direct: int = 0
-    rows_inter: int = 0
-    rows_replica: int = 0
-    replicas_caused: int = 0
-    flat_rows_intra: int = 0
-    flat_rows_inter: int = 0
-    bytes_intra: int = 0
-    bytes_inter: int = 0
-
-    @property
-    def rows_intra(self) -> int:
-        return self.rows_intra_direct + self.rows_replica
-
-    @property
-    def redundancy_rate(self) -> float:
-        """R = redundant slots / dispatched slots = 1 - distinct (token, node) / slots (the paper's R)."""
-        return 1.0 - self.token_nodes / self.slots if self.slots else 0.0
-
-    def derived(self) -> dict[str, float]:
-        return {"rows_intra": self.rows_intra, "redundancy_rate": self.redundancy_rate}
-
-
-@dataclass
-class _Counts:
-    """Step 2's results, read by the one host sync: split sizes and this layer call's counters."""
-
-    stage1: tuple[list[int], list[int]]  # (send, receive) rows per EP rank, stage 1
-    stage2: tuple[list[int], list[int]] | None  # the same for stage 2; None when it is skipped
-    tokens_per_expert_local: torch.Tensor  # rows each local expert computes (device)
-    num_rows: int  # N: rows this rank's experts compute
-    slots: int  # the counters of RBDStats that only the source knows
-    token_nodes: int
-    replicas_caused: int
-    flat_rows_intra: int
-    flat_rows_inter: int
-
-
-@dataclass
-class _Stage1:
-    """Step 3: unit rows sent across the EP group (U rows out, M1 in)."""
-
-    splits: tuple[list[int], list[int]]  # (send, receive) per EP rank
-    units: SourceUnits
-    token_of_unit_U: torch.Tensor  # token of each stage-1 row sent
-    unit_slot_U: torch.Tensor  # its head's flat sorted slot (t * K + k)
-    table_src_TK: torch.Tensor  # sorted slot (t, k) -> stage-1 row sent, at unit heads
-    unit_of_slot_TK: torch.Tensor  # stage-1 row of the slot's unit
-    in_unit_UK: torch.Tensor  # (U, K) which sorted slots of its token a unit carries
-    num_recv: int  # M1
-
-
-@dataclass
-class _Stage2:
-    """Step 4: replicas forwarded inside the node (U2 rows out, M2 in)."""
-
-    splits: tuple[list[int], list[int]]  # (send, receive) per EP rank, non-zero only inside the node
-    rep_src_U2: torch.Tensor  # stage-1 row each replica copies
-    rep_slot_U2: torch.Tensor  # its head slot (i * K + k) in the stage-1 rows
-    rep_mask_U2K: torch.Tensor  # which k of that row the replica carries
-    rep_of_slot_M1K: torch.Tensor  # replica covering stage-1 slot (i, k), -1 if none
-    table_node_M1K: torch.Tensor  # node sum: row of cat(own partials, replica partials) per head
-    own_slot_M1: torch.Tensor  # i * K + k of the row's head on this rank
-
-
-@dataclass
-class _LocalRows:
-    """Step 5: the received rows expanded to this rank's experts, expert-major."""
-
-    token_ids_N: torch.Tensor  # expanded row -> received row (of the M)
-    slot_ids_N: torch.Tensor  # expanded row -> received slot (m * K + k)
-    table_loc_MK: torch.Tensor  # received slot -> expanded row, -1 if not on this rank
-
-
-@dataclass
-class _Ctx:
-    stage1: _Stage1
-    stage2: _Stage2 | None
-    local: _LocalRows
-    anchors: tuple[torch.Tensor, ...]  # the dispatch all-to-alls' outputs (see the module docstring)
-    empty_rows_NH: torch.Tensor | None  # the dispatched tensor when this rank computes nothing
 
 
 class _SendWeights(torch.autograd.Function):
@@ -147,7 +65,7 @@ class _SendWeights(torch.autograd.Function):
     its two backward all-to-alls keep a fixed order; the anchors (the dispatched rows) order it before them."""
 
     @staticmethod
-    def forward(ctx, weights_TK, c: _Ctx, group, *anchors):
+    def forward(ctx, weights_TK, c: DispatchContext, group, *anchors):
         ctx.c, ctx.group, ctx.num_anchors = c, group, len(anchors)
         s1, s2 = c.stage1, c.stage2
         w_UK = torch.where(s1.in_unit_UK, weights_TK.gather(1, s1.units.perm_TK)[s1.token_of_unit_U], 0)
@@ -245,7 +163,7 @@ class HierarchicalDispatcher:
         x_NH, local = self._expand(x_loc, ids_loc, counts.num_rows, ops)  # 5.
         row_bytes = x_TH.shape[1] * x_TH.element_size() + 4 * units.ids_TK.shape[1]  # a row and its K int32 ids
         self._record(counts, row_bytes)
-        ctx = _Ctx(
+        ctx = DispatchContext(
             stage1=stage1,
             stage2=stage2,
             local=local,
@@ -268,7 +186,7 @@ class HierarchicalDispatcher:
             self.my_node,
         )
 
-    def _exchange_counts(self, units: SourceUnits, key1: torch.Tensor, plan: RoutingPlan) -> _Counts:
+    def _exchange_counts(self, units: SourceUnits, key1: torch.Tensor, plan: RoutingPlan) -> Counts:
         """2. counts: flat per expert | stage-1 rows | stage-2 rows each pilot sends / receives, per node-local
         rank; one equal-split exchange, then THE host sync of the layer."""
         num_ranks, width, num_local = self.num_ranks, self.width, self.num_local_experts
@@ -308,7 +226,7 @@ class HierarchicalDispatcher:
                 send2[peer], recv2[peer] = host[2 * num_ranks + j], host[2 * num_ranks + width + j]
             stage2 = (send2, recv2)
         slots, token_nodes, caused, flat_intra, flat_inter, num_rows = host[-6:]
-        return _Counts(
+        return Counts(
             stage1=(host[:num_ranks], host[num_ranks : 2 * num_ranks]),
             stage2=stage2,
             tokens_per_expert_local=tokens_per_expert_local,
@@ -322,7 +240,7 @@ class HierarchicalDispatcher:
 
     def _stage1(
         self, x_TH: torch.Tensor, units: SourceUnits, key1: torch.Tensor, splits: tuple[list[int], list[int]], ops
-    ) -> tuple[torch.Tensor, torch.Tensor, _Stage1]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Stage1]:
         """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit."""
         send, recv = splits
         num_tokens, top_k = units.ids_TK.shape
@@ -337,7 +255,7 @@ class HierarchicalDispatcher:
         return (
             x1,
             ids1,
-            _Stage1(
+            Stage1(
                 splits=splits,
                 units=units,
                 token_of_unit_U=token_of_unit,
@@ -351,7 +269,7 @@ class HierarchicalDispatcher:
 
     def _stage2(
         self, x1: torch.Tensor, ids1: torch.Tensor, splits: tuple[list[int], list[int]], ops
-    ) -> tuple[torch.Tensor, torch.Tensor, _Stage2]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Stage2]:
         """4. stage 2: a replica per (received row, other GPU of this node hosting its experts)."""
         send, recv = splits
         num_recv1, top_k = ids1.shape
@@ -375,7 +293,7 @@ class HierarchicalDispatcher:
         return (
             x2,
             ids2,
-            _Stage2(
+            Stage2(
                 splits=splits,
                 rep_src_U2=rep_src,
                 rep_slot_U2=rep_slot,
@@ -386,16 +304,18 @@ class HierarchicalDispatcher:
             ),
         )
 
-    def _expand(self, x_MH: torch.Tensor, ids_MK: torch.Tensor, num_rows: int, ops) -> tuple[torch.Tensor, _LocalRows]:
+    def _expand(self, x_MH: torch.Tensor, ids_MK: torch.Tensor, num_rows: int, ops) -> tuple[torch.Tensor, LocalRows]:
         """5. expand to local experts, expert-major: the same (key, position) sort, keys = local expert ids."""
         num_local, ep_rank, top_k = self.num_local_experts, self.ep_rank, ids_MK.shape[1]
         local = (ids_MK >= 0) & (ids_MK // num_local == ep_rank)
         slot_ids = rows_by_key(torch.where(local, ids_MK - ep_rank * num_local, num_local).view(-1), num_rows)
         table_loc = index_table(slot_ids, (ids_MK.shape[0], top_k))
         x_NH = ops.gather_rows(x_MH, slot_ids // top_k, table_loc)
-        return x_NH, _LocalRows(token_ids_N=slot_ids // top_k, slot_ids_N=slot_ids, table_loc_MK=table_loc)
+        return x_NH, LocalRows(token_ids_N=slot_ids // top_k, slot_ids_N=slot_ids, table_loc_MK=table_loc)
 
-    def combine(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: _Ctx) -> torch.Tensor:
+    def combine(
+        self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: DispatchContext
+    ) -> torch.Tensor:
         ops = get_ops(self.kernel_backend, y_NH.device)
         s1, s2, local = ctx.stage1, ctx.stage2, ctx.local
         if ctx.empty_rows_NH is not None and ctx.empty_rows_NH.requires_grad:
@@ -424,43 +344,16 @@ class HierarchicalDispatcher:
 
     # ---- counters: host numbers only, from the one sync of dispatch ----------------------------------------
 
-    def _link_rows(self, splits: list[int]) -> tuple[int, int, int]:
-        """(to itself, to other GPUs of its node, to other nodes) of a split list."""
-        local = splits[self.ep_rank]
-        intra = sum(s for p, s in enumerate(splits) if self.node_of_rank[p] == self.my_node) - local
-        return local, intra, sum(splits) - local - intra
-
-    def _record(self, counts: _Counts, row_bytes: int) -> None:
-        local, direct, inter = self._link_rows(counts.stage1[0])
-        replica = sum(counts.stage2[0]) if counts.stage2 is not None else 0
-        self._last = RBDStats(
-            calls=1,
-            slots=counts.slots,
-            token_nodes=counts.token_nodes,
-            rows_local=local,
-            rows_intra_direct=direct,
-            rows_inter=inter,
-            rows_replica=replica,
-            replicas_caused=counts.replicas_caused,
-            flat_rows_intra=counts.flat_rows_intra,
-            flat_rows_inter=counts.flat_rows_inter,
-            bytes_intra=(direct + replica) * row_bytes,
-            bytes_inter=inter * row_bytes,
-        )
+    def _record(self, counts: Counts, row_bytes: int) -> None:
+        self._last = dispatch_stats(counts, self.node_of_rank, self.ep_rank, row_bytes)
         self.stats.add(self._last)
         self.last_stats = self._last.as_dict()
 
-    def _record_combine(self, c: _Ctx, row_bytes: int, weight_bytes: int) -> None:
-        """Combine sends weights the dispatch way (to where its rows went) and partial sums back the other way (to
-        where its received rows came from): same links as dispatch, other row sizes."""
-        _, direct_w, inter_w = self._link_rows(c.stage1.splits[0])
-        _, direct_y, inter_y = self._link_rows(c.stage1.splits[1])
-        intra = direct_w * weight_bytes + direct_y * row_bytes
-        if c.stage2 is not None:
-            intra += sum(c.stage2.splits[0]) * weight_bytes + sum(c.stage2.splits[1]) * row_bytes
+    def _record_combine(self, c: DispatchContext, row_bytes: int, weight_bytes: int) -> None:
+        intra, inter = combine_bytes(c, self.node_of_rank, self.ep_rank, row_bytes, weight_bytes)
         for stats in (self._last, self.stats):
             stats.bytes_intra += intra
-            stats.bytes_inter += inter_w * weight_bytes + inter_y * row_bytes
+            stats.bytes_inter += inter
         self.last_stats = self._last.as_dict()
 
 

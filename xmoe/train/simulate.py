@@ -210,7 +210,8 @@ def measure_rank(
 def run(args) -> str:
     """`xmoe plan memory ... --measure`: the planner's proposed layout (or the one given), rank ``--rank`` of it
     measured here; returns the table to print, or with ``--json`` one JSON object."""
-    from xmoe.plan import cli as plan_cli
+    from xmoe.plan.cli import prepare_memory
+    from xmoe.plan.tables import rank_layouts
 
     if args.trainer:
         raise ValueError(
@@ -223,13 +224,13 @@ def run(args) -> str:
         )
     if not 0 <= args.rank < args.gpus:
         raise ValueError(f"--rank ({args.rank}) must be in [0, --gpus={args.gpus})")
-    cfg, note = plan_cli.prepare_memory(args)
+    cfg, note = prepare_memory(args)
     device = _device(args.device)
     if args.kernel is None:
         args.kernel = "triton" if device.type == "cuda" else "torch"
     # the planner in the trainer's precision on this device: bf16 (autocast, FSDP2 mixed precision) on GPUs,
     # fp32 on CPUs
-    best = plan_cli.rank_layouts(cfg, args, precision="bf16" if device.type == "cuda" else "fp32")[0]
+    best = rank_layouts(cfg, args, precision="bf16" if device.type == "cuda" else "fp32")[0]
     kernel_backend: KernelBackend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
     header = (

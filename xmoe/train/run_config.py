@@ -1,0 +1,284 @@
+"""How the arguments of `xmoe train` become a RunConfig (the parser itself: cli.py).
+
+Precedence, lowest first: the preset's defaults (for ``kernels``, the environment's: XMOE_WGRAD,
+XMOE_AUTOTUNE), then a config file (--config, JSON or TOML with optional sections ``model``, ``moe``,
+``train``, ``parallel``, ``kernels``, ``data`` and the top-level keys ``preset`` and ``init_from``), then
+``--set section.field=value`` overrides, then the dedicated flags (--steps, --seed, --ep, --tp, --dp, --wgrad,
+--data, --preset, ...). ``dp`` is derived last, from the merged ep and tp: processes / (ep * tp) unless given.
+Unknown fields and values of the wrong type are errors naming them. The invocation's own choices (--out,
+--resume, --overwrite, --device, ...) are not part of the run's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from xmoe.checks import missing
+from xmoe.config import DataConfig, KernelConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+
+log = logging.getLogger(__name__)
+
+SECTIONS = {
+    "model": ModelConfig,
+    "moe": MoEConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "kernels": KernelConfig,
+    "data": DataConfig,
+}
+TOP_LEVEL = ("preset", "init_from")  # RunConfig's own fields: a config file's keys outside any section
+# fields of an imported model that training may set freely: they change how it is trained, not which weights it has
+# or what it computes
+TRAINING_FIELDS = (
+    "model.max_seq_len",
+    "model.init_std",
+    "model.moe.init_std",
+    "model.moe.aux_loss_coef",
+    "model.moe.aux_loss_type",
+    "model.moe.z_loss_coef",
+    "model.moe.bias_update_rate",
+    "model.moe.capacity_factor",
+    "model.moe.kernel_backend",
+    "model.moe.dispatcher",
+)
+# the train section's defaults: tiny's, and the paper presets' (see _default_train); the flags' help names them
+TINY, PAPER = TrainConfig(), TrainConfig(lr=3e-4, global_batch_size=8, warmup_steps=100)
+
+
+def _parse_value(text: str) -> Any:
+    """JSON (2, 2.5, true, null, "x") or, failing that, the plain string; the config's type check does the rest."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"none": None, "true": True, "false": False}.get(text.lower(), text)
+
+
+def _load_file(path: str) -> dict[str, Any]:
+    """The config file's sections (tables of fields) and top-level keys (TOP_LEVEL, strings)."""
+    file = Path(path)
+    if file.is_dir():
+        raise ValueError(f"config file {file} is a directory; pass a .json or .toml file")
+    if not file.is_file():
+        raise missing(file, "config file")
+    if file.suffix not in (".toml", ".json"):
+        raise ValueError(f"config file {file} must end in .json or .toml")
+    try:
+        text = file.read_text(encoding="utf-8")
+        if file.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {file} is not text (not UTF-8); pass a .json or .toml file") from None
+    except ValueError as e:  # tomllib.TOMLDecodeError and json.JSONDecodeError are ValueErrors
+        raise ValueError(f"config file {file} is not valid {file.suffix[1:].upper()}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {file} must hold sections ({', '.join(SECTIONS)}), not {type(data).__name__}")
+    unknown = set(data) - set(SECTIONS) - set(TOP_LEVEL)
+    if unknown:
+        raise ValueError(
+            f"config file {file}: unknown sections {sorted(unknown)}; valid: {sorted(SECTIONS)} and "
+            f"the keys {', '.join(TOP_LEVEL)}"
+        )
+    for name, values in data.items():
+        if name in TOP_LEVEL and not (isinstance(values, str) and values.strip()):
+            raise ValueError(
+                f"config file {file}: {name} ({values!r}) must be a string naming a "
+                f"{'preset' if name == 'preset' else 'Hugging Face directory'}"
+            )
+        if name in SECTIONS and not isinstance(values, dict):
+            raise ValueError(
+                f"config file {file}: section {name} must be a table of fields (e.g. [{name}] in TOML), not {values!r}"
+            )
+    return data
+
+
+def _apply(obj: Any, section: str, values: dict[str, Any]) -> Any:
+    fields = {f.name for f in dataclasses.fields(obj)}
+    for key in values:
+        if key not in fields:
+            raise ValueError(f"unknown field {section}.{key}; valid fields: {', '.join(sorted(fields))}")
+    return dataclasses.replace(obj, **values)  # replace() re-runs validation
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Ranges of the flags that are used before any config validates them."""
+    for name in ("dp", "ep", "tp", "gpus_per_node"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
+    if not str(args.out).strip():
+        raise ValueError(f"--out ({args.out!r}) must name a run directory, e.g. runs/a")
+
+
+def _start(args: argparse.Namespace, file: dict[str, Any]) -> tuple[str, str | None]:
+    """(preset, init_from): where the run's model comes from, each from its flag, else from the config file's key;
+    the preset is "tiny" when neither is given, "" under init_from (whose directory sets the architecture)."""
+    chosen: dict[str, tuple[str, str]] = {}  # key -> (value, where it was given)
+    for key in TOP_LEVEL:
+        if getattr(args, key, None):
+            chosen[key] = (getattr(args, key), "--" + key.replace("_", "-"))
+        elif key in file:
+            chosen[key] = (file[key], f"{key} in {args.config}")
+    if len(chosen) == 2:
+        (preset, where_p), (directory, where_i) = chosen["preset"], chosen["init_from"]
+        raise ValueError(
+            f"{where_p} ({preset}) and {where_i} ({directory}) both choose the architecture; drop the "
+            "preset (the Hugging Face directory's config.json sets it)"
+        )
+    init_from = chosen["init_from"][0] if "init_from" in chosen else None
+    if args.allow_changes and not (args.resume or args.resume_from or init_from):
+        raise ValueError("--allow-changes only applies with --resume, --resume-from or --init-from")
+    return ("" if init_from else chosen.get("preset", ("tiny",))[0]), init_from
+
+
+def build_run_config(args: argparse.Namespace) -> RunConfig:
+    from xmoe.model.presets import get_preset
+
+    _check_flags(args)
+    file = _load_file(args.config) if args.config else {}
+    preset, init_from = _start(args, file)
+    if init_from:
+        from xmoe.hf.checkpoint import read_model_config
+
+        hf, model = read_model_config(init_from)
+    else:
+        model = get_preset(preset)
+    imported = model
+    sections: dict[str, dict[str, Any]] = {name: dict(file.get(name, {})) for name in SECTIONS}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        section, dot, field = key.partition(".")
+        if not sep or not dot or section not in SECTIONS:
+            raise ValueError(f"--set {item!r} must look like SECTION.FIELD=VALUE with SECTION in {sorted(SECTIONS)}")
+        sections[section][field] = _parse_value(value)
+
+    flags = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "global_batch_size": args.batch_size,
+        "micro_batch_size": args.micro_batch_size,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "log_every": args.log_every,
+        "ckpt_every": args.ckpt_every,
+        "compile": args.compile,
+        "recompute": args.recompute,
+        "val_fraction": getattr(args, "val_fraction", None),
+        "eval_every": getattr(args, "eval_every", None),
+    }
+    sections["train"].update({k: v for k, v in flags.items() if v is not None})
+    if args.tensorboard:
+        sections["train"]["tensorboard"] = True
+    for field, value in (("wgrad", getattr(args, "wgrad", None)), ("autotune", getattr(args, "autotune", None))):
+        if value is not None:
+            sections["kernels"][field] = value
+    for field, value in (
+        ("dispatcher", args.dispatcher),
+        ("kernel_backend", args.kernel_backend),
+        ("fp8", getattr(args, "fp8", None)),
+    ):
+        if value is not None:
+            sections["moe"][field] = value
+    for field, value in (("path", getattr(args, "data", None)), ("val_path", getattr(args, "val_data", None))):
+        if value is not None:
+            sections["data"][field] = value
+    if init_from and "tokenizer" not in sections["data"]:  # text data is read with the imported tokenizer
+        sections["data"]["tokenizer"] = _imported_tokenizer(init_from)
+
+    if "moe" in sections["model"]:
+        raise ValueError(
+            "model.moe is its own section: set its fields as moe.FIELD (e.g. --set moe.top_k=2, or a "
+            "[moe] table in --config)"
+        )
+    if "hidden_size" in sections["model"]:  # the MoE block's width follows the model's unless set explicitly
+        sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
+    moe = _apply(model.moe, "moe", sections["moe"])
+    model = _apply(model, "model", {**sections["model"], "moe": moe})
+    if init_from:
+        _check_imported(init_from, hf, imported, model, args.allow_changes)
+    default_train = TrainConfig(lr=1e-4) if init_from else _default_train(preset, model)
+    train = _apply(default_train, "train", sections["train"])
+    data = _apply(DataConfig(), "data", sections["data"])
+
+    par_values = dict(sections["parallel"])
+    flags = {
+        "dp": args.dp,
+        "ep": args.ep,
+        "tp": args.tp,
+        "gpus_per_node": args.gpus_per_node,
+        "placement": args.placement,
+        "sequence_parallel": args.sequence_parallel or None,
+    }
+    par_values.update({k: v for k, v in flags.items() if v is not None})
+    parallel = _apply(ParallelConfig(), "parallel", par_values)  # validates ep and tp before dp divides by them
+    if "dp" not in par_values:  # derived after the merge, from the ep and tp that will be used
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        parallel = dataclasses.replace(parallel, dp=max(1, world // (parallel.ep * parallel.tp)))
+    from xmoe.dispatch.base import experts_per_rank  # imports torch: not at module level (xmoe --help)
+
+    experts_per_rank(model.moe.num_experts, parallel.ep)  # the one home of that check; names the fix
+    if model.moe.dispatcher == "rbd" and parallel.ep == 1:
+        warnings.warn(
+            "moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
+            "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1",
+            stacklevel=2,
+        )
+    kernels = _apply(KernelConfig(), "kernels", sections["kernels"])
+    return RunConfig(
+        model=model, train=train, parallel=parallel, kernels=kernels, data=data, init_from=init_from, preset=preset
+    )
+
+
+def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: ModelConfig, allow_changes: bool) -> None:
+    """Overrides that change an imported architecture (fewer layers drop checkpoint tensors without a word) are
+    refused unless ``allow_changes``; the router's auxiliary-loss weight, which xmoe defines per layer, is not
+    imported and is said so."""
+    from xmoe.train.resume import flatten
+
+    then: dict[str, Any] = {}
+    now: dict[str, Any] = {}
+    flatten("model", dataclasses.asdict(imported), then)
+    flatten("model", dataclasses.asdict(model), now)
+    changed = [
+        f"{k}: imported {then[k]!r}, now {v!r}" for k, v in now.items() if then[k] != v and k not in TRAINING_FIELDS
+    ]
+    if changed and not allow_changes:
+        raise ValueError(
+            f"--init-from {init_from}: {len(changed)} setting(s) change the imported model "
+            f"({'; '.join(changed[:6])}), so checkpoint weights would be dropped or not match; drop "
+            "them, or pass --allow-changes to train the changed model"
+        )
+    if changed:
+        log.info(f"--allow-changes: training the imported model with {'; '.join(changed[:6])}")
+    coef = hf.get("router_aux_loss_coef")
+    if coef and not model.moe.aux_loss_coef:
+        log.info(
+            f"--init-from: the load-balancing loss is off; {init_from}'s router_aux_loss_coef ({coef}) is not "
+            "imported, as xmoe's balance loss is defined per layer (docs/routing.md): set one with --set "
+            "moe.aux_loss_coef=VALUE"
+        )
+
+
+def _default_train(preset: str, model: ModelConfig) -> TrainConfig:
+    """tiny trains on CPU in minutes; the paper presets default to their sequence length and a small batch."""
+    if preset == "tiny":
+        return TINY
+    return dataclasses.replace(PAPER, seq_len=model.max_seq_len)
+
+
+def _imported_tokenizer(hf_dir: str) -> str:
+    """The tokenizer for text data of a run initialised from ``hf_dir``: its tokenizer.json, else "bytes"."""
+    from xmoe.hf.checkpoint import RUN_TOKENIZER
+
+    tokenizer = Path(hf_dir) / RUN_TOKENIZER
+    return str(tokenizer) if tokenizer.is_file() else "bytes"
