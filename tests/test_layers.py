@@ -188,3 +188,16 @@ def test_checker_catches_upward_and_lazy_imports():
 def test_architecture_doc_shows_the_layers():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert render_layers() in doc, f"docs/architecture.md should show the layer order:\n{render_layers()}"
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_over_the_line_limit():
+    # a module that grows past this mixes concerns more often than not: split it by concern
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
