@@ -12,6 +12,7 @@ Writes memory_fit.json / .md into --out. Skips without a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -46,8 +47,9 @@ def main() -> None:
     args.batch_size, args.micro_batch_size, args.steps = first, first, 1000
     run = build_run_config(args)
     rows = []
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
         trainer = Trainer(run, out, device="cuda")
+        stack.enter_context(trainer.kernels.applied())  # the run's kernels section, as Trainer.train applies it
         trainer.train_step(trainer.accumulation_steps())  # optimizer state exists from here on, as in training
         for mode in args.modes:
             apply_recompute(trainer.model, mode)

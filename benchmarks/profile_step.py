@@ -13,6 +13,7 @@ there). Prints the table and the top kernels; with --out writes profile_<tag>.js
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -78,8 +79,9 @@ def main() -> None:
         return
     args.steps = args.warmup_steps + args.profile_steps + 2
     run = build_run_config(args)
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
         trainer = Trainer(run, out, device="cuda")
+        stack.enter_context(trainer.kernels.applied())  # the run's kernels section, as Trainer.train applies it
         accum = trainer.accumulation_steps()
         for _ in range(args.warmup_steps):
             trainer.train_step(accum)
