@@ -128,6 +128,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
+    """y, whose gradient reaches its producer contiguous. Eagerly by a hook on y itself, so that y is not a view: an
+    FSDP2-wrapped module returning a view warns (an in-place op on it would skip FSDP2's hooks); compiled code
+    keeps the identity Function, which the compiler traces whole."""
+    if torch.compiler.is_compiling():
+        return _ContiguousGrad.apply(y)
+    if y.requires_grad:
+        y.register_hook(torch.Tensor.contiguous)
+    return y
+
+
 def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
     """SwiGLU experts over uneven, contiguous row groups (expert e owns tokens_per_expert_E[e] rows)."""
     hidden, ffn = w1_EHF.shape[1], w1_EHF.shape[2]
@@ -136,7 +147,7 @@ def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
         offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
         h1_NF = torch._grouped_mm(x_NH, w1_EHF, offs=offs_E)
         h3_NF = torch._grouped_mm(x_NH, w3_EHF, offs=offs_E)
-        return _ContiguousGrad.apply(torch._grouped_mm(F.silu(h1_NF) * h3_NF, w2_EFH, offs=offs_E))
+        return _contiguous_grad(torch._grouped_mm(F.silu(h1_NF) * h3_NF, w2_EFH, offs=offs_E))
     # Loop over contiguous slices: needs the group sizes on the host (one sync; the CPU path does not mind).
     # unbind, not w[e]: indexing one expert's slice makes its backward allocate a zero (E, H, F) gradient per
     # expert (E full-size buffers summed); unbind's backward stacks the E slices into one.
