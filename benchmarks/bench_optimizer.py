@@ -69,22 +69,22 @@ def main() -> None:
     bitwise = all(torch.equal(accumulate_grad(None, g, fp32), g.to(fp32)) for g in bf16_grads) and all(
         torch.equal(accumulate_grad(w.grad.clone(), g, fp32), w.grad + g) for w, g in pairs
     )
-    timings = {
-        "clip in place, then fused AdamW (before)": in_place,
-        "clip folded into fused AdamW (the trainer)": folded,
-        "gradient norm alone": lambda: total_grad_norm(params),
-        "fused AdamW alone, no clipping": optimizer.step,
-        "routed experts' bf16 copies (once per step)": lambda: [w.detach().to(torch.bfloat16) for w in experts],
-        "experts' bf16 gradients upcast to a new fp32 .grad, torch": lambda: [g.to(fp32) for g in bf16_grads],
-        "the same, Triton accumulate_grad": lambda: [accumulate_grad(None, g, fp32) for g in bf16_grads],
-        "experts' bf16 gradients added into the fp32 .grad, torch": lambda: [w.grad.add_(g) for w, g in pairs],
-        "the same, Triton accumulate_grad ": lambda: [accumulate_grad(w.grad, g, fp32) for w, g in pairs],
-    }
+    timings = [  # (row name, call): each torch row is followed by its Triton counterpart
+        ("clip in place, then fused AdamW (before)", in_place),
+        ("clip folded into fused AdamW (the trainer)", folded),
+        ("gradient norm alone", lambda: total_grad_norm(params)),
+        ("fused AdamW alone, no clipping", optimizer.step),
+        ("routed experts' bf16 copies (once per step)", lambda: [w.detach().to(torch.bfloat16) for w in experts]),
+        ("experts' bf16 gradients upcast to a new fp32 .grad, torch", lambda: [g.to(fp32) for g in bf16_grads]),
+        ("the same, Triton accumulate_grad", lambda: [accumulate_grad(None, g, fp32) for g in bf16_grads]),
+        ("experts' bf16 gradients added into the fp32 .grad, torch", lambda: [w.grad.add_(g) for w, g in pairs]),
+        ("the same, Triton accumulate_grad", lambda: [accumulate_grad(w.grad, g, fp32) for w, g in pairs]),
+    ]
     optimizer.step()  # AdamW's state allocated before anything is timed
     rows = []
-    for name, fn in timings.items():
+    for name, fn in timings:
         ms = time_ms(fn, warmup_ms=50, rep_ms=400)
-        rows.append({"variant": name.strip(), "ms": ms})
+        rows.append({"variant": name, "ms": ms})
         print(f"{name:60s} {ms:8.2f} ms", flush=True)
     ms = {r["variant"]: r["ms"] for r in rows}
     meta = {

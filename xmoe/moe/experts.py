@@ -80,14 +80,13 @@ class RoutedExperts(nn.Module):
         ``detach`` zero-stride stand-ins of dtype ``dtype`` (no memory: the FP8 GEMMs never read them) whose
         gradient is added into the fp32 .grad the same way."""
         params = (self.w1, self.w3, self.w2)
+        ops = get_ops(self.kernel_backend, self.w1.device)  # whose accumulate_grad adds the copies' gradients
         if self.fp8:
             from xmoe.kernels.fp8_quant import fp8_format
 
-            ops = get_ops(self.kernel_backend, self.w1.device)
             receivers = tuple(_leaf_into(w, _stand_in(w, dtype), ops) for w in params) if detach else params
             return (*receivers, self.fp8_weights(fp8_format(self.w1.device).name)[3])
         if detach and dtype != self.w1.dtype:
-            ops = get_ops(self.kernel_backend, self.w1.device)
             return tuple(_leaf_into(w, w.detach().to(dtype), ops) for w in params)
         return tuple(w.to(dtype) for w in params)
 

@@ -177,9 +177,9 @@ def clip_grad_norm_(
     """``torch.nn.utils.clip_grad_norm_`` for gradients that live on different meshes (experts on ("dp", "ep"),
     dense weights on "dp_ep"), plain tensors included: ``total_grad_norm``, then each gradient scaled in place.
     Returns the total norm as a plain tensor. Every rank must call it."""
-    params = list(parameters)
-    total = total_grad_norm(params, norm_type, dims)
-    for group in _by_mesh(params).values():  # per group: the scale is a plain scalar, fine next to any DTensor
+    groups = _by_mesh(parameters)
+    total = _total_norm(groups, norm_type, dims)
+    for group in groups.values():  # per group: the scale is a plain scalar, fine next to any DTensor
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
@@ -209,6 +209,13 @@ def total_grad_norm(
     2-D expert mesh alone would run two in sequence. Other groups reduce over their own mesh (``full_tensor``).
     Every rank must call it.
     """
+    return _total_norm(_by_mesh(parameters), norm_type, dims)
+
+
+def _total_norm(
+    groups: dict[tuple | None, list[torch.Tensor]], norm_type: float, dims: ParallelDims | None
+) -> torch.Tensor:
+    """total_grad_norm over parameters already grouped by ``_by_mesh``."""
     from torch.distributed.tensor import DTensor, Shard
 
     partitions: tuple[type, ...] = (Shard,)
@@ -218,7 +225,6 @@ def total_grad_norm(
         partitions = (Shard, _StridedShard)
     except ImportError:
         pass
-    groups = _by_mesh(parameters)
     if not groups:
         return torch.zeros(())
     dense_ranks = sorted(dims.group_ranks(DENSE_AXIS)) if dims is not None and dims.mesh is not None else None
