@@ -72,7 +72,7 @@ def test_init_from_trains_from_the_imported_weights_and_exports(family: str, tmp
     assert abs(first["loss"] - first_batch_loss(ref, data)) < 1e-5 * first["loss"]
     # export the trained weights; transformers reads them and computes what xmoe computes
     main(["export", str(run), "--hf", str(tmp_path / "out")])
-    model, _, _ = load_source(str(run))
+    model, _, _, _ = load_source(str(run))
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ours, theirs = model(x), load_reference(tmp_path / "out")(x).logits
@@ -107,7 +107,7 @@ def test_eval_reports_loss_perplexity_and_bits_per_byte(tmp_path, capsys) -> Non
     main(["eval", str(run), "--data", str(text), "--seq-len", "32", "--batch-size", "3"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # direct: every consecutive 33-byte window, cross-entropy of the logits, summed in float64
-    model, _, _ = load_source(str(run))
+    model, _, _, _ = load_source(str(run))
     data = np.frombuffer(text.read_bytes(), dtype=np.uint8).astype(np.int64)
     nats, count = 0.0, 0
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_validation_during_training(tmp_path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_val_loss"] == val[4] and summary["best_val_loss"] == min(val.values())
     # direct: the final model on the last quarter of the tokens, consecutive windows
-    model, _, _ = load_source(str(run))
+    model, _, _, _ = load_source(str(run))
     held = np.load(data)[int(4000 * 0.75) :]
     n = (len(held) - 1) // SEQ
     windows = torch.from_numpy(np.stack([held[i * SEQ : i * SEQ + SEQ + 1] for i in range(n)]))
@@ -308,10 +308,10 @@ def test_a_checkpoint_being_read_is_not_pruned_by_the_running_trainer(imported_r
         return original(path, model, *args, **kwargs)
 
     monkeypatch.setattr(ckpt, "load_checkpoint", load_while_the_trainer_saves)
-    model, _, _ = load_source(str(run))  # reads step 2 while step 3 is saved
+    model, _, _, _ = load_source(str(run))  # reads step 2 while step 3 is saved
     assert newest.is_dir()  # pinned: pruning left it for a later save
     monkeypatch.undo()
-    reference, _, _ = load_source(str(run), step=2)
+    reference, _, _, _ = load_source(str(run), step=2)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=False):
         assert torch.equal(a, b), name
 

@@ -183,3 +183,89 @@ def test_the_run_applies_its_choice_and_records_it(tmp_path, capsys, clean_env, 
     assert json.loads((out / "summary.json").read_text())["kernels"] == record
     meta = json.loads((out / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert meta["config"]["kernels"] == record
+
+
+# ---------------------------------------------------------------------- the other commands that run the model
+
+
+@pytest.fixture
+def options_seen(monkeypatch):
+    """The kernel options every MoE layer's forward ran under, in call order."""
+    from xmoe.moe.layer import MoELayer
+
+    seen: list[KernelConfig] = []
+    forward = MoELayer.forward
+    monkeypatch.setattr(MoELayer, "forward", lambda self, x: seen.append(tiles.OPTIONS) or forward(self, x))
+    return seen
+
+
+def ran_under(seen: list[KernelConfig], expected: KernelConfig) -> bool:
+    return bool(seen) and all(options == expected for options in seen)
+
+
+def test_bench_times_its_layer_under_its_kernel_flags(clean_env, capsys, options_seen):
+    from xmoe import bench
+
+    before = tiles.OPTIONS
+    argv = ["bench", "--device", "cpu", "--tokens", "16", "--repeats", "1", "--wgrad", "grouped_mm", "--autotune"]
+    parser, _ = _parser()
+    rows = bench.run(parser.parse_args(argv))
+    assert tiles.OPTIONS is before  # applied for the benchmark only
+    assert ran_under(options_seen, KernelConfig("grouped_mm", True))
+    effective = {"backend": "torch", "wgrad": "autograd", "tiles": "none"}
+    assert [r["kernels"] for r in rows] == [{"wgrad": "grouped_mm", "autotune": True, "effective": effective}] * 2
+    assert "PFT kernels: backend torch, weight gradients autograd (kernels.wgrad grouped_mm)" in capsys.readouterr().out
+    options_seen.clear()
+    bench.run(parser.parse_args(argv[:-3]))  # no flags: the environment's defaults
+    assert ran_under(options_seen, KernelConfig())
+
+
+@needs_cpu_grouped_mm
+@pytest.mark.parametrize("engine", ["triton", "grouped_mm"])
+def test_a_simulated_rank_trains_under_its_kernels_section(clean_env, monkeypatch, engine):
+    from xmoe.config import ParallelConfig
+    from xmoe.kernels import grouped_wgrad
+    from xmoe.train.simulate import measure_rank
+
+    calls = []
+    real = grouped_wgrad.grouped_mm_wgrad
+    monkeypatch.setattr(grouped_wgrad, "grouped_mm_wgrad", lambda *a: calls.append(1) or real(*a))
+    model = _run("--kernel-backend", "triton").model
+    m = measure_rank(model, ParallelConfig(), micro_batch=2, seq_len=8, device="cpu", kernels=KernelConfig(engine))
+    assert bool(calls) == (engine == "grouped_mm")  # the section reached the fused backward of every step
+    effective = {"backend": "triton", "wgrad": engine, "tiles": "interpreter"}
+    assert m.kernels == {"wgrad": engine, "autotune": False, "effective": effective}
+
+
+def test_plan_memory_measure_takes_the_kernel_flags(clean_env, capsys, options_seen):
+    argv = ["plan", "memory", "--preset", "tiny", "--layers", "2", "--gpus", "2", "--tp", "1", "--ep", "2"]
+    argv += ["--micro-batch", "1", "--seq", "16", "--recompute", "none", "--device", "cpu", "--measure"]
+    main([*argv, "--json", "--wgrad", "triton", "--autotune"])
+    result = json.loads(capsys.readouterr().out)
+    effective = {"backend": "torch", "wgrad": "autograd", "tiles": "none"}  # --measure on a CPU: the torch kernels
+    assert result["kernels"] == {"wgrad": "triton", "autotune": True, "effective": effective}
+    assert ran_under(options_seen, KernelConfig("triton", True))
+    main(argv)
+    assert "kernels: backend torch, weight gradients autograd (kernels.wgrad auto)" in capsys.readouterr().out
+
+
+def test_eval_and_generate_run_under_the_kernels_section_the_run_recorded(tmp_path, capsys, clean_env, options_seen):
+    from xmoe.kernels.choice import recorded_config
+
+    out = tmp_path / "run"
+    main(["train", "--out", str(out), "--device", "cpu", *TINY, "--steps", "1", "--wgrad", "grouped_mm", "--autotune"])
+    capsys.readouterr()
+    clean_env.setenv("XMOE_WGRAD", "triton")  # the environment's default, which the recorded section overrides
+    before = tiles.OPTIONS
+    options_seen.clear()
+    main(["eval", str(out), "--data", "markov", "--seq-len", "8", "--max-windows", "4"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    effective = {"backend": "torch", "wgrad": "autograd", "tiles": "none"}
+    assert result["kernels"] == {"wgrad": "grouped_mm", "autotune": True, "effective": effective}
+    assert ran_under(options_seen, KernelConfig("grouped_mm", True))
+    options_seen.clear()
+    main(["generate", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--ids"])
+    assert ran_under(options_seen, KernelConfig("grouped_mm", True))
+    assert tiles.OPTIONS is before
+    # a checkpoint written before runs recorded their kernels: the environment's defaults
+    assert recorded_config({"model": {}}) == KernelConfig("triton", False)

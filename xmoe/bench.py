@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from xmoe.bench_cli import add_arguments, check_args
-from xmoe.config import MoEConfig
+from xmoe.config import KernelConfig, MoEConfig, kernel_config
 from xmoe.model.presets import PRESETS, get_preset
 from xmoe.model_config import DispatcherName, KernelBackend
 
@@ -88,7 +88,12 @@ def bench_layer(
     warmup: int = 2,
     repeats: int = 5,
     seed: int = 0,
+    kernels: KernelConfig | None = None,
 ) -> dict:
+    """One row of the table: the layer of ``shape`` on ``num_tokens`` tokens, timed under the kernels section
+    ``kernels`` (None: the environment's defaults), resolved on ``device`` as a run's is; ``kernels`` in the row is
+    its record (KernelChoice.record)."""
+    from xmoe.kernels.choice import resolve_layer
     from xmoe.moe.layer import MoELayer
 
     hidden, ffn, experts, top_k = layer_shape(shape)
@@ -121,36 +126,39 @@ def bench_layer(
         "device": device.type,
         "backend": backend,
     }
-    try:
-        result["saved_bytes"] = saved_activation_bytes(lambda: layer(x))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        from tqdm import tqdm
+    choice = resolve_layer(cfg, kernels or KernelConfig(), num_tokens, device, dtype)
+    result["kernels"] = choice.record()
+    with choice.applied():  # the kernels section, as a run's steps run under it
+        try:
+            result["saved_bytes"] = saved_activation_bytes(lambda: layer(x))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            from tqdm import tqdm
 
-        # one CPU call of a paper-sized layer takes seconds: show each warm-up and timed call as it finishes
-        progress = tqdm(
-            total=warmup + repeats,
-            desc=f"{dispatcher} {shape} T={num_tokens}",
-            unit="call",
-            leave=False,
-            disable=device.type == "cuda",
-        )
+            # one CPU call of a paper-sized layer takes seconds: show each warm-up and timed call as it finishes
+            progress = tqdm(
+                total=warmup + repeats,
+                desc=f"{dispatcher} {shape} T={num_tokens}",
+                unit="call",
+                leave=False,
+                disable=device.type == "cuda",
+            )
 
-        def counted():
-            step()
-            progress.update()
+            def counted():
+                step()
+                progress.update()
 
-        for _ in range(warmup):
-            counted()
-        ms = time_ms(counted, device, repeats)
-        progress.close()
-        if device.type == "cuda":
-            result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-    except torch.OutOfMemoryError:
-        result["error"] = "out of memory"
-        return result
+            for _ in range(warmup):
+                counted()
+            ms = time_ms(counted, device, repeats)
+            progress.close()
+            if device.type == "cuda":
+                result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+        except torch.OutOfMemoryError:
+            result["error"] = "out of memory"
+            return result
     flops = 3 * 2 * num_tokens * top_k * hidden * 3 * ffn
     result.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
     return result
@@ -201,11 +209,15 @@ def run(args: argparse.Namespace) -> list[dict]:
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
     )
     check_fits(args.shape, args.tokens, device, dtype)
+    from xmoe.kernels.choice import KernelChoice
+
+    kernels = kernel_config(args)
     rows = [
-        bench_layer(args.shape, args.tokens, d, device, dtype, args.backend, repeats=args.repeats)
+        bench_layer(args.shape, args.tokens, d, device, dtype, args.backend, repeats=args.repeats, kernels=kernels)
         for d in ("pft", "padded")
     ]
     print(format_table(rows))
+    print(f"PFT {KernelChoice.from_record(rows[0]['kernels']).describe()}")
     if all("ms" in r for r in rows):
         pft, padded = rows
         print(

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 
+from xmoe.config import add_kernel_arguments
 from xmoe.model.presets import PRESETS
 
 EXAMPLES = """examples:
   xmoe bench                                  # the tiny layer on this machine's device
   xmoe bench --shape small --tokens 8192      # a paper preset's layer (a GPU is advised)
   xmoe bench --device cpu --backend torch --repeats 3
+  xmoe bench --shape small --wgrad grouped_mm --autotune   # the layer under a kernel choice (a GPU)
 """
 
 
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="MoE kernels (default auto: triton on a GPU, torch on CPU)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs, the median is reported (default 5)")
+    add_kernel_arguments(parser)
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ trains on (``DataConfig``), and ``RunConfig``, all of them together.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import warnings
@@ -141,7 +142,8 @@ def _from_env(name: str, field_name: str, choices: tuple[_Choice, ...], default:
 class KernelConfig:
     """How the Triton kernels compute (docs/kernels.md, "Kernel choices"): speed, memory and rounding, never the
     model. Defaults come from the environment (XMOE_WGRAD, XMOE_AUTOTUNE=1), read when the config is made; the
-    trainer applies its run's choice to the kernels (``xmoe.kernels.choice``) and records what it resolved to.
+    trainer applies its run's choice to the kernels (``xmoe.kernels.choice``) and records what it resolved to; the
+    other commands that run the model apply theirs (docs/kernels.md, "Kernel choices").
 
     ``wgrad``: what computes the fused backward's weight gradients: "auto" (torch._grouped_mm over gathered rows on
     sm_90 in bf16 with at least 128 experts per rank averaging at most 1024 rows, the Triton kernels elsewhere),
@@ -155,6 +157,29 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
+    """--wgrad and --autotune, the kernels section's flags, their help starting with ``when`` (e.g. "with --measure: ").
+    `xmoe train` merges them into its config (xmoe/train/run_config.py); the other commands take ``kernel_config``."""
+    p.add_argument(
+        "--wgrad",
+        choices=get_args(WgradEngine),
+        help=f"{when}what computes the Triton backward's weight gradients (kernels.wgrad; default $XMOE_WGRAD, "
+        "else auto: torch._grouped_mm on sm_90 GPUs with >= 128 experts per rank, else Triton)",
+    )
+    p.add_argument(
+        "--autotune",
+        action=argparse.BooleanOptionalAction,
+        help=f"{when}time every tile candidate of each new GPU kernel shape and keep the fastest (kernels.autotune;"
+        " default on if XMOE_AUTOTUNE=1, else off: the shipped tile table or the heuristic)",
+    )
+
+
+def kernel_config(args: argparse.Namespace) -> KernelConfig:
+    """The kernels section of a command without a run config: its --wgrad and --autotune over the environment's
+    defaults."""
+    return KernelConfig(**{k: v for k in ("wgrad", "autotune") if (v := getattr(args, k, None)) is not None})
 
 
 @dataclass

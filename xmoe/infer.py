@@ -3,6 +3,8 @@
 A SOURCE is either a Hugging Face model directory (config.json + safetensors) or an xmoe run directory (its
 latest checkpoint, or the one ``--step`` names). Text goes through the source's ``tokenizer.json`` when it has
 one (a run started with ``--init-from`` keeps the imported one), else it is byte-level (one token per byte).
+`eval` and `generate` run the model under the kernels section the run recorded in the checkpoint's meta.json
+(a Hugging Face directory, which has none: the environment's defaults), resolved on their device as a run's is.
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ def _run_checkpoint(run_dir: Path, step: int | None) -> Path:
 
 
 def load_source(source: str, step: int | None = None, device: str = "cpu"):
-    """(model in eval mode, tokenizer path or None, imported HF config or None) of a SOURCE. A run that is still
-    training may prune the checkpoint being read: it is pinned while read (and picked again if it went first)."""
+    """(model in eval mode, tokenizer path or None, imported HF config or None, the kernels section to run it
+    under: KernelConfig) of a SOURCE. A run that is still training may prune the checkpoint being read: it is pinned
+    while read (and picked again if it went first)."""
+    from xmoe.config import KernelConfig
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
     from xmoe.parallel.build import build_model
 
@@ -66,21 +70,36 @@ def load_source(source: str, step: int | None = None, device: str = "cpu"):
         model = build_model(cfg, device, init_from=str(path)).model
         model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
         tokenizer = path / RUN_TOKENIZER
-        return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf
+        return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf, KernelConfig()
     if not (path / "checkpoints").is_dir():
         raise FileNotFoundError(
             f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run directory (checkpoints/)"
         )
+    from xmoe.kernels.choice import recorded_config
     from xmoe.train.checkpoint_dir import read_pinned
+    from xmoe.train.checkpoint_verify import read_meta
 
-    model = read_pinned(lambda: _run_checkpoint(path, step), lambda found: _run_model(found, device))
+    def read(found: Path):  # the kernels section from the meta.json of the checkpoint whose weights are read
+        return _run_model(found, device), recorded_config(read_meta(found)["config"])
+
+    model, kernels = read_pinned(lambda: _run_checkpoint(path, step), read)
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
     imported = (
         read_json(hf_file, "copy the config.json of the directory the run was imported from to it")
         if hf_file.is_file()
         else None
     )
-    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, imported
+    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, imported, kernels
+
+
+def _kernels(model, kernels, num_tokens: int, device: str):
+    """The kernel choice of a loaded model on ``device`` (fp32, as eval and generate compute) for ``num_tokens``
+    tokens per forward."""
+    import torch
+
+    from xmoe.kernels.choice import resolve_layer
+
+    return resolve_layer(model.cfg.moe, kernels, num_tokens, torch.device(device), torch.float32)
 
 
 def _run_model(found: Path, device: str):
@@ -194,7 +213,7 @@ def run_export(args: argparse.Namespace) -> Path:
         raise ValueError(f"--max-shard-gb ({args.max_shard_gb:g}) must be a number of GiB > 0, e.g. 5")
     out = Path(args.hf)
     _check_export_target(out, args.overwrite)
-    model, tokenizer, hf = load_source(args.run_dir, args.step)
+    model, tokenizer, hf, _ = load_source(args.run_dir, args.step)  # weights only: no kernel runs
     family = args.family or (hf or {}).get("model_type")
     staged = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     try:
@@ -240,19 +259,22 @@ def run_eval(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     if args.max_windows < 0:
         raise ValueError(f"--max-windows ({args.max_windows}) must be >= 0 (0: every window)")
-    model, tokenizer, _ = load_source(args.source, args.step, args.device)
+    model, tokenizer, _, kernels = load_source(args.source, args.step, args.device)
     if args.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
     text = args.data.endswith(".txt")
     windows = validation_windows(
         args.data, args.seq_len, model.cfg.vocab_size, args.max_windows, tokenizer=tokenizer or "bytes"
     )
-    result: dict[str, Any] = evaluate(model, windows, args.batch_size, torch.device(args.device))
+    choice = _kernels(model, kernels, args.batch_size * args.seq_len, args.device)
+    with choice.applied():
+        result: dict[str, Any] = evaluate(model, windows, args.batch_size, torch.device(args.device))
     num_bytes = text_bytes_of(windows, tokenizer) if text else None
     result.update(
         perplexity=perplexity(result["loss"]),
         bits_per_byte=bits_per_byte(result["loss"], result["tokens"], num_bytes),
         windows=len(windows),
+        kernels=choice.record(),
     )
     print(json.dumps(result))
     return result
@@ -287,7 +309,7 @@ def run_generate(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--seed ({args.seed}) must be in [0, 2**63)")
     if args.prompt is not None and not args.prompt:
         raise ValueError("--prompt is empty; give at least one character of text (or token ids with --prompt-ids)")
-    model, tokenizer, hf = load_source(args.source, args.step, args.device)
+    model, tokenizer, hf, kernels = load_source(args.source, args.step, args.device)
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -306,15 +328,16 @@ def run_generate(args: argparse.Namespace) -> list[int]:
         eos = hf["eos_token_id"]
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    out = generate(
-        model,
-        prompt,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        eos_id=eos,
-        generator=generator,
-    )[0, len(ids) :].tolist()
+    with _kernels(model, kernels, len(ids), args.device).applied():  # the prompt's forward is the largest
+        out = generate(
+            model,
+            prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            eos_id=eos,
+            generator=generator,
+        )[0, len(ids) :].tolist()
     print(",".join(map(str, out)) if args.ids else _decode(ids + out, tokenizer))
     sys.stdout.flush()
     return out

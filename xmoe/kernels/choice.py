@@ -2,20 +2,23 @@
 backward's weight gradients, where the GEMM tiles come from. The trainer runs its steps under its ``kernels``
 section (``KernelChoice.applied``), prints ``describe()`` in the run header and stores ``record()`` in
 summary.json and in every checkpoint's meta.json, so two runs that differ only in a kernel choice can be told
-apart.
+apart. The other commands that run the model do the same with theirs: `xmoe plan memory --measure` and `xmoe
+bench` with the section of their flags (``resolve_layer``: one MoE layer's tokens), `xmoe eval` and `xmoe
+generate` with the one the run they read recorded (``recorded_config``).
 
 # T tokens of a micro-batch on one rank, K top-k, E experts (E_local: on one EP rank), N routed rows of one rank
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 
-from xmoe.config import KernelConfig, RunConfig
+from xmoe.config import KernelConfig, MoEConfig, RunConfig
 from xmoe.kernels import resolve_backend, tiles, triton_available
 
 
@@ -34,6 +37,11 @@ class KernelChoice:
         """The kernels section and what it resolved to: {"wgrad": ..., "autotune": ..., "effective": {...}}."""
         return {**asdict(self.config), "effective": {"backend": self.backend, "wgrad": self.wgrad, "tiles": self.tiles}}
 
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> KernelChoice:
+        """The choice ``record()`` wrote."""
+        return cls(recorded_config({"kernels": record}), **record["effective"])
+
     def describe(self) -> str:
         autotune = "on" if self.config.autotune else "off"
         return (
@@ -43,10 +51,20 @@ class KernelChoice:
 
 
 def resolve_choice(run: RunConfig, device: torch.device, dtype: torch.dtype) -> KernelChoice:
-    """What ``run``'s kernel choices come to on ``device`` with routed rows in ``dtype``. The "auto" weight-gradient
-    engine decides per launch by the rows an expert gets; this is its decision for the rows a rank routes on average
+    """What ``run``'s kernel choices come to on ``device`` with routed rows in ``dtype``, for the tokens one of its
+    ranks routes per micro-batch (``resolve_layer``)."""
+    _, micro_batch, _ = run.batch_layout()
+    num_tokens = micro_batch * run.train.seq_len // run.parallel.tp  # under TP, SSMB routes 1/tp per rank
+    return resolve_layer(run.model.moe, run.kernels, num_tokens, device, dtype, ep=run.parallel.ep)
+
+
+def resolve_layer(
+    moe: MoEConfig, cfg: KernelConfig, num_tokens: int, device: torch.device, dtype: torch.dtype, *, ep: int = 1
+) -> KernelChoice:
+    """What the kernel choices ``cfg`` come to on ``device`` for an MoE layer ``moe`` (its experts split over ``ep``
+    ranks) that routes ``num_tokens`` tokens on a rank, its rows in ``dtype``. The "auto" weight-gradient engine
+    decides per launch by the rows an expert gets; this is its decision for the rows a rank routes on average
     (one rank: exactly, when dropless)."""
-    moe, cfg = run.model.moe, run.kernels
     backend = resolve_backend(moe.kernel_backend, device)
     # FP8 experts call the Triton kernels whatever the backend; the padded baseline's experts are torch.bmm's
     triton_gemms = moe.fp8 == "experts" or (backend == "triton" and moe.dispatcher != "padded")
@@ -54,16 +72,22 @@ def resolve_choice(run: RunConfig, device: torch.device, dtype: torch.dtype) -> 
         return KernelChoice(cfg, backend, "autograd", "none")
     from xmoe.kernels.grouped_wgrad import wgrad_engine  # imports triton, which the Triton GEMMs have
 
-    _, micro_batch, _ = run.batch_layout()
-    num_tokens = micro_batch * run.train.seq_len // run.parallel.tp  # under TP, SSMB routes 1/tp per rank
     # a rank sends T * K rows (at most E * C kept) and, under EP, receives as many on average
     num_rows = min(num_tokens * moe.top_k, moe.num_experts * moe.capacity(num_tokens))
     with tiles.use_options(cfg):
         wgrad = wgrad_engine(
             torch.empty(0, dtype=dtype, device=device),
             num_rows,
-            moe.num_experts // run.parallel.ep,
+            moe.num_experts // ep,
             moe.hidden_size,
             moe.ffn_hidden_size,
         )
         return KernelChoice(cfg, backend, wgrad, tiles.source(dtype, device))
+
+
+def recorded_config(config: Mapping[str, Any]) -> KernelConfig:
+    """The kernels section a run recorded in ``config`` (a checkpoint meta.json's "config": ``record()``'s dict under
+    "kernels", whose "effective" part is what it came to on that run's device and is resolved again where it is
+    used); the environment's defaults where none was recorded (a checkpoint written before runs recorded theirs)."""
+    section = config.get("kernels") or {}
+    return KernelConfig(**{f.name: section[f.name] for f in fields(KernelConfig) if f.name in section})

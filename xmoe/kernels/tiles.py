@@ -19,7 +19,8 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
      A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
 What is chosen (autotuning, and the weight-gradient engine of grouped_wgrad.py) is a ``KernelConfig``
 (xmoe/config.py, a run's ``kernels`` section): ``OPTIONS``, the environment's defaults unless a caller applies
-another with ``use_options`` (the trainer does, for its run; ``source`` says in words where the picks come from).
+another with ``use_options`` (the trainer does, for its run, and so do the other commands that run the model:
+choice.py; ``source`` says in words where the picks come from).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from xmoe.config import RECOMPUTE_MODES, ModelConfig
+from xmoe.config import RECOMPUTE_MODES, ModelConfig, add_kernel_arguments
 from xmoe.model.presets import PRESETS, get_preset
 from xmoe.plan.tables import GIB, run_comm, run_memory, run_trainer_memory
 from xmoe.plan.tables import rank_layouts as rank_layouts  # re-exported beside prepare_memory, which it follows
@@ -25,6 +25,7 @@ EXAMPLES = """examples:
   xmoe plan memory --trainer --preset small --layers 8 --seq 2048 --accumulation 4   # `xmoe train` on one GPU
   xmoe plan memory --preset medium --gpus 256 --gpu-mem 64 --measure      # run rank 0 of the proposed layout here
   xmoe plan memory --preset small --layers 2 --seq 256 --micro-batch 1 --gpus 64 --ep 16 --tp 1 --measure --json
+  xmoe plan memory --preset small --layers 2 --gpus 8 --ep 8 --measure --wgrad triton   # under a kernel choice
   xmoe plan comm --preset large --gpus 256 --inter-bw 50
 """
 
@@ -93,6 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--steps", type=int, default=3, help="with --measure: training steps (default 3, >= 3)")
     mem.add_argument("--device", default="auto", help="with --measure: auto (GPU if present, default), cpu or cuda")
     mem.add_argument("--json", action="store_true", help="with --measure: print one JSON object instead")
+    add_kernel_arguments(mem, "with --measure: ")
 
     com = sub.add_parser(
         "comm",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from xmoe.config import COMPILE_MODES, RECOMPUTE_MODES, RunConfig
+from xmoe.config import COMPILE_MODES, RECOMPUTE_MODES, RunConfig, add_kernel_arguments
 from xmoe.train.run_config import PAPER, TINY, build_run_config
 
 EXAMPLES = """examples:
@@ -71,18 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["off", "experts"],
         help="FP8 GEMMs for the routed experts (moe.fp8; default off; GPUs with FP8 matrix instructions)",
     )
-    p.add_argument(
-        "--wgrad",
-        choices=["auto", "triton", "grouped_mm"],
-        help="what computes the Triton backward's weight gradients (kernels.wgrad; default $XMOE_WGRAD, "
-        "else auto: torch._grouped_mm on sm_90 GPUs with >= 128 experts per rank, else Triton)",
-    )
-    p.add_argument(
-        "--autotune",
-        action=argparse.BooleanOptionalAction,
-        help="time every tile candidate of each new GPU kernel shape and keep the fastest (kernels.autotune;"
-        " default on if XMOE_AUTOTUNE=1, else off: the shipped tile table or the heuristic)",
-    )
+    add_kernel_arguments(p)
     p.add_argument(
         "--batch-size",
         type=int,

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xmoe.config import ModelConfig, ParallelConfig
+from xmoe.config import KernelConfig, ModelConfig, ParallelConfig, kernel_config
+from xmoe.kernels.choice import KernelChoice, resolve_layer
 from xmoe.model_config import KernelBackend
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
@@ -67,6 +68,7 @@ class Measurement:
     measured_by_kind: dict[str, int]
     compute_ms_per_step: float
     tokens_per_s: float  # this rank's tokens per second that compute alone would allow
+    kernels: dict[str, Any]  # the kernels section and what it resolved to (KernelChoice.record)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"note": NOTE}
@@ -110,11 +112,14 @@ def measure_rank(
     lr: float = 1e-4,
     weight_decay: float = 0.1,
     simulate: bool = True,
+    kernels: KernelConfig | None = None,
 ) -> Measurement:
     """Rank ``rank`` of ``parallel`` (all ``parallel.world_size`` ranks of it) training ``cfg``: ``steps`` >= 3 steps
     of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
     ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
-    a real run's rank: the tests compare the two). ``ssmb``: with tp > 1, the MoE blocks on 1/tp of the tokens."""
+    a real run's rank: the tests compare the two). ``ssmb``: with tp > 1, the MoE blocks on 1/tp of the tokens.
+    ``kernels``: the kernels section the steps run under, as the trainer runs its own (None: the environment's
+    defaults)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if steps < 3:
@@ -124,67 +129,71 @@ def measure_rank(
     )
     autocast = dev.type == "cuda"
     world = parallel.world_size
+    tokens = micro_batch * seq_len // (parallel.tp if ssmb else 1)  # what the MoE blocks of a rank route
+    dtype = torch.bfloat16 if autocast else torch.float32  # the trainer's, for its kernel choice
+    choice = resolve_layer(cfg.moe, kernels or KernelConfig(), tokens, dev, dtype, ep=parallel.ep)
     if simulate:
         _fake_world(world, rank)
     try:
-        dims = None
-        if world > 1:
-            dims = ParallelDims.from_config(
-                parallel, world, rank=rank, node_size=parallel.gpus_per_node or world
-            ).build_mesh(dev.type)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        tracker = MemTracker()
-        with tracker:
-            built = build_model(
-                cfg,
-                dev,
-                dims,
-                seed=seed,
-                sequence_parallel=parallel.sequence_parallel,
-                ssmb=ssmb,
-                param_dtype=torch.bfloat16 if autocast else None,
-                recompute=recompute,
+        with choice.applied():  # the run's kernels section, as the trainer's loop runs under it
+            dims = None
+            if world > 1:
+                dims = ParallelDims.from_config(
+                    parallel, world, rank=rank, node_size=parallel.gpus_per_node or world
+                ).build_mesh(dev.type)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            tracker = MemTracker()
+            with tracker:
+                built = build_model(
+                    cfg,
+                    dev,
+                    dims,
+                    seed=seed,
+                    sequence_parallel=parallel.sequence_parallel,
+                    ssmb=ssmb,
+                    param_dtype=torch.bfloat16 if autocast else None,
+                    recompute=recompute,
+                )
+                if simulate:
+                    plan_counts(built.model, imbalance)
+                    keep_buckets(built.wrapped)
+                optimizer = torch.optim.AdamW(param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
+            params = [p for p in built.wrapped.parameters() if p.requires_grad]
+            batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
+
+            def one_step() -> None:
+                _, moe = forward_backward(
+                    built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1
+                )  # as the trainer
+                optimizer_step(optimizer, clip_gradients(optimizer, params, 1.0, dims)[1])
+                optimizer.zero_grad(set_to_none=True)
+                moe.finish()
+
+            one_step()  # warm-up: kernels compiled or tuned, AdamW's state allocated
+            tracker.track_external(built.wrapped, optimizer)
+            with tracker:
+                tracker.reset_mod_stats()
+                one_step()
+            _sync(dev)
+            start = time.perf_counter()
+            for _ in range(steps - 2):
+                one_step()
+            _sync(dev)
+            ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
+            # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
+            snapshot = next(
+                (
+                    kinds
+                    for where, kinds in tracker.get_tracker_snapshot("peak").items()
+                    if torch.device(where).type == dev.type
+                ),
+                {},
             )
-            if simulate:
-                plan_counts(built.model, imbalance)
-                keep_buckets(built.wrapped)
-            optimizer = torch.optim.AdamW(param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
-        params = [p for p in built.wrapped.parameters() if p.requires_grad]
-        batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
-
-        def one_step() -> None:
-            _, moe = forward_backward(
-                built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1
-            )  # as the trainer
-            optimizer_step(optimizer, clip_gradients(optimizer, params, 1.0, dims)[1])
-            optimizer.zero_grad(set_to_none=True)
-            moe.finish()
-
-        one_step()  # warm-up: kernels compiled or tuned, AdamW's state allocated
-        tracker.track_external(built.wrapped, optimizer)
-        with tracker:
-            tracker.reset_mod_stats()
-            one_step()
-        _sync(dev)
-        start = time.perf_counter()
-        for _ in range(steps - 2):
-            one_step()
-        _sync(dev)
-        ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
-        # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
-        snapshot = next(
-            (
-                kinds
-                for where, kinds in tracker.get_tracker_snapshot("peak").items()
-                if torch.device(where).type == dev.type
-            ),
-            {},
-        )
-        by_kind = {
-            KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items() if str(k) != "Total"
-        }
-        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
+            by_kind = {
+                KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items() if str(k) != "Total"
+            }
+            peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
     finally:
         if simulate:
             dist.destroy_process_group()
@@ -201,7 +210,8 @@ def measure_rank(
         imbalance=imbalance,
         layers=cfg.num_layers,
     )
-    return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, micro_batch * seq_len / (ms / 1e3))
+    tokens_per_s = micro_batch * seq_len / (ms / 1e3)
+    return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, tokens_per_s, choice.record())
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -251,6 +261,7 @@ def run(args) -> str:
         steps=args.steps,
         device=str(device),
         ssmb=not args.no_ssmb,
+        kernels=kernel_config(args),
     )
     result = m.as_dict() | {
         "preset": args.preset,
@@ -293,6 +304,7 @@ def _table(r: dict[str, Any], note: str | None) -> str:
         f"MemoryBreakdown.tracker_parts); peak: "
         f"{'the caching allocator' if r['device'].startswith('cuda') else 'live tensor storages'}"
     )
+    lines.append(KernelChoice.from_record(r["kernels"]).describe())
     lines.append(f"note: {NOTE}")
     if note:
         lines.append(note)
