@@ -78,3 +78,30 @@ def test_mesh_aware_clip_equals_torchs():
     torch.testing.assert_close(clip_grad_norm_(a, 0.5), torch.nn.utils.clip_grad_norm_(b, 0.5), rtol=1e-6, atol=0)
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x.grad, y.grad, rtol=1e-6, atol=0)
+
+
+def test_the_folding_is_decided_once_and_again_when_the_optimizer_changes(monkeypatch):
+    from xmoe.train import step
+
+    decided = []
+    decide = step._decide_folding
+    monkeypatch.setattr(step, "_decide_folding", lambda opt, params: decided.append(1) or decide(opt, params))
+    params = _params(3)
+    opt = _adamw(params, fused=True)
+    for s in range(3):  # the trainer's steps: one decision, the clip folded into every step
+        _grads(s, params)
+        divisor = clip_gradients(opt, params, 0.5, None)[1]
+        assert divisor is not None
+        optimizer_step(opt, divisor)
+    assert len(decided) == 1
+    opt.param_groups[1]["fused"] = False  # a changed group: decided again, and now clipped in place
+    _grads(3, params)
+    assert clip_gradients(opt, params, 0.5, None)[1] is None and len(decided) == 2
+    opt.param_groups[1]["fused"] = True
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [extra], "fused": False})  # a new group that does not fuse
+    assert not folds_clipping(opt, params) and len(decided) == 3
+    assert not folds_clipping(opt, params) and len(decided) == 3
+    fused = _adamw(params, fused=True)  # another optimizer, and another parameter list, are decided for themselves
+    assert folds_clipping(fused, params) and folds_clipping(fused, list(params)) and len(decided) == 5
+    assert not folds_clipping(torch.optim.SGD(params, lr=0.1), params) and len(decided) == 6

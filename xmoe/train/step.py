@@ -8,6 +8,7 @@ The caller calls them, and ``MoEStep.finish()`` after (the expert-bias update, t
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -51,10 +52,28 @@ def forward_backward(
     return loss_sum / accum, moe
 
 
+# folds_clipping's decisions: optimizer -> (its groups' fused flags, the parameter sequence, its length, the decision)
+_Decision = tuple[tuple[bool, ...], Sequence[torch.Tensor], int, bool]
+_FOLDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Decision] = weakref.WeakKeyDictionary()
+
+
 def folds_clipping(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
     """True where ``optimizer`` can clip in its own pass: a fused Adam/AdamW over plain tensors, whose kernel
     divides every gradient by its ``grad_scale`` tensor as it reads it (the protocol torch's GradScaler uses).
-    Clipping in place instead reads and writes every fp32 gradient once more (8 bytes per parameter)."""
+    Clipping in place instead reads and writes every fp32 gradient once more (8 bytes per parameter). Decided
+    once for an optimizer and its parameter sequence, not on every step (it looks at every parameter): again
+    when the optimizer's param groups change (one added, a group's ``fused`` set) or another sequence, or one of
+    another length, is passed."""
+    fused = tuple(bool(group.get("fused")) for group in optimizer.param_groups)
+    cached = _FOLDS.get(optimizer)
+    if cached is not None and cached[0] == fused and cached[1] is params and cached[2] == len(params):
+        return cached[3]
+    folds = _decide_folding(optimizer, params)
+    _FOLDS[optimizer] = (fused, params, len(params), folds)
+    return folds
+
+
+def _decide_folding(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
     from torch.distributed.tensor import DTensor
 
     fused = all(group.get("fused") for group in optimizer.param_groups)
