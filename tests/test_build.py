@@ -138,6 +138,45 @@ def _expert_shard_shapes(rank: int, world_size: int, out: str) -> None:
         torch.save(set(shapes), out)
 
 
+def _ddp_replica(rank: int, world_size: int, out: str) -> None:
+    import warnings
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from xmoe.config import ParallelConfig
+    from xmoe.parallel.build import build_model
+    from xmoe.parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelConfig(dp=2), world_size, rank=rank).build_mesh("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated argument of DDP's raises here
+        built = build_model(_config(), "cpu", dims, seed=0)
+    assert isinstance(built.wrapped, DistributedDataParallel)
+    buffers = {name: b.clone() for name, b in built.model.named_buffers()}
+    router = built.model.layers[1].ffn.router
+    with torch.no_grad():
+        router.expert_bias.fill_(float(rank))  # a rank's own values, which a broadcast before a forward would replace
+    tokens = torch.arange(16).reshape(2, 8)
+    built.wrapped(tokens, tokens).backward()
+    found = [None] * world_size
+    dist.all_gather_object(found, (buffers, router.expert_bias.clone()))
+    if rank == 0:
+        torch.save(found, out)
+
+
+def test_data_parallel_replicas_sync_no_buffer_before_a_forward(tmp_path) -> None:
+    """DDP replicas are built without a deprecated argument; their buffers (rotary tables, expert biases) are the
+    same on every rank once built, and DDP does not broadcast them before a forward: each rank's expert_bias moves
+    by the all-reduced loads alone (xmoe/moe/step.py)."""
+    out = tmp_path / "buffers.pt"
+    run_distributed(_ddp_replica, 2, str(out))
+    (built_0, bias_0), (built_1, bias_1) = torch.load(out)
+    assert built_0.keys() == built_1.keys() and any("expert_bias" in name for name in built_0)
+    assert all(torch.equal(built_0[name], built_1[name]) for name in built_0)
+    assert bias_0.eq(0).all() and bias_1.eq(1).all()
+
+
 def _sharded_logits(rank: int, world_size: int, hf_dir: str, layout: dict, out: str) -> None:
     from xmoe.config import ParallelConfig
     from xmoe.hf.checkpoint import read_config

@@ -97,11 +97,19 @@ def build_model(
         load_weights(model, init_from)
     wrapped: nn.Module = model
     if ddp:
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # broadcast_buffers=False: the routers' expert_bias is the same on every rank already (each moves it by the
-        # same all-reduced loads, xmoe/moe/step.py), and the rotary tables are computed: nothing to broadcast
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        # no buffer broadcast before each forward: the routers' expert_bias stays the same on every rank (each moves
+        # it by the same all-reduced loads, xmoe/moe/step.py), and the rotary tables are computed. A newer torch
+        # names that forward_sync_buffers (and deprecates broadcast_buffers); it still broadcasts the buffers once
+        # here, with the parameters, which changes nothing: every rank built the same values
+        device_ids = [device.index] if device.type == "cuda" else None
+        if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+            wrapped = DDP(model, device_ids=device_ids, forward_sync_buffers=False)
+        else:  # an older torch
+            wrapped = DDP(model, device_ids=device_ids, broadcast_buffers=False)
     regions.apply_recompute(model, recompute)
     ep, tp = (dims.ep, dims.tp) if dims is not None else (1, 1)
     compiled = regions.should_compile(compile, device, ep, tp)
