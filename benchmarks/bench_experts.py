@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import itertools
 import math
 import os
 import sys
@@ -60,7 +59,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import RESULTS_ENV, environment, peak_extra_bytes, time_ms, write_results
+from benchmarks.harness import RESULTS_ENV, environment, kernel_gaps, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
 METHODS = [
@@ -513,26 +512,6 @@ def sweep(configs=("small", "medium", "large"), T=16384, fp8=False):
     return rows
 
 
-def _stream_gaps(prof):
-    """(idle ms, "previous kernel -> next kernel") for each gap between consecutive GPU kernels in a trace."""
-    import json
-    import os
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    gaps = []
-    for a, b in itertools.pairwise(kernels):
-        gap_us = b["ts"] - (a["ts"] + a["dur"])
-        if gap_us > 0:
-            gaps.append((gap_us / 1e3, f"{a['name'][:40]} -> {b['name'][:40]}"))
-    return gaps
-
-
 def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"):
     """Where the fused path's (or ``method``'s) forward+backward time goes: GPU time per kernel (torch.profiler)
     against the wall time of one call; the difference is launch gaps and host time."""
@@ -567,7 +546,7 @@ def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         # GPU kernels only: the custom-op rows (xmoe::...) repeat their kernels' time
-        gaps = _stream_gaps(prof)
+        gaps = kernel_gaps(prof)
         timed = [e for e in prof.key_averages() if e.self_device_time_total > 0]
         kernels = [e for e in timed if e.device_type.name == "CUDA"] or timed
         gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / iters

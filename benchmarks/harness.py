@@ -192,3 +192,63 @@ def run_xmoe_train(*args: str) -> tuple[list[dict] | None, str, float, str]:
             return None, command, wall, (proc.stderr or proc.stdout)[-1500:]
         records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     return records, command, wall, ""
+
+
+def kernel_gaps(prof) -> list[tuple[float, str]]:
+    """(idle ms, "previous kernel -> next kernel") for each gap between consecutive GPU kernels in a
+    torch.profiler trace: time the GPU waited for the host (launches, Python, synchronisation)."""
+    import itertools
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    gaps = []
+    for a, b in itertools.pairwise(kernels):
+        gap_us = b["ts"] - (a["ts"] + a["dur"])
+        if gap_us > 0:
+            gaps.append((gap_us / 1e3, f"{a['name'][:40]} -> {b['name'][:40]}"))
+    return gaps
+
+
+def host_ops_in_longest_gap(prof, top: int = 40) -> tuple[float, list[tuple[float, str]]]:
+    """(the longest gap between GPU kernels in ms, [(ms of overlap, host op)] for the host ops, CPU-side events of a
+    trace recorded with ProfilerActivity.CPU, that ran during it, longest first): what the GPU waited for."""
+    import itertools
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if len(kernels) < 2:
+        return 0.0, []
+    start, end, b_next = max(
+        ((a["ts"] + a["dur"], b["ts"], b) for a, b in itertools.pairwise(kernels)), key=lambda se: se[1] - se[0]
+    )
+    # the thread that launched the kernel after the gap: the training loop's, not a helper thread's
+    launch = next(
+        (
+            e
+            for e in events
+            if e.get("cat") == "cuda_runtime"
+            and e.get("args", {}).get("correlation") == b_next.get("args", {}).get("correlation")
+        ),
+        None,
+    )
+    tid = launch.get("tid") if launch else None
+    ops: dict[str, float] = {}
+    for e in events:
+        if tid is not None and e.get("tid") != tid:
+            continue
+        if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation", "python_function") and "dur" in e:
+            overlap = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+            if overlap > 0:
+                name = f"{e['cat']}: {e['name'][:80]}"
+                ops[name] = ops.get(name, 0.0) + overlap / 1e3
+    return (end - start) / 1e3, sorted(((ms, name) for name, ms in ops.items()), reverse=True)[:top]

@@ -7,7 +7,9 @@ Builds `xmoe train`'s Trainer from the same flags (small preset shape, seq 2048)
 included), then profiles ``--steps`` optimizer steps. Kernels are grouped by name into GEMM, attention, MoE
 kernels (xmoe's Triton grouped GEMMs, router, gather/combine), optimizer, copies / casts, elementwise and
 reductions, other; "idle" is the step's wall time that no kernel covers (the host or a sync sets the pace
-there). Prints the table and the top kernels; with --out writes profile_<tag>.json / .md. Skips without a GPU.
+there). Prints the table, the top kernels and the gaps between kernels (the short ones, a launch's latency, in
+one sum; the longer ones, host work the GPU waited for, by the kernels on either side); with --out writes
+profile_<tag>.json / .md. Skips without a GPU.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ def categorize(name: str) -> str:
     return "other"
 
 
+LONG_GAP_MS = 0.05  # a gap past this is host work the GPU waited for, not one launch's latency
+
+
 def main() -> None:
-    from benchmarks.harness import parse_trainer_args
+    from benchmarks.harness import host_ops_in_longest_gap, kernel_gaps, parse_trainer_args
     from xmoe.train.cli import build_run_config
     from xmoe.train.trainer import Trainer
 
@@ -72,6 +77,7 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=3, help="steps before profiling (compilation happens here)")
     p.add_argument("--profile-steps", type=int, default=2, help="optimizer steps profiled")
     p.add_argument("--tag", default="step", help="results file name: profile_<tag>")
+    p.add_argument("--host", action="store_true", help="also list the host's ops during the longest GPU gap")
     p.add_argument("--results", help="directory for profile_<tag>.json / .md (default: print only)")
     args = parse_trainer_args(p, sys.argv[1:])
     if not torch.cuda.is_available():
@@ -111,6 +117,12 @@ def main() -> None:
                 trainer.train_step(accum)
             torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - start) * 1e3 / args.profile_steps
+        gaps = kernel_gaps(prof)
+        if args.host:  # one more step, the host's ops recorded too (slower: not in the tables)
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=True) as host_prof:
+                trainer.train_step(accum)
+                torch.cuda.synchronize()
+            longest, host_ops = host_ops_in_longest_gap(host_prof)
     totals: dict[str, float] = {}
     kernels: dict[str, float] = {}
     for e in prof.events():
@@ -120,6 +132,17 @@ def main() -> None:
             kernels[e.name] = kernels.get(e.name, 0.0) + ms
     busy = sum(totals.values())
     totals["idle"] = max(0.0, wall_ms - busy)
+    # where the GPU waits: gaps between kernels, short ones (launch latency) apart from long ones (host work)
+    short_ms = sum(g for g, _ in gaps if g < LONG_GAP_MS) / args.profile_steps
+    short_count = sum(g < LONG_GAP_MS for g, _ in gaps) // args.profile_steps
+    by_place: dict[str, list[float]] = {}
+    for g, where in gaps:
+        if g >= LONG_GAP_MS:
+            by_place.setdefault(where, []).append(g)
+    long_gaps = [
+        {"where": w, "count": len(v) // args.profile_steps or 1, "ms": sum(v) / args.profile_steps}
+        for w, v in sorted(by_place.items(), key=lambda kv: -sum(kv[1]))[:12]
+    ]
     rows = [
         {"category": c, "ms": ms, "pct": 100 * ms / wall_ms} for c, ms in sorted(totals.items(), key=lambda kv: -kv[1])
     ]
@@ -138,6 +161,18 @@ def main() -> None:
     lines += [f"| {r['category']} | {r['ms']:.1f} | {r['pct']:.1f} |" for r in rows]
     lines += ["", "| top kernels | ms per step | category |", "|---|---|---|"]
     lines += [f"| `{t['kernel']}` | {t['ms']:.2f} | {t['category']} |" for t in top]
+    lines += [
+        "",
+        f"GPU idle between kernels: {sum(g for g, _ in gaps) / args.profile_steps:.1f} ms per step, of which "
+        f"{short_ms:.1f} ms in gaps under {LONG_GAP_MS * 1e3:.0f} us ({short_count} per step); longer ones by place:",
+        "",
+        "| after -> before | gaps per step | ms per step |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{g['where']}` | {g['count']} | {g['ms']:.2f} |" for g in long_gaps]
+    if args.host:
+        lines += ["", f"host ops during the longest gap ({longest:.2f} ms, a step recorded with the host's ops):"]
+        lines += [f"  {ms:8.2f} ms  {name}" for ms, name in host_ops]
     lines += ["", f"host synchronisations in one non-logging step: {len(syncs)}"] + [f"  {m}" for m in syncs[:10]]
     text = "\n".join(lines)
     print(text)
@@ -151,7 +186,18 @@ def main() -> None:
             "command": "python " + " ".join(sys.argv),
         }
         (folder / f"profile_{args.tag}.json").write_text(
-            json.dumps({"meta": meta, "wall_ms": wall_ms, "categories": rows, "top": top, "syncs": syncs}, indent=1)
+            json.dumps(
+                {
+                    "meta": meta,
+                    "wall_ms": wall_ms,
+                    "categories": rows,
+                    "top": top,
+                    "short_gaps_ms": short_ms,
+                    "long_gaps": long_gaps,
+                    "syncs": syncs,
+                },
+                indent=1,
+            )
         )
         (folder / f"profile_{args.tag}.md").write_text(
             f"# profile {args.tag}\n\n{meta['date']}, {meta['gpu']}, torch "
