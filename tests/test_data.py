@@ -120,6 +120,34 @@ def test_resume_gives_the_same_next_batches(spec):
             assert torch.equal(torch.cat([next(loader)[0] for loader in ranks]), x_full)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_batches_drawn_ahead_equal_batches_drawn_one_at_a_time(spec, world_size, monkeypatch):
+    """The loader draws PREFETCH_ROWS rows per dataset call; its batches equal those of a loader that draws one
+    batch per call (across epochs, per rank, after a state loaded in the middle of what was drawn ahead)."""
+    import xmoe.train.data as data
+
+    ds = build_dataset(spec, seq_len=16, seed=3)  # npy: 18 windows, so the batches cross epochs
+    calls = []
+    draw = TokenLoader._draw
+    monkeypatch.setattr(TokenLoader, "_draw", lambda self, pos: calls.append(len(pos)) or draw(self, pos))
+    monkeypatch.setattr(data, "PREFETCH_ROWS", 1)  # whole batches, one per call
+    singly = [_loader_batches(TokenLoader(ds, 8, r, world_size), 11) for r in range(world_size)]
+    monkeypatch.setattr(data, "PREFETCH_ROWS", 16)
+    calls.clear()
+    ahead = [TokenLoader(ds, 8, r, world_size) for r in range(world_size)]
+    for r, loader in enumerate(ahead):
+        got = _loader_batches(loader, 11)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, singly[r], strict=True))
+    per_call = 16 // (8 // world_size)  # batches per draw: 11 batches take ceil(11 / per_call) draws
+    assert calls == [16] * (world_size * -(-11 // per_call))
+    resumed = TokenLoader(ds, 8, 0, world_size)
+    next(resumed)  # draws ahead from step 0
+    state = ahead[0].state_dict()
+    state["samples_seen"] = 5 * 8  # step 5, not where what it drew ahead begins
+    resumed.load_state_dict(state)
+    assert torch.equal(next(resumed)[0], singly[0][5][0])
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank_slices_concatenate_to_the_global_batch(spec, world_size):
     ds = build_dataset(spec, seq_len=16, seed=7)
