@@ -194,10 +194,8 @@ def run_xmoe_train(*args: str) -> tuple[list[dict] | None, str, float, str]:
     return records, command, wall, ""
 
 
-def kernel_gaps(prof) -> list[tuple[float, str]]:
-    """(idle ms, "previous kernel -> next kernel") for each gap between consecutive GPU kernels in a
-    torch.profiler trace: time the GPU waited for the host (launches, Python, synchronisation)."""
-    import itertools
+def _trace(prof) -> tuple[list[dict], list[dict]]:
+    """(every event, the GPU kernels in start order) of a torch.profiler trace."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,7 +203,15 @@ def kernel_gaps(prof) -> list[tuple[float, str]]:
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return events, sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def kernel_gaps(prof) -> list[tuple[float, str]]:
+    """(idle ms, "previous kernel -> next kernel") for each gap between consecutive GPU kernels in a
+    torch.profiler trace: time the GPU waited for the host (launches, Python, synchronisation)."""
+    import itertools
+
+    _, kernels = _trace(prof)
     gaps = []
     for a, b in itertools.pairwise(kernels):
         gap_us = b["ts"] - (a["ts"] + a["dur"])
@@ -218,14 +224,8 @@ def host_ops_in_longest_gap(prof, top: int = 40) -> tuple[float, list[tuple[floa
     """(the longest gap between GPU kernels in ms, [(ms of overlap, host op)] for the host ops, CPU-side events of a
     trace recorded with ProfilerActivity.CPU, that ran during it, longest first): what the GPU waited for."""
     import itertools
-    import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    events, kernels = _trace(prof)
     if len(kernels) < 2:
         return 0.0, []
     start, end, b_next = max(

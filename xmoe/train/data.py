@@ -387,8 +387,8 @@ class TokenLoader:
         self.local_batch_size = global_batch_size // world_size
         self.samples_seen = 0  # global: summed over ranks
         # Batches drawn ahead in one call: a dataset's cost is mostly per call (the markov source walks its
-        # positions once for all the rows it is given: 8 rows of 2049 tokens take ~11 ms on one core, 256 rows
-        # ~1.8 ms per 8), and a step waits for its batch. (samples_seen they start at, [local batches]).
+        # positions once for all the rows it is given: benchmarks/results/markov_draw_cpu.md), and a step waits
+        # for its batch. (the samples_seen the batches left start at, [local batches]).
         self._ahead: tuple[int, list[np.ndarray]] = (0, [])
 
     @property
