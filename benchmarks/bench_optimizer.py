@@ -1,5 +1,7 @@
-"""The per-parameter work of one training step on one GPU: gradient clipping and the fused AdamW step, with the
-clip folded into AdamW's pass (what the trainer does) against clipping in place first (what it did), side by side.
+"""The per-parameter work of one training step on one GPU: gradient clipping and the AdamW step, side by side:
+torch's fused AdamW with the clip in place first (what the trainer did) or folded into its pass, and xmoe's Triton
+AdamW (what the trainer now runs) with the clip folded, alone and writing the routed experts' bf16 copies of the
+next step in its pass (against those copies made by a pass of their own).
 
     python benchmarks/bench_optimizer.py --layers 4 --out results/
 
@@ -8,7 +10,10 @@ each variant is timed over repeated steps of the same optimizer (harness.time_ms
 scale: the gradient norm, the AdamW step without clipping, and the routed experts' bf16 weight copies a step makes
 (MoEStep); and the way those copies' bf16 gradients join the fp32 .grad (upcast into a new one, or added into it),
 torch's dtype-converting ops against the Triton accumulate_grad the Triton backend uses, checked bitwise equal
-first. Writes bench_optimizer.json / .md into --out. Skips without a GPU.
+first. Before anything is timed, the Triton AdamW is also checked against torch's fused AdamW over three clipped
+steps of copies of the largest parameters (relative difference of the weights and moments) and its bf16 copies
+against the updated weights cast by torch (bitwise). Writes bench_optimizer.json / .md into --out. Skips without a
+GPU.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from benchmarks.harness import RESULTS_ENV, environment, time_ms, write_results
 from xmoe.kernels.accumulate import accumulate_grad
 from xmoe.model.presets import get_preset
 from xmoe.model.transformer import Transformer
+from xmoe.moe.casts import CastCache
+from xmoe.moe.step import expert_casts
 from xmoe.parallel.expert_parallel import clip_grad_norm_, total_grad_norm
-from xmoe.train.optim import param_groups
+from xmoe.train.optim import TritonAdamW, param_groups
 from xmoe.train.step import clip_gradients, folds_clipping, optimizer_step
 
 
@@ -69,18 +76,32 @@ def main() -> None:
     bitwise = all(torch.equal(accumulate_grad(None, g, fp32), g.to(fp32)) for g in bf16_grads) and all(
         torch.equal(accumulate_grad(w.grad.clone(), g, fp32), w.grad + g) for w, g in pairs
     )
+    agreement = _check_triton_adamw(model, args.max_norm)
+    print(f"Triton AdamW against torch's fused AdamW: {agreement}", flush=True)
+    triton_opt = TritonAdamW(param_groups(model, 0.1), lr=1e-4)
+    cache = expert_casts(model, torch.bfloat16)
+    triton_copies = TritonAdamW(param_groups(model, 0.1), lr=1e-4, casts=cache)
+    assert folds_clipping(triton_opt, params) and all(cache.wants(w) for w in experts)
+
+    def folded_with(opt):
+        return lambda: optimizer_step(opt, clip_gradients(opt, params, args.max_norm, None)[1])
+
     timings = [  # (row name, call): each torch row is followed by its Triton counterpart
         ("clip in place, then fused AdamW (before)", in_place),
-        ("clip folded into fused AdamW (the trainer)", folded),
+        ("clip folded into fused AdamW", folded),
+        ("clip folded into Triton AdamW", folded_with(triton_opt)),
         ("gradient norm alone", lambda: total_grad_norm(params)),
         ("fused AdamW alone, no clipping", optimizer.step),
+        ("Triton AdamW alone, no clipping", triton_opt.step),
         ("routed experts' bf16 copies (once per step)", lambda: [w.detach().to(torch.bfloat16) for w in experts]),
+        ("clip folded into Triton AdamW, writing the experts' bf16 copies (the trainer)", folded_with(triton_copies)),
         ("experts' bf16 gradients upcast to a new fp32 .grad, torch", lambda: [g.to(fp32) for g in bf16_grads]),
         ("the same, Triton accumulate_grad", lambda: [accumulate_grad(None, g, fp32) for g in bf16_grads]),
         ("experts' bf16 gradients added into the fp32 .grad, torch", lambda: [w.grad.add_(g) for w, g in pairs]),
         ("the same, Triton accumulate_grad", lambda: [accumulate_grad(w.grad, g, fp32) for w, g in pairs]),
     ]
-    optimizer.step()  # AdamW's state allocated before anything is timed
+    for opt in (optimizer, triton_opt, triton_copies):
+        opt.step()  # AdamW's state allocated before anything is timed
     rows = []
     for name, fn in timings:
         ms = time_ms(fn, warmup_ms=50, rep_ms=400)
@@ -94,15 +115,53 @@ def main() -> None:
         "parameters": n_params,
         "expert_parameters": sum(w.numel() for w in experts),
         "accumulate_grad_bitwise_equal_to_torch": bitwise,
+        "triton_adamw_against_fused": agreement,
     }
-    before, after = ms["clip in place, then fused AdamW (before)"], ms["clip folded into fused AdamW (the trainer)"]
+    fused_ms, triton_ms = ms["clip folded into fused AdamW"], ms["clip folded into Triton AdamW"]
+    separate = triton_ms + ms["routed experts' bf16 copies (once per step)"]
+    together = ms["clip folded into Triton AdamW, writing the experts' bf16 copies (the trainer)"]
     notes = (
         f"{args.preset} preset, {args.layers} layers: {n_params / 1e9:.2f}B fp32 parameters "
-        f"({meta['expert_parameters'] / 1e9:.2f}B in routed-expert stacks). Folding the clip saves "
-        f"{before - after:.1f} ms per step ({before / after:.2f}x the optimizer's part). Triton accumulate_grad "
-        f"bitwise equal to torch's upcast and add: {bitwise}."
+        f"({meta['expert_parameters'] / 1e9:.2f}B in routed-expert stacks). Clip folded: torch's fused AdamW "
+        f"{fused_ms:.1f} ms, Triton AdamW {triton_ms:.1f} ms ({fused_ms / triton_ms:.2f}x); with the experts' bf16 "
+        f"copies: {separate:.1f} ms as two passes, {together:.1f} ms in one. Triton AdamW against torch's fused one "
+        f"(three clipped steps): {agreement}. Triton accumulate_grad bitwise equal to torch's upcast and add: "
+        f"{bitwise}."
     )
     write_results("bench_optimizer", rows, ["variant", "ms"], meta, "Clipping and AdamW, one step", notes)
+
+
+def _check_triton_adamw(model, max_norm: float) -> dict:
+    """Three clipped AdamW steps of copies of the model's three largest parameters by torch's fused AdamW and by
+    the Triton one (writing bf16 copies), from the same gradients: the largest relative difference (norm of the
+    difference over the norm) of the weights and of the moments, and whether every bf16 copy is bitwise the
+    updated weight cast by torch."""
+    largest = sorted(model.parameters(), key=lambda q: q.numel())[-3:]
+    ref = [torch.nn.Parameter(q.detach().clone()) for q in largest]
+    got = [torch.nn.Parameter(q.detach().clone()) for q in largest]
+    fused = torch.optim.AdamW([{"params": ref, "weight_decay": 0.1}], lr=1e-3, fused=True)
+    cache = CastCache(got, torch.bfloat16)  # every weight here gets a copy, as the experts' do
+    ours = TritonAdamW([{"params": got, "weight_decay": 0.1}], lr=1e-3, casts=cache)
+    gen = torch.Generator(device=got[0].device).manual_seed(0)
+    copies_equal = True
+    for _ in range(3):
+        for a, b in zip(ref, got, strict=True):
+            a.grad = torch.randn(a.shape, device=a.device, generator=gen) * 1e-3
+            b.grad = a.grad.clone()
+        for opt, qs in ((fused, ref), (ours, got)):
+            optimizer_step(opt, clip_gradients(opt, qs, max_norm, None)[1])
+        copies_equal &= all(torch.equal(cache.waiting(q), q.detach().to(torch.bfloat16)) for q in got)
+
+    def worst(pairs) -> float:
+        return max(((x.double() - y.double()).norm() / y.double().norm()).item() for x, y in pairs)
+
+    pairs = zip(ref, got, strict=True)
+    moments = [(ours.state[b][k], fused.state[a][k]) for a, b in pairs for k in ("exp_avg", "exp_avg_sq")]
+    return {
+        "weights_rel_diff": worst(zip(got, ref, strict=True)),
+        "moments_rel_diff": worst(moments),
+        "bf16_copies_bitwise": copies_equal,
+    }
 
 
 if __name__ == "__main__":

@@ -196,6 +196,18 @@ def _grad_accumulate(shape: Shape, device: Device) -> None:
     accumulate_grad(grad, update, torch.float32)
 
 
+@workload("adamw", shapes=(Shape.preset("small", 8192),))
+def _adamw(shape: Shape, device: Device) -> None:
+    """adamw_update: an expert weight stack's AdamW step, plain, and with the clip's divisor and a bf16 copy"""
+    from xmoe.kernels.adamw import adamw_update
+
+    p, g, m, v = (torch.empty(shape.experts, shape.hidden, shape.ffn, device=META) for _ in range(4))
+    for divisor, copy in ((None, None), (torch.empty((), device=META), torch.empty_like(p, dtype=torch.bfloat16))):
+        adamw_update(
+            p, g, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, divisor=divisor, copy=copy
+        )
+
+
 @workload("router", shapes=ROUTER_SHAPES)
 def _router(shape: Shape, device: Device) -> None:
     """router_topk with softmax scores, and with sigmoid scores normalised, forward and backward"""

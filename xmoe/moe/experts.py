@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,9 @@ from torch import nn
 
 from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
+
+if TYPE_CHECKING:
+    from xmoe.moe.casts import CastCache
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -71,14 +75,15 @@ class RoutedExperts(nn.Module):
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         return w1, w3, w2, quantize_expert_weights(w1.detach(), w3.detach(), w2.detach(), fmt)
 
-    def make_casts(self, dtype: torch.dtype, detach: bool) -> tuple:
+    def make_casts(self, dtype: torch.dtype, detach: bool, cache: CastCache | None = None) -> tuple:
         """The weight copies one optimizer step's micro-batches share (MoEStep calls this when the step opens).
 
         bf16: ``dtype`` copies; with ``detach`` (and a dtype other than the parameters'), leaves of their own whose
         gradient is added straight into the fp32 .grad. FP8: the FP8 copies (one quantising pass per weight,
         fp8_quant.quantize_expert_weights), and as gradient receivers the parameters themselves, or with
         ``detach`` zero-stride stand-ins of dtype ``dtype`` (no memory: the FP8 GEMMs never read them) whose
-        gradient is added into the fp32 .grad the same way."""
+        gradient is added into the fp32 .grad the same way. ``cache``: the detached bf16 copies the last optimizer
+        step wrote (moe/casts.py: CastCache), used where they still hold the weights."""
         params = (self.w1, self.w3, self.w2)
         ops = get_ops(self.kernel_backend, self.w1.device)  # whose accumulate_grad adds the copies' gradients
         if self.fp8:
@@ -87,7 +92,7 @@ class RoutedExperts(nn.Module):
             receivers = tuple(_leaf_into(w, _stand_in(w, dtype), ops) for w in params) if detach else params
             return (*receivers, self.fp8_weights(fp8_format(self.w1.device).name)[3])
         if detach and dtype != self.w1.dtype:
-            return tuple(_leaf_into(w, w.detach().to(dtype), ops) for w in params)
+            return tuple(_leaf_into(w, _cast(w, dtype, cache), ops) for w in params)
         return tuple(w.to(dtype) for w in params)
 
     def forward(
@@ -146,6 +151,12 @@ class RoutedExperts(nn.Module):
 def _stand_in(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of param's shape holding one element (zero strides): a leaf to receive gradients for param."""
     return torch.zeros((), dtype=dtype, device=param.device).expand(param.shape)
+
+
+def _cast(weight: torch.Tensor, dtype: torch.dtype, cache: CastCache | None) -> torch.Tensor:
+    """``weight`` in ``dtype``, detached: the cache's copy where it holds one, else a cast."""
+    copy = cache.take(weight, dtype) if cache is not None else None
+    return weight.detach().to(dtype) if copy is None else copy
 
 
 def _leaf_into(param: torch.Tensor, leaf: torch.Tensor, ops: ModuleType) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xmoe.moe.casts import CastCache
 from xmoe.moe.layer import LayerStep, MoELayer, moe_layers
 
 
@@ -67,7 +68,10 @@ class MoEStep:
     ``detach_casts``: the copies are leaves of their own whose gradient each backward adds straight into the fp32
     parameter's .grad (one mixed-dtype pass, 10 bytes per weight) instead of autograd's cast-back and fp32
     accumulation (two passes, 18 bytes; measured there too). The parameters then get their gradients outside
-    autograd, so only for a model no wrapper reduces through autograd hooks (one process; not DDP)."""
+    autograd, so only for a model no wrapper reduces through autograd hooks (one process; not DDP).
+
+    ``cache``: copies the previous optimizer step wrote beside the weights it updated (``CastCache``), used by
+    the detached copies instead of casting again."""
 
     def __init__(
         self,
@@ -77,11 +81,12 @@ class MoEStep:
         *,
         cast_dtype: torch.dtype | None = None,
         detach_casts: bool = False,
+        cache: CastCache | None = None,
     ):
         if micro_batches < 1:
             raise ValueError(f"micro_batches ({micro_batches}) must be >= 1")
         self.micro_batches = micro_batches
-        self.cast_dtype, self.detach_casts = cast_dtype, detach_casts
+        self.cast_dtype, self.detach_casts, self.cache = cast_dtype, detach_casts, cache
         self._layers: list[MoELayer] = moe_layers(model)
         self._slots = [LayerStep(1.0 / micro_batches) for _ in self._layers]
         self._aux = torch.zeros((), device=device)
@@ -95,7 +100,7 @@ class MoEStep:
         for layer, slot in zip(self._layers, self._slots, strict=False):
             experts = layer.experts
             if cast_dtype is not None and not any(hasattr(w, "to_local") for w in (experts.w1, experts.w3, experts.w2)):
-                slot.casts = experts.make_casts(cast_dtype, self.detach_casts)
+                slot.casts = experts.make_casts(cast_dtype, self.detach_casts, self.cache)
             layer.moe_step = slot
         return self
 
@@ -147,3 +152,18 @@ class MoEStep:
                 totals[key] = totals.get(key, 0) + value
             counters.reset()
         return totals
+
+
+def expert_casts(model: nn.Module, dtype: torch.dtype) -> CastCache:
+    """A CastCache for ``model``'s routed experts whose copies are casts to ``dtype``: weights of another dtype,
+    plain tensors (DTensors are cast per forward), not FP8 experts (their copies are quantised in blocks)."""
+    return CastCache(
+        (
+            w
+            for layer in moe_layers(model)
+            if not layer.experts.fp8
+            for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2)
+            if not hasattr(w, "to_local") and w.dtype != dtype
+        ),
+        dtype,
+    )

@@ -1,13 +1,18 @@
-"""What the optimizer is given: the parameter groups (which weights decay) and the learning rate of each step."""
+"""The optimizer and what it is given: the parameter groups (which weights decay), the learning rate of each step,
+and the AdamW the trainer builds (``build_optimizer``: xmoe's Triton AdamW where it applies, else torch's)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from xmoe.config import TrainConfig
+
+if TYPE_CHECKING:
+    from xmoe.moe.casts import CastCache
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -26,3 +31,100 @@ def lr_at(step: int, t: TrainConfig) -> float:
         return t.lr * step / max(1, t.warmup_steps)
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch's AdamW (the same hyperparameters, param groups, state and state_dict, so checkpoints load either
+    way) whose step is one Triton pass per parameter (xmoe/kernels/adamw.py). It divides every gradient by the
+    ``grad_scale`` tensor a caller sets (the clip's divisor, xmoe/train/step.py), as torch's fused AdamW does, but
+    without writing the divided gradient back: 28 bytes per parameter where torch's fused kernel moves 32. With
+    ``casts`` (xmoe/moe/casts.py: CastCache) it also writes the routed experts' copies for the next step in the
+    same pass. Plain fp32 tensors on a GPU (or on CPU under Triton's interpreter); no amsgrad, maximize or
+    found_inf. The step count lives on the host (a CPU tensor, as in torch's default AdamW), so a step reads
+    nothing from the device."""
+
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        casts: CastCache | None = None,
+    ):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32 or not p.is_contiguous() or hasattr(p, "to_local"):
+                    raise ValueError(
+                        f"TritonAdamW steps contiguous fp32 plain tensors; got {p.dtype} of shape "
+                        f"{tuple(p.shape)}{' (a DTensor)' if hasattr(p, 'to_local') else ''}: use torch.optim.AdamW"
+                    )
+        self.casts = casts
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from xmoe.kernels.adamw import adamw_update
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if getattr(self, "found_inf", None) is not None:
+            raise ValueError("TritonAdamW does not skip on found_inf (a loss scaler's); use torch.optim.AdamW")
+        divisor = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("TritonAdamW has no amsgrad or maximize; use torch.optim.AdamW")
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":  # loaded from a fused AdamW's state: read once
+                    state["step"] = state["step"].detach().to("cpu", torch.float32)
+                state["step"] += 1
+                copy = self.casts.target(p) if self.casts is not None else None
+                adamw_update(
+                    p,
+                    p.grad if p.grad.is_contiguous() else p.grad.contiguous(),
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    step=int(state["step"].item()),
+                    lr=float(group["lr"]),
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    divisor=divisor,
+                    copy=copy,
+                )
+                if copy is not None:
+                    self.casts.written(p, copy)
+        return loss
+
+
+def build_optimizer(
+    groups: list[dict],
+    device: torch.device,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    kernel_backend: str = "auto",
+    casts: CastCache | None = None,
+) -> torch.optim.Optimizer:
+    """The trainer's AdamW: ``TritonAdamW`` on a GPU with the Triton backend and plain tensors (one process, or
+    DDP), else torch's (fused on a GPU: FSDP2 and expert parallelism hold DTensors). ``casts`` only reach the
+    Triton one."""
+    from xmoe.kernels import resolve_backend
+
+    params = [p for g in groups for p in g["params"]]
+    plain = all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "to_local") for p in params)
+    if device.type == "cuda" and plain and resolve_backend(kernel_backend, device) == "triton":
+        return TritonAdamW(groups, lr=lr, betas=betas, casts=casts)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")

@@ -34,10 +34,11 @@ import torch.distributed as dist
 from xmoe.config import KernelConfig, ModelConfig, ParallelConfig, kernel_config
 from xmoe.kernels.choice import KernelChoice, resolve_layer
 from xmoe.model_config import KernelBackend
+from xmoe.moe.step import expert_casts
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.simulated import keep_buckets, plan_counts
-from xmoe.train.optim import param_groups
+from xmoe.train.optim import build_optimizer, param_groups
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
@@ -158,13 +159,20 @@ def measure_rank(
                 if simulate:
                     plan_counts(built.model, imbalance)
                     keep_buckets(built.wrapped)
-                optimizer = torch.optim.AdamW(param_groups(built.wrapped, weight_decay), lr=lr, fused=autocast)
+                casts = expert_casts(built.model, torch.bfloat16) if autocast and world == 1 else None  # as the trainer
+                optimizer = build_optimizer(
+                    param_groups(built.wrapped, weight_decay),
+                    dev,
+                    lr=lr,
+                    kernel_backend=cfg.moe.kernel_backend,
+                    casts=casts,
+                )
             params = [p for p in built.wrapped.parameters() if p.requires_grad]
             batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
 
             def one_step() -> None:
                 _, moe = forward_backward(
-                    built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1
+                    built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1, cache=casts
                 )  # as the trainer
                 optimizer_step(optimizer, clip_gradients(optimizer, params, 1.0, dims)[1])
                 optimizer.zero_grad(set_to_none=True)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from xmoe.model.transformer import Transformer
+from xmoe.moe.casts import CastCache
 from xmoe.moe.step import MoEStep
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import clip_grad_norm_, total_grad_norm
@@ -28,15 +29,19 @@ def forward_backward(
     device: torch.device,
     autocast: bool,
     detach_casts: bool,
+    cache: CastCache | None = None,
 ) -> tuple[torch.Tensor, MoEStep]:
     """Forward and backward of ``accum`` micro-batches drawn from ``batches`` through ``wrapped`` (the model, or
     what wraps it); returns the mean loss (a device tensor) and the step's MoEStep, closed, for its finish() after
-    the optimizer step. ``detach_casts``: the experts' one-process gradient path (MoEStep)."""
+    the optimizer step. ``detach_casts``: the experts' one-process gradient path; ``cache``: the copies the last
+    optimizer step wrote (both MoEStep's)."""
     loss_sum = torch.zeros((), device=device)
     # one autocast region and one MoEStep for all micro-batches of the step: the weights do not change within it,
     # so each routed expert is cast once per step (and each dense weight used eagerly once, by autocast's cache;
     # inside compiled regions the dense casts happen per micro-batch)
-    moe = MoEStep(model, accum, device, cast_dtype=torch.bfloat16 if autocast else None, detach_casts=detach_casts)
+    moe = MoEStep(
+        model, accum, device, cast_dtype=torch.bfloat16 if autocast else None, detach_casts=detach_casts, cache=cache
+    )
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), moe:
         for micro in range(accum):
             inputs, targets = next(batches)
@@ -58,8 +63,9 @@ _FOLDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Decision] = weakref.We
 
 
 def folds_clipping(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
-    """True where ``optimizer`` can clip in its own pass: a fused Adam/AdamW over plain tensors, whose kernel
-    divides every gradient by its ``grad_scale`` tensor as it reads it (the protocol torch's GradScaler uses).
+    """True where ``optimizer`` can clip in its own pass: xmoe's TritonAdamW, or a fused Adam/AdamW over plain
+    tensors, whose kernel divides every gradient by its ``grad_scale`` tensor as it reads it (the protocol
+    torch's GradScaler uses).
     Clipping in place instead reads and writes every fp32 gradient once more (8 bytes per parameter). Decided
     once for an optimizer and its parameter sequence, not on every step (it looks at every parameter): again
     when the optimizer's param groups change (one added, a group's ``fused`` set) or another sequence, or one of
@@ -75,6 +81,11 @@ def folds_clipping(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tens
 
 def _decide_folding(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
     from torch.distributed.tensor import DTensor
+
+    from xmoe.train.optim import TritonAdamW
+
+    if isinstance(optimizer, TritonAdamW):  # plain tensors only, and it reads grad_scale as torch's fused does
+        return True
 
     fused = all(group.get("fused") for group in optimizer.param_groups)
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from xmoe.config import RunConfig
 from xmoe.kernels.choice import resolve_choice
-from xmoe.moe.step import MoEStep, StepStats
+from xmoe.moe.step import MoEStep, StepStats, expert_casts
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.tensor import check_tensor_parallel
@@ -41,7 +41,7 @@ from xmoe.train import checkpoint as ckpt
 from xmoe.train import checkpoint_dir, metrics, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
-from xmoe.train.optim import lr_at, param_groups
+from xmoe.train.optim import build_optimizer, lr_at, param_groups
 from xmoe.train.report import Reporter, Window
 from xmoe.train.resume import fingerprint, resume_checkpoint
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
@@ -157,11 +157,15 @@ class Trainer:
             compile=t.compile,
         )
         self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
-        self.optimizer = torch.optim.AdamW(
+        # the copies the optimizer writes for the next step: the experts' detached bf16 path (one process)
+        self.casts = expert_casts(self.model, torch.bfloat16) if self.autocast and self.world == 1 else None
+        self.optimizer = build_optimizer(
             param_groups(self.wrapped, t.weight_decay),
+            self.device,
             lr=t.lr,
             betas=(t.beta1, t.beta2),
-            fused=self.device.type == "cuda",
+            kernel_backend=run.model.moe.kernel_backend,
+            casts=self.casts,
         )
         self._params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.step = 0
@@ -285,7 +289,14 @@ class Trainer:
 
     def _forward_backward(self, accum: int) -> tuple[torch.Tensor, MoEStep]:
         return forward_backward(
-            self.model, self.wrapped, self.loader, accum, self.device, self.autocast, detach_casts=self.world == 1
+            self.model,
+            self.wrapped,
+            self.loader,
+            accum,
+            self.device,
+            self.autocast,
+            detach_casts=self.world == 1,
+            cache=self.casts,
         )
 
     def accumulation_steps(self) -> int:

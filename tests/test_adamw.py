@@ -1,0 +1,199 @@
+"""xmoe's Triton AdamW (xmoe/kernels/adamw.py, xmoe/train/optim.py: TritonAdamW), in Triton's interpreter: each step
+against a float64 AdamW written out here, its state against torch's AdamW (checkpoints load either way), the
+clip's divisor folded into its pass, and the next step's expert copies it writes (xmoe/moe/casts.py: CastCache).
+
+The interpreter computes bf16 wrongly (numpy has none): fp16 stands in for the copies' dtype; the kernel casts
+to whatever dtype the copy has, and benchmarks/check_gpu.py checks the bf16 copies and the step against torch's
+fused AdamW on a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_moe_layer import make_layer
+
+from xmoe.kernels.adamw import adamw_update
+from xmoe.moe.step import MoEStep, expert_casts
+from xmoe.train.optim import TritonAdamW, build_optimizer, param_groups
+from xmoe.train.step import clip_gradients, folds_clipping, optimizer_step
+
+
+def adamw_reference(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay, divisor=1.0):
+    """One AdamW step in float64 (decoupled weight decay, bias-corrected moments); returns new p, m, v."""
+    p, g, m, v = (t.double() for t in (p, g, m, v))
+    g = g / divisor
+    p = p * (1 - lr * weight_decay)
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - beta2**step) + eps
+    return p - lr / (1 - beta1**step) * m / denom, m, v
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 1000])  # empty, one element, inside / at / past a block
+@pytest.mark.parametrize("divide", [False, True])
+def test_step_matches_float64_adamw(n, divide):
+    gen = torch.Generator().manual_seed(n + 7 * divide)
+    p = torch.randn(n, generator=gen)
+    m, v = torch.zeros(n), torch.zeros(n)
+    want = (p.double(), m.double(), v.double())
+    hyper = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    copy = torch.empty(n, dtype=torch.float16)
+    for step in range(1, 6):
+        g = torch.randn(n, generator=gen) * 10.0 ** (step - 3)  # gradients of several magnitudes
+        divisor = torch.tensor(2.5) if divide else None
+        adamw_update(p, g, m, v, step=step, divisor=divisor, copy=copy, **hyper)
+        want = adamw_reference(*want[:1], g, *want[1:], step=step, divisor=2.5 if divide else 1.0, **hyper)
+    if n:
+        for got, ref in zip((p, m, v), want, strict=True):
+            assert rel(got, ref) < 1e-6
+        assert torch.equal(copy, p.half())  # the copy is the updated parameter, cast
+
+
+def test_update_refuses_what_it_cannot_step():
+    p, g = torch.zeros(4, 3), torch.zeros(4, 3)
+    hyper = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    with pytest.raises(ValueError, match="exp_avg has shape"):
+        adamw_update(p, g, torch.zeros(3), torch.zeros(4, 3), **hyper)
+    with pytest.raises(ValueError, match="contiguous"):
+        adamw_update(p.t(), g.t(), torch.zeros(3, 4).t(), torch.zeros(3, 4), **hyper)
+    with pytest.raises(ValueError, match="fp32 parameters"):
+        adamw_update(p.half(), g, torch.zeros(4, 3), torch.zeros(4, 3), **hyper)
+    with pytest.raises(ValueError, match="counts from 1"):
+        adamw_update(p, g, torch.zeros(4, 3), torch.zeros(4, 3), **{**hyper, "step": 0})
+    with pytest.raises(ValueError, match="divisor must be one fp32"):
+        adamw_update(p, g, torch.zeros(4, 3), torch.zeros(4, 3), divisor=torch.ones(2), **hyper)
+
+
+def _model_and_grads(seed):
+    model = make_layer(seed=seed, hidden_size=32, ffn_hidden_size=24, num_experts=4, top_k=2)
+    gen = torch.Generator().manual_seed(seed)
+    grads = [[torch.randn(p.shape, generator=gen) for p in model.parameters()] for _ in range(4)]
+    return model, grads
+
+
+def _run(optimizer, model, grads, max_norm=None):
+    params = list(model.parameters())
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        if max_norm is None:
+            optimizer.step()
+        else:
+            optimizer_step(optimizer, clip_gradients(optimizer, params, max_norm, None)[1])
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_optimizer_tracks_torch_adamw_and_shares_its_state():
+    # param groups with and without decay, four steps, then the state handed over in both directions
+    ours_model, grads = _model_and_grads(1)
+    torch_model, _ = _model_and_grads(1)
+    ours = TritonAdamW(param_groups(ours_model, 0.1), lr=1e-2, betas=(0.9, 0.95))
+    theirs = torch.optim.AdamW(param_groups(torch_model, 0.1), lr=1e-2, betas=(0.9, 0.95), foreach=False)
+    _run(ours, ours_model, grads[:2])
+    _run(theirs, torch_model, grads[:2])
+    for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True):
+        assert rel(a, b) < 1e-6
+    # our state into torch's optimizer and torch's into ours: both continue the same run
+    swapped_theirs = torch.optim.AdamW(param_groups(ours_model, 0.1), lr=1e-2, foreach=False)
+    swapped_theirs.load_state_dict(ours.state_dict())
+    swapped_ours = TritonAdamW(param_groups(torch_model, 0.1), lr=1e-2)
+    swapped_ours.load_state_dict(theirs.state_dict())
+    assert swapped_theirs.param_groups[0]["betas"] == (0.9, 0.95) == swapped_ours.param_groups[0]["betas"]
+    _run(swapped_theirs, ours_model, grads[2:])
+    _run(swapped_ours, torch_model, grads[2:])
+    for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True):
+        assert rel(a, b) < 1e-6
+    state = next(iter(swapped_ours.state.values()))
+    assert state["step"].device.type == "cpu" and state["step"].item() == 4
+
+
+def test_clip_is_folded_into_the_pass():
+    # the trainer's clip (max_norm below the gradients' norm) through the optimizer's divisor equals clipping the
+    # gradients in place first with torch's AdamW
+    ours_model, grads = _model_and_grads(2)
+    torch_model, _ = _model_and_grads(2)
+    ours = TritonAdamW(param_groups(ours_model, 0.1), lr=1e-2)
+    theirs = torch.optim.AdamW(param_groups(torch_model, 0.1), lr=1e-2, foreach=False)
+    assert folds_clipping(ours, list(ours_model.parameters())) and not folds_clipping(
+        theirs, list(torch_model.parameters())
+    )
+    _run(ours, ours_model, grads, max_norm=0.5)
+    _run(theirs, torch_model, grads, max_norm=0.5)
+    for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True):
+        assert rel(a, b) < 1e-6
+    assert not hasattr(ours, "grad_scale")  # the divisor was handed over for the one step only
+
+
+def test_next_step_copies_are_written_taken_once_and_dropped_when_stale():
+    layer, grads = _model_and_grads(3)
+    experts = layer.experts
+    weights = (experts.w1, experts.w3, experts.w2)
+    cache = expert_casts(layer, torch.float16)
+    optimizer = TritonAdamW(param_groups(layer, 0.1), lr=1e-2, casts=cache)
+    _run(optimizer, layer, grads[:1])
+    assert len(cache) == 3  # one per expert weight stack, none for the router or other weights
+    copies = {id(w): cache.waiting(w) for w in weights}
+    for w in weights:
+        assert torch.equal(copies[id(w)], w.detach().half())  # the updated weights, cast
+
+    def step_casts(cache):
+        with MoEStep(layer, 1, torch.device("cpu"), cast_dtype=torch.float16, detach_casts=True, cache=cache):
+            return layer.moe_step.casts
+
+    casts = step_casts(cache)  # the step uses the written copies, not new casts
+    assert all(c.data_ptr() == copies[id(w)].data_ptr() and c.is_leaf for c, w in zip(casts, weights, strict=True))
+    assert len(cache) == 0
+    again = step_casts(cache)  # a copy is handed out once: the next step casts
+    assert all(c.data_ptr() != copies[id(w)].data_ptr() for c, w in zip(again, weights, strict=True))
+    _run(optimizer, layer, grads[1:2])
+    with torch.no_grad():
+        experts.w1.mul_(2.0)  # changed after the step: its copy is stale, the others still hold
+    casts = step_casts(cache)
+    assert torch.equal(casts[0], experts.w1.detach().half())
+    assert casts[1].data_ptr() != casts[0].data_ptr() and torch.equal(casts[1], experts.w3.detach().half())
+    # a copy asked for in another dtype is not handed out (and is dropped)
+    _run(optimizer, layer, grads[2:3])
+    assert cache.take(experts.w2, torch.bfloat16) is None and cache.take(experts.w2, torch.float16) is None
+    assert cache.take(experts.w1, torch.float16) is not None
+
+
+def test_refusals_and_the_trainers_choice():
+    model, _ = _model_and_grads(4)
+    with pytest.raises(ValueError, match="fp32 plain tensors"):
+        TritonAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], lr=1e-3)
+    opt = TritonAdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    opt.param_groups[0]["amsgrad"] = True
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+    groups = param_groups(model, 0.1)
+    assert type(build_optimizer(groups, torch.device("cpu"), lr=1e-3)) is torch.optim.AdamW
+    gpu = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-3)  # built, not stepped
+    assert isinstance(gpu, TritonAdamW)
+    torch_backend = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-3, kernel_backend="torch")
+    assert type(torch_backend) is torch.optim.AdamW and torch_backend.param_groups[0]["fused"]
+
+
+def test_distributed_checkpoint_state_loads_into_a_fresh_optimizer():
+    # the trainer's checkpoints go through DCP's state-dict helpers, which first step a fresh optimizer at lr 0 to
+    # allocate its state: the loaded step counts and moments are the saved ones, and the weights are untouched
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, grads = _model_and_grads(5)
+    optimizer = TritonAdamW(param_groups(model, 0.1), lr=1e-2)
+    _run(optimizer, model, grads[:2])
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    fresh, _ = _model_and_grads(6)
+    loaded = TritonAdamW(param_groups(fresh, 0.1), lr=1e-2)
+    set_state_dict(fresh, loaded, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        saved, got = optimizer.state[a], loaded.state[b]
+        assert got["step"].item() == saved["step"].item() == 2
+        assert torch.equal(got["exp_avg"], saved["exp_avg"]) and torch.equal(got["exp_avg_sq"], saved["exp_avg_sq"])
