@@ -197,3 +197,18 @@ def test_distributed_checkpoint_state_loads_into_a_fresh_optimizer():
         saved, got = optimizer.state[a], loaded.state[b]
         assert got["step"].item() == saved["step"].item() == 2
         assert torch.equal(got["exp_avg"], saved["exp_avg"]) and torch.equal(got["exp_avg_sq"], saved["exp_avg_sq"])
+
+
+def test_a_loaded_state_keeps_the_optimizers_implementation():
+    # the saving optimizer's fused / foreach flags come with its state: each built optimizer keeps its own, so a
+    # Triton AdamW's checkpoint resumed where torch's fused AdamW runs (FSDP2) stays fused, and the other way round
+    model, grads = _model_and_grads(7)
+    ours = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-2)  # built, not stepped
+    theirs = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-2, kernel_backend="torch")
+    source = TritonAdamW(param_groups(model, 0.1), lr=1e-2)
+    _run(source, model, grads[:1])
+    theirs.load_state_dict(source.state_dict())
+    assert all(group["fused"] and not group["foreach"] for group in theirs.param_groups)
+    fused_source = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, fused=True)
+    ours.load_state_dict(fused_source.state_dict())
+    assert isinstance(ours, TritonAdamW) and all(group["fused"] is None for group in ours.param_groups)

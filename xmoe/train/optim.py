@@ -125,6 +125,18 @@ def build_optimizer(
 
     params = [p for g in groups for p in g["params"]]
     plain = all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "to_local") for p in params)
+    optimizer: torch.optim.Optimizer
     if device.type == "cuda" and plain and resolve_backend(kernel_backend, device) == "triton":
-        return TritonAdamW(groups, lr=lr, betas=betas, casts=casts)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+        optimizer = TritonAdamW(groups, lr=lr, betas=betas, casts=casts)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
+    # a loaded state's groups bring the saving optimizer's fused / foreach flags (a checkpoint of one GPU's
+    # TritonAdamW resumed under FSDP2 would turn torch's fused AdamW into its per-tensor loop): keep this one's
+    flags = [(group.get("fused"), group.get("foreach")) for group in optimizer.param_groups]
+
+    def keep_implementation(loaded: torch.optim.Optimizer) -> None:
+        for group, (fused, foreach) in zip(loaded.param_groups, flags, strict=True):
+            group["fused"], group["foreach"] = fused, foreach
+
+    optimizer.register_load_state_dict_post_hook(keep_implementation)
+    return optimizer
