@@ -212,3 +212,27 @@ def test_a_loaded_state_keeps_the_optimizers_implementation():
     fused_source = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-2, fused=True)
     ours.load_state_dict(fused_source.state_dict())
     assert isinstance(ours, TritonAdamW) and all(group["fused"] is None for group in ours.param_groups)
+
+
+def test_the_optimizer_setting_chooses_or_refuses(monkeypatch):
+    from xmoe.kernels import _common
+    from xmoe.train.optim import describe_optimizer
+
+    model, _ = _model_and_grads(8)
+    cuda = torch.device("cuda")  # built, not stepped
+    assert type(build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, choice="torch")) is torch.optim.AdamW
+    mine = build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")  # interpreter
+    assert isinstance(mine, TritonAdamW) and describe_optimizer(mine) == "optimizer xmoe Triton AdamW"
+    cached = TritonAdamW(param_groups(model, 0.1), lr=1e-3, casts=expert_casts(model, torch.float16))
+    assert "next bf16 copies" in describe_optimizer(cached)
+    assert describe_optimizer(torch.optim.AdamW(model.parameters(), fused=True)) == "optimizer torch AdamW (fused)"
+    sharded = torch.nn.Parameter(torch.zeros(4))
+    sharded.to_local = lambda: sharded  # what marks a DTensor here
+    with pytest.raises(ValueError, match=r"include DTensors.*'auto' or 'torch'"):
+        build_optimizer([{"params": [sharded]}], cuda, lr=1e-3, choice="triton")
+    assert type(build_optimizer([{"params": [sharded]}], cuda, lr=1e-3)) is torch.optim.AdamW  # auto
+    monkeypatch.setattr(_common, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match=r"runs on a GPU.*not on cpu"):
+        build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")
+    with pytest.raises(ValueError, match="must be 'auto', 'torch' or 'triton'"):
+        build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, choice="sgd")

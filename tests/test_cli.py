@@ -48,6 +48,7 @@ def one_line_error(capsys, argv: list[str], command: str = "train") -> str:
         ("train.lr=NaN", "lr (nan) must be finite and > 0"),
         ("train.lr=0", "lr (0.0) must be finite and > 0"),
         ("train.beta2=1", "beta2 (1.0) must be in [0, 1)"),
+        ("train.optimizer=sgd", "train.optimizer ('sgd') must be 'auto', 'torch' or 'triton'"),
         ("parallel.sequence_parallel=1", "parallel.sequence_parallel (1) must be true or false"),
         ("data.path=3", "data.path (3) must be a string, not int"),
         ("data.tokenizer=", "data.tokenizer ('') is empty; name 'bytes' or a tokenizers JSON file"),
@@ -143,6 +144,12 @@ def test_precedence_defaults_file_set_flags_and_dp_after_merge(tmp_path, monkeyp
     assert (run.parallel.ep, run.parallel.dp, run.train.steps, run.train.lr) == (2, 4, 60, 2e-3)  # flags win
     run = build_run_config(_args("--config", str(cfg), "--set", "parallel.ep=8", "--steps", "70"))
     assert (run.parallel.ep, run.parallel.dp, run.train.steps) == (8, 1, 70)
+
+
+def test_optimizer_flag_and_setting():
+    assert build_run_config(_args()).train.optimizer == "auto"
+    assert build_run_config(_args("--optimizer", "torch")).train.optimizer == "torch"
+    assert build_run_config(_args("--set", "train.optimizer=triton")).train.optimizer == "triton"
 
 
 def test_the_run_data_and_preset_come_from_the_file_then_set_then_flags(tmp_path):

@@ -24,6 +24,7 @@ from xmoe.model_config import yarn_mscale as yarn_mscale
 
 WgradEngine = Literal["auto", "triton", "grouped_mm"]
 Placement = Literal["ep_first", "dp_first"]
+OPTIMIZERS = ("auto", "torch", "triton")  # train.optimizer: xmoe/train/optim.py's build_optimizer
 RECOMPUTE_MODES = ("none", "moe", "full")  # cheapest first: the planner's search prefers them in this order
 COMPILE_MODES = ("auto", "on", "off")
 
@@ -85,6 +86,9 @@ class TrainConfig:
     val_windows: int = 64  # validation windows of seq_len tokens evaluated each time (0: all)
     compile: str = "auto"  # torch.compile regions: "auto" (GPU without EP/TP), "on", "off"
     recompute: str = "none"  # activation recompute: "none", "moe" (MoE FFN branches), "full" (whole blocks)
+    # AdamW's implementation: "auto" (xmoe's Triton AdamW on a GPU with plain tensors and the Triton backend, else
+    # torch's), "torch" (torch's: fused on a GPU), "triton" (xmoe's, or an error where it cannot run)
+    optimizer: str = "auto"
     # a step whose loss or gradient norm is not finite: 0 stops the run at once (the check rides on the logging
     # and checkpoint steps' existing host syncs); N > 0 skips up to N such steps in a row without updating the
     # weights (this needs one host sync per step) and stops at the (N+1)-th
@@ -97,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"train.compile ({self.compile!r}) must be 'auto', 'on' or 'off'")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"train.recompute ({self.recompute!r}) must be 'none', 'moe' or 'full'")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer ({self.optimizer!r}) must be 'auto', 'torch' or 'triton'")
         for name in ("steps", "global_batch_size", "seq_len", "lr", "log_every", "keep_last"):
             positive(name, getattr(self, name))
         if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit signed integer

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from xmoe.config import COMPILE_MODES, RECOMPUTE_MODES, RunConfig, add_kernel_arguments
+from xmoe.config import COMPILE_MODES, OPTIMIZERS, RECOMPUTE_MODES, RunConfig, add_kernel_arguments
 from xmoe.train.run_config import PAPER, TINY, build_run_config
 
 EXAMPLES = """examples:
@@ -101,6 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--recompute",
         choices=RECOMPUTE_MODES,
         help="activation recompute in backward: none (default), moe (MoE branches), full (every block)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        help="AdamW's implementation: auto (default: xmoe's Triton AdamW on one GPU or under DDP, torch's fused "
+        "AdamW under FSDP2 / expert parallelism, torch's on CPU), torch, triton",
     )
     p.add_argument("--device", default="auto", help="auto (GPU if present, default), cpu or cuda")
     p.add_argument(

@@ -117,16 +117,33 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     kernel_backend: str = "auto",
     casts: CastCache | None = None,
+    choice: str = "auto",
 ) -> torch.optim.Optimizer:
-    """The trainer's AdamW: ``TritonAdamW`` on a GPU with the Triton backend and plain tensors (one process, or
-    DDP), else torch's (fused on a GPU: FSDP2 and expert parallelism hold DTensors). ``casts`` only reach the
-    Triton one."""
+    """The trainer's AdamW (``choice``: train.optimizer). "auto": ``TritonAdamW`` on a GPU with the Triton backend
+    and plain tensors (one process, or DDP), else torch's (fused on a GPU: FSDP2 and expert parallelism hold
+    DTensors). "torch": torch's. "triton": xmoe's, or a ValueError saying why it cannot step these parameters
+    here. ``casts`` only reach the Triton one."""
     from xmoe.kernels import resolve_backend
+    from xmoe.kernels._common import interpreting
 
     params = [p for g in groups for p in g["params"]]
     plain = all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "to_local") for p in params)
+    if choice == "triton":
+        if not plain:
+            raise ValueError(
+                "train.optimizer='triton' steps contiguous fp32 plain tensors, and this run's parameters include "
+                "DTensors (FSDP2, expert or tensor parallelism): use train.optimizer='auto' or 'torch'"
+            )
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"train.optimizer='triton' runs on a GPU (or CPU tensors under TRITON_INTERPRET=1), not on "
+                f"{device.type}: use train.optimizer='auto' or 'torch'"
+            )
+    elif choice not in ("auto", "torch"):
+        raise ValueError(f"optimizer choice ({choice!r}) must be 'auto', 'torch' or 'triton'")
+    auto = choice == "auto" and device.type == "cuda" and plain and resolve_backend(kernel_backend, device) == "triton"
     optimizer: torch.optim.Optimizer
-    if device.type == "cuda" and plain and resolve_backend(kernel_backend, device) == "triton":
+    if choice == "triton" or auto:
         optimizer = TritonAdamW(groups, lr=lr, betas=betas, casts=casts)
     else:
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
@@ -140,3 +157,13 @@ def build_optimizer(
 
     optimizer.register_load_state_dict_post_hook(keep_implementation)
     return optimizer
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """What a run's header says of its optimizer."""
+    if isinstance(optimizer, TritonAdamW):
+        return "optimizer xmoe Triton AdamW" + (
+            " (writes the experts' next bf16 copies)" if optimizer.casts is not None else ""
+        )
+    fused = all(group.get("fused") for group in optimizer.param_groups)
+    return f"optimizer torch {type(optimizer).__name__}{' (fused)' if fused else ''}"

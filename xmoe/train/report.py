@@ -86,10 +86,12 @@ class Reporter:
         dataset: Any,
         preset: str,
         kernels: Any,
+        optimizer: str = "",
     ):
         self.run, self.out_dir, self.logger = run, out_dir, logger
         self.rank, self.world, self.device = rank, world, device
         self.dataset, self.preset, self.kernels = dataset, preset, kernels
+        self.optimizer = optimizer
         self.flop_dims = metrics.FlopDims.from_model_config(run.model, run.train.seq_len)
 
     def announce(self, n_params: int, micro_batch: int, accum: int, dp_size: int, compiled: bool, step: int) -> None:
@@ -103,7 +105,8 @@ class Reporter:
             f"{m.moe.num_shared_experts} shared), device {self.device}, {self.world} process(es)",
             f"data {self.run.data.path}: vocab {self.dataset.vocab_size}, seq {t.seq_len}, global batch "
             f"{t.global_batch_size} ({micro_batch} x {accum} micro-batches x {dp_size} ranks), "
-            f"compiled regions {'on' if compiled else 'off'}, recompute {t.recompute}",
+            f"compiled regions {'on' if compiled else 'off'}, recompute {t.recompute}"
+            + (f", {self.optimizer}" if self.optimizer else ""),
             self.kernels.describe(),
         ]
         floor = getattr(self.dataset, "loss_floor", None)

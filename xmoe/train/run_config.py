@@ -173,6 +173,7 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         "ckpt_every": args.ckpt_every,
         "compile": args.compile,
         "recompute": args.recompute,
+        "optimizer": getattr(args, "optimizer", None),
         "val_fraction": getattr(args, "val_fraction", None),
         "eval_every": getattr(args, "eval_every", None),
     }

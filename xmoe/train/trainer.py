@@ -41,7 +41,7 @@ from xmoe.train import checkpoint as ckpt
 from xmoe.train import checkpoint_dir, metrics, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
-from xmoe.train.optim import build_optimizer, lr_at, param_groups
+from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_groups
 from xmoe.train.report import Reporter, Window
 from xmoe.train.resume import fingerprint, resume_checkpoint
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
@@ -166,6 +166,7 @@ class Trainer:
             betas=(t.beta1, t.beta2),
             kernel_backend=run.model.moe.kernel_backend,
             casts=self.casts,
+            choice=t.optimizer,
         )
         self._params = [p for p in self.wrapped.parameters() if p.requires_grad]
         self.step = 0
@@ -184,6 +185,7 @@ class Trainer:
             dataset=self.dataset,
             preset=run.preset,
             kernels=self.kernels,
+            optimizer=describe_optimizer(self.optimizer),
         )
 
     def _load_data(self, run: RunConfig) -> None:
