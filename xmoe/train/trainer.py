@@ -11,9 +11,11 @@ Order of set-up (fixed, so every rank does the same thing):
      ep = tp = 1, uses DDP), then only this rank's shards allocated and initialised from the seed (the same global
      values at any layout) or, with ``run.init_from``, read from a Hugging Face directory; recompute and compiled
      regions
-  5. optimizer, then the resumed checkpoint loaded straight into the local shards
+  5. optimizer (xmoe.train.optim.build_optimizer: ``train.optimizer``), then the resumed checkpoint loaded straight
+     into the local shards
 Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, the routed experts' bf16 copies made
-once per step), clip and AdamW step (a fused AdamW clips in its own pass: xmoe.train.step), then the step's MoEStep
+once per step, on one GPU by the previous step's Triton AdamW), clip and AdamW step (the clip inside AdamW's own
+pass: xmoe.train.step), then the step's MoEStep
 finished (xmoe/moe/step.py: the auxiliary-loss-free bias update from loads summed over all ranks, so the bias stays
 identical everywhere), metrics every ``log_every`` steps (xmoe.train.report), the validation loss every
 ``eval_every`` steps and at the end when there is validation data
