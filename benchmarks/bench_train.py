@@ -38,6 +38,7 @@ CASES = {
     "moe4_b8_compiled": _case(4, 8, 4, "--compile", "on"),
     "moe4_b8_compiled_mb8": _case(4, 8, 8, "--compile", "on"),
     "moe4_b8_compiled_mb8_fp8": _case(4, 8, 8, "--compile", "on", "--fp8", "experts"),
+    "moe4_b8_compiled_mb8_torch_adamw": _case(4, 8, 8, "--compile", "on", "--optimizer", "torch"),
     # 8 layers, global batch 32 and 64
     "moe8_b32_compiled": _case(8, 32, 4, "--compile", "on"),
     "moe8_b64_eager": _case(8, 64, 8, "--compile", "off"),
