@@ -231,6 +231,9 @@ def test_the_optimizer_setting_chooses_or_refuses(monkeypatch):
     with pytest.raises(ValueError, match=r"include DTensors.*'auto' or 'torch'"):
         build_optimizer([{"params": [sharded]}], cuda, lr=1e-3, choice="triton")
     assert type(build_optimizer([{"params": [sharded]}], cuda, lr=1e-3)) is torch.optim.AdamW  # auto
+    half = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="other dtypes or layouts"):
+        build_optimizer([{"params": [half]}], cuda, lr=1e-3, choice="triton")
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     with pytest.raises(ValueError, match=r"runs on a GPU.*not on cpu"):
         build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")

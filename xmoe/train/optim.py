@@ -130,9 +130,11 @@ def build_optimizer(
     plain = all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "to_local") for p in params)
     if choice == "triton":
         if not plain:
+            sharded = any(hasattr(p, "to_local") for p in params)
+            what = "DTensors (FSDP2, expert or tensor parallelism)" if sharded else "other dtypes or layouts"
             raise ValueError(
-                "train.optimizer='triton' steps contiguous fp32 plain tensors, and this run's parameters include "
-                "DTensors (FSDP2, expert or tensor parallelism): use train.optimizer='auto' or 'torch'"
+                f"train.optimizer='triton' steps contiguous fp32 plain tensors, and this run's parameters include "
+                f"{what}: use train.optimizer='auto' or 'torch'"
             )
         if device.type != "cuda" and not interpreting():
             raise ValueError(
