@@ -14,6 +14,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ def bench_layer(
         x.grad = None
         layer(x).backward(grad)
 
-    result = {
+    result: dict[str, Any] = {
         "shape": shape,
         "tokens": num_tokens,
         "dispatcher": dispatcher,
@@ -128,40 +129,42 @@ def bench_layer(
     }
     choice = resolve_layer(cfg, kernels or KernelConfig(), num_tokens, device, dtype)
     result["kernels"] = choice.record()
-    with choice.applied():  # the kernels section, as a run's steps run under it
-        try:
-            result["saved_bytes"] = saved_activation_bytes(lambda: layer(x))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            from tqdm import tqdm
-
-            # one CPU call of a paper-sized layer takes seconds: show each warm-up and timed call as it finishes
-            progress = tqdm(
-                total=warmup + repeats,
-                desc=f"{dispatcher} {shape} T={num_tokens}",
-                unit="call",
-                leave=False,
-                disable=device.type == "cuda",
-            )
-
-            def counted():
-                step()
-                progress.update()
-
-            for _ in range(warmup):
-                counted()
-            ms = time_ms(counted, device, repeats)
-            progress.close()
-            if device.type == "cuda":
-                result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
-        except torch.OutOfMemoryError:
-            result["error"] = "out of memory"
-            return result
+    try:
+        with choice.applied():  # the kernels section, as a run's steps run under it
+            _measure(result, layer, x, step, device, warmup, repeats, f"{dispatcher} {shape} T={num_tokens}")
+    except torch.OutOfMemoryError:
+        result["error"] = "out of memory"
+        return result
     flops = 3 * 2 * num_tokens * top_k * hidden * 3 * ffn
-    result.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+    result["tflops"] = flops / (result["ms"] * 1e-3) / 1e12
     return result
+
+
+def _measure(out: dict, layer, x, step: Callable[[], None], device, warmup: int, repeats: int, desc: str) -> None:
+    """Into ``out`` as each is measured: saved_bytes (tensors one forward saves for backward), on a GPU
+    peak_extra_bytes (the peak above what was allocated before), ms (median of ``repeats`` calls of ``step`` after
+    ``warmup``)."""
+    from tqdm import tqdm
+
+    out["saved_bytes"] = saved_activation_bytes(lambda: layer(x))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    # one CPU call of a paper-sized layer takes seconds: show each warm-up and timed call as it finishes
+    progress = tqdm(total=warmup + repeats, desc=desc, unit="call", leave=False, disable=device.type == "cuda")
+
+    def counted():
+        step()
+        progress.update()
+
+    for _ in range(warmup):
+        counted()
+    ms = time_ms(counted, device, repeats)
+    progress.close()
+    if device.type == "cuda":
+        out["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    out["ms"] = ms
 
 
 def format_table(rows: list[dict]) -> str:
@@ -209,7 +212,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
     )
     check_fits(args.shape, args.tokens, device, dtype)
-    from xmoe.kernels.choice import KernelChoice
+    from xmoe.kernels.choice import describe_record
 
     kernels = kernel_config(args)
     rows = [
@@ -217,7 +220,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for d in ("pft", "padded")
     ]
     print(format_table(rows))
-    print(f"PFT {KernelChoice.from_record(rows[0]['kernels']).describe()}")
+    print(f"PFT {describe_record(rows[0]['kernels'])}")
     if all("ms" in r for r in rows):
         pft, padded = rows
         print(

@@ -37,17 +37,17 @@ class KernelChoice:
         """The kernels section and what it resolved to: {"wgrad": ..., "autotune": ..., "effective": {...}}."""
         return {**asdict(self.config), "effective": {"backend": self.backend, "wgrad": self.wgrad, "tiles": self.tiles}}
 
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> KernelChoice:
-        """The choice ``record()`` wrote."""
-        return cls(recorded_config({"kernels": record}), **record["effective"])
-
     def describe(self) -> str:
-        autotune = "on" if self.config.autotune else "off"
-        return (
-            f"kernels: backend {self.backend}, weight gradients {self.wgrad} (kernels.wgrad {self.config.wgrad}),"
-            f" tiles {self.tiles} (kernels.autotune {autotune})"
-        )
+        return describe_record(self.record())
+
+
+def describe_record(record: Mapping[str, Any]) -> str:
+    """The run header's line for a choice's ``record()`` (as a measurement or a checkpoint stores it)."""
+    effective = record["effective"]
+    return (
+        f"kernels: backend {effective['backend']}, weight gradients {effective['wgrad']} (kernels.wgrad "
+        f"{record['wgrad']}), tiles {effective['tiles']} (kernels.autotune {'on' if record['autotune'] else 'off'})"
+    )
 
 
 def resolve_choice(run: RunConfig, device: torch.device, dtype: torch.dtype) -> KernelChoice:

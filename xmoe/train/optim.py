@@ -33,6 +33,11 @@ def lr_at(step: int, t: TrainConfig) -> float:
     return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def steppable(p: torch.Tensor) -> bool:
+    """Whether TritonAdamW can step ``p``: a contiguous fp32 plain tensor (not a DTensor)."""
+    return p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "to_local")
+
+
 class TritonAdamW(torch.optim.AdamW):
     """torch's AdamW (the same hyperparameters, param groups, state and state_dict, so checkpoints load either
     way) whose step is one Triton pass per parameter (xmoe/kernels/adamw.py). It divides every gradient by the
@@ -56,7 +61,7 @@ class TritonAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         for group in self.param_groups:
             for p in group["params"]:
-                if p.dtype != torch.float32 or not p.is_contiguous() or hasattr(p, "to_local"):
+                if not steppable(p):
                     raise ValueError(
                         f"TritonAdamW steps contiguous fp32 plain tensors; got {p.dtype} of shape "
                         f"{tuple(p.shape)}{' (a DTensor)' if hasattr(p, 'to_local') else ''}: use torch.optim.AdamW"
@@ -127,7 +132,7 @@ def build_optimizer(
     from xmoe.kernels._common import interpreting
 
     params = [p for g in groups for p in g["params"]]
-    plain = all(p.dtype == torch.float32 and p.is_contiguous() and not hasattr(p, "to_local") for p in params)
+    plain = all(steppable(p) for p in params)
     if choice == "triton":
         if not plain:
             sharded = any(hasattr(p, "to_local") for p in params)

@@ -20,6 +20,7 @@ bytes; CPU: bytes of live tensor storages, counted by torch's MemTracker), the b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from xmoe.config import KernelConfig, ModelConfig, ParallelConfig, kernel_config
-from xmoe.kernels.choice import KernelChoice, resolve_layer
+from xmoe.kernels.choice import describe_record, resolve_layer
 from xmoe.model_config import KernelBackend
 from xmoe.moe.step import expert_casts
 from xmoe.parallel.build import build_model
@@ -75,12 +76,22 @@ class Measurement:
         return dataclasses.asdict(self) | {"note": NOTE}
 
 
-def _fake_world(world: int, rank: int) -> None:
+@contextlib.contextmanager
+def _world(simulate: bool, world: int, rank: int) -> Iterator[None]:
+    """With ``simulate``, a fake process group of ``world`` ranks in which this process is ``rank``, destroyed
+    after; else the process group this process already belongs to."""
+    if not simulate:
+        yield
+        return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a process group exists already; --measure simulates a world of its own")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _batches(
@@ -133,78 +144,73 @@ def measure_rank(
     tokens = micro_batch * seq_len // (parallel.tp if ssmb else 1)  # what the MoE blocks of a rank route
     dtype = torch.bfloat16 if autocast else torch.float32  # the trainer's, for its kernel choice
     choice = resolve_layer(cfg.moe, kernels or KernelConfig(), tokens, dev, dtype, ep=parallel.ep)
-    if simulate:
-        _fake_world(world, rank)
-    try:
-        with choice.applied():  # the run's kernels section, as the trainer's loop runs under it
-            dims = None
-            if world > 1:
-                dims = ParallelDims.from_config(
-                    parallel, world, rank=rank, node_size=parallel.gpus_per_node or world
-                ).build_mesh(dev.type)
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
-            tracker = MemTracker()
-            with tracker:
-                built = build_model(
-                    cfg,
-                    dev,
-                    dims,
-                    seed=seed,
-                    sequence_parallel=parallel.sequence_parallel,
-                    ssmb=ssmb,
-                    param_dtype=torch.bfloat16 if autocast else None,
-                    recompute=recompute,
-                )
-                if simulate:
-                    plan_counts(built.model, imbalance)
-                    keep_buckets(built.wrapped)
-                casts = expert_casts(built.model, torch.bfloat16) if autocast and world == 1 else None  # as the trainer
-                optimizer = build_optimizer(
-                    param_groups(built.wrapped, weight_decay),
-                    dev,
-                    lr=lr,
-                    kernel_backend=cfg.moe.kernel_backend,
-                    casts=casts,
-                )
-            params = [p for p in built.wrapped.parameters() if p.requires_grad]
-            batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
-
-            def one_step() -> None:
-                _, moe = forward_backward(
-                    built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1, cache=casts
-                )  # as the trainer
-                optimizer_step(optimizer, clip_gradients(optimizer, params, 1.0, dims)[1])
-                optimizer.zero_grad(set_to_none=True)
-                moe.finish()
-
-            one_step()  # warm-up: kernels compiled or tuned, AdamW's state allocated
-            tracker.track_external(built.wrapped, optimizer)
-            with tracker:
-                tracker.reset_mod_stats()
-                one_step()
-            _sync(dev)
-            start = time.perf_counter()
-            for _ in range(steps - 2):
-                one_step()
-            _sync(dev)
-            ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
-            # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
-            snapshot = next(
-                (
-                    kinds
-                    for where, kinds in tracker.get_tracker_snapshot("peak").items()
-                    if torch.device(where).type == dev.type
-                ),
-                {},
+    # the run's kernels section, as the trainer's loop runs under it
+    with _world(simulate, world, rank), choice.applied():
+        dims = None
+        if world > 1:
+            dims = ParallelDims.from_config(
+                parallel, world, rank=rank, node_size=parallel.gpus_per_node or world
+            ).build_mesh(dev.type)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        tracker = MemTracker()
+        with tracker:
+            built = build_model(
+                cfg,
+                dev,
+                dims,
+                seed=seed,
+                sequence_parallel=parallel.sequence_parallel,
+                ssmb=ssmb,
+                param_dtype=torch.bfloat16 if autocast else None,
+                recompute=recompute,
             )
-            by_kind = {
-                KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items() if str(k) != "Total"
-            }
-            peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
-    finally:
-        if simulate:
-            dist.destroy_process_group()
+            if simulate:
+                plan_counts(built.model, imbalance)
+                keep_buckets(built.wrapped)
+            casts = expert_casts(built.model, torch.bfloat16) if autocast and world == 1 else None  # as the trainer
+            optimizer = build_optimizer(
+                param_groups(built.wrapped, weight_decay),
+                dev,
+                lr=lr,
+                kernel_backend=cfg.moe.kernel_backend,
+                casts=casts,
+            )
+        params = [p for p in built.wrapped.parameters() if p.requires_grad]
+        batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
+
+        def one_step() -> None:
+            _, moe = forward_backward(
+                built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1, cache=casts
+            )  # as the trainer
+            optimizer_step(optimizer, clip_gradients(optimizer, params, 1.0, dims)[1])
+            optimizer.zero_grad(set_to_none=True)
+            moe.finish()
+
+        one_step()  # warm-up: kernels compiled or tuned, AdamW's state allocated
+        tracker.track_external(built.wrapped, optimizer)
+        with tracker:
+            tracker.reset_mod_stats()
+            one_step()
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(steps - 2):
+            one_step()
+        _sync(dev)
+        ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
+        # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
+        snapshot = next(
+            (
+                kinds
+                for where, kinds in tracker.get_tracker_snapshot("peak").items()
+                if torch.device(where).type == dev.type
+            ),
+            {},
+        )
+        by_kind = {
+            KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items() if str(k) != "Total"
+        }
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
     layout = dict(
         world=world,
         rank=rank,
@@ -312,7 +318,7 @@ def _table(r: dict[str, Any], note: str | None) -> str:
         f"MemoryBreakdown.tracker_parts); peak: "
         f"{'the caching allocator' if r['device'].startswith('cuda') else 'live tensor storages'}"
     )
-    lines.append(KernelChoice.from_record(r["kernels"]).describe())
+    lines.append(describe_record(r["kernels"]))
     lines.append(f"note: {NOTE}")
     if note:
         lines.append(note)
