@@ -23,6 +23,8 @@ slower than the tuned tiles with 1.2-1.3x their backward transient, and bench_ex
   triton_fp8        build_plan + fp8_experts.moe_experts_fp8 (moe.fp8 = "experts": FP8 GEMMs with 1x128 / 128x128
                     scales, bf16 weight gradients); the weights' FP8 copies are made once per optimizer step in
                     training, so outside the timed region (their time is the row's weight_quant_ms)
+  triton_fp8_pointers  triton_fp8 with every operand loaded through pointers (fp8_gemm.uses_tma off): what the
+                    FP8 kernels do on GPUs without TMA, and the baseline of its tensor-descriptor loads on Hopper
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
   grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the common torch MoE path)
@@ -65,6 +67,7 @@ CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large"
 METHODS = [
     "triton_fused",
     "triton_fp8",
+    "triton_fp8_pointers",
     "triton_fused_triton_wgrad",
     "triton_ops",
     "torch_backend",
@@ -131,7 +134,7 @@ def forward_fn(method, inp, E):
             return triton_ops.moe_experts(
                 x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2
             )
-    elif method == "triton_fp8":
+    elif method in ("triton_fp8", "triton_fp8_pointers"):
         from xmoe.kernels.fp8_experts import moe_experts_fp8
 
         fmt, qw = _fp8_weights(inp)
@@ -297,7 +300,9 @@ def memory_split(fwd, leaves, grad):
 def measure(method, inp, E, flops_fwd):
     fwd, leaves = forward_fn(method, inp, E)
     grad = {"dense_equiv": inp.get("grad_dense"), "bmm_ceiling": inp.get("grad_bmm")}.get(method, inp["grad"])
-    mode = triton_wgrad if method == "triton_fused_triton_wgrad" else contextlib.nullcontext
+    mode = {"triton_fused_triton_wgrad": triton_wgrad, "triton_fp8_pointers": pointer_loads}.get(
+        method, contextlib.nullcontext
+    )
 
     def fwd_only():
         with mode(), torch.no_grad():
@@ -318,7 +323,7 @@ def measure(method, inp, E, flops_fwd):
         row["held_gib"], row["bwd_transient_gib"] = held / 2**30, transient / 2**30
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] * 1e-9
         row["tflops"] = 3 * flops_fwd / row["fwd_bwd_ms"] * 1e-9
-        if method == "triton_fp8":
+        if method in ("triton_fp8", "triton_fp8_pointers"):
             row["weight_quant_ms"] = time_ms(lambda: _fp8_weights(inp))
     except torch.OutOfMemoryError as exc:
         row["error"] = "OOM: " + str(exc).split("\n")[0][:120]
@@ -333,6 +338,19 @@ def triton_wgrad():
     from xmoe.kernels import tiles
 
     return tiles.use_options(wgrad="triton")
+
+
+@contextlib.contextmanager
+def pointer_loads():
+    """The FP8 GEMMs' operands through pointers, even where TMA is there (the triton_fp8_pointers method)."""
+    from xmoe.kernels import fp8_gemm
+
+    uses_tma = fp8_gemm.uses_tma
+    fp8_gemm.uses_tma = lambda device: False
+    try:
+        yield
+    finally:
+        fp8_gemm.uses_tma = uses_tma
 
 
 def _kernel_calls(H, Fd, E, K, T, routing="uniform", with_grouped_mm=False):
@@ -569,6 +587,13 @@ def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"
 
 
 def main() -> int:
+    with contextlib.ExitStack() as stack:
+        if "--fp8-pointers" in sys.argv:
+            stack.enter_context(pointer_loads())
+        return _main()
+
+
+def _main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="small,medium,large")
     parser.add_argument("--tokens", default="8192,16384")
@@ -587,6 +612,11 @@ def main() -> int:
         "--check",
         action="store_true",
         help="run benchmarks/check_gpu.py's bf16 checks (every tile candidate) first; stop on failure",
+    )
+    parser.add_argument(
+        "--fp8-pointers",
+        action="store_true",
+        help="load every FP8 GEMM operand through pointers, also where TMA is there (a baseline for --sweep-fp8)",
     )
     parser.add_argument("--out", help="write results (and, unless XMOE_CACHE_DIR is set, the tuned tiles) here")
     parser.add_argument(
@@ -758,6 +788,7 @@ def main() -> int:
                 in (
                     "triton_fused",
                     "triton_fp8",
+                    "triton_fp8_pointers",
                     "triton_fused_triton_wgrad",
                     "grouped_mm_pipe",
                     "scaled_grouped_mm_pipe",

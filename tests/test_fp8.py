@@ -33,6 +33,24 @@ FMTS = sorted(FORMATS)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 
+@pytest.fixture(params=[False, True], ids=["pointers", "descriptors"])
+def tma(request, monkeypatch):
+    """The FP8 GEMMs' operands read through pointers, or (as on Hopper) through tensor descriptors; yields the
+    list of tensors that descriptors were made of."""
+    from xmoe.kernels import fp8_gemm
+
+    made = []
+
+    class Counted(fp8_gemm.TensorDescriptor):
+        def __post_init__(self):
+            super().__post_init__()
+            made.append(self.base)
+
+    monkeypatch.setattr(fp8_gemm, "uses_tma", lambda device: request.param)
+    monkeypatch.setattr(fp8_gemm, "TensorDescriptor", Counted)
+    return made if request.param else None
+
+
 def _rel(a, b):
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -130,7 +148,7 @@ def _plan(T, E, K, seed, capacity=None, experts=None):
 
 
 @pytest.mark.parametrize("gather", [True, False])
-def test_up_kernel_matches_float64_of_its_inputs(gather):
+def test_up_kernel_matches_float64_of_its_inputs(gather, tma):
     T, H, Fd, E, K = 23, 160, 136, 5, 2
     plan = _plan(T, E, K, seed=4, experts=4)  # expert 4 gets no rows
     x = _rows(T, H, seed=5)
@@ -166,9 +184,11 @@ def test_up_kernel_matches_float64_of_its_inputs(gather):
         xq, sx, tok, q1t, q3t, s1.transpose(1, 2), s3.transpose(1, 2), counts, False, "e4m3fn", torch.float32
     )
     assert h1n.shape == (0, Fd) and torch.equal(aq_n, aq)
+    if tma is not None:  # the up kernel reads through pointers even where descriptors are on
+        assert tma == []
 
 
-def test_grouped_mm_kernel_one_and_two_pairs_and_column_views():
+def test_grouped_mm_kernel_one_and_two_pairs_and_column_views(tma):
     T, H, Fd, E = 29, 160, 136, 4
     plan = _plan(T, E, 2, seed=8)
     counts, tok, N = plan.tokens_per_expert_E, plan.token_ids_N, plan.num_rows
@@ -190,8 +210,16 @@ def test_grouped_mm_kernel_one_and_two_pairs_and_column_views():
     )
     dx = fp8_grouped_mm(d1q, d1s, q1, s1, d3q, d3s, q3, s3, counts, torch.float32)
     assert _rel(dx, ref) < 1e-6
+    if tma is not None:  # gq's rows are gathered: only the weights by descriptor there, then all four here
+        assert [t.data_ptr() for t in tma] == [q2.data_ptr()] + [t.data_ptr() for t in (d1q, d3q, q1, q3)]
     part = fp8_grouped_mm(d1q, d1s, q1[:, 128:], s1[:, 1:], d3q, d3s, q3[:, 128:], s3[:, 1:], counts, torch.float32)
     assert _rel(part, ref[:, 128:]) < 1e-6
+    # a layout TMA does not take (a base 4 bytes past 16-byte alignment): that pair is read through pointers
+    odd = torch.empty(d1q.numel() + 1, dtype=d1q.dtype)[1:].view_as(d1q).copy_(d1q)
+    assert odd.data_ptr() % 16 != 0
+    assert torch.equal(fp8_grouped_mm(odd, d1s, q1, s1, d3q, d3s, q3, s3, counts, torch.float32), dx)
+    if tma is not None:
+        assert all(t.data_ptr() != odd.data_ptr() for t in tma)
 
 
 @pytest.mark.parametrize("reuse", [False, True])
@@ -251,7 +279,7 @@ LAYER_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(LAYER_CASES))
-def test_fused_fp8_layer_matches_float64_emulation(case):
+def test_fused_fp8_layer_matches_float64_emulation(case, tma):
     T, H, Fd, E, K, capacity, pool, fmt = LAYER_CASES[case]
     plan = _plan(T, E, K, seed=21, capacity=capacity, experts=pool)
     x, w, g = _rows(T, H, seed=22) * 1e-3, torch.rand(T, K, generator=_gen(23)), torch.randn(T, H, generator=_gen(24))
@@ -267,7 +295,7 @@ def test_fused_fp8_layer_matches_float64_emulation(case):
         assert torch.count_nonzero(got[3][plan.tokens_per_expert_E == 0]) == 0  # no rows: zero gradient
 
 
-def test_grouped_fp8_swiglu_matches_float64_emulation():
+def test_grouped_fp8_swiglu_matches_float64_emulation(tma):
     # grouped_swiglu_fp8 on rows N is the fused op on N tokens routed once each (K = 1, weight 1)
     H, Fd, E = 136, 160, 4
     counts = torch.tensor([7, 0, 12, 3])

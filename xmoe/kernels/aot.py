@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import triton
 
-from xmoe.kernels import tiles
+from xmoe.kernels import fp8_gemm, tiles
 from xmoe.kernels.aot_workloads import DEVICES, TARGETS, WORKLOADS, Device, Workload
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -168,7 +168,8 @@ def jit_kernels() -> dict[str, object]:
 @contextlib.contextmanager
 def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[None]:
     """Kernels record instead of launching; tile picks are the device's (untuned; weight gradients by the Triton
-    kernels, which the Hopper path skips only at some shapes)."""
+    kernels, which the Hopper path skips only at some shapes); the FP8 GEMMs read through tensor descriptors on
+    NVIDIA targets (all of them sm_90 here), as fp8_gemm.uses_tma has them there."""
     _, _, make_backend = _triton_internals()
     backend = make_backend(gpu_target(device.target))
     kernels = {id(fn): fn for fn in jit_kernels().values()}
@@ -190,12 +191,19 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
 
     budget_here = (device.max_shared, table)  # every device's budget while standing in
     tiles.pick, tiles.device_budget = recording_pick, lambda device: budget_here  # named as in device_budget
+    uses_tma, nvidia = fp8_gemm.uses_tma, device.target.startswith("cuda:")
+
+    def uses_tma_here(device: torch.device) -> bool:
+        return nvidia and fp8_gemm.TensorDescriptor is not None
+
+    fp8_gemm.uses_tma = uses_tma_here
     tiles.clear_memo()
     try:
         with tiles.use_options(autotune=False, wgrad="triton"):
             yield
     finally:
         tiles.pick, tiles.device_budget = pick, budget
+        fp8_gemm.uses_tma = uses_tma
         tiles.clear_memo()
         for module, name, obj in patched:
             setattr(module, name, obj)

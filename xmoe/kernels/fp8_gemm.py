@@ -13,11 +13,15 @@ the scales, are in fp8_gemm_kernels.py.
 The weight gradients stay in bf16 (grouped_wgrad.py): their reduction runs over each expert's rows, so FP8 operands
 would need 128 x 1 groups down the columns of gathered rows, i.e. another quantised copy of x[tok] and g[tok]
 that no producer here writes (docs/kernels.md, "FP8 experts").
-Tile maps and launch options are grouped_gemm.py's.
+Tile maps and launch options are grouped_gemm.py's. On NVIDIA GPUs with TMA (compute capability 9.0 and newer)
+fp8_grouped_mm's kernel reads the operands whose rows are not gathered (the weights, and a when it is
+expert-major) through tensor descriptors (``uses_tma``); elsewhere, for gathered rows and in the up kernel,
+through pointers.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -29,7 +33,46 @@ from xmoe.kernels.fp8_quant import FORMATS, GROUP, format_constexprs
 from xmoe.kernels.grouped_gemm import _launch_kwargs, tile_map
 from xmoe.kernels.tiles import TileConfig
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host-side tensor descriptors: pointer loads everywhere
+    TensorDescriptor = None
+
 FP8_DTYPES = tuple(f.dtype for f in FORMATS.values())
+
+
+@functools.cache
+def _has_tma(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def uses_tma(device: torch.device) -> bool:
+    """Whether fp8_grouped_mm's kernel on ``device`` reads its operands that are not gathered through tensor
+    descriptors: NVIDIA GPUs with TMA (sm_90 and newer), where the copies then take no registers or address
+    arithmetic (H200: ``benchmarks/results/sweep_tiles_fp8_tma.md``). AMD GPUs, Ada and the interpreter load
+    through pointers (the tests switch descriptors on under the interpreter, which runs them too)."""
+    if TensorDescriptor is None or device.type != "cuda":
+        return False
+    return _has_tma(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tma_layout(t: torch.Tensor) -> bool:
+    """Whether TMA takes t's layout: 16-byte aligned base and strides, unit last stride, no empty dimension."""
+    size = t.element_size()
+    return (
+        t.data_ptr() % 16 == 0
+        and t.stride(-1) == 1
+        and all(st * size % 16 == 0 for st in t.stride()[:-1])
+        and all(n > 0 for n in t.shape)
+    )
+
+
+def _descriptors(tensors: tuple[torch.Tensor, ...], block: list[int], on: bool) -> tuple[list, bool]:
+    """Tensor descriptors of the tensors, read in ``block`` tiles, and True; or the tensors themselves and False
+    where descriptors are off or one of them has a layout TMA does not take (a pair is read one way)."""
+    if not (on and all(_tma_layout(t) for t in tensors)):
+        return list(tensors), False
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in tensors], True
 
 
 def _format_of(q: torch.Tensor, fmt: str) -> dict:
@@ -175,16 +218,21 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
     if depth == 0:
         return c.zero_()
 
+    tma = uses_tma(a1.device)
+
     def launch(cfg: TileConfig) -> None:
         map_3T, _ = tile_map(counts_E, num_rows, cfg.block_m)
+        a_block, b_block = [cfg.block_m, cfg.block_k], [1, cfg.block_n, cfg.block_k]
+        a_pair, a_tma = _descriptors((a1,) if a2 is None else (a1, a2), a_block, tma and idx_N is None)
+        b_pair, b_tma = _descriptors((b1_ENK,) if b2_ENK is None else (b1_ENK, b2_ENK), b_block, tma)
         _fp8_grouped_mm_kernel[(map_3T.shape[1] * cdiv(width, cfg.block_n),)](
-            a1,
-            a2 if a2 is not None else a1,
+            a_pair[0],
+            a_pair[-1],
             sa1,
             sa2 if a2 is not None else sa1,
             idx_N if idx_N is not None else map_3T,
-            b1_ENK,
-            b2_ENK if a2 is not None else b1_ENK,
+            b_pair[0],
+            b_pair[-1],
             sb1,
             sb2 if a2 is not None else sb1,
             c,
@@ -200,6 +248,8 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
             *sb1.stride(),
             GATHER=idx_N is not None,
             HAS_SECOND=a2 is not None,
+            A_TMA=a_tma,
+            B_TMA=b_tma,
             EVEN_K=depth % cfg.block_k == 0,
             EVEN_N=width % cfg.block_n == 0,
             **_launch(cfg, a1.dtype),

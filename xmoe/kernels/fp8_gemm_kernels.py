@@ -17,7 +17,10 @@ block scale, into the fp32 result (BLOCK_K divides G, so a step never straddles 
 DeepSeek-V3 makes every 128 products, which also bounds the reduced-precision accumulation inside Hopper's FP8
 instructions. B is read K-major (its reduction dimension contiguous), the only layout Hopper's FP8 matrix
 instructions take; quantize_expert_weights keeps each weight in both layouts for that. Tile scheduling, row
-gathers and the absence of atomics are those of grouped_gemm_kernels.py.
+gathers and the absence of atomics are those of grouped_gemm_kernels.py. In _fp8_grouped_mm_kernel the operands
+whose rows are not gathered (the weights; a when expert-major) can come as tensor descriptors (A_TMA, B_TMA: on
+Hopper, TMA copies that take no registers or address arithmetic from the warps doing the products); the up
+kernel loads through pointers (with descriptors its 16-warp tile spills and ran slower at the medium shape).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def _fp8_dot(
     b_ptr,
     sb_ptr,
     src,
+    row0,
+    n0,
     e,
     offs_n,
     KA,
@@ -48,13 +53,19 @@ def _fp8_dot(
     stride_sbe,
     stride_sbn,
     stride_sbk,
+    A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """acc + sum over BLOCK_K steps of (a[src] b[e]^T over the step) * sa[src, group] * sb[e, n // G, group]."""
+    """acc + sum over BLOCK_K steps of (a[src] b[e]^T over the step) * sa[src, group] * sb[e, n // G, group].
+    A_TMA: a_ptr is a (rows, KA) tensor descriptor read from row0 (rows not gathered); B_TMA: b_ptr is an
+    (E, NC, KA) one, read from column n0. Descriptors fill what lies past their shape with zeros: their loads
+    need no masks."""
     e64 = e.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_offs = src[:, None] * stride_a + offs_k[None, :]
@@ -63,14 +74,22 @@ def _fp8_dot(
     sb_ptrs = sb_ptr + e64 * stride_sbe + (offs_n // GROUP) * stride_sbn
     for k in range((KA + BLOCK_K - 1) // BLOCK_K):
         grp = (k * BLOCK_K) // GROUP
-        if EVEN_K and EVEN_N:
+        k_left = KA - k * BLOCK_K
+        if A_TMA:
+            a = a_ptr.load([row0, k * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptr + a_offs)
+        else:
+            a = tl.load(a_ptr + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
+        if B_TMA:
+            b = b_ptr.load([e, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K and EVEN_N:
             b = tl.load(b_ptr + b_offs)
+        else:
+            b = tl.load(b_ptr + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < NC), other=0.0)
+        if EVEN_N:
             sb = tl.load(sb_ptrs + grp * stride_sbk)
         else:
-            k_left = KA - k * BLOCK_K
-            a = tl.load(a_ptr + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptr + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < NC), other=0.0)
             sb = tl.load(sb_ptrs + grp * stride_sbk, mask=offs_n < NC, other=0.0)
         sa = tl.load(sa_ptrs + grp)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION) * (sa[:, None] * sb[None, :])
@@ -127,7 +146,7 @@ def _fp8_up_fwd_kernel(
     e64 = e.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + src[:, None] * stride_x + offs_k[None, :]
+    x_offs = src[:, None] * stride_x + offs_k[None, :]
     w_offs = e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     sx_ptrs = sx_ptr + src * stride_sx
     s_offs = e64 * stride_se + pid_n * stride_sn
@@ -136,12 +155,12 @@ def _fp8_up_fwd_kernel(
     for k in range((H + BLOCK_K - 1) // BLOCK_K):
         grp = (k * BLOCK_K) // GROUP
         if EVEN_K and EVEN_N:
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptr + x_offs)
             w1 = tl.load(w1_ptr + w_offs)
             w3 = tl.load(w3_ptr + w_offs)
         else:
             k_left = H - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            x = tl.load(x_ptr + x_offs, mask=offs_k[None, :] < k_left, other=0.0)
             w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < F)
             w1 = tl.load(w1_ptr + w_offs, mask=w_mask, other=0.0)
             w3 = tl.load(w3_ptr + w_offs, mask=w_mask, other=0.0)
@@ -152,7 +171,7 @@ def _fp8_up_fwd_kernel(
         acc3 += (
             tl.dot(x, w3, input_precision=DOT_PRECISION) * (sx * tl.load(s3_ptr + s_offs + grp * stride_sk))[:, None]
         )
-        x_ptrs += BLOCK_K
+        x_offs += BLOCK_K
         w_offs += BLOCK_K
     a = acc1 / (1.0 + tl.exp(-acc1)) * acc3  # silu(h1) * h3; columns past F are 0 (masked loads)
     rows = offs_m.to(tl.int64)
@@ -171,12 +190,13 @@ def _fp8_up_fwd_kernel(
 def _fp8_grouped_mm_kernel(
     a1_ptr,
     a2_ptr,  # (N, KA) FP8, row stride stride_a, unit column stride; a1 is (T, KA) read at idx[n] when
-    #                  GATHER; a2 read when HAS_SECOND
+    #                  GATHER; a2 read when HAS_SECOND; (N, KA) tensor descriptors when A_TMA
     sa1_ptr,
     sa2_ptr,  # their scales: (rows, cdiv(KA, G)) fp32, row stride stride_sa
     idx_ptr,  # (N,) int32/int64 source row of each row (read when GATHER)
     b1_ptr,
-    b2_ptr,  # (E, NC, KA) FP8, K-major: strides (stride_be, stride_bn, unit), shared
+    b2_ptr,  # (E, NC, KA) FP8, K-major: strides (stride_be, stride_bn, unit), shared; (E, NC, KA) tensor
+    #                  descriptors when B_TMA
     sb1_ptr,
     sb2_ptr,  # block scales, [e, n // G, k // G] at strides (stride_sbe, stride_sbn, stride_sbk), shared
     c_ptr,  # (N, NC) activations' dtype, contiguous
@@ -194,6 +214,8 @@ def _fp8_grouped_mm_kernel(
     stride_sbk,
     GATHER: tl.constexpr,
     HAS_SECOND: tl.constexpr,
+    A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -209,6 +231,7 @@ def _fp8_grouped_mm_kernel(
     if e >= E:
         return
     row_end, offs_m, src = _row_tile(map_ptr, idx_ptr, num_tiles, pid_m, GATHER, BLOCK_M)
+    row0 = tl.load(map_ptr + num_tiles + pid_m)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _fp8_dot(
@@ -218,6 +241,8 @@ def _fp8_grouped_mm_kernel(
         b1_ptr,
         sb1_ptr,
         src,
+        row0,
+        pid_n * BLOCK_N,
         e,
         offs_n,
         KA,
@@ -229,8 +254,11 @@ def _fp8_grouped_mm_kernel(
         stride_sbe,
         stride_sbn,
         stride_sbk,
+        A_TMA,
+        B_TMA,
         EVEN_K,
         EVEN_N,
+        BLOCK_N,
         BLOCK_K,
         GROUP,
         DOT_PRECISION,
@@ -243,6 +271,8 @@ def _fp8_grouped_mm_kernel(
             b2_ptr,
             sb2_ptr,
             src,
+            row0,
+            pid_n * BLOCK_N,
             e,
             offs_n,
             KA,
@@ -254,8 +284,11 @@ def _fp8_grouped_mm_kernel(
             stride_sbe,
             stride_sbn,
             stride_sbk,
+            A_TMA,
+            B_TMA,
             EVEN_K,
             EVEN_N,
+            BLOCK_N,
             BLOCK_K,
             GROUP,
             DOT_PRECISION,
