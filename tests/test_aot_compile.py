@@ -111,7 +111,8 @@ def test_fp8_kernels_take_each_targets_format_and_tiles(rows):
     assert {r["target"] for r in fp8} == set(flavour)  # gfx90a has no fp8 matrix instructions
     for r in fp8:
         pointer, fp8_max, mma = flavour[r["target"]]
-        assert pointer in r["signature"].values(), _where(r)
+        descriptor = f"tensordesc<{pointer[1:]}["  # the operands fp8_gemm.uses_tma reads by TMA on sm_90
+        assert any(v == pointer or v.startswith(descriptor) for v in r["signature"].values()), _where(r)
         assert fp8_max in r["flags"] or "FP8_MAX" not in r["flags"], _where(r)
         if "BLOCK_K" in r["tile"]:
             assert r["ok"] and any(mma in m for m in r["mma"]), _where(r)
@@ -126,6 +127,15 @@ def test_fp8_kernels_take_each_targets_format_and_tiles(rows):
     }
     picked = {r["tile"] for r in fp8 if r["target"] == "hip:gfx942" and r["shipped"] and "BLOCK_K" in r["tile"]}
     assert picked and picked <= mi300x, picked - mi300x
+    # tensor descriptors: the grouped GEMM's ungathered operands on sm_90 only, never a gathered one, never on AMD
+    for r in fp8:
+        by_tma = {k for k, v in r["signature"].items() if v.startswith("tensordesc<")}
+        if r["target"] != "cuda:90" or r["kernel"] != "_fp8_grouped_mm_kernel":
+            assert not by_tma, _where(r)
+        elif "GATHER=True" in r["flags"]:
+            assert by_tma == {"b1_ptr", "b2_ptr"}, _where(r)
+        else:
+            assert by_tma == {"a1_ptr", "a2_ptr", "b1_ptr", "b2_ptr"}, _where(r)
 
 
 def test_the_spill_check_catches_a_huge_tile(tmp_path):
