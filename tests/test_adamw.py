@@ -137,7 +137,7 @@ def test_next_step_copies_are_written_taken_once_and_dropped_when_stale():
     cache = expert_casts(layer, torch.float16)
     optimizer = TritonAdamW(param_groups(layer, 0.1), lr=1e-2, casts=cache)
     _run(optimizer, layer, grads[:1])
-    assert len(cache) == 3  # one per expert weight stack, none for the router or other weights
+    assert cache.num_waiting() == 3  # one per expert weight stack, none for the router or other weights
     copies = {id(w): cache.waiting(w) for w in weights}
     for w in weights:
         assert torch.equal(copies[id(w)], w.detach().half())  # the updated weights, cast
@@ -148,7 +148,7 @@ def test_next_step_copies_are_written_taken_once_and_dropped_when_stale():
 
     casts = step_casts(cache)  # the step uses the written copies, not new casts
     assert all(c.data_ptr() == copies[id(w)].data_ptr() and c.is_leaf for c, w in zip(casts, weights, strict=True))
-    assert len(cache) == 0
+    assert cache.num_waiting() == 0
     again = step_casts(cache)  # a copy is handed out once: the next step casts
     assert all(c.data_ptr() != copies[id(w)].data_ptr() for c, w in zip(again, weights, strict=True))
     _run(optimizer, layer, grads[1:2])

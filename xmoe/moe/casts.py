@@ -25,8 +25,8 @@ class CastCache:
         self._wanted = {id(w): w for w in weights}
         self._copies: dict[int, tuple[torch.Tensor, int]] = {}
 
-    def __len__(self) -> int:
-        """The weights with a copy waiting."""
+    def num_waiting(self) -> int:
+        """How many weights have a copy waiting (a method, not ``__len__``: an empty cache stays truthy)."""
         return len(self._copies)
 
     def wants(self, weight: torch.Tensor) -> bool:

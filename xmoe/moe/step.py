@@ -154,6 +154,13 @@ class MoEStep:
         return totals
 
 
+def step_casts(model: nn.Module, autocast: bool, world: int) -> CastCache | None:
+    """The routed experts' bf16 copies an optimizer step writes for the next one, for a run that computes in bf16
+    on one process (where MoEStep(detach_casts=True) takes them); None otherwise (every forward casts). The trainer
+    and ``xmoe plan memory --measure`` both ask here."""
+    return expert_casts(model, torch.bfloat16) if autocast and world == 1 else None
+
+
 def expert_casts(model: nn.Module, dtype: torch.dtype) -> CastCache:
     """A CastCache for ``model``'s routed experts whose copies are casts to ``dtype``: weights of another dtype,
     plain tensors (DTensors are cast per forward), not FP8 experts (their copies are quantised in blocks)."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from xmoe.config import KernelConfig, ModelConfig, ParallelConfig, kernel_config
 from xmoe.kernels.choice import describe_record, resolve_layer
 from xmoe.model_config import KernelBackend
-from xmoe.moe.step import expert_casts
+from xmoe.moe.step import step_casts
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.simulated import keep_buckets, plan_counts
@@ -168,7 +168,7 @@ def measure_rank(
             if simulate:
                 plan_counts(built.model, imbalance)
                 keep_buckets(built.wrapped)
-            casts = expert_casts(built.model, torch.bfloat16) if autocast and world == 1 else None  # as the trainer
+            casts = step_casts(built.model, autocast, world)
             optimizer = build_optimizer(
                 param_groups(built.wrapped, weight_decay),
                 dev,

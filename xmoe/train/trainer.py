@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from xmoe.config import RunConfig
 from xmoe.kernels.choice import resolve_choice
-from xmoe.moe.step import MoEStep, StepStats, expert_casts
+from xmoe.moe.step import MoEStep, StepStats, step_casts
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.tensor import check_tensor_parallel
@@ -160,7 +160,7 @@ class Trainer:
         )
         self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
         # the copies the optimizer writes for the next step: the experts' detached bf16 path (one process)
-        self.casts = expert_casts(self.model, torch.bfloat16) if self.autocast and self.world == 1 else None
+        self.casts = step_casts(self.model, self.autocast, self.world)
         self.optimizer = build_optimizer(
             param_groups(self.wrapped, t.weight_decay),
             self.device,
