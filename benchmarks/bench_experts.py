@@ -23,7 +23,7 @@ slower than the tuned tiles with 1.2-1.3x their backward transient, and bench_ex
   triton_fp8        build_plan + fp8_experts.moe_experts_fp8 (moe.fp8 = "experts": FP8 GEMMs with 1x128 / 128x128
                     scales, bf16 weight gradients); the weights' FP8 copies are made once per optimizer step in
                     training, so outside the timed region (their time is the row's weight_quant_ms)
-  triton_fp8_pointers  triton_fp8 with every operand loaded through pointers (fp8_gemm.uses_tma off): what the
+  triton_fp8_pointers  triton_fp8 with every operand loaded through pointers (fp8_gemm.forced_tma(False)): what the
                     FP8 kernels do on GPUs without TMA, and the baseline of its tensor-descriptor loads on Hopper
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
@@ -340,17 +340,11 @@ def triton_wgrad():
     return tiles.use_options(wgrad="triton")
 
 
-@contextlib.contextmanager
 def pointer_loads():
     """The FP8 GEMMs' operands through pointers, even where TMA is there (the triton_fp8_pointers method)."""
     from xmoe.kernels import fp8_gemm
 
-    uses_tma = fp8_gemm.uses_tma
-    fp8_gemm.uses_tma = lambda device: False
-    try:
-        yield
-    finally:
-        fp8_gemm.uses_tma = uses_tma
+    return fp8_gemm.forced_tma(False)
 
 
 def _kernel_calls(H, Fd, E, K, T, routing="uniform", with_grouped_mm=False):
@@ -588,12 +582,10 @@ def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"
 
 def main() -> int:
     with contextlib.ExitStack() as stack:
-        if "--fp8-pointers" in sys.argv:
-            stack.enter_context(pointer_loads())
-        return _main()
+        return _main(stack)
 
 
-def _main() -> int:
+def _main(stack: contextlib.ExitStack) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default="small,medium,large")
     parser.add_argument("--tokens", default="8192,16384")
@@ -626,6 +618,8 @@ def _main() -> int:
         help="start no new (config, T, routing) cell after this many seconds of the whole run",
     )
     args = parser.parse_args()
+    if args.fp8_pointers:  # for the whole run
+        stack.enter_context(pointer_loads())
     start = time.perf_counter()
     if args.out:
         os.environ[RESULTS_ENV] = args.out  # harness.out_dir: this script's and check_gpu's files go there

@@ -45,7 +45,7 @@ def _load_by(monkeypatch, descriptors: bool):
             super().__post_init__()
             made.append(self.base)
 
-    monkeypatch.setattr(fp8_gemm, "uses_tma", lambda device: descriptors)
+    monkeypatch.setattr(fp8_gemm, "_forced_tma", descriptors)  # as fp8_gemm.forced_tma sets it
     monkeypatch.setattr(fp8_gemm, "TensorDescriptor", Counted)
     return made if descriptors else None
 

@@ -191,19 +191,12 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
 
     budget_here = (device.max_shared, table)  # every device's budget while standing in
     tiles.pick, tiles.device_budget = recording_pick, lambda device: budget_here  # named as in device_budget
-    uses_tma, nvidia = fp8_gemm.uses_tma, device.target.startswith("cuda:")
-
-    def uses_tma_here(device: torch.device) -> bool:
-        return nvidia and fp8_gemm.TensorDescriptor is not None
-
-    fp8_gemm.uses_tma = uses_tma_here
     tiles.clear_memo()
     try:
-        with tiles.use_options(autotune=False, wgrad="triton"):
+        with tiles.use_options(autotune=False, wgrad="triton"), fp8_gemm.forced_tma(device.target.startswith("cuda:")):
             yield
     finally:
         tiles.pick, tiles.device_budget = pick, budget
-        fp8_gemm.uses_tma = uses_tma
         tiles.clear_memo()
         for module, name, obj in patched:
             setattr(module, name, obj)

@@ -21,7 +21,9 @@ through pointers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -46,14 +48,34 @@ def _has_tma(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+_forced_tma: bool | None = None  # uses_tma's answer inside forced_tma, else None: the device's
+
+
 def uses_tma(device: torch.device) -> bool:
     """Whether fp8_grouped_mm's kernel on ``device`` reads its operands that are not gathered through tensor
     descriptors: NVIDIA GPUs with TMA (sm_90 and newer), where the copies then take no registers or address
     arithmetic (H200: ``benchmarks/results/sweep_tiles_fp8_tma.md``). AMD GPUs, Ada and the interpreter load
-    through pointers (the tests switch descriptors on under the interpreter, which runs them too)."""
-    if TensorDescriptor is None or device.type != "cuda":
+    through pointers, unless ``forced_tma`` says otherwise."""
+    if TensorDescriptor is None:
+        return False
+    if _forced_tma is not None:
+        return _forced_tma
+    if device.type != "cuda":
         return False
     return _has_tma(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@contextlib.contextmanager
+def forced_tma(on: bool) -> Iterator[None]:
+    """``uses_tma`` answers ``on`` for every device inside (where Triton has tensor descriptors): pointer-load
+    baselines on Hopper (benchmarks/bench_experts.py), the stand-in GPUs of the compile reports (aot.py), and
+    descriptors under the interpreter (tests)."""
+    global _forced_tma
+    before, _forced_tma = _forced_tma, on
+    try:
+        yield
+    finally:
+        _forced_tma = before
 
 
 def _tma_layout(t: torch.Tensor) -> bool:
