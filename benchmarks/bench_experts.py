@@ -25,6 +25,7 @@ slower than the tuned tiles with 1.2-1.3x their backward transient, and bench_ex
                     training, so outside the timed region (their time is the row's weight_quant_ms)
   triton_fp8_pointers  triton_fp8 with every operand loaded through pointers (fp8_gemm.forced_tma(False)): what the
                     FP8 kernels do on GPUs without TMA, and the baseline of its tensor-descriptor loads on Hopper
+  triton_fp8_wgrad  triton_fp8 with its weight gradients in FP8 too (kernels.wgrad = "fp8": fp8_wgrad.py)
   triton_ops        build_plan + gather_rows -> grouped_swiglu -> combine_rows, Triton backend
   torch_backend     build_plan + reference.py (torch._grouped_mm on CUDA bf16, k-ordered combine)
   grouped_mm_pipe   argsort + gather + 3 x torch._grouped_mm + index_add (the common torch MoE path)
@@ -64,10 +65,12 @@ import torch.nn.functional as F
 from benchmarks.harness import RESULTS_ENV, environment, kernel_gaps, peak_extra_bytes, time_ms, write_results
 
 CONFIGS = {"small": (2048, 1408, 64, 6), "medium": (5120, 1536, 128, 6), "large": (7168, 2048, 256, 8)}
+FP8_METHODS = ("triton_fp8", "triton_fp8_pointers", "triton_fp8_wgrad")
 METHODS = [
     "triton_fused",
     "triton_fp8",
     "triton_fp8_pointers",
+    "triton_fp8_wgrad",
     "triton_fused_triton_wgrad",
     "triton_ops",
     "torch_backend",
@@ -134,7 +137,7 @@ def forward_fn(method, inp, E):
             return triton_ops.moe_experts(
                 x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2
             )
-    elif method in ("triton_fp8", "triton_fp8_pointers"):
+    elif method in FP8_METHODS:
         from xmoe.kernels.fp8_experts import moe_experts_fp8
 
         fmt, qw = _fp8_weights(inp)
@@ -300,9 +303,12 @@ def memory_split(fwd, leaves, grad):
 def measure(method, inp, E, flops_fwd):
     fwd, leaves = forward_fn(method, inp, E)
     grad = {"dense_equiv": inp.get("grad_dense"), "bmm_ceiling": inp.get("grad_bmm")}.get(method, inp["grad"])
-    mode = {"triton_fused_triton_wgrad": triton_wgrad, "triton_fp8_pointers": pointer_loads}.get(
-        method, contextlib.nullcontext
-    )
+    modes = {
+        "triton_fused_triton_wgrad": triton_wgrad,
+        "triton_fp8_pointers": pointer_loads,
+        "triton_fp8_wgrad": fp8_weight_grads,
+    }
+    mode = modes.get(method, contextlib.nullcontext)
 
     def fwd_only():
         with mode(), torch.no_grad():
@@ -323,7 +329,7 @@ def measure(method, inp, E, flops_fwd):
         row["held_gib"], row["bwd_transient_gib"] = held / 2**30, transient / 2**30
         row["fwd_tflops"] = flops_fwd / row["fwd_ms"] * 1e-9
         row["tflops"] = 3 * flops_fwd / row["fwd_bwd_ms"] * 1e-9
-        if method in ("triton_fp8", "triton_fp8_pointers"):
+        if method in FP8_METHODS:
             row["weight_quant_ms"] = time_ms(lambda: _fp8_weights(inp))
     except torch.OutOfMemoryError as exc:
         row["error"] = "OOM: " + str(exc).split("\n")[0][:120]
@@ -338,6 +344,12 @@ def triton_wgrad():
     from xmoe.kernels import tiles
 
     return tiles.use_options(wgrad="triton")
+
+
+def fp8_weight_grads():
+    from xmoe.kernels import tiles
+
+    return tiles.use_options(wgrad="fp8")
 
 
 def pointer_loads():
@@ -452,6 +464,7 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
     from xmoe.dispatch.routing import build_plan
     from xmoe.kernels.fp8_gemm import _fp8_mm, fp8_grouped_mm, fp8_swiglu_up_fwd
     from xmoe.kernels.fp8_quant import quantize_rows
+    from xmoe.kernels.fp8_wgrad import column_groups, fp8_wgrad, quantize_cols
 
     inp = make_inputs(H, Fd, E, K, T, routing)
     p = build_plan(inp["ids"], inp["scores"], E)
@@ -475,6 +488,9 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
     )
     h1, _, aq, sa = fp8_swiglu_up_fwd(*up)
     dq, ds = quantize_rows(h1, fmt)  # stands in for dh1, dh3 (same shape and scales' layout)
+    groups = column_groups(counts, tok.shape[0])
+    xq_t, sx_t = quantize_cols(x, tok, *groups, fmt)
+    hq_t, sh_t = quantize_cols(h1, None, *groups, fmt)  # stands in for dh1
     return {
         "fp8_up": (2, lambda: fp8_swiglu_up_fwd(*up)),
         "fp8_mm": (
@@ -486,13 +502,15 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
             1,
             lambda: _fp8_mm(gq, sg, qw.w2_EFH, qw.scale2, None, None, None, None, counts, tok, bf, "fp8_down_bwd"),
         ),
+        "fp8_wgrad": (1, lambda: fp8_wgrad(xq_t, sx_t, hq_t, sh_t, groups.bounds_3E, fmt, bf)),  # dW1 = x[tok]^T dh1
         "quantize_x": (0, lambda: quantize_rows(x, fmt)),
+        "quantize_cols_x": (0, lambda: quantize_cols(x, tok, *groups, fmt)),  # x[tok] down its columns, for dW1
     }
 
 
-def sweep(configs=("small", "medium", "large"), T=16384, fp8=False):
+def sweep(configs=("small", "medium", "large"), T=16384, fp8=False, only=None):
     """Time every tile candidate of every kernel (tiles.CANDIDATES) in its fused-path use, per config: the bf16
-    kernels, or with fp8 the FP8 ones (with TFLOP/s, 2*T*K*H*F per product)."""
+    kernels, or with fp8 the FP8 ones (with TFLOP/s, 2*T*K*H*F per product); ``only``: those kernels alone."""
     from xmoe.kernels import tiles
 
     rows = []
@@ -503,6 +521,8 @@ def sweep(configs=("small", "medium", "large"), T=16384, fp8=False):
         else:
             calls = {k: (0, fn) for k, fn in _kernel_calls(H, Fd, E, K, T).items()}
         for kernel, (products, call) in calls.items():
+            if only and kernel not in only:
+                continue
             for cand in tiles.CANDIDATES.get(kernel, [None]):
                 row = {"config": name, "kernel": kernel, "tile": str(tuple(vars(cand).values())) if cand else ""}
                 try:
@@ -596,6 +616,10 @@ def _main(stack: contextlib.ExitStack) -> int:
     parser.add_argument("--profile-method", default="triton_fused", help="the method --profile profiles")
     parser.add_argument("--sweep-fp8", action="store_true", help="time every tile candidate of the FP8 kernels first")
     parser.add_argument(
+        "--sweep-kernels",
+        help="with --sweep-fp8: only these kernels (comma-separated, e.g. fp8_wgrad,quantize_cols_x)",
+    )
+    parser.add_argument(
         "--per-gemm",
         action="store_true",
         help="time each GEMM of the fused path alone beside torch._grouped_mm (T=16384) first",
@@ -652,7 +676,9 @@ def _main(stack: contextlib.ExitStack) -> int:
     if args.sweep_fp8:
         write_results(
             "sweep_tiles_fp8",
-            sweep(args.configs.split(","), fp8=True),
+            sweep(
+                args.configs.split(","), fp8=True, only=args.sweep_kernels.split(",") if args.sweep_kernels else None
+            ),
             ["config", "kernel", "tile", "ms", "tflops", "error"],
             meta,
             "Tile candidates of the FP8 kernels, each in its fused-path use (T=16384)",
@@ -783,6 +809,7 @@ def _main(stack: contextlib.ExitStack) -> int:
                     "triton_fused",
                     "triton_fp8",
                     "triton_fp8_pointers",
+                    "triton_fp8_wgrad",
                     "triton_fused_triton_wgrad",
                     "grouped_mm_pipe",
                     "scaled_grouped_mm_pipe",

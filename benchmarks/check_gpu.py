@@ -238,7 +238,7 @@ def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt):
 
 def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
     from xmoe.dispatch.routing import build_plan
-    from xmoe.kernels import reference
+    from xmoe.kernels import reference, tiles
 
     R = _fp8_reference_module()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -261,7 +261,16 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
     bf16 = _run(reference, False, xb, wf, *(t.to(torch.bfloat16) for t in (w1, w3, w2)), plan, grad_out)
     names = ["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"]
     results, ok = {}, True
+    emu_wgrad = R.moe_experts_fp8(
+        xb, wf, plan, w1.float(), w3.float(), w2.float(), grad_out.to(torch.bfloat16), fmt, torch.bfloat16, True
+    )
     runs = {"fused": lambda: _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)}
+
+    def fp8_wgrad_run():  # kernels.wgrad = "fp8": the weight gradients in FP8 too, against their own emulation
+        with tiles.use_options(wgrad="fp8"):
+            return _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)
+
+    runs["fused.fp8_wgrad"] = fp8_wgrad_run
     if name == "odd_shapes":
         runs["grouped"] = lambda: _run_fp8(False, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)
     if name == "medium_model":
@@ -280,7 +289,7 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
             results[f"{label}.skipped"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             print(f"     {name} {label}: skipped, {results[f'{label}.skipped']}")
             continue
-        for n, g, r, e, b in zip(names, got, ref, emu, bf16, strict=False):
+        for n, g, r, e, b in zip(names, got, ref, emu_wgrad if label == "fused.fp8_wgrad" else emu, bf16, strict=False):
             if label == "grouped" and n == "grad_weights":
                 e = r  # the grouped path quantises the weighted gradient rows: not the fused emulation's
             err, err_emu = _rel(g, r), _rel(g, e)
@@ -337,6 +346,16 @@ def main_fp8() -> tuple[bool, dict]:
             f"deterministic={info['deterministic']} [{time.perf_counter() - start:.0f} s]",
             flush=True,
         )
+        weight_errs = {
+            label: max(info["errors"][f"{label}.grad_w{i}"]["err"] for i in (1, 2, 3))
+            for label in ("fused", "fused.fp8_wgrad")
+            if f"{label}.grad_w1" in info["errors"]
+        }
+        if len(weight_errs) == 2:
+            print(
+                f"     weight gradients vs exact: bf16 {weight_errs['fused']:.2e}, "
+                f"FP8 (kernels.wgrad=fp8) {weight_errs['fused.fp8_wgrad']:.2e}"
+            )
         if not ok:
             for k, v in info["errors"].items():
                 if isinstance(v, dict) and not v["pass"]:

@@ -13,3 +13,14 @@ import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402  (after the environment above)
+
+
+@pytest.fixture(params=[False, True], ids=["pointers", "descriptors"])
+def tma(request, monkeypatch):
+    """The FP8 kernel tests twice: operands through pointers, and through tensor descriptors (as on Hopper); the
+    value lists the tensors descriptors were made of (None for pointers)."""
+    import fp8_reference
+
+    return fp8_reference.load_by(monkeypatch, request.param)

@@ -46,6 +46,31 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.double() * scale.double().repeat_interleave(G, dim=1)[:, : q.shape[1]]
 
 
+def quantize_cols(rows_N: torch.Tensor, counts_E: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_CP, scale_JC) of expert-major rows in G x 1 groups down each column, every expert's rows starting a new
+    group (its last one zero-padded to G rows): group j's rows are columns j*G .. j*G + G - 1 of q, in expert
+    order. Only the groups that hold rows (the kernel's layout also has unwritten slots past them)."""
+    qs, scales, start = [], [], 0
+    for n in counts_E.tolist():
+        for g0 in range(0, n, G):
+            block = rows_N[start + g0 : start + min(g0 + G, n)].T  # (C, rows of the group)
+            padded = torch.zeros(block.shape[0], G, dtype=torch.float32)
+            padded[:, : block.shape[1]] = block.float()
+            q, s = quantize_rows(padded, fmt)  # one 1 x G group per column of the rows
+            qs.append(q)
+            scales.append(s[:, 0])
+        start += n
+    cols = rows_N.shape[1]
+    if not qs:
+        return torch.zeros(cols, 0, dtype=torch.float64), torch.zeros(0, cols, dtype=torch.float64)
+    return torch.cat(qs, 1), torch.stack(scales)
+
+
+def dequantize_cols(q_CP: torch.Tensor, scale_JC: torch.Tensor) -> torch.Tensor:
+    """The (C, P) values of quantize_cols' layout (q times its group's scale)."""
+    return q_CP.double() * scale_JC.double().T.repeat_interleave(G, dim=1)
+
+
 def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): G x G blocks of each expert's matrix."""
     w = w_ERC.float()
@@ -102,12 +127,23 @@ def _combine(rows_N, row_of_slot_TK, weights_TK=None):
     return out
 
 
-def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt, act_dtype=None):
+def fake_quant_cols(rows_N: torch.Tensor, counts_E: torch.Tensor, fmt: str) -> torch.Tensor:
+    """rows_N (expert-major) through quantize_cols and back, in its own layout (float64)."""
+    deq = dequantize_cols(*quantize_cols(rows_N, counts_E, fmt))
+    cols, start = [], 0
+    for n in counts_E.tolist():
+        cols.append(deq[:, start : start + n])
+        start += -(-n // G) * G
+    return torch.cat(cols, 1).T if cols else rows_N.double()
+
+
+def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt, act_dtype=None, fp8_wgrad=False):
     """(out, dx, d_weights, dw1, dw3, dw2) of the fused FP8 experts, float64: the GEMMs of the forward and of the
     input gradient on fake-quantised operands (x, a, grad_out, dh1, dh3 in 1 x G groups; weights in G x G blocks),
-    the weight gradients on unquantised ones, as xmoe/kernels/fp8_experts.py defines them. act_dtype (bf16 on a
-    GPU): also round where the kernels store in the activations' dtype (h1, h3, the y and dx rows, da, the
-    weight gradients' operands and results, the outputs)."""
+    the weight gradients on unquantised ones (fp8_wgrad: on operands fake-quantised in G x 1 groups of each
+    expert's rows), as xmoe/kernels/fp8_experts.py defines them. act_dtype (bf16 on a GPU): also round where the
+    kernels store in the activations' dtype (h1, h3, the y and dx rows, da, the weight gradients' operands and
+    results, the outputs)."""
     rnd = (lambda t: t.to(act_dtype).double()) if act_dtype is not None else (lambda t: t)
     tok, counts = plan.token_ids_N, plan.tokens_per_expert_E
     w1q, w3q, w2q = (fake_quant_blocks(w, fmt) for w in (w1, w3, w2))
@@ -131,7 +167,26 @@ def moe_experts_fp8(x_TH, weights_TK, plan, w1, w3, w2, grad_TH, fmt, act_dtype=
         fake_quant_rows(dh3, fmt), w3q.transpose(1, 2), counts
     )
     dx = rnd(_combine(rnd(dx_rows), plan.row_of_slot_TK))
-    dw2 = rnd(_per_expert_wgrad(rnd(a * row_w), g[tok], counts))
+    wq = (lambda t: fake_quant_cols(t, counts, fmt)) if fp8_wgrad else (lambda t: t)
+    dw2 = rnd(_per_expert_wgrad(wq(rnd(a * row_w)), wq(g[tok]), counts))
     dh1, dh3 = rnd(dh1), rnd(dh3)
-    dw1, dw3 = rnd(_per_expert_wgrad(x[tok], dh1, counts)), rnd(_per_expert_wgrad(x[tok], dh3, counts))
+    xw = wq(x[tok])
+    dw1, dw3 = rnd(_per_expert_wgrad(xw, wq(dh1), counts)), rnd(_per_expert_wgrad(xw, wq(dh3), counts))
     return out, dx, d_weights.view_as(weights_TK), dw1, dw3, dw2
+
+
+def load_by(monkeypatch, descriptors: bool):
+    """The FP8 GEMMs' operands read through pointers, or (as on Hopper) through tensor descriptors; returns the
+    list of tensors that descriptors were made of (None for pointers). Not a reference: the FP8 tests' switch."""
+    from xmoe.kernels import fp8_gemm
+
+    made = []
+
+    class Counted(fp8_gemm.TensorDescriptor):
+        def __post_init__(self):
+            super().__post_init__()
+            made.append(self.base)
+
+    monkeypatch.setattr(fp8_gemm, "_forced_tma", descriptors)  # as fp8_gemm.forced_tma sets it
+    monkeypatch.setattr(fp8_gemm, "TensorDescriptor", Counted)
+    return made if descriptors else None

@@ -22,7 +22,7 @@ import torch
 
 from xmoe import MoEConfig, MoELayer
 from xmoe.dispatch.routing import build_plan
-from xmoe.kernels import fp8_quant
+from xmoe.kernels import fp8_quant, tiles
 from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
 from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd
 from xmoe.kernels.fp8_quant import FORMATS, quantize_blocks, quantize_expert_weights, quantize_rows
@@ -31,28 +31,6 @@ FMTS = sorted(FORMATS)
 # rows up to 1e4 in magnitude drive exp(-h1) past fp32's range in the interpreter's numpy (silu is then exactly 0
 # or h1, as on a GPU)
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-
-
-def _load_by(monkeypatch, descriptors: bool):
-    """The FP8 GEMMs' operands read through pointers, or (as on Hopper) through tensor descriptors; returns the
-    list of tensors that descriptors were made of (None for pointers)."""
-    from xmoe.kernels import fp8_gemm
-
-    made = []
-
-    class Counted(fp8_gemm.TensorDescriptor):
-        def __post_init__(self):
-            super().__post_init__()
-            made.append(self.base)
-
-    monkeypatch.setattr(fp8_gemm, "_forced_tma", descriptors)  # as fp8_gemm.forced_tma sets it
-    monkeypatch.setattr(fp8_gemm, "TensorDescriptor", Counted)
-    return made if descriptors else None
-
-
-@pytest.fixture(params=[False, True], ids=["pointers", "descriptors"])
-def tma(request, monkeypatch):
-    return _load_by(monkeypatch, request.param)
 
 
 def _rel(a, b):
@@ -192,7 +170,19 @@ def test_up_kernel_matches_float64_of_its_inputs(gather, tma):
         assert tma == []
 
 
-def test_grouped_mm_kernel_one_and_two_pairs_and_column_views(tma):
+@pytest.fixture(params=[False, True], ids=["one_tile", "halves"])
+def halves(request):
+    """The FP8 grouped GEMM's tiles as the interpreter runs them (32 columns), or 256 columns wide, which the kernel
+    computes as two 128-column halves (_fp8_dot_halves): here a full scale block and a ragged one."""
+    if not request.param:
+        yield False
+        return
+    wide = tiles.TileConfig(32, 256, 32, 4, 1)
+    with tiles.force(dict.fromkeys(("fp8_mm", "fp8_dx", "fp8_down_bwd"), wide)):
+        yield True
+
+
+def test_grouped_mm_kernel_one_and_two_pairs_and_column_views(tma, halves):
     T, H, Fd, E = 29, 160, 136, 4
     plan = _plan(T, E, 2, seed=8)
     counts, tok, N = plan.tokens_per_expert_E, plan.token_ids_N, plan.num_rows
@@ -283,16 +273,19 @@ LAYER_CASES = {
 
 
 @pytest.mark.parametrize(
-    "case,descriptors", [(c, False) for c in sorted(LAYER_CASES)] + [("drops_and_empty_experts", True)]
+    "case,descriptors,wgrad",
+    [(c, False, "auto") for c in sorted(LAYER_CASES)]
+    + [("drops_and_empty_experts", True, "auto"), ("drops_and_empty_experts", False, "fp8")],
 )
-def test_fused_fp8_layer_matches_float64_emulation(case, descriptors, monkeypatch):
-    _load_by(monkeypatch, descriptors)  # descriptors at one case: the kernel tests above cover both paths
+def test_fused_fp8_layer_matches_float64_emulation(case, descriptors, wgrad, monkeypatch):
+    R.load_by(monkeypatch, descriptors)  # descriptors at one case: the kernel tests above cover both paths
     T, H, Fd, E, K, capacity, pool, fmt = LAYER_CASES[case]
     plan = _plan(T, E, K, seed=21, capacity=capacity, experts=pool)
     x, w, g = _rows(T, H, seed=22) * 1e-3, torch.rand(T, K, generator=_gen(23)), torch.randn(T, H, generator=_gen(24))
     w1, w3, w2 = _weights(E, H, Fd, 25), _weights(E, H, Fd, 26), _weights(E, Fd, H, 27)
-    got = _fused_call(x, w, plan, w1, w3, w2, g, fmt)
-    ref = R.moe_experts_fp8(x, w, plan, w1, w3, w2, g, fmt)
+    with tiles.use_options(wgrad=wgrad):  # "fp8": the weight gradients in FP8 too (fp8_wgrad.py)
+        got = _fused_call(x, w, plan, w1, w3, w2, g, fmt)
+    ref = R.moe_experts_fp8(x, w, plan, w1, w3, w2, g, fmt, fp8_wgrad=wgrad == "fp8")
     names = ["out", "dx", "d_weights", "dw1", "dw3", "dw2"]
     for name, a, b in zip(names, got, ref, strict=False):
         assert a.shape == b.shape, name
@@ -302,7 +295,9 @@ def test_fused_fp8_layer_matches_float64_emulation(case, descriptors, monkeypatc
         assert torch.count_nonzero(got[3][plan.tokens_per_expert_E == 0]) == 0  # no rows: zero gradient
 
 
-def test_grouped_fp8_swiglu_matches_float64_emulation(tma):
+@pytest.mark.parametrize("descriptors,wgrad", [(False, "auto"), (True, "auto"), (False, "fp8")])
+def test_grouped_fp8_swiglu_matches_float64_emulation(descriptors, wgrad, monkeypatch):
+    R.load_by(monkeypatch, descriptors)
     # grouped_swiglu_fp8 on rows N is the fused op on N tokens routed once each (K = 1, weight 1)
     H, Fd, E = 136, 160, 4
     counts = torch.tensor([7, 0, 12, 3])
@@ -313,9 +308,11 @@ def test_grouped_fp8_swiglu_matches_float64_emulation(tma):
     x, g = _rows(N, H, seed=28) * 1e-2, torch.randn(N, H, generator=_gen(29))
     w1, w3, w2 = _weights(E, H, Fd, 30), _weights(E, H, Fd, 31), _weights(E, Fd, H, 32)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
-    y = grouped_swiglu_fp8(leaves[0], *leaves[1:], counts, quantize_expert_weights(w1, w3, w2, "e4m3fn"), "e4m3fn")
-    got = [y] + list(torch.autograd.grad(y, leaves, g))
-    out, dx, _, dw1, dw3, dw2 = R.moe_experts_fp8(x, torch.ones(N, 1), plan, w1, w3, w2, g, "e4m3fn")
+    with tiles.use_options(wgrad=wgrad):
+        y = grouped_swiglu_fp8(leaves[0], *leaves[1:], counts, quantize_expert_weights(w1, w3, w2, "e4m3fn"), "e4m3fn")
+        got = [y] + list(torch.autograd.grad(y, leaves, g))
+    ones = torch.ones(N, 1)
+    out, dx, _, dw1, dw3, dw2 = R.moe_experts_fp8(x, ones, plan, w1, w3, w2, g, "e4m3fn", fp8_wgrad=wgrad == "fp8")
     for name, a, b in zip(["y", "dx", "dw1", "dw3", "dw2"], got, [out, dx, dw1, dw3, dw2], strict=False):
         assert _rel(a, b) < 1e-5, (name, _rel(a, b))
 
@@ -342,7 +339,8 @@ def _layer_grads(layer, x, g):
     }
 
 
-def test_fp8_layer_close_to_unquantised_layer():
+@pytest.mark.parametrize("wgrad", ["auto", "fp8"])
+def test_fp8_layer_close_to_unquantised_layer(wgrad):
     torch.manual_seed(0)
     kw = dict(hidden_size=256, ffn_hidden_size=192, num_experts=4, top_k=2, num_shared_experts=0)
     exact = MoELayer(MoEConfig(**kw, kernel_backend="torch"))
@@ -350,10 +348,12 @@ def test_fp8_layer_close_to_unquantised_layer():
     fp8.load_state_dict(exact.state_dict())
     assert fp8.experts.fp8 and "fp8=experts" in repr(fp8)
     x, g = torch.randn(2, 24, 256, generator=_gen(33)), torch.randn(2, 24, 256, generator=_gen(34))
-    want, got = _layer_grads(exact, x, g), _layer_grads(fp8, x, g)
+    want = _layer_grads(exact, x, g)
+    with tiles.use_options(wgrad=wgrad):
+        got = _layer_grads(fp8, x, g)
+    errs = {name: _rel(got[name], want[name]) for name in FP8_BOUND}
     for name, bound in FP8_BOUND.items():
-        err = _rel(got[name], want[name])
-        assert 1e-3 < err < bound, (name, err)  # quantised (not exact), and within the stated bound
+        assert 1e-3 < errs[name] < bound, (name, errs[name])  # quantised (not exact), and within the stated bound
 
 
 def test_step_casts_quantise_once_and_accumulate_into_fp32_grads(monkeypatch):
@@ -488,3 +488,13 @@ def test_config_fp8_field_and_train_flag():
     assert build_run_config(parser.parse_args(["--fp8", "experts"])).model.moe.fp8 == "experts"
     assert build_run_config(parser.parse_args([])).model.moe.fp8 == "off"
     assert build_run_config(parser.parse_args(["--set", "moe.fp8=experts"])).model.moe.fp8 == "experts"
+    # FP8 weight gradients: kernels.wgrad = "fp8" (--wgrad fp8), with FP8 experts only
+    from xmoe.config import KernelConfig
+    from xmoe.kernels.choice import resolve_layer
+
+    run = build_run_config(parser.parse_args(["--fp8", "experts", "--wgrad", "fp8"]))
+    assert run.kernels.wgrad == "fp8"
+    choice = resolve_layer(run.model.moe, run.kernels, 64, torch.device("cpu"), torch.float32)
+    assert choice.wgrad == "fp8" and "weight gradients fp8 (kernels.wgrad fp8)" in choice.describe()
+    with pytest.raises(ValueError, match=r"kernels.wgrad='fp8' .* needs moe.fp8='experts'"):
+        resolve_layer(MoEConfig(**base), KernelConfig(wgrad="fp8"), 64, torch.device("cpu"), torch.float32)

@@ -72,7 +72,7 @@ def test_the_environment_gives_the_defaults_when_a_config_is_made(clean_env):
     clean_env.setenv("XMOE_WGRAD", "cutlass")
     with pytest.raises(
         ValueError,
-        match=r"XMOE_WGRAD \('cutlass'\) must be one of auto, triton, grouped_mm \(it "
+        match=r"XMOE_WGRAD \('cutlass'\) must be one of auto, triton, grouped_mm, fp8 \(it "
         r"sets the default of kernels.wgrad\)",
     ):
         KernelConfig()

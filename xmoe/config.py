@@ -22,7 +22,7 @@ from xmoe.model_config import ModelConfig as ModelConfig  # re-exported with the
 from xmoe.model_config import MoEConfig as MoEConfig
 from xmoe.model_config import yarn_mscale as yarn_mscale
 
-WgradEngine = Literal["auto", "triton", "grouped_mm"]
+WgradEngine = Literal["auto", "triton", "grouped_mm", "fp8"]
 Placement = Literal["ep_first", "dp_first"]
 OPTIMIZERS = ("auto", "torch", "triton")  # train.optimizer: xmoe/train/optim.py's build_optimizer
 RECOMPUTE_MODES = ("none", "moe", "full")  # cheapest first: the planner's search prefers them in this order
@@ -153,7 +153,8 @@ class KernelConfig:
 
     ``wgrad``: what computes the fused backward's weight gradients: "auto" (torch._grouped_mm over gathered rows on
     sm_90 in bf16 with at least 128 experts per rank averaging at most 1024 rows, the Triton kernels elsewhere),
-    "triton", or "grouped_mm" (wherever torch._grouped_mm runs: bf16, H and F multiples of 8).
+    "triton", "grouped_mm" (wherever torch._grouped_mm runs: bf16, H and F multiples of 8), or "fp8" (with
+    moe.fp8 = "experts" only: the weight gradients in FP8 too, from operands quantised in 128 x 1 groups).
     ``autotune``: on a GPU, time every tile candidate of a shape class at its first launch and keep the fastest
     (cached in $XMOE_CACHE_DIR, default ~/.cache/xmoe) instead of the shipped table or the heuristic."""
 
@@ -172,7 +173,8 @@ def add_kernel_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
         "--wgrad",
         choices=get_args(WgradEngine),
         help=f"{when}what computes the Triton backward's weight gradients (kernels.wgrad; default $XMOE_WGRAD, "
-        "else auto: torch._grouped_mm on sm_90 GPUs with >= 128 experts per rank, else Triton)",
+        "else auto: torch._grouped_mm on sm_90 GPUs with >= 128 experts per rank, else Triton; fp8: in FP8, "
+        "with --fp8 experts only)",
     )
     p.add_argument(
         "--autotune",

@@ -259,6 +259,15 @@ def _fp8_grouped(shape: Shape, device: Device) -> None:
     y_NH.backward(torch.empty_like(y_NH))
 
 
+@workload("fp8_wgrad", fp8=True)
+def _fp8_wgrad(shape: Shape, device: Device) -> None:
+    """the FP8 fused and grouped paths with FP8 weight gradients (kernels.wgrad = "fp8": quantize_cols of the
+    wgrad operands, fp8_wgrad), forward and backward"""
+    with tiles.use_options(wgrad="fp8"):
+        _fp8_fused(shape, device)
+        _fp8_grouped(shape, device)
+
+
 @workload("fp8_weights", fp8=True)
 def _fp8_weights(shape: Shape, device: Device) -> None:
     """quantize_expert_weights of bf16 weights: FSDP2's gathers under mixed precision, quantised per forward (the

@@ -26,7 +26,7 @@ from xmoe.kernels import resolve_backend, tiles, triton_available
 class KernelChoice:
     config: KernelConfig  # as configured ("auto" and all)
     backend: str  # "torch" or "triton": moe.kernel_backend on the device
-    wgrad: str  # "autograd" (no Triton GEMMs: the torch backend, the padded baseline), "triton" or "grouped_mm"
+    wgrad: str  # "autograd" (no Triton GEMMs: the torch backend, the padded baseline), "triton", "grouped_mm", "fp8"
     tiles: str  # "none" (no Triton GEMMs) or tiles.source's words
 
     def applied(self) -> AbstractContextManager[KernelConfig]:
@@ -65,6 +65,11 @@ def resolve_layer(
     ranks) that routes ``num_tokens`` tokens on a rank, its rows in ``dtype``. The "auto" weight-gradient engine
     decides per launch by the rows an expert gets; this is its decision for the rows a rank routes on average
     (one rank: exactly, when dropless)."""
+    if cfg.wgrad == "fp8" and moe.fp8 != "experts":
+        raise ValueError(
+            "kernels.wgrad='fp8' computes the FP8 experts' weight gradients in FP8 and needs moe.fp8='experts' "
+            "(--fp8 experts); with bf16 experts set kernels.wgrad to auto, triton or grouped_mm (--wgrad)"
+        )
     backend = resolve_backend(moe.kernel_backend, device)
     # FP8 experts call the Triton kernels whatever the backend; the padded baseline's experts are torch.bmm's
     triton_gemms = moe.fp8 == "experts" or (backend == "triton" and moe.dispatcher != "padded")
@@ -82,6 +87,8 @@ def resolve_layer(
             moe.hidden_size,
             moe.ffn_hidden_size,
         )
+        if cfg.wgrad == "fp8":
+            wgrad = "fp8"
         return KernelChoice(cfg, backend, wgrad, tiles.source(dtype, device))
 
 

@@ -14,8 +14,9 @@ Where each operand is quantised, fused path (the grouped one quantises its (N, H
   forward   x_TH once per token (a (T, H) pass: K times fewer rows than the up GEMM reads by token id); a in the
             up GEMM's epilogue; the down GEMM's output and its per-token sum as in bf16
   backward  grad_out once per token (a (T, H) pass); dh1, dh3 in the SwiGLU backward pass that produces them; the
-            weight gradients in bf16 (fp8_gemm.py says why) from x, grad_out and the dh1, dh3, w * a that pass
-            also writes in the activations' dtype
+            weight gradients in bf16 from x, grad_out and the dh1, dh3, w * a that pass also writes in the
+            activations' dtype, or with kernels.wgrad = "fp8" in FP8 from those quantised in 128 x 1 groups
+            (fp8_wgrad.py: x[tok] and g[tok] straight from x and grad_out by token id, the others in a pass each)
 Saved between forward and backward: h1, h3 in the activations' dtype, as in bf16 (the FP8 weights are held by
 their maker, once per step). As in triton_ops: w * a (in h1's storage) is freed after dW2, dx is summed per token
 one column chunk at a time; here the FP8 dh1, dh3 are dropped after dx, before dW1 and dW3.
@@ -29,6 +30,7 @@ from xmoe.kernels._common import cdiv
 from xmoe.kernels.combine import combine_fwd, combine_into
 from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd
 from xmoe.kernels.fp8_quant import GROUP, Fp8ExpertWeights, quantize_rows
+from xmoe.kernels.fp8_wgrad import column_groups, fp8_wgrad, quantize_cols, use_fp8_wgrad
 from xmoe.kernels.grouped_gemm import can_reuse_saved
 from xmoe.kernels.grouped_wgrad import grouped_wgrad, wgrad_engine
 from xmoe.kernels.triton_ops import _mark_overwritten, column_chunks
@@ -69,6 +71,17 @@ def _chunked_mm_combine(
         combine_into(part, row_of_slot_TK, weights_TK, out_TH[:, c0:c1])
         del part  # one chunk's buffer alive at a time
     return out_TH
+
+
+def _fp8_wgrad_pair(x, idx_N, dh1, dh3, groups, fmt):
+    """(dW1, dW3) = x[idx]^T (dh1, dh3) per expert in FP8: x's rows quantised down their columns once for both."""
+    xq_t, s_xt = quantize_cols(x, idx_N, *groups, fmt)
+    dw = []
+    for dh in (dh1, dh3):
+        dhq_t, s_dht = quantize_cols(dh, None, *groups, fmt)
+        dw.append(fp8_wgrad(xq_t, s_xt, dhq_t, s_dht, groups.bounds_3E, fmt, x.dtype))
+        del dhq_t, s_dht
+    return dw[0], dw[1]
 
 
 class MoEExpertsFp8Fn(torch.autograd.Function):
@@ -159,22 +172,35 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
         del gq, scale_g
         if reuse:
             _mark_overwritten(h1, h3)
-        # 2. dW2_e = (w * a)_e^T grad_out[token]_e, bf16
-        g_rows, g_ids = (grad_TH.index_select(0, token_ids_N), None) if gather else (grad_TH, token_ids_N)
-        dw2 = grouped_wgrad(a_w, None, g_rows, None, g_ids, counts_E)[0]
-        del g_rows
+        # 2. dW2_e = (w * a)_e^T grad_out[token]_e: bf16, or FP8 from both quantised down their columns
+        fp8_wg = use_fp8_wgrad()
+        if fp8_wg:
+            groups = column_groups(counts_E, num_rows)
+            awq, s_aw = quantize_cols(a_w, None, *groups, ctx.fmt)
+        else:
+            g_rows, g_ids = (grad_TH.index_select(0, token_ids_N), None) if gather else (grad_TH, token_ids_N)
+            dw2 = grouped_wgrad(a_w, None, g_rows, None, g_ids, counts_E)[0]
+            del g_rows
         if reuse:  # a_w is h1's storage, which ctx holds until the backward returns: free it now, before dx
             a_w.untyped_storage().resize_(0)
         del a_w
+        if fp8_wg:
+            gq_t, s_gt = quantize_cols(grad_TH, token_ids_N, *groups, ctx.fmt)
+            dw2 = fp8_wgrad(awq, s_aw, gq_t, s_gt, groups.bounds_3E, ctx.fmt, grad_TH.dtype)
+            del awq, s_aw, gq_t, s_gt
         # 3. dx = dh1 w1^T + dh3 w3^T in FP8, summed per token (k in order), one column chunk at a time
         dx_TH = _chunked_mm_combine(
             dh1q, scale_dh1, q1, s1, dh3q, scale_dh3, q3, s3, counts_E, row_of_slot_TK, None, x_TH.shape[0], x_TH.dtype
         )
         del dh1q, dh3q, scale_dh1, scale_dh3
-        # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e), bf16
-        x_rows, x_ids = (x_TH.index_select(0, token_ids_N), None) if gather else (x_TH, token_ids_N)
-        dw1, dw3 = grouped_wgrad(x_rows, x_ids, dh1, dh3, None, counts_E)
-        del x_rows, dh1, dh3
+        # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e), bf16 or FP8
+        if fp8_wg:
+            dw1, dw3 = _fp8_wgrad_pair(x_TH, token_ids_N, dh1, dh3, groups, ctx.fmt)
+        else:
+            x_rows, x_ids = (x_TH.index_select(0, token_ids_N), None) if gather else (x_TH, token_ids_N)
+            dw1, dw3 = grouped_wgrad(x_rows, x_ids, dh1, dh3, None, counts_E)
+            del x_rows
+        del dh1, dh3
         grad_w = torch.zeros(weights_TK.numel(), dtype=weights_TK.dtype, device=weights_TK.device)
         grad_w[slot_ids_N] = grad_w_N.to(grad_w.dtype)  # slots are unique: a permutation, no accumulation
         return dx_TH, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None, None
@@ -241,6 +267,18 @@ class GroupedSwiGLUFp8Fn(torch.autograd.Function):
             _mark_overwritten(h1, h3)
         dx = fp8_grouped_mm(dh1q, scale_dh1, q1, s1, dh3q, scale_dh3, q3, s3, counts_E, x_NH.dtype)
         del dh1q, dh3q
+        if use_fp8_wgrad():
+            groups = column_groups(counts_E, x_NH.shape[0])
+            dw2 = fp8_wgrad(
+                *quantize_cols(a, None, *groups, ctx.fmt),
+                *quantize_cols(grad_NH, None, *groups, ctx.fmt),
+                groups.bounds_3E,
+                ctx.fmt,
+                grad_NH.dtype,
+            )
+            del a
+            dw1, dw3 = _fp8_wgrad_pair(x_NH, None, dh1, dh3, groups, ctx.fmt)
+            return dx, dw1, dw3, dw2, None, None, None
         dw2 = grouped_wgrad(a, None, grad_NH, None, None, counts_E)[0]
         del a
         dw1, dw3 = grouped_wgrad(x_NH, None, dh1, dh3, None, counts_E)

@@ -10,9 +10,8 @@ the scales, are in fp8_gemm_kernels.py.
                        (_fp8_grouped_mm_kernel)
   fp8_swiglu_down_bwd  da = g[tok] w2^T (_fp8_grouped_mm_kernel), then grouped_gemm.swiglu_down_bwd's elementwise
                        pass, also writing dh1, dh3 quantised for the dx GEMM (_fp8_swiglu_bwd_kernel)
-The weight gradients stay in bf16 (grouped_wgrad.py): their reduction runs over each expert's rows, so FP8 operands
-would need 128 x 1 groups down the columns of gathered rows, i.e. another quantised copy of x[tok] and g[tok]
-that no producer here writes (docs/kernels.md, "FP8 experts").
+The weight gradients are bf16 (grouped_wgrad.py) unless kernels.wgrad = "fp8" (fp8_wgrad.py: their reduction runs
+over each expert's rows, so their operands are quantised in 128 x 1 groups down the columns, transposed).
 Tile maps and launch options are grouped_gemm.py's. On NVIDIA GPUs with TMA (compute capability 9.0 and newer)
 fp8_grouped_mm's kernel reads the operands whose rows are not gathered (the weights, and a when it is
 expert-major) through tensor descriptors (``uses_tma``); elsewhere, for gathered rows and in the up kernel,
@@ -244,7 +243,8 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
 
     def launch(cfg: TileConfig) -> None:
         map_3T, _ = tile_map(counts_E, num_rows, cfg.block_m)
-        a_block, b_block = [cfg.block_m, cfg.block_k], [1, cfg.block_n, cfg.block_k]
+        halves = cfg.block_n > GROUP  # tiles wider than a scale block run as two halves (_fp8_dot_halves)
+        a_block, b_block = [cfg.block_m, cfg.block_k], [1, cfg.block_n // 2 if halves else cfg.block_n, cfg.block_k]
         a_pair, a_tma = _descriptors((a1,) if a2 is None else (a1, a2), a_block, tma and idx_N is None)
         b_pair, b_tma = _descriptors((b1_ENK,) if b2_ENK is None else (b1_ENK, b2_ENK), b_block, tma)
         _fp8_grouped_mm_kernel[(map_3T.shape[1] * cdiv(width, cfg.block_n),)](
@@ -274,6 +274,7 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
             B_TMA=b_tma,
             EVEN_K=depth % cfg.block_k == 0,
             EVEN_N=width % cfg.block_n == 0,
+            HALVES=halves,
             **_launch(cfg, a1.dtype),
         )
 

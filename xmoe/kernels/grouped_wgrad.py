@@ -411,7 +411,8 @@ def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, 
     ``tiles.OPTIONS.wgrad`` (a run's ``kernels.wgrad``): "triton" always the kernels above; "grouped_mm"
     torch._grouped_mm wherever it runs (bf16; on CPU also fp32 in builds with its CPU kernel; tests use this on
     CPU); "auto" (default) grouped_mm on sm_90 in bf16 with at least GROUPED_MM_MIN_EXPERTS experts averaging at
-    most GROUPED_MM_MAX_ROWS_PER_EXPERT rows. Either way H and F must be multiples of 8 (its 16-byte stride rule)
+    most GROUPED_MM_MAX_ROWS_PER_EXPERT rows; "fp8" (FP8 weight gradients, fp8_wgrad.py) as "auto" for the
+    bf16 ones it does not concern. Either way H and F must be multiples of 8 (its 16-byte stride rule)
     and there must be rows; otherwise "triton"."""
     mode = tiles.OPTIONS.wgrad
     usable = (

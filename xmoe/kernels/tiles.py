@@ -64,7 +64,20 @@ class TileConfig:
 #   fp8_mm        y = a w2                                                 reduction F, width H (one column chunk)
 #   fp8_dx        dx = dh1 w1^T + dh3 w3^T                                 reduction F, width H (one column chunk)
 #   fp8_down_bwd  da = g[tok] w2^T                                         reduction H, width F
-KERNELS = ("up_fwd", "mm", "dx", "down_bwd", "wgrad", "wgrad2", "fp8_up", "fp8_mm", "fp8_dx", "fp8_down_bwd")
+#   fp8_wgrad     dW = A^T B from 128 x 1 groups (fp8_wgrad.py)            reduction: the expert's rows
+KERNELS = (
+    "up_fwd",
+    "mm",
+    "dx",
+    "down_bwd",
+    "wgrad",
+    "wgrad2",
+    "fp8_up",
+    "fp8_mm",
+    "fp8_dx",
+    "fp8_down_bwd",
+    "fp8_wgrad",
+)
 FP8_KERNELS = KERNELS[6:]
 
 # The hand-picked H200 table (one config per kernel whatever the shape): the heuristic's base for the 16-bit
@@ -83,15 +96,20 @@ BASE: dict[str, TileConfig] = {
 # tiles need 8 warps or more, 16 for the up kernel's two of each. Compiled for sm_90 (Triton 3.9, ahead of time)
 # none of these spills; 256-column tiles at 16 warps did (at most 128 registers per thread there: 160-192 bytes of
 # stack). H200, up kernel, T = 16384 (sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps 4.52 ms (medium) and
-# 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps.
+# 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps. Tiles wider than 128 columns run as two 128-column
+# halves with one fresh accumulator of 128 columns (fp8_gemm_kernels._fp8_dot_halves): 128 x 256 at 8 warps fits
+# without spilling for fp8_mm and fp8_down_bwd (254 registers), not for fp8_dx's two pairs (120 bytes).
 FP8_BASE: dict[str, TileConfig] = {
     "fp8_up": TileConfig(128, 128, 128, 16, 3),
     "fp8_mm": TileConfig(128, 128, 128, 8, 4),
     "fp8_dx": TileConfig(128, 128, 128, 8, 4),
     "fp8_down_bwd": TileConfig(128, 128, 128, 8, 4),
+    "fp8_wgrad": TileConfig(128, 128, 128, 8, 4),
 }
 _FP8_MM_CANDIDATES = [
     TileConfig(128, 128, 128, 8, 4),
+    TileConfig(128, 256, 128, 8, 3),  # 256 columns: two 128-column halves (fp8_gemm_kernels._fp8_dot_halves)
+    TileConfig(128, 256, 128, 8, 4),
     TileConfig(128, 128, 128, 16, 3),
     TileConfig(128, 128, 128, 16, 4),
     TileConfig(64, 256, 128, 8, 3),
@@ -125,6 +143,12 @@ CANDIDATES: dict[str, list[TileConfig]] = {
     "fp8_mm": _FP8_MM_CANDIDATES,
     "fp8_dx": _FP8_MM_CANDIDATES,
     "fp8_down_bwd": _FP8_MM_CANDIDATES,
+    "fp8_wgrad": [
+        FP8_BASE["fp8_wgrad"],
+        TileConfig(64, 256, 128, 8, 3),
+        TileConfig(128, 256, 128, 8, 3),  # spills on sm_90 (Triton 3.9: 128 bytes), a candidate only
+        TileConfig(64, 128, 128, 4, 4),
+    ],
 }
 
 INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per program
@@ -212,7 +236,7 @@ def base_config(kernel: str) -> TileConfig:
 
 def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> TileConfig:
     cfg = base_config(kernel)
-    if kernel not in ("wgrad", "wgrad2") and num_rows < 64 * max(num_experts, 1):
+    if kernel not in ("wgrad", "wgrad2", "fp8_wgrad") and num_rows < 64 * max(num_experts, 1):
         cfg = replace(cfg, block_m=64)  # 128-row tiles would run more than half empty
     if kernel in FP8_KERNELS and max_shared <= 64 * 1024:
         # AMD (64 KB of LDS): compiled for gfx942 (Triton 3.9, ahead of time), 128 x 128 x 128 FP8 tiles at 8 warps
