@@ -614,7 +614,11 @@ def _main(stack: contextlib.ExitStack) -> int:
     parser.add_argument("--sweep", action="store_true", help="time every tile candidate per kernel first")
     parser.add_argument("--profile", action="store_true", help="then profile the fused path's kernels")
     parser.add_argument("--profile-method", default="triton_fused", help="the method --profile profiles")
-    parser.add_argument("--sweep-fp8", action="store_true", help="time every tile candidate of the FP8 kernels first")
+    parser.add_argument(
+        "--sweep-fp8",
+        action="store_true",
+        help="time every tile candidate of the FP8 kernels first (at the last of --tokens)",
+    )
     parser.add_argument(
         "--sweep-kernels",
         help="with --sweep-fp8: only these kernels (comma-separated, e.g. fp8_wgrad,quantize_cols_x)",
@@ -677,11 +681,14 @@ def _main(stack: contextlib.ExitStack) -> int:
         write_results(
             "sweep_tiles_fp8",
             sweep(
-                args.configs.split(","), fp8=True, only=args.sweep_kernels.split(",") if args.sweep_kernels else None
+                args.configs.split(","),
+                T=int(args.tokens.split(",")[-1]),
+                fp8=True,
+                only=args.sweep_kernels.split(",") if args.sweep_kernels else None,
             ),
             ["config", "kernel", "tile", "ms", "tflops", "error"],
             meta,
-            "Tile candidates of the FP8 kernels, each in its fused-path use (T=16384)",
+            f"Tile candidates of the FP8 kernels, each in its fused-path use (T={args.tokens.split(',')[-1]})",
             notes="tflops: 2*T*K*H*F per product (two for fp8_up and fp8_dx); quantize_x: the (T, H) "
             "quantisation of x, for scale.",
         )

@@ -54,7 +54,7 @@ def quantize_cols(rows_N: torch.Tensor, counts_E: torch.Tensor, fmt: str) -> tup
     for n in counts_E.tolist():
         for g0 in range(0, n, G):
             block = rows_N[start + g0 : start + min(g0 + G, n)].T  # (C, rows of the group)
-            padded = torch.zeros(block.shape[0], G, dtype=torch.float32)
+            padded = block.new_zeros(block.shape[0], G, dtype=torch.float32)
             padded[:, : block.shape[1]] = block.float()
             q, s = quantize_rows(padded, fmt)  # one 1 x G group per column of the rows
             qs.append(q)
@@ -62,7 +62,7 @@ def quantize_cols(rows_N: torch.Tensor, counts_E: torch.Tensor, fmt: str) -> tup
         start += n
     cols = rows_N.shape[1]
     if not qs:
-        return torch.zeros(cols, 0, dtype=torch.float64), torch.zeros(0, cols, dtype=torch.float64)
+        return rows_N.new_zeros(cols, 0, dtype=torch.float64), rows_N.new_zeros(0, cols, dtype=torch.float64)
     return torch.cat(qs, 1), torch.stack(scales)
 
 
