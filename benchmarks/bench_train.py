@@ -45,6 +45,7 @@ CASES = {
     "moe8_b64_compiled": _case(8, 64, 8, "--compile", "on"),
     "moe8_b64_compiled_mb16": _case(8, 64, 16, "--compile", "on"),
     "moe8_b64_compiled_mb16_fp8": _case(8, 64, 16, "--compile", "on", "--fp8", "experts"),
+    "moe8_b64_compiled_mb16_fp8_wgrad": _case(8, 64, 16, "--compile", "on", "--fp8", "experts", "--wgrad", "fp8"),
     "moe8_b64_compiled_mb32": _case(8, 64, 32, "--compile", "on"),
     "moe8_b64_compiled_torch": _case(8, 64, 8, "--compile", "on", "--kernel-backend", "torch"),
     "moe8_b64_compiled_moe_recompute": _case(8, 64, 8, "--compile", "on", "--recompute", "moe"),
