@@ -163,7 +163,7 @@ def markdown(report: dict) -> str:
         f"{len(rows)} compiles, {sum(not r['ok'] for r in rows)} failed; "
         f"{len(found)} problems" + (":\n\n" + "\n".join(f"* {p}" for p in found) if found else "") + "\n"
     )
-    known = [r for r in rows if r["ok"] and r["spills"] and r["known_spill"]]
+    known = [r for r in rows if r["ok"] and r["spills"] and r["shipped"] and r["known_spill"]]
     if known:
         out.append(
             "Known spills of shipped configurations (aot.KNOWN_SPILLS):\n\n"

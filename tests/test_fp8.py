@@ -173,7 +173,7 @@ def test_up_kernel_matches_float64_of_its_inputs(gather, tma):
 @pytest.fixture(params=[False, True], ids=["one_tile", "halves"])
 def halves(request):
     """The FP8 grouped GEMM's tiles as the interpreter runs them (32 columns), or 256 columns wide, which the kernel
-    computes as two 128-column halves (_fp8_dot_halves): here a full scale block and a ragged one."""
+    computes as two 128-column halves (_fp8_dot (HALVES)): here a full scale block and a ragged one."""
     if not request.param:
         yield False
         return

@@ -385,6 +385,11 @@ KNOWN_SPILLS = {
         "_fp8_up_fwd_kernel",
         "BLOCK_M=128 BLOCK_N=128 BLOCK_K=128 GROUP=128 num_stages=3 num_warps=16",
     ): "Triton 3.6: 8 B, 3.9: 8 B (the grouped path at the tiny preset: rows not gathered, F = 64 a ragged tile)",
+    (
+        "cuda:90",
+        "_fp8_grouped_mm_kernel",
+        "BLOCK_M=128 BLOCK_N=256 BLOCK_K=128 GROUP=128 num_stages=3 num_warps=8",
+    ): "Triton 3.6: 16 B (g[tok] w2^T, rows gathered), 3.9: none",
 }
 
 

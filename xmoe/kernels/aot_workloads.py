@@ -91,6 +91,7 @@ PRESET_LAYERS = {
 # tile (masked tiles); small at T=256 has 24 rows per expert (the heuristic's 64-row tiles).
 LAYER_SHAPES = (
     *(Shape.preset(p, t) for p in ("small", "medium", "large") for t in (8192, 16384)),
+    Shape.preset("small", 32768),  # a training micro-batch of 16 x 2048 (its FP8 fp8_mm class is in the table)
     Shape.preset("tiny", 512),
     Shape.preset("small", 256),
 )

@@ -243,7 +243,7 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
 
     def launch(cfg: TileConfig) -> None:
         map_3T, _ = tile_map(counts_E, num_rows, cfg.block_m)
-        halves = cfg.block_n > GROUP  # tiles wider than a scale block run as two halves (_fp8_dot_halves)
+        halves = cfg.block_n > GROUP  # tiles wider than a scale block run as two halves (_fp8_dot (HALVES))
         a_block, b_block = [cfg.block_m, cfg.block_k], [1, cfg.block_n // 2 if halves else cfg.block_n, cfg.block_k]
         a_pair, a_tma = _descriptors((a1,) if a2 is None else (a1, a2), a_block, tma and idx_N is None)
         b_pair, b_tma = _descriptors((b1_ENK,) if b2_ENK is None else (b1_ENK, b2_ENK), b_block, tma)

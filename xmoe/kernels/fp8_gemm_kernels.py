@@ -34,72 +34,6 @@ from xmoe.kernels.grouped_gemm_kernels import _row_tile
 
 @triton.jit
 def _fp8_dot(
-    acc,
-    a_ptr,
-    sa_ptr,
-    b_ptr,
-    sb_ptr,
-    src,
-    row0,
-    n0,
-    e,
-    offs_n,
-    KA,
-    NC,
-    stride_a,
-    stride_sa,
-    stride_be,
-    stride_bn,
-    stride_sbe,
-    stride_sbn,
-    stride_sbk,
-    A_TMA: tl.constexpr,
-    B_TMA: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """acc + sum over BLOCK_K steps of (a[src] b[e]^T over the step) * sa[src, group] * sb[e, n // G, group].
-    A_TMA: a_ptr is a (rows, KA) tensor descriptor read from row0 (rows not gathered); B_TMA: b_ptr is an
-    (E, NC, KA) one, read from column n0. Descriptors fill what lies past their shape with zeros: their loads
-    need no masks."""
-    e64 = e.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_offs = src[:, None] * stride_a + offs_k[None, :]
-    b_offs = e64 * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
-    sa_ptrs = sa_ptr + src * stride_sa
-    sb_ptrs = sb_ptr + e64 * stride_sbe + (offs_n // GROUP) * stride_sbn
-    for k in range((KA + BLOCK_K - 1) // BLOCK_K):
-        grp = (k * BLOCK_K) // GROUP
-        k_left = KA - k * BLOCK_K
-        if A_TMA:
-            a = a_ptr.load([row0, k * BLOCK_K])
-        elif EVEN_K:
-            a = tl.load(a_ptr + a_offs)
-        else:
-            a = tl.load(a_ptr + a_offs, mask=offs_k[None, :] < k_left, other=0.0)
-        if B_TMA:
-            b = b_ptr.load([e, n0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K and EVEN_N:
-            b = tl.load(b_ptr + b_offs)
-        else:
-            b = tl.load(b_ptr + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < NC), other=0.0)
-        if EVEN_N:
-            sb = tl.load(sb_ptrs + grp * stride_sbk)
-        else:
-            sb = tl.load(sb_ptrs + grp * stride_sbk, mask=offs_n < NC, other=0.0)
-        sa = tl.load(sa_ptrs + grp)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION) * (sa[:, None] * sb[None, :])
-        a_offs += BLOCK_K
-        b_offs += BLOCK_K
-    return acc
-
-
-@triton.jit
-def _fp8_dot_halves(
     acc_lo,
     acc_hi,
     a_ptr,
@@ -124,16 +58,20 @@ def _fp8_dot_halves(
     B_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
+    HALVES: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """_fp8_dot over a 2 * HALF column tile held as two HALF-column accumulators (columns offs_n and
-    offs_n + HALF, n0 the first). Each step loads its a tile once for both halves and runs each half's product
-    into a fresh accumulator of HALF columns, scaled and added before the other half's product starts, so a tile
-    twice as wide holds one fresh accumulator of the narrow tile's size (a 128 x 256 tile at 8 warps: 128 + 64
-    fp32 registers per thread instead of 256)."""
+    """(acc_lo, acc_hi) + the sum over BLOCK_K steps of (a[src] b[e]^T over the step) * sa[src, group] *
+    sb[e, n // G, group], for the HALF columns offs_n (n0 the first) and, when HALVES, the HALF columns after them.
+    Each step loads its a tile once for both halves and runs each half's product into a fresh accumulator of HALF
+    columns, scaled and added before the other half's starts, so a tile twice as wide holds one fresh accumulator
+    of the narrow tile's size (a 128 x 256 tile at 8 warps: 128 + 64 fp32 registers per thread, not 256); without
+    HALVES acc_hi is returned as it came. A_TMA: a_ptr is a (rows, KA) tensor descriptor read from row0 (rows not
+    gathered); B_TMA: b_ptr is an (E, NC, KA) one. Descriptors fill what lies past their shape with zeros: their
+    loads need no masks."""
     e64 = e.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_hi = offs_n + HALF
@@ -164,17 +102,19 @@ def _fp8_dot_halves(
         else:
             sb = tl.load(sb_ptr + sb_lo_offs + grp * stride_sbk, mask=offs_n < NC, other=0.0)
         acc_lo += tl.dot(a, b, input_precision=DOT_PRECISION) * (sa[:, None] * sb[None, :])
-        if B_TMA:
-            b = b_ptr.load([e, n0 + HALF, k * BLOCK_K]).reshape(HALF, BLOCK_K).T
-        elif EVEN_K and EVEN_N:
-            b = tl.load(b_ptr + b_hi_offs)
-        else:
-            b = tl.load(b_ptr + b_hi_offs, mask=(offs_k[:, None] < k_left) & (offs_hi[None, :] < NC), other=0.0)
-        if EVEN_N:
-            sb = tl.load(sb_ptr + sb_hi_offs + grp * stride_sbk)
-        else:
-            sb = tl.load(sb_ptr + sb_hi_offs + grp * stride_sbk, mask=offs_hi < NC, other=0.0)
-        acc_hi += tl.dot(a, b, input_precision=DOT_PRECISION) * (sa[:, None] * sb[None, :])
+        if HALVES:
+            if B_TMA:
+                b = b_ptr.load([e, n0 + HALF, k * BLOCK_K]).reshape(HALF, BLOCK_K).T
+            elif EVEN_K and EVEN_N:
+                b = tl.load(b_ptr + b_hi_offs)
+            else:
+                mask = (offs_k[:, None] < k_left) & (offs_hi[None, :] < NC)
+                b = tl.load(b_ptr + b_hi_offs, mask=mask, other=0.0)
+            if EVEN_N:
+                sb = tl.load(sb_ptr + sb_hi_offs + grp * stride_sbk)
+            else:
+                sb = tl.load(sb_ptr + sb_hi_offs + grp * stride_sbk, mask=offs_hi < NC, other=0.0)
+            acc_hi += tl.dot(a, b, input_precision=DOT_PRECISION) * (sa[:, None] * sb[None, :])
         a_offs += BLOCK_K
         b_lo_offs += BLOCK_K
         b_hi_offs += BLOCK_K
@@ -316,42 +256,43 @@ def _fp8_grouped_mm_kernel(
         return
     row_end, offs_m, src = _row_tile(map_ptr, idx_ptr, num_tiles, pid_m, GATHER, BLOCK_M)
     row0 = tl.load(map_ptr + num_tiles + pid_m)
-    if HALVES:  # two accumulators of BLOCK_N // 2 columns (_fp8_dot_halves)
-        HALF: tl.constexpr = BLOCK_N // 2
-        offs_n = pid_n * BLOCK_N + tl.arange(0, HALF)
-        acc = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        acc_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-        for pair in tl.static_range(2 if HAS_SECOND else 1):  # dx = dh1 w1^T + dh3 w3^T into one accumulator
-            acc, acc_hi = _fp8_dot_halves(
-                acc,
-                acc_hi,
-                a1_ptr if pair == 0 else a2_ptr,
-                sa1_ptr if pair == 0 else sa2_ptr,
-                b1_ptr if pair == 0 else b2_ptr,
-                sb1_ptr if pair == 0 else sb2_ptr,
-                src,
-                row0,
-                pid_n * BLOCK_N,
-                e,
-                offs_n,
-                KA,
-                NC,
-                stride_a,
-                stride_sa,
-                stride_be,
-                stride_bn,
-                stride_sbe,
-                stride_sbn,
-                stride_sbk,
-                A_TMA,
-                B_TMA,
-                EVEN_K,
-                EVEN_N,
-                HALF,
-                BLOCK_K,
-                GROUP,
-                DOT_PRECISION,
-            )
+    HALF: tl.constexpr = BLOCK_N // 2 if HALVES else BLOCK_N  # HALVES: two accumulators of half the columns
+    offs_n = pid_n * BLOCK_N + tl.arange(0, HALF)
+    acc = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    for pair in tl.static_range(2 if HAS_SECOND else 1):  # dx = dh1 w1^T + dh3 w3^T into one accumulator
+        acc, acc_hi = _fp8_dot(
+            acc,
+            acc_hi,
+            a1_ptr if pair == 0 else a2_ptr,
+            sa1_ptr if pair == 0 else sa2_ptr,
+            b1_ptr if pair == 0 else b2_ptr,
+            sb1_ptr if pair == 0 else sb2_ptr,
+            src,
+            row0,
+            pid_n * BLOCK_N,
+            e,
+            offs_n,
+            KA,
+            NC,
+            stride_a,
+            stride_sa,
+            stride_be,
+            stride_bn,
+            stride_sbe,
+            stride_sbn,
+            stride_sbk,
+            A_TMA,
+            B_TMA,
+            EVEN_K,
+            EVEN_N,
+            HALVES,
+            HALF,
+            BLOCK_K,
+            GROUP,
+            DOT_PRECISION,
+        )
+    if HALVES:
         offs_hi = offs_n + HALF
         in_rows = (offs_m < row_end)[:, None]
         hi_mask = in_rows if EVEN_N else in_rows & (offs_hi < NC)[None, :]
@@ -360,39 +301,6 @@ def _fp8_grouped_mm_kernel(
             acc_hi.to(c_ptr.dtype.element_ty),
             mask=hi_mask,
         )
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for pair in tl.static_range(2 if HAS_SECOND else 1):  # dx = dh1 w1^T + dh3 w3^T into one accumulator
-            acc = _fp8_dot(
-                acc,
-                a1_ptr if pair == 0 else a2_ptr,
-                sa1_ptr if pair == 0 else sa2_ptr,
-                b1_ptr if pair == 0 else b2_ptr,
-                sb1_ptr if pair == 0 else sb2_ptr,
-                src,
-                row0,
-                pid_n * BLOCK_N,
-                e,
-                offs_n,
-                KA,
-                NC,
-                stride_a,
-                stride_sa,
-                stride_be,
-                stride_bn,
-                stride_sbe,
-                stride_sbn,
-                stride_sbk,
-                A_TMA,
-                B_TMA,
-                EVEN_K,
-                EVEN_N,
-                BLOCK_N,
-                BLOCK_K,
-                GROUP,
-                DOT_PRECISION,
-            )
     mask = (offs_m < row_end)[:, None] if EVEN_N else (offs_m < row_end)[:, None] & (offs_n < NC)[None, :]
     tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * NC + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
 

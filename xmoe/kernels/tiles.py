@@ -97,7 +97,7 @@ BASE: dict[str, TileConfig] = {
 # none of these spills; 256-column tiles at 16 warps did (at most 128 registers per thread there: 160-192 bytes of
 # stack). H200, up kernel, T = 16384 (sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps 4.52 ms (medium) and
 # 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps. Tiles wider than 128 columns run as two 128-column
-# halves with one fresh accumulator of 128 columns (fp8_gemm_kernels._fp8_dot_halves): 128 x 256 at 8 warps fits
+# halves with one fresh accumulator of 128 columns (fp8_gemm_kernels._fp8_dot (HALVES)): 128 x 256 at 8 warps fits
 # without spilling for fp8_mm and fp8_down_bwd (254 registers), not for fp8_dx's two pairs (120 bytes).
 FP8_BASE: dict[str, TileConfig] = {
     "fp8_up": TileConfig(128, 128, 128, 16, 3),
@@ -108,7 +108,7 @@ FP8_BASE: dict[str, TileConfig] = {
 }
 _FP8_MM_CANDIDATES = [
     TileConfig(128, 128, 128, 8, 4),
-    TileConfig(128, 256, 128, 8, 3),  # 256 columns: two 128-column halves (fp8_gemm_kernels._fp8_dot_halves)
+    TileConfig(128, 256, 128, 8, 3),  # 256 columns: two 128-column halves (fp8_gemm_kernels._fp8_dot (HALVES))
     TileConfig(128, 256, 128, 8, 4),
     TileConfig(128, 128, 128, 16, 3),
     TileConfig(128, 128, 128, 16, 4),
