@@ -462,7 +462,7 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
     """{kernel: (products, call)} for each FP8 kernel in its fused-path use (full width), plus the (T, H)
     quantisation of x (no products), on fresh inputs of one config."""
     from xmoe.dispatch.routing import build_plan
-    from xmoe.kernels.fp8_gemm import _fp8_mm, fp8_grouped_mm, fp8_swiglu_up_fwd
+    from xmoe.kernels.fp8_gemm import _fp8_mm, fp8_grouped_mm, fp8_swiglu_up_fwd, input_grad_operands
     from xmoe.kernels.fp8_quant import quantize_rows
     from xmoe.kernels.fp8_wgrad import column_groups, fp8_wgrad, quantize_cols
 
@@ -487,7 +487,8 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
         bf,
     )
     h1, _, aq, sa = fp8_swiglu_up_fwd(*up)
-    dq, ds = quantize_rows(h1, fmt)  # stands in for dh1, dh3 (same shape and scales' layout)
+    dq, ds = quantize_rows(h1, fmt)  # stands in for dh1, dh3 (same shape and scales' layout), side by side:
+    dx_operands = input_grad_operands(torch.cat([dq, dq], 1), torch.cat([ds, ds], 1), qw.w13_EHF, qw.scale13)
     groups = column_groups(counts, tok.shape[0])
     xq_t, sx_t = quantize_cols(x, tok, *groups, fmt)
     hq_t, sh_t = quantize_cols(h1, None, *groups, fmt)  # stands in for dh1
@@ -495,9 +496,11 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
         "fp8_up": (2, lambda: fp8_swiglu_up_fwd(*up)),
         "fp8_mm": (
             1,
-            lambda: fp8_grouped_mm(aq, sa, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None, counts, bf),
+            lambda: fp8_grouped_mm(
+                aq, sa, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None, counts, bf, False
+            ),
         ),
-        "fp8_dx": (2, lambda: fp8_grouped_mm(dq, ds, qw.w1_EHF, qw.scale1, dq, ds, qw.w3_EHF, qw.scale3, counts, bf)),
+        "fp8_dx": (2, lambda: fp8_grouped_mm(*dx_operands, counts, bf, True)),
         "fp8_down_bwd": (
             1,
             lambda: _fp8_mm(gq, sg, qw.w2_EFH, qw.scale2, None, None, None, None, counts, tok, bf, "fp8_down_bwd"),

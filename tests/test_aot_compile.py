@@ -3,7 +3,7 @@ the two with FP8 matrix instructions) at every shipped tile configuration, witho
 (xmoe/kernels/aot.py says how launches are recorded and resources read, aot_workloads.py what is launched).
 
 The compiles run in one subprocess, benchmarks/aot_report.py, without TRITON_INTERPRET: conftest.py sets it for the
-interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 409 distinct
+interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 423 distinct
 launches in parallel processes. With an empty Triton cache the test takes ~255 s of CPU time: 5.7 min on 2 CPU
 cores shared with other work (about half that on 2 idle ones); with a warm one ($TRITON_CACHE_DIR, default
 ~/.triton/cache) ~15 s for the compiles and ~30 s in all, the huge-tile check included. Skipped when the installed

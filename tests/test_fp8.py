@@ -24,8 +24,14 @@ from xmoe import MoEConfig, MoELayer
 from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import fp8_quant, tiles
 from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
-from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd
-from xmoe.kernels.fp8_quant import FORMATS, quantize_blocks, quantize_expert_weights, quantize_rows
+from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd, input_grad_operands
+from xmoe.kernels.fp8_quant import (
+    FORMATS,
+    quantize_block_pair,
+    quantize_blocks,
+    quantize_expert_weights,
+    quantize_rows,
+)
 
 FMTS = sorted(FORMATS)
 # rows up to 1e4 in magnitude drive exp(-h1) past fp32's range in the interpreter's numpy (silu is then exactly 0
@@ -117,6 +123,19 @@ def test_quantize_blocks_matches_float64(fmt):
     assert q[1, :128, 128:].eq(0).all() and 0 < s[1, 0, 1] < 1e-30
     qw = quantize_expert_weights(w, w, w.transpose(1, 2).contiguous(), fmt)
     assert torch.equal(qw.w1_EFH, qt) and torch.equal(qw.w1_EHF, q) and torch.equal(qw.scale2, s.transpose(1, 2))
+    # w1 and w3 side by side: each half holds what quantize_blocks gives it alone, scales too (ragged 150 columns)
+    w3 = _weights(3, 200, 150, seed=4)
+    q13, q1t, q3t, s13 = quantize_block_pair(w, w3, fmt)
+    q3, q3t_alone, s3 = quantize_blocks(w3, fmt)
+    assert q13.shape == (3, 200, 300) and s13.shape == (3, 2, 4)
+    assert torch.equal(q13[..., :150], q) and torch.equal(q13[..., 150:], q3)
+    assert torch.equal(s13[..., :2], s) and torch.equal(s13[..., 2:], s3)
+    assert torch.equal(q1t, qt) and torch.equal(q3t, q3t_alone)
+    qw = quantize_expert_weights(w, w3, w.transpose(1, 2).contiguous(), fmt)
+    assert qw.w13_EHF.data_ptr() == qw.w1_EHF.data_ptr() and torch.equal(qw.w3_EHF, q3)
+    assert torch.equal(qw.scale3, s3) and qw.scale13.data_ptr() == qw.scale1.data_ptr()
+    with pytest.raises(ValueError, match="one shape"):
+        quantize_block_pair(w, w3[:, :, :128], fmt)
 
 
 # ------------------------------------------------------------------------------------------------ GEMM kernels
@@ -202,18 +221,43 @@ def test_grouped_mm_kernel_one_and_two_pairs_and_column_views(tma, halves):
     ref = R._per_expert(_deq_rows(d1q, d1s), _deq_blocks(q1, s1).transpose(1, 2), counts) + R._per_expert(
         _deq_rows(d3q, d3s), _deq_blocks(q3, s3).transpose(1, 2), counts
     )
-    dx = fp8_grouped_mm(d1q, d1s, q1, s1, d3q, d3s, q3, s3, counts, torch.float32)
+    dx = fp8_grouped_mm(d1q, d1s, q1, s1, d3q, d3s, q3, s3, counts, torch.float32, True)
     assert _rel(dx, ref) < 1e-6
     if tma is not None:  # gq's rows are gathered: only the weights by descriptor there, then all four here
         assert [t.data_ptr() for t in tma] == [q2.data_ptr()] + [t.data_ptr() for t in (d1q, d3q, q1, q3)]
-    part = fp8_grouped_mm(d1q, d1s, q1[:, 128:], s1[:, 1:], d3q, d3s, q3[:, 128:], s3[:, 1:], counts, torch.float32)
+    part = fp8_grouped_mm(
+        d1q, d1s, q1[:, 128:], s1[:, 1:], d3q, d3s, q3[:, 128:], s3[:, 1:], counts, torch.float32, True
+    )
     assert _rel(part, ref[:, 128:]) < 1e-6
     # a layout TMA does not take (a base 4 bytes past 16-byte alignment): that pair is read through pointers
     odd = torch.empty(d1q.numel() + 1, dtype=d1q.dtype)[1:].view_as(d1q).copy_(d1q)
     assert odd.data_ptr() % 16 != 0
-    assert torch.equal(fp8_grouped_mm(odd, d1s, q1, s1, d3q, d3s, q3, s3, counts, torch.float32), dx)
+    assert torch.equal(fp8_grouped_mm(odd, d1s, q1, s1, d3q, d3s, q3, s3, counts, torch.float32, True), dx)
     if tma is not None:
         assert all(t.data_ptr() != odd.data_ptr() for t in tma)
+
+
+@pytest.mark.parametrize("ffn", [128, 136])
+def test_input_grad_reads_the_side_by_side_buffers(ffn, tma, halves):
+    """dx = dh1 w1^T + dh3 w3^T from the (N, 2F) and (E, H, 2F) buffers: one product of depth 2F when F is whole
+    scale groups, two of depth F (views) when it is not; both against float64 of the two products apart."""
+    T, H, E = 27, 160, 4
+    plan = _plan(T, E, 2, seed=21)
+    counts, N = plan.tokens_per_expert_E, plan.num_rows
+    (d1q, d1s), (d3q, d3s) = (quantize_rows(_rows(N, ffn, seed=22 + i), "e4m3fn") for i in range(2))
+    dq, ds = torch.cat([d1q, d3q], 1), torch.cat([d1s, d3s], 1)
+    q13, _, _, s13 = quantize_block_pair(_weights(E, H, ffn, seed=24), _weights(E, H, ffn, seed=25), "e4m3fn")
+    g = ds.shape[1] // 2
+    ref = sum(
+        R._per_expert(_deq_rows(dq[:, c], ds[:, sg]), _deq_blocks(q13[..., c], s13[..., sg]).transpose(1, 2), counts)
+        for c, sg in ((slice(0, ffn), slice(0, g)), (slice(ffn, None), slice(g, None)))
+    )
+    operands = input_grad_operands(dq, ds, q13, s13)
+    assert (operands[4] is None) == (ffn % 128 == 0)
+    dx = fp8_grouped_mm(*operands, counts, torch.float32, True)
+    assert _rel(dx, ref) < 1e-6
+    if tma is not None and ffn % 128 == 0:  # one pair: the whole buffers by descriptor
+        assert [t.data_ptr() for t in tma] == [dq.data_ptr(), q13.data_ptr()]
 
 
 @pytest.mark.parametrize("reuse", [False, True])
@@ -226,9 +270,11 @@ def test_swiglu_bwd_kernel_matches_float64(reuse):
     h1, h3 = torch.randn(N, Fd, generator=_gen(18)), torch.randn(N, Fd, generator=_gen(19))
     row_w = torch.rand(N, generator=_gen(20))
     h1_in, h3_in = h1.clone(), h3.clone()
-    dh1, dh3, a_w, grad_w, q1, s1, q3, s3 = fp8_swiglu_down_bwd(
+    dh1, dh3, a_w, grad_w, dhq, s_dh = fp8_swiglu_down_bwd(
         gq, sg, tok, q2, s2, h1_in, h3_in, row_w, counts, reuse, "e4m3fn"
     )
+    assert dhq.shape == (N, 2 * Fd) and s_dh.shape == (N, 4)  # dh1 | dh3, each in 2 groups (136 columns)
+    q1, q3, s1, s3 = dhq[:, :Fd], dhq[:, Fd:], s_dh[:, :2], s_dh[:, 2:]
     da = R._per_expert(_deq_rows(gq, sg)[tok], _deq_blocks(q2, s2).transpose(1, 2), counts)
     h1d, h3d, w = h1.double(), h3.double(), row_w.double()[:, None]
     sig = torch.sigmoid(h1d)

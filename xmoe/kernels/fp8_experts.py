@@ -28,7 +28,7 @@ import torch
 
 from xmoe.kernels._common import cdiv
 from xmoe.kernels.combine import combine_fwd, combine_into
-from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd
+from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd, input_grad_operands
 from xmoe.kernels.fp8_quant import GROUP, Fp8ExpertWeights, quantize_rows
 from xmoe.kernels.fp8_wgrad import column_groups, fp8_wgrad, quantize_cols, use_fp8_wgrad
 from xmoe.kernels.grouped_gemm import can_reuse_saved
@@ -39,10 +39,10 @@ __all__ = ["grouped_swiglu_fp8", "moe_experts_fp8"]
 
 
 def _chunked_mm_combine(
-    a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, row_of_slot_TK, weights_TK, num_tokens, out_dtype
+    a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, row_of_slot_TK, weights_TK, num_tokens, out_dtype, input_grad
 ):
     """combine(a1 b1^T (+ a2 b2^T), weights) -> (T, width), one column chunk of the (N, width) product at a time;
-    chunks start on the weights' 128-column scale blocks."""
+    chunks start on the weights' 128-column scale blocks. input_grad: as fp8_grouped_mm's."""
     width = b1_ENK.shape[1]
     chunks = column_chunks(width, a1.shape[0], num_tokens, GROUP)
     second = a2 is not None
@@ -61,6 +61,7 @@ def _chunked_mm_combine(
             sb2[:, groups] if second else None,
             counts_E,
             out_dtype,
+            input_grad,
         )
 
     if len(chunks) == 1:
@@ -71,6 +72,13 @@ def _chunked_mm_combine(
         combine_into(part, row_of_slot_TK, weights_TK, out_TH[:, c0:c1])
         del part  # one chunk's buffer alive at a time
     return out_TH
+
+
+def _down_operands(
+    aq: torch.Tensor, scale_a: torch.Tensor, qw: Fp8ExpertWeights
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None]:
+    """fp8_grouped_mm's (a1, scale_a1, b1, scale_b1, a2, scale_a2, b2, scale_b2) for y = a w2: one pair."""
+    return aq, scale_a, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None
 
 
 def _fp8_wgrad_pair(x, idx_N, dh1, dh3, groups, fmt):
@@ -120,19 +128,13 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
         )
         del xq, scale_x
         out_TH = _chunked_mm_combine(
-            aq,
-            scale_a,
-            qw.w2_EHF,
-            qw.scale2.transpose(1, 2),
-            None,
-            None,
-            None,
-            None,
+            *_down_operands(aq, scale_a, qw),
             tokens_per_expert_E,
             row_of_slot_TK,
             weights_TK,
             x_TH.shape[0],
             x_TH.dtype,
+            False,
         )
         ctx.save_for_backward(
             x_TH,
@@ -141,11 +143,9 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
             slot_ids_N,
             row_of_slot_TK,
             tokens_per_expert_E,
-            qw.w1_EHF,
-            qw.w3_EHF,
+            qw.w13_EHF,
             qw.w2_EFH,
-            qw.scale1,
-            qw.scale3,
+            qw.scale13,
             qw.scale2,
             h1,
             h3,
@@ -155,18 +155,18 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TH):
-        (x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, q1, q3, q2, s1, s3, s2, h1, h3) = (
+        (x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, q13, q2, s13, s2, h1, h3) = (
             ctx.saved_tensors
         )
         grad_TH = grad_TH.contiguous()
         row_w_N = weights_TK.reshape(-1)[slot_ids_N].float()
         reuse = can_reuse_saved()
-        num_rows, (hidden, ffn) = token_ids_N.shape[0], q1.shape[1:]
+        num_rows, hidden, ffn = token_ids_N.shape[0], q13.shape[1], q13.shape[2] // 2
         gather = wgrad_engine(x_TH, num_rows, counts_E.shape[0], hidden, ffn) == "grouped_mm"
         # 1. da = g[token] w2^T from FP8 g; the SwiGLU backward pass writes dh1 (over da), dh3 and w * a (over h3,
-        #    h1 when allowed) for the weight gradients, dh1 and dh3 in FP8 for dx, and the combine-weight gradient
+        #    h1 when allowed) for the weight gradients, dh1 | dh3 in FP8 for dx, and the combine-weight gradient
         gq, scale_g = quantize_rows(grad_TH, ctx.fmt)
-        dh1, dh3, a_w, grad_w_N, dh1q, scale_dh1, dh3q, scale_dh3 = fp8_swiglu_down_bwd(
+        dh1, dh3, a_w, grad_w_N, dhq, scale_dh = fp8_swiglu_down_bwd(
             gq, scale_g, token_ids_N, q2, s2, h1, h3, row_w_N, counts_E, reuse, ctx.fmt
         )
         del gq, scale_g
@@ -188,11 +188,11 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
             gq_t, s_gt = quantize_cols(grad_TH, token_ids_N, *groups, ctx.fmt)
             dw2 = fp8_wgrad(awq, s_aw, gq_t, s_gt, groups.bounds_3E, ctx.fmt, grad_TH.dtype)
             del awq, s_aw, gq_t, s_gt
-        # 3. dx = dh1 w1^T + dh3 w3^T in FP8, summed per token (k in order), one column chunk at a time
-        dx_TH = _chunked_mm_combine(
-            dh1q, scale_dh1, q1, s1, dh3q, scale_dh3, q3, s3, counts_E, row_of_slot_TK, None, x_TH.shape[0], x_TH.dtype
-        )
-        del dh1q, dh3q, scale_dh1, scale_dh3
+        # 3. dx = dh1 w1^T + dh3 w3^T = (dh1 | dh3)(w1 | w3)^T in FP8, summed per token (k in order), one column
+        #    chunk at a time
+        operands = input_grad_operands(dhq, scale_dh, q13, s13)
+        dx_TH = _chunked_mm_combine(*operands, counts_E, row_of_slot_TK, None, x_TH.shape[0], x_TH.dtype, True)
+        del operands, dhq, scale_dh
         # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e), bf16 or FP8
         if fp8_wg:
             dw1, dw3 = _fp8_wgrad_pair(x_TH, token_ids_N, dh1, dh3, groups, ctx.fmt)
@@ -244,29 +244,25 @@ class GroupedSwiGLUFp8Fn(torch.autograd.Function):
             x_NH.dtype,
         )
         del xq, scale_x
-        y_NH = fp8_grouped_mm(
-            aq, scale_a, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None, tokens_per_expert_E, x_NH.dtype
-        )
-        ctx.save_for_backward(
-            x_NH, tokens_per_expert_E, qw.w1_EHF, qw.w3_EHF, qw.w2_EFH, qw.scale1, qw.scale3, qw.scale2, h1, h3
-        )
+        y_NH = fp8_grouped_mm(*_down_operands(aq, scale_a, qw), tokens_per_expert_E, x_NH.dtype, False)
+        ctx.save_for_backward(x_NH, tokens_per_expert_E, qw.w13_EHF, qw.w2_EFH, qw.scale13, qw.scale2, h1, h3)
         ctx.fmt = fmt
         return y_NH
 
     @staticmethod
     def backward(ctx, grad_NH):
-        x_NH, counts_E, q1, q3, q2, s1, s3, s2, h1, h3 = ctx.saved_tensors
+        x_NH, counts_E, q13, q2, s13, s2, h1, h3 = ctx.saved_tensors
         grad_NH = grad_NH.contiguous()
         reuse = can_reuse_saved()
         gq, scale_g = quantize_rows(grad_NH, ctx.fmt)
-        dh1, dh3, a, _, dh1q, scale_dh1, dh3q, scale_dh3 = fp8_swiglu_down_bwd(
+        dh1, dh3, a, _, dhq, scale_dh = fp8_swiglu_down_bwd(
             gq, scale_g, None, q2, s2, h1, h3, None, counts_E, reuse, ctx.fmt
         )
         del gq, scale_g
         if reuse:
             _mark_overwritten(h1, h3)
-        dx = fp8_grouped_mm(dh1q, scale_dh1, q1, s1, dh3q, scale_dh3, q3, s3, counts_E, x_NH.dtype)
-        del dh1q, dh3q
+        dx = fp8_grouped_mm(*input_grad_operands(dhq, scale_dh, q13, s13), counts_E, x_NH.dtype, True)
+        del dhq, scale_dh
         if use_fp8_wgrad():
             groups = column_groups(counts_E, x_NH.shape[0])
             dw2 = fp8_wgrad(

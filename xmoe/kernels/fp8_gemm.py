@@ -7,7 +7,7 @@ the scales, are in fp8_gemm_kernels.py.
   fp8_swiglu_up_fwd    h1, h3 of FP8 x or x[token_ids_N], and a = silu(h1) * h3 quantised in 1 x G groups
                        (_fp8_up_fwd_kernel)
   fp8_grouped_mm       c = a1 b1_e (+ a2 b2_e), out in the activations' dtype: y = a w2, dx = dh1 w1^T + dh3 w3^T
-                       (_fp8_grouped_mm_kernel)
+                       (_fp8_grouped_mm_kernel; dx as one product of depth 2F: input_grad_operands)
   fp8_swiglu_down_bwd  da = g[tok] w2^T (_fp8_grouped_mm_kernel), then grouped_gemm.swiglu_down_bwd's elementwise
                        pass, also writing dh1, dh3 quantised for the dx GEMM (_fp8_swiglu_bwd_kernel)
 The weight gradients are bf16 (grouped_wgrad.py) unless kernels.wgrad = "fp8" (fp8_wgrad.py: their reduction runs
@@ -294,10 +294,12 @@ def fp8_grouped_mm(
     scale_b2: torch.Tensor | None,
     tokens_per_expert_E: torch.Tensor,
     out_dtype: torch.dtype,
+    input_grad: bool,
 ) -> torch.Tensor:
     """c[rows of e] = a1[rows of e] @ b1_ENK[e]^T (+ the same for a2, b2), out_dtype; the a's FP8 in 1 x G groups
     (scale_a: (rows, cdiv(K, G))), the b's FP8 in G x G blocks, K-major (a column slice of N is a view), scale_b
-    indexed [e, n // G, k // G]."""
+    indexed [e, n // G, k // G]. input_grad: the product is dx = dh1 w1^T + dh3 w3^T (``input_grad_operands``),
+    whose tiles the table keeps apart from y = a w2's (fp8_dx, fp8_mm)."""
     return _fp8_mm(
         a1,
         scale_a1,
@@ -310,12 +312,12 @@ def fp8_grouped_mm(
         tokens_per_expert_E,
         None,
         out_dtype,
-        "fp8_mm" if a2 is None else "fp8_dx",
+        "fp8_dx" if input_grad else "fp8_mm",
     )
 
 
 @fp8_grouped_mm.register_fake
-def _(a1, scale_a1, b1_ENK, scale_b1, a2, scale_a2, b2_ENK, scale_b2, tokens_per_expert_E, out_dtype):
+def _(a1, scale_a1, b1_ENK, scale_b1, a2, scale_a2, b2_ENK, scale_b2, tokens_per_expert_E, out_dtype, input_grad):
     return a1.new_empty(a1.shape[0], b1_ENK.shape[1], dtype=out_dtype)
 
 
@@ -332,13 +334,12 @@ def fp8_swiglu_down_bwd(
     tokens_per_expert_E: torch.Tensor,
     reuse_h: bool,
     fmt: str,
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
-    """(dh1, dh3, a_scaled, grad_row_weights, dh1q, scale_dh1, dh3q, scale_dh3): grouped_gemm.swiglu_down_bwd
-    with FP8 inputs (gq in 1 x G groups, read at rows token_ids_N when given; w2_EFH, the FP8 w2 in its own
-    layout, with scale2_EFH indexed [e, f // G, h // G]) and, besides the results in h1's dtype (for the weight
-    gradients), dh1 and dh3 quantised in 1 x G groups (for the input gradient). reuse_h: as there."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh1, dh3, a_scaled, grad_row_weights, dhq, scale_dh): grouped_gemm.swiglu_down_bwd with FP8 inputs (gq in
+    1 x G groups, read at rows token_ids_N when given; w2_EFH, the FP8 w2 in its own layout, with scale2_EFH indexed
+    [e, f // G, h // G]) and, besides the results in h1's dtype (for the weight gradients), dh1 and dh3 quantised in
+    1 x G groups for the input gradient, side by side: dhq (N, 2F) holds dh1 in columns :F and dh3 in F:, scale_dh
+    (N, 2 cdiv(F, G)) their scales (``input_grad_operands``). reuse_h: as there."""
     if reuse_h and not (h1_NF.is_contiguous() and h3_NF.is_contiguous()):
         raise ValueError("reuse_h writes over h1_NF and h3_NF, which must then be contiguous")
     h1_NF, h3_NF = h1_NF.contiguous(), h3_NF.contiguous()
@@ -361,10 +362,10 @@ def fp8_swiglu_down_bwd(
     )
     dh3, a = (h3_NF, h1_NF) if reuse_h else (torch.empty_like(h1_NF), torch.empty_like(h1_NF))
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
-    q1, q3 = (torch.empty(num_rows, ffn, dtype=gq.dtype, device=gq.device) for _ in range(2))
-    s1, s3 = (torch.empty(num_rows, cdiv(ffn, GROUP), dtype=torch.float32, device=gq.device) for _ in range(2))
+    dhq = torch.empty(num_rows, 2 * ffn, dtype=gq.dtype, device=gq.device)
+    scale_dh = torch.empty(num_rows, 2 * cdiv(ffn, GROUP), dtype=torch.float32, device=gq.device)
     if num_rows == 0 or ffn == 0:
-        return da, dh3, a, grad_w.zero_(), q1, s1, q3, s3
+        return da, dh3, a, grad_w.zero_(), dhq, scale_dh
     block_r = 16 if interpreting() else 8
     # dh1 is written over da: every element is read and then written by the same program in one step
     _fp8_swiglu_bwd_kernel[(cdiv(num_rows, block_r),)](
@@ -376,10 +377,8 @@ def fp8_swiglu_down_bwd(
         dh3,
         a,
         grad_w if has_w else da,
-        q1,
-        q3,
-        s1,
-        s3,
+        dhq,
+        scale_dh,
         num_rows,
         ffn,
         HAS_W=has_w,
@@ -388,22 +387,30 @@ def fp8_swiglu_down_bwd(
         GROUP=GROUP,
         num_warps=4,
     )
-    return da, dh3, a, grad_w, q1, s1, q3, s3
+    return da, dh3, a, grad_w, dhq, scale_dh
 
 
 @fp8_swiglu_down_bwd.register_fake
 def _(gq, scale_g, token_ids_N, w2_EFH, scale2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, reuse_h, fmt):
     num_rows, ffn = h1_NF.shape
     num_w = num_rows if row_weights_N is not None else 0
-    q = gq.new_empty(num_rows, ffn)
-    s = gq.new_empty(num_rows, cdiv(ffn, GROUP), dtype=torch.float32)
     return (
         torch.empty_like(h1_NF),
         torch.empty_like(h1_NF),
         torch.empty_like(h1_NF),
         h1_NF.new_empty(num_w, dtype=torch.float32),
-        q,
-        s,
-        torch.empty_like(q),
-        torch.empty_like(s),
+        gq.new_empty(num_rows, 2 * ffn),
+        gq.new_empty(num_rows, 2 * cdiv(ffn, GROUP), dtype=torch.float32),
     )
+
+
+def input_grad_operands(dhq_N2F: torch.Tensor, scale_dh: torch.Tensor, w13_EHF: torch.Tensor, scale13: torch.Tensor):
+    """fp8_grouped_mm's (a1, scale_a1, b1, scale_b1, a2, scale_a2, b2, scale_b2) for dx = dh1 w1^T + dh3 w3^T from
+    the side-by-side buffers of fp8_swiglu_down_bwd and quantize_block_pair: one pair of depth 2F where F is a whole
+    number of scale groups (the halves' groups then line up), else the two halves as two pairs of depth F."""
+    ffn, groups = dhq_N2F.shape[1] // 2, scale_dh.shape[1] // 2
+    if ffn % GROUP == 0:
+        return dhq_N2F, scale_dh, w13_EHF, scale13, None, None, None, None
+    a1, a2 = dhq_N2F[:, :ffn], dhq_N2F[:, ffn:]
+    sa1, sa2 = scale_dh[:, :groups], scale_dh[:, groups:]
+    return a1, sa1, w13_EHF[..., :ffn], scale13[..., :groups], a2, sa2, w13_EHF[..., ffn:], scale13[..., groups:]

@@ -315,10 +315,8 @@ def _fp8_swiglu_bwd_kernel(
     dh3_ptr,
     a_ptr,  # (N, F) dtype of da, contiguous out; a_ptr gets w * a (HAS_W) or a
     grad_w_ptr,  # (N,) fp32 out: <da_n, a_n> (HAS_W)
-    q1_ptr,
-    q3_ptr,  # (N, F) FP8 out: dh1, dh3 quantised
-    s1_ptr,
-    s3_ptr,  # (N, cdiv(F, G)) fp32 out: their scales
+    q_ptr,  # (N, 2F) FP8 out: dh1, dh3 quantised, side by side (columns F.. are dh3's)
+    s_ptr,  # (N, 2 cdiv(F, G)) fp32 out: their scales, side by side
     N,
     F,
     HAS_W: tl.constexpr,
@@ -356,9 +354,10 @@ def _fp8_swiglu_bwd_kernel(
         tl.store(dh3_ptr + offs, dh3.to(dh3_ptr.dtype.element_ty), mask=mask)
         scale1, inv1 = _group_scale(tl.max(tl.abs(dh1), axis=1), FP8_MAX)
         scale3, inv3 = _group_scale(tl.max(tl.abs(dh3), axis=1), FP8_MAX)
-        _store_fp8(q1_ptr + offs, dh1 * inv1[:, None], mask, MIN_EXP)
-        _store_fp8(q3_ptr + offs, dh3 * inv3[:, None], mask, MIN_EXP)
-        tl.store(s1_ptr + rows * num_groups + grp, scale1, mask=mask_r)
-        tl.store(s3_ptr + rows * num_groups + grp, scale3, mask=mask_r)
+        offs_q = rows[:, None] * (2 * F) + offs_f[None, :]
+        _store_fp8(q_ptr + offs_q, dh1 * inv1[:, None], mask, MIN_EXP)
+        _store_fp8(q_ptr + offs_q + F, dh3 * inv3[:, None], mask, MIN_EXP)
+        tl.store(s_ptr + rows * (2 * num_groups) + grp, scale1, mask=mask_r)
+        tl.store(s_ptr + rows * (2 * num_groups) + num_groups + grp, scale3, mask=mask_r)
     if HAS_W:
         tl.store(grad_w_ptr + offs_r, gw, mask=mask_r)

@@ -15,6 +15,7 @@ exactly on the format's max and a power of two rounds it (benchmarks/fp8_scales.
   quantize_expert_weights(w1_EHF, w3_EHF, w2_EFH, fmt) -> Fp8ExpertWeights
                                                        G x G blocks; each weight in its layout and transposed,
                                                        so that both GEMMs read it reduction-dimension-contiguous
+                                                       (w1 and w3 in one (E, H, 2F) buffer: quantize_block_pair)
 Kernels: _quant_rows_kernel, _quant_blocks_kernel; _group_scale and _store_fp8 are shared with fp8_gemm_kernels.py,
 whose producers quantise in their epilogues.
 
@@ -161,13 +162,17 @@ def _quant_rows_kernel(
 @triton.jit
 def _quant_blocks_kernel(
     w_ptr,  # (E, R, C) fp32/bf16/fp16, strides (stride_we, stride_wr, unit)
-    q_ptr,  # (E, R, C) FP8, contiguous
+    q_ptr,  # (E, R, C) FP8, strides (stride_qe, stride_qr, unit): a column slice of a wider buffer, or all of it
     qt_ptr,  # (E, C, R) FP8, contiguous: the transposed copy
-    s_ptr,  # (E, cdiv(R, GROUP), cdiv(C, GROUP)) fp32, contiguous
+    s_ptr,  # (E, cdiv(R, GROUP), cdiv(C, GROUP)) fp32, strides (stride_se, stride_sr, unit)
     R,
     C,
     stride_we,
     stride_wr,
+    stride_qe,
+    stride_qr,
+    stride_se,
+    stride_sr,
     FP8_MAX: tl.constexpr,
     MIN_EXP: tl.constexpr,
     GROUP: tl.constexpr,
@@ -195,13 +200,13 @@ def _quant_blocks_kernel(
         offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
         mask = (offs_r < R)[:, None] & in_c[None, :]
         v = tl.load(w_e + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        _store_fp8(q_ptr + e64 * R * C + offs_r[:, None] * C + offs_c[None, :], v * inv, mask, MIN_EXP)
+        _store_fp8(q_ptr + e64 * stride_qe + offs_r[:, None] * stride_qr + offs_c[None, :], v * inv, mask, MIN_EXP)
     for r0 in range(0, GROUP, CHUNK):
         offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
         mask_t = in_c[:, None] & (offs_r < R)[None, :]
         vt = tl.load(w_e + offs_c[:, None] + offs_r[None, :] * stride_wr, mask=mask_t, other=0.0).to(tl.float32)
         _store_fp8(qt_ptr + e64 * R * C + offs_c[:, None] * R + offs_r[None, :], vt * inv, mask_t, MIN_EXP)
-    tl.store(s_ptr + (e64 * tl.num_programs(1) + pid_r) * tl.num_programs(0) + pid_c, scale)
+    tl.store(s_ptr + e64 * stride_se + pid_r * stride_sr + pid_c, scale)
 
 
 @kernel_op("fp8_quantize_rows")
@@ -241,20 +246,11 @@ def _(x_RC, fmt):
     )
 
 
-@kernel_op("fp8_quantize_blocks")
-def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q_ERC, q_ECR, scale): w_ERC in GROUP x GROUP blocks of format ``fmt``, and the same values transposed;
-    w[e, r, c] ~ q[e, r, c] * scale[e, r // GROUP, c // GROUP]."""
-    check_float("w_ERC", w_ERC, 3)
-    form = _format(fmt)
-    if w_ERC.stride(-1) != 1:
-        w_ERC = w_ERC.contiguous()
+def _quantize_blocks_into(w_ERC: torch.Tensor, q: torch.Tensor, qt: torch.Tensor, scale: torch.Tensor, form) -> None:
+    """Quantise w_ERC into q (values), qt (transposed, contiguous) and scale, q and scale column slices or whole."""
     experts, rows, cols = w_ERC.shape
-    q = torch.empty(experts, rows, cols, dtype=form.storage(), device=w_ERC.device)
-    qt = torch.empty(experts, cols, rows, dtype=form.storage(), device=w_ERC.device)
-    scale = torch.empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32, device=w_ERC.device)
-    if q.numel() == 0:
-        return q, qt, scale
+    if w_ERC.numel() == 0:
+        return
     _quant_blocks_kernel[(cdiv(cols, GROUP), cdiv(rows, GROUP), experts)](
         w_ERC,
         q,
@@ -264,11 +260,32 @@ def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.
         cols,
         w_ERC.stride(0),
         w_ERC.stride(1),
+        q.stride(0),
+        q.stride(1),
+        scale.stride(0),
+        scale.stride(1),
         **format_constexprs(form),
         GROUP=GROUP,
         CHUNK=32,
         num_warps=4,
     )
+
+
+def _weight(name: str, w_ERC: torch.Tensor) -> torch.Tensor:
+    check_float(name, w_ERC, 3)
+    return w_ERC if w_ERC.stride(-1) == 1 else w_ERC.contiguous()
+
+
+@kernel_op("fp8_quantize_blocks")
+def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_ERC, q_ECR, scale): w_ERC in GROUP x GROUP blocks of format ``fmt``, and the same values transposed;
+    w[e, r, c] ~ q[e, r, c] * scale[e, r // GROUP, c // GROUP]."""
+    w_ERC, form = _weight("w_ERC", w_ERC), _format(fmt)
+    experts, rows, cols = w_ERC.shape
+    q = torch.empty(experts, rows, cols, dtype=form.storage(), device=w_ERC.device)
+    qt = torch.empty(experts, cols, rows, dtype=form.storage(), device=w_ERC.device)
+    scale = torch.empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32, device=w_ERC.device)
+    _quantize_blocks_into(w_ERC, q, qt, scale, form)
     return q, qt, scale
 
 
@@ -283,12 +300,47 @@ def _(w_ERC, fmt):
     )
 
 
+@kernel_op("fp8_quantize_block_pair")
+def quantize_block_pair(
+    w1_ERC: torch.Tensor, w3_ERC: torch.Tensor, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q13, q1_ECR, q3_ECR, scale13): quantize_blocks of w1 and of w3 (the same values and scales), their
+    (E, R, C) copies side by side in one (E, R, 2C) buffer and their scales in one (E, cdiv(R, G), 2 cdiv(C, G)):
+    q13[..., :C] is w1's, q13[..., C:] w3's, so an input gradient dh1 w1^T + dh3 w3^T reads one operand of depth 2C
+    (``fp8_gemm.input_grad_operands``)."""
+    w1_ERC, w3_ERC, form = _weight("w1_ERC", w1_ERC), _weight("w3_ERC", w3_ERC), _format(fmt)
+    if w1_ERC.shape != w3_ERC.shape:
+        raise ValueError(f"w1_ERC {tuple(w1_ERC.shape)} and w3_ERC {tuple(w3_ERC.shape)} must have one shape")
+    experts, rows, cols = w1_ERC.shape
+    groups = cdiv(cols, GROUP)
+    q13 = torch.empty(experts, rows, 2 * cols, dtype=form.storage(), device=w1_ERC.device)
+    qts = [torch.empty(experts, cols, rows, dtype=form.storage(), device=w1_ERC.device) for _ in range(2)]
+    s13 = torch.empty(experts, cdiv(rows, GROUP), 2 * groups, dtype=torch.float32, device=w1_ERC.device)
+    for half, (w, qt) in enumerate(zip((w1_ERC, w3_ERC), qts, strict=True)):
+        _quantize_blocks_into(w, q13[..., half * cols :], qt, s13[..., half * groups :], form)
+    return q13, qts[0], qts[1], s13
+
+
+@quantize_block_pair.register_fake
+def _(w1_ERC, w3_ERC, fmt):
+    experts, rows, cols = w1_ERC.shape
+    storage = _format(fmt).storage()
+    qt = w1_ERC.new_empty(experts, cols, rows, dtype=storage)
+    return (
+        w1_ERC.new_empty(experts, rows, 2 * cols, dtype=storage),
+        qt,
+        torch.empty_like(qt),
+        w1_ERC.new_empty(experts, cdiv(rows, GROUP), 2 * cdiv(cols, GROUP), dtype=torch.float32),
+    )
+
+
 class Fp8ExpertWeights(NamedTuple):
     """The routed experts' weights in FP8, each laid out for the GEMMs that read it (reduction dimension last):
     w1_EFH, w3_EFH feed the up GEMM (x w1, x w3; reduction H), w2_EHF the down GEMM (a w2; reduction F), w1_EHF,
     w3_EHF the input gradient (dh1 w1^T + dh3 w3^T; reduction F) and w2_EFH the down dgrad (g w2^T; reduction H).
     scale1, scale3: (E, cdiv(H, G), cdiv(F, G)) and scale2: (E, cdiv(F, G), cdiv(H, G)), fp32, one per 128 x 128
-    block of the weight in its (E, H, F) / (E, F, H) layout, shared by both copies."""
+    block of the weight in its (E, H, F) / (E, F, H) layout, shared by both copies. w1_EHF, w3_EHF are the two
+    halves of w13_EHF (E, H, 2F), and scale1, scale3 of scale13 (E, cdiv(H, G), 2 cdiv(F, G)) (quantize_block_pair)."""
 
     w1_EFH: torch.Tensor
     w3_EFH: torch.Tensor
@@ -299,6 +351,8 @@ class Fp8ExpertWeights(NamedTuple):
     scale1: torch.Tensor
     scale3: torch.Tensor
     scale2: torch.Tensor
+    w13_EHF: torch.Tensor
+    scale13: torch.Tensor
 
 
 def quantize_expert_weights(
@@ -306,9 +360,19 @@ def quantize_expert_weights(
 ) -> Fp8ExpertWeights:
     """The FP8 copies the experts' GEMMs read (one pass over each weight): once per optimizer step, by
     ``reuse_weight_casts`` (xmoe/moe/experts.py), or once per forward where the weights are not cached there."""
-    q1, q1t, s1 = quantize_blocks(w1_EHF, fmt)
-    q3, q3t, s3 = quantize_blocks(w3_EHF, fmt)
+    q13, q1t, q3t, s13 = quantize_block_pair(w1_EHF, w3_EHF, fmt)
     q2, q2t, s2 = quantize_blocks(w2_EFH, fmt)
+    ffn, groups = w1_EHF.shape[2], cdiv(w1_EHF.shape[2], GROUP)
     return Fp8ExpertWeights(
-        w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w1_EHF=q1, w3_EHF=q3, w2_EFH=q2, scale1=s1, scale3=s3, scale2=s2
+        w1_EFH=q1t,
+        w3_EFH=q3t,
+        w2_EHF=q2t,
+        w1_EHF=q13[..., :ffn],
+        w3_EHF=q13[..., ffn:],
+        w2_EFH=q2,
+        scale1=s13[..., :groups],
+        scale3=s13[..., groups:],
+        scale2=s2,
+        w13_EHF=q13,
+        scale13=s13,
     )
