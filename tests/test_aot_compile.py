@@ -3,7 +3,7 @@ the two with FP8 matrix instructions) at every shipped tile configuration, witho
 (xmoe/kernels/aot.py says how launches are recorded and resources read, aot_workloads.py what is launched).
 
 The compiles run in one subprocess, benchmarks/aot_report.py, without TRITON_INTERPRET: conftest.py sets it for the
-interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 423 distinct
+interpreter tests, and Triton picks interpreter or compiler when a kernel is defined. It compiles 431 distinct
 launches in parallel processes. With an empty Triton cache the test takes ~255 s of CPU time: 5.7 min on 2 CPU
 cores shared with other work (about half that on 2 idle ones); with a warm one ($TRITON_CACHE_DIR, default
 ~/.triton/cache) ~15 s for the compiles and ~30 s in all, the huge-tile check included. Skipped when the installed
@@ -117,13 +117,14 @@ def test_fp8_kernels_take_each_targets_format_and_tiles(rows):
         if "BLOCK_K" in r["tile"]:
             assert r["ok"] and any(mma in m for m in r["mma"]), _where(r)
     # gfx942 compiles an MI300X's picks, the 64 KB heuristic's (the H200's 128 x 128 x 128 tiles spill there), for
-    # experts of fewer than 64 rows and of more
+    # experts of fewer than 64 rows and of more, outputs of the model shapes' widths and of the tiny preset's 64
     mi300x = {
         f"BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_K={c.block_k} GROUP=128 num_stages={c.num_stages} "
         f"num_warps={c.num_warps}"
         for kernel in tiles.FP8_KERNELS
         for n in (1, 64)
-        for c in [tiles.heuristic(kernel, n, 1, 64 * 1024)]
+        for width in (None, 64)
+        for c in [tiles.heuristic(kernel, n, 1, 64 * 1024, width)]
     }
     picked = {r["tile"] for r in fp8 if r["target"] == "hip:gfx942" and r["shipped"] and "BLOCK_K" in r["tile"]}
     assert picked and picked <= mi300x, picked - mi300x

@@ -157,6 +157,13 @@ def test_heuristic_fits_the_gpu():
     # H200: the sweep winners; experts with < 64 rows each: 64-row tiles
     assert tiles.heuristic("mm", 16384 * 6, 64, h200) == tiles.BASE["mm"]
     assert tiles.heuristic("up_fwd", 1000, 64, h200).block_m == 64
+    # no tile wider than the output (at least 64 columns); the FP8 up kernel keeps its 128 columns, in 64-row tiles
+    # where F is under 128
+    assert tiles.heuristic("dx", 16384, 16, h200, width=128).block_n == 128 < tiles.BASE["dx"].block_n
+    assert tiles.heuristic("mm", 16384, 16, h200, width=40).block_n == 64
+    assert tiles.heuristic("dx", 16384, 16, h200, width=4096) == tiles.heuristic("dx", 16384, 16, h200)
+    assert tiles.heuristic("fp8_up", 16384, 16, h200, width=64).block_m == 64
+    assert tiles.heuristic("fp8_up", 16384, 16, h200, width=1536) == tiles.FP8_BASE["fp8_up"]
     for kernel in tiles.KERNELS:
         for smem in (h200, a100, amd):
             cfg = tiles.heuristic(kernel, 16384, 64, smem)

@@ -372,21 +372,6 @@ KNOWN_SPILLS = {
     ): "Triton 3.6: 56 B, 3.9: none",
     (
         "cuda:90",
-        "_grouped_mm_kernel",
-        "BLOCK_M=128 BLOCK_N=256 BLOCK_K=64 num_stages=4 num_warps=8",
-    ): "Triton 3.6: 8 B (dx, a ragged column tile), 3.9: none",
-    (
-        "cuda:90",
-        "_grouped_mm_kernel",
-        "BLOCK_M=64 BLOCK_N=64 BLOCK_K=32 num_stages=3 num_warps=4",
-    ): "Triton 3.6: 16 B (dx in fp32), 3.9: none",
-    (
-        "cuda:90",
-        "_fp8_up_fwd_kernel",
-        "BLOCK_M=128 BLOCK_N=128 BLOCK_K=128 GROUP=128 num_stages=3 num_warps=16",
-    ): "Triton 3.6: 16 B, 3.9: 8 B (the tiny preset only: F = 64 a ragged tile, its scales' strides not 1)",
-    (
-        "cuda:90",
         "_fp8_grouped_mm_kernel",
         "BLOCK_M=128 BLOCK_N=256 BLOCK_K=128 GROUP=128 num_stages=3 num_warps=8",
     ): "Triton 3.6: 16 B (g[tok] w2^T, rows gathered), 3.9: none",

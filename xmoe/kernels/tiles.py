@@ -62,7 +62,7 @@ class TileConfig:
 # and their FP8 forms (fp8_gemm.py; moe.fp8 = "experts"):
 #   fp8_up        h1, h3 = x[tok] w1, x[tok] w3, a quantised              reduction H, width F (BLOCK_N = 128)
 #   fp8_mm        y = a w2                                                 reduction F, width H (one column chunk)
-#   fp8_dx        dx = dh1 w1^T + dh3 w3^T                                 reduction F, width H (one column chunk)
+#   fp8_dx        dx = (dh1 | dh3)(w1 | w3)^T, one pair                   reduction 2F, width H (one column chunk)
 #   fp8_down_bwd  da = g[tok] w2^T                                         reduction H, width F
 #   fp8_wgrad     dW = A^T B from 128 x 1 groups (fp8_wgrad.py)            reduction: the expert's rows
 KERNELS = (
@@ -98,7 +98,8 @@ BASE: dict[str, TileConfig] = {
 # stack). H200, up kernel, T = 16384 (sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps 4.52 ms (medium) and
 # 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps. Tiles wider than 128 columns run as two 128-column
 # halves with one fresh accumulator of 128 columns (fp8_gemm_kernels._fp8_dot (HALVES)): 128 x 256 at 8 warps fits
-# without spilling for fp8_mm and fp8_down_bwd (254 registers), not for fp8_dx's two pairs (120 bytes).
+# without spilling for fp8_mm, fp8_down_bwd and fp8_dx as one pair of depth 2F (254 registers); fp8_dx's two pairs
+# (the ragged-F form) spill there (120 bytes).
 FP8_BASE: dict[str, TileConfig] = {
     "fp8_up": TileConfig(128, 128, 128, 16, 3),
     "fp8_mm": TileConfig(128, 128, 128, 8, 4),
@@ -147,7 +148,9 @@ CANDIDATES: dict[str, list[TileConfig]] = {
 }
 
 INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpreter costs ~0.5 ms per program
-FP32_CONFIG = TileConfig(64, 64, 32, 4, 3)  # exact fp32 dots use no tensor cores: small tiles keep them from spilling
+# exact fp32 dots use no tensor cores: small tiles keep them from spilling; 2 stages, since 3 spilled the two-pair dx
+# (16 bytes, Triton 3.6, ahead of time for sm_90)
+FP32_CONFIG = TileConfig(64, 64, 32, 4, 2)
 
 
 OPTIONS = KernelConfig()  # what the kernels run under when no caller applied a config: the environment's defaults
@@ -229,10 +232,16 @@ def base_config(kernel: str) -> TileConfig:
     return BASE[kernel] if kernel in BASE else FP8_BASE[kernel]
 
 
-def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int) -> TileConfig:
+def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int, width: int | None = None) -> TileConfig:
     cfg = base_config(kernel)
-    if kernel not in ("wgrad", "wgrad2", "fp8_wgrad") and num_rows < 64 * max(num_experts, 1):
+    rows_tiled = kernel not in ("wgrad", "wgrad2", "fp8_wgrad")
+    if rows_tiled and num_rows < 64 * max(num_experts, 1):
         cfg = replace(cfg, block_m=64)  # 128-row tiles would run more than half empty
+    if width is not None and rows_tiled:
+        if kernel != "fp8_up":  # no tile wider than the output (the tiny preset: H = 128 under a 256-column tile)
+            cfg = replace(cfg, block_n=min(cfg.block_n, max(64, next_pow2(width))))
+        elif width < cfg.block_n:  # F under one scale group of 128 columns: 128 x 128 at 16 warps spilled there
+            cfg = replace(cfg, block_m=64)
     if kernel in FP8_KERNELS and max_shared <= 64 * 1024:
         # AMD (64 KB of LDS): compiled for gfx942 (Triton 3.9, ahead of time), 128 x 128 x 128 FP8 tiles at 8 warps
         # spill (144-700 bytes of scratch), and so does the dx kernel at 64 x 128 x 128, 4 warps (264); 64 x 128 x 64
@@ -278,7 +287,7 @@ def pick(
     if cfg is not None:
         return cfg
     max_shared, table = device_budget(device)
-    cfg = table.get(key) or heuristic(kernel, num_rows, num_experts, max_shared)
+    cfg = table.get(key) or heuristic(kernel, num_rows, num_experts, max_shared, width)
     if OPTIONS.autotune and device.type == "cuda" and run is not None:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return cfg  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
