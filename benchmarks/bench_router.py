@@ -4,6 +4,7 @@
 
     PYTHONPATH=. python benchmarks/bench_router.py                  # exits 1 on a failed check; skips without CUDA
     PYTHONPATH=. python benchmarks/bench_router.py --configs large
+    PYTHONPATH=. python benchmarks/bench_router.py --bwd-warps 4,8     # the backward kernel at each warp count too
 
 Methods, both from the same fp32 logits (T, E) and a nonzero expert_bias:
   triton   router_topk: scores, biased top-k and weights in one kernel; backward in one kernel
@@ -17,6 +18,8 @@ Correctness first (the check that decides the exit status), logits ~ N(0, 1):
   weights, scores_TK and grad(logits) (backward of a random grad_weights): rel err vs the torch path taken at
            the kernel's ids (so near-tie rows compare like for like), ||got - ref|| / ||ref|| < 1e-5.
 Then the median time (harness.time_ms) of the forward alone and forward+backward; speedup = torch / triton.
+--bwd-warps: for each warp count (router_topk.BWD_NUM_WARPS), the check again and the kernel's forward+backward
+(columns triton_bwd_w<N>_fwd_bwd_ms, ok_bwd_w<N>), in the same run.
 fwd_gbs: the kernel forward's effective bandwidth, reading logits and writing weights, ids and scores.
 """
 
@@ -109,7 +112,8 @@ def check(logits, bias, grad_w, K, *args):
     return ok, info  # a NaN error fails too
 
 
-def run_case(name, T, seed=0):
+def run_case(name, T, seed=0, bwd_warps=()):
+    from xmoe.kernels import router_topk as rt
     from xmoe.kernels.router_topk import router_topk
 
     E, K, score_func, norm, scale = CONFIGS[name]
@@ -131,6 +135,17 @@ def run_case(name, T, seed=0):
         row[f"{method}_fwd_bwd_ms"] = time_ms(lambda fn=fn: torch.autograd.grad(fn(x), x, grad_w))
     for phase in ("fwd", "fwd_bwd"):
         row[f"{phase}_speedup"] = row[f"torch_{phase}_ms"] / row[f"triton_{phase}_ms"]
+    default = rt.BWD_NUM_WARPS
+    for warps in bwd_warps:
+        rt.BWD_NUM_WARPS = warps
+        try:
+            row[f"ok_bwd_w{warps}"] = check(logits, bias, grad_w, K, *args)[0]
+            row[f"triton_bwd_w{warps}_fwd_bwd_ms"] = time_ms(
+                lambda: torch.autograd.grad(router_topk(x, bias, K, *args)[0], x, grad_w)
+            )
+        finally:
+            rt.BWD_NUM_WARPS = default
+        row["ok"] = row["ok"] and row[f"ok_bwd_w{warps}"]
     row["fwd_gbs"] = (T * E * 4 + T * K * (4 + 8 + 4)) / row["triton_fwd_ms"] * 1e-6
     return row
 
@@ -161,7 +176,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler tables of one case")
+    parser.add_argument("--bwd-warps", default="", help="backward kernel warp counts to time too, e.g. 4,8")
     args = parser.parse_args()
+    bwd_warps = tuple(int(w) for w in args.bwd_warps.split(",") if w)
+    columns = COLUMNS + [c for w in bwd_warps for c in (f"ok_bwd_w{w}", f"triton_bwd_w{w}_fwd_bwd_ms")]
     if not torch.cuda.is_available():
         print("bench_router: skipped, no CUDA device (CPU coverage: tests/test_router_kernel.py)")
         return 0
@@ -171,18 +189,18 @@ def main() -> int:
         if name not in args.configs.split(","):
             continue
         try:
-            row = run_case(name, T)
+            row = run_case(name, T, bwd_warps=bwd_warps)
         except Exception as exc:  # record and go on, then fail
             row = {"config": name, "T": T, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
         rows.append(row)
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         gc.collect()
         torch.cuda.empty_cache()
-        write_results("bench_router", rows, COLUMNS, meta, "Router top-k, fp32: Triton kernel vs torch path", NOTES)
+        write_results("bench_router", rows, columns, meta, "Router top-k, fp32: Triton kernel vs torch path", NOTES)
     if args.profile:
         profile()
     print()
-    print(markdown_table(rows, COLUMNS))
+    print(markdown_table(rows, columns))
     all_ok = bool(rows) and all(r["ok"] for r in rows)
     print("bench_router:", "PASS" if all_ok else "FAIL")
     return 0 if all_ok else 1

@@ -24,6 +24,10 @@ import triton.language as tl
 from xmoe.kernels._common import cdiv, check_device, interpreting, kernel_op, next_pow2
 
 MAX_EXPERTS, MAX_TOP_K = 512, 16
+# Warps of the backward kernel. At E = 64 (64 x 64 tiles) its 4 warps spill on sm_90 (56-136 bytes per thread,
+# compiled ahead of time with Triton 3.6 and 3.9) where 8 do not; benchmarks/bench_router.py --bwd-warps 4,8 times
+# both in one run before the default is changed.
+BWD_NUM_WARPS = 4
 
 
 def router_topk_supports(num_experts: int, top_k: int, num_expert_groups: int = 1) -> bool:
@@ -234,7 +238,7 @@ def router_topk_bwd(
             NORM=norm_topk_prob,
             BLOCK_T=block_t,
             BLOCK_E=block_e,
-            num_warps=4,
+            num_warps=BWD_NUM_WARPS,
         )
     return grad_TE
 
