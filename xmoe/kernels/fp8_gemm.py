@@ -30,7 +30,7 @@ import torch
 from xmoe.kernels import tiles
 from xmoe.kernels._common import cdiv, check_device, check_index, interpreting, kernel_op
 from xmoe.kernels.fp8_gemm_kernels import _fp8_grouped_mm_kernel, _fp8_swiglu_bwd_kernel, _fp8_up_fwd_kernel
-from xmoe.kernels.fp8_quant import FORMATS, GROUP, format_constexprs
+from xmoe.kernels.fp8_quant import FORMATS, GROUP, format_constexprs, halves
 from xmoe.kernels.grouped_gemm import _launch_kwargs, tile_map
 from xmoe.kernels.tiles import TileConfig
 
@@ -408,9 +408,7 @@ def input_grad_operands(dhq_N2F: torch.Tensor, scale_dh: torch.Tensor, w13_EHF: 
     """fp8_grouped_mm's (a1, scale_a1, b1, scale_b1, a2, scale_a2, b2, scale_b2) for dx = dh1 w1^T + dh3 w3^T from
     the side-by-side buffers of fp8_swiglu_down_bwd and quantize_block_pair: one pair of depth 2F where F is a whole
     number of scale groups (the halves' groups then line up), else the two halves as two pairs of depth F."""
-    ffn, groups = dhq_N2F.shape[1] // 2, scale_dh.shape[1] // 2
-    if ffn % GROUP == 0:
+    if (dhq_N2F.shape[1] // 2) % GROUP == 0:
         return dhq_N2F, scale_dh, w13_EHF, scale13, None, None, None, None
-    a1, a2 = dhq_N2F[:, :ffn], dhq_N2F[:, ffn:]
-    sa1, sa2 = scale_dh[:, :groups], scale_dh[:, groups:]
-    return a1, sa1, w13_EHF[..., :ffn], scale13[..., :groups], a2, sa2, w13_EHF[..., ffn:], scale13[..., groups:]
+    (a1, a2), (sa1, sa2), (b1, b2), (sb1, sb2) = (halves(t) for t in (dhq_N2F, scale_dh, w13_EHF, scale13))
+    return a1, sa1, b1, sb1, a2, sa2, b2, sb2

@@ -312,12 +312,11 @@ def quantize_block_pair(
     if w1_ERC.shape != w3_ERC.shape:
         raise ValueError(f"w1_ERC {tuple(w1_ERC.shape)} and w3_ERC {tuple(w3_ERC.shape)} must have one shape")
     experts, rows, cols = w1_ERC.shape
-    groups = cdiv(cols, GROUP)
     q13 = torch.empty(experts, rows, 2 * cols, dtype=form.storage(), device=w1_ERC.device)
     qts = [torch.empty(experts, cols, rows, dtype=form.storage(), device=w1_ERC.device) for _ in range(2)]
-    s13 = torch.empty(experts, cdiv(rows, GROUP), 2 * groups, dtype=torch.float32, device=w1_ERC.device)
-    for half, (w, qt) in enumerate(zip((w1_ERC, w3_ERC), qts, strict=True)):
-        _quantize_blocks_into(w, q13[..., half * cols :], qt, s13[..., half * groups :], form)
+    s13 = torch.empty(experts, cdiv(rows, GROUP), 2 * cdiv(cols, GROUP), dtype=torch.float32, device=w1_ERC.device)
+    for w, q, qt, s in zip((w1_ERC, w3_ERC), halves(q13), qts, halves(s13), strict=True):
+        _quantize_blocks_into(w, q, qt, s, form)
     return q13, qts[0], qts[1], s13
 
 
@@ -334,25 +333,43 @@ def _(w1_ERC, w3_ERC, fmt):
     )
 
 
+def halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two halves of t's last dimension, as views: w1's and w3's parts of a side-by-side buffer."""
+    n = t.shape[-1] // 2
+    return t[..., :n], t[..., n:]
+
+
 class Fp8ExpertWeights(NamedTuple):
     """The routed experts' weights in FP8, each laid out for the GEMMs that read it (reduction dimension last):
-    w1_EFH, w3_EFH feed the up GEMM (x w1, x w3; reduction H), w2_EHF the down GEMM (a w2; reduction F), w1_EHF,
-    w3_EHF the input gradient (dh1 w1^T + dh3 w3^T; reduction F) and w2_EFH the down dgrad (g w2^T; reduction H).
-    scale1, scale3: (E, cdiv(H, G), cdiv(F, G)) and scale2: (E, cdiv(F, G), cdiv(H, G)), fp32, one per 128 x 128
-    block of the weight in its (E, H, F) / (E, F, H) layout, shared by both copies. w1_EHF, w3_EHF are the two
-    halves of w13_EHF (E, H, 2F), and scale1, scale3 of scale13 (E, cdiv(H, G), 2 cdiv(F, G)) (quantize_block_pair)."""
+    w1_EFH, w3_EFH feed the up GEMM (x w1, x w3; reduction H), w2_EHF the down GEMM (a w2; reduction F), w13_EHF
+    (E, H, 2F), w1 | w3 side by side, the input gradient ((dh1 | dh3)(w1 | w3)^T; reduction 2F) and w2_EFH the down
+    dgrad (g w2^T; reduction H). scale13: (E, cdiv(H, G), 2 cdiv(F, G)), w1's and w3's scales side by side, and
+    scale2: (E, cdiv(F, G), cdiv(H, G)), fp32, one per 128 x 128 block of the weight in its (E, H, F) / (E, F, H)
+    layout, shared by both copies (quantize_block_pair). w1_EHF, w3_EHF, scale1, scale3: the halves, as views."""
 
     w1_EFH: torch.Tensor
     w3_EFH: torch.Tensor
     w2_EHF: torch.Tensor
-    w1_EHF: torch.Tensor
-    w3_EHF: torch.Tensor
-    w2_EFH: torch.Tensor
-    scale1: torch.Tensor
-    scale3: torch.Tensor
-    scale2: torch.Tensor
     w13_EHF: torch.Tensor
+    w2_EFH: torch.Tensor
     scale13: torch.Tensor
+    scale2: torch.Tensor
+
+    @property
+    def w1_EHF(self) -> torch.Tensor:
+        return halves(self.w13_EHF)[0]
+
+    @property
+    def w3_EHF(self) -> torch.Tensor:
+        return halves(self.w13_EHF)[1]
+
+    @property
+    def scale1(self) -> torch.Tensor:
+        return halves(self.scale13)[0]
+
+    @property
+    def scale3(self) -> torch.Tensor:
+        return halves(self.scale13)[1]
 
 
 def quantize_expert_weights(
@@ -362,17 +379,4 @@ def quantize_expert_weights(
     ``reuse_weight_casts`` (xmoe/moe/experts.py), or once per forward where the weights are not cached there."""
     q13, q1t, q3t, s13 = quantize_block_pair(w1_EHF, w3_EHF, fmt)
     q2, q2t, s2 = quantize_blocks(w2_EFH, fmt)
-    ffn, groups = w1_EHF.shape[2], cdiv(w1_EHF.shape[2], GROUP)
-    return Fp8ExpertWeights(
-        w1_EFH=q1t,
-        w3_EFH=q3t,
-        w2_EHF=q2t,
-        w1_EHF=q13[..., :ffn],
-        w3_EHF=q13[..., ffn:],
-        w2_EFH=q2,
-        scale1=s13[..., :groups],
-        scale3=s13[..., groups:],
-        scale2=s2,
-        w13_EHF=q13,
-        scale13=s13,
-    )
+    return Fp8ExpertWeights(w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w13_EHF=q13, w2_EFH=q2, scale13=s13, scale2=s2)

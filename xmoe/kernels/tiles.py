@@ -62,7 +62,7 @@ class TileConfig:
 # and their FP8 forms (fp8_gemm.py; moe.fp8 = "experts"):
 #   fp8_up        h1, h3 = x[tok] w1, x[tok] w3, a quantised              reduction H, width F (BLOCK_N = 128)
 #   fp8_mm        y = a w2                                                 reduction F, width H (one column chunk)
-#   fp8_dx        dx = (dh1 | dh3)(w1 | w3)^T, one pair                   reduction 2F, width H (one column chunk)
+#   fp8_dx        dx = (dh1 | dh3)(w1 | w3)^T, one pair                    reduction 2F, width H (one column chunk)
 #   fp8_down_bwd  da = g[tok] w2^T                                         reduction H, width F
 #   fp8_wgrad     dW = A^T B from 128 x 1 groups (fp8_wgrad.py)            reduction: the expert's rows
 KERNELS = (
