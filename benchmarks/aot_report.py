@@ -21,6 +21,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
+
 from benchmarks.harness import environment, markdown_table
 from xmoe.kernels import aot, aot_workloads
 from xmoe.kernels.tiles import TileConfig

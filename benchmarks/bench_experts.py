@@ -58,9 +58,12 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
 from benchmarks.harness import RESULTS_ENV, environment, kernel_gaps, peak_extra_bytes, time_ms, write_results
 

@@ -28,8 +28,11 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
 from benchmarks.harness import environment, markdown_table, time_ms, write_results
 
