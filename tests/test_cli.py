@@ -208,6 +208,17 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_pat
     assert not out.exists() or not any(out.iterdir())
 
 
+def test_fp8_experts_on_a_device_without_fp8_are_refused_before_the_run_starts(tmp_path, capsys, monkeypatch):
+    from xmoe.kernels import fp8_quant
+
+    monkeypatch.setattr(fp8_quant, "interpreting", lambda: False)  # the tests' interpreter otherwise stands in
+    out = tmp_path / "r"
+    err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--fp8", "experts", "--steps", "1"])
+    assert "moe.fp8='experts' needs a GPU with FP8 matrix instructions" in err and "--fp8 off" in err, err
+    assert not out.exists() or not any(out.iterdir())
+    assert "parameters" not in capsys.readouterr().out  # refused before the model was built and announced
+
+
 def test_missing_paths_name_symlink_loops(tmp_path, capsys):
     loop = tmp_path / "loop.npy"
     loop.symlink_to(loop)

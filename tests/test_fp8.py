@@ -514,6 +514,12 @@ def test_fp8_refused_on_cpu_outside_the_interpreter(monkeypatch):
     layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=2, top_k=1, fp8="experts"))
     with pytest.raises(ValueError, match="FP8 matrix instructions"):
         layer(torch.randn(4, 16))
+    # the trainer refuses it while resolving its kernels, before the data, the model or any output
+    from xmoe.config import KernelConfig
+    from xmoe.kernels.choice import resolve_layer
+
+    with pytest.raises(ValueError, match=r"cpu device has none.*--fp8 off"):
+        resolve_layer(layer.cfg, KernelConfig(), 4, torch.device("cpu"), torch.float32)
 
 
 def test_config_fp8_field_and_train_flag():

@@ -70,6 +70,14 @@ def resolve_layer(
             "kernels.wgrad='fp8' computes the FP8 experts' weight gradients in FP8 and needs moe.fp8='experts' "
             "(--fp8 experts); with bf16 experts set kernels.wgrad to auto, triton or grouped_mm (--wgrad)"
         )
+    if moe.fp8 == "experts":  # refused here, before a trainer builds anything, not at the first forward
+        if not triton_available():
+            raise ValueError(
+                "moe.fp8='experts' runs Triton kernels: pip install triton, or set moe.fp8='off' (--fp8 off)"
+            )
+        from xmoe.kernels.fp8_quant import fp8_format
+
+        fp8_format(device)  # a ValueError naming the device and the fix where it has no FP8 matrix instructions
     backend = resolve_backend(moe.kernel_backend, device)
     # FP8 experts call the Triton kernels whatever the backend; the padded baseline's experts are torch.bmm's
     triton_gemms = moe.fp8 == "experts" or (backend == "triton" and moe.dispatcher != "padded")
