@@ -1,5 +1,6 @@
 """Losses of two `xmoe train` runs of the same seed and data, step by step, on one GPU: eager against compiled
-regions (`--compare compile`), or bf16 against FP8 routed experts, both compiled (`--compare fp8`).
+regions (`--compare compile`), or bf16 against FP8 routed experts, both compiled (`--compare fp8`; `--compare
+fp8_wgrad`: their weight gradients in FP8 too).
 
     python benchmarks/loss_parity.py --steps 50 --out results/
     python benchmarks/loss_parity.py --compare fp8 --steps 300 --out results/
@@ -11,8 +12,8 @@ inputs, so the runs drift apart; the table shows each step's relative difference
 and after step 50, how many steps after 50 differ by more than 1%, the mean signed difference after step 50 (a
 bias: one run lower or higher throughout) and the largest difference of 10-step means after step 50 (a lasting
 excursion rather than one step's noise), and each run's peak memory. Writes loss_parity.json / .md
-(loss_parity_fp8.* for fp8) into --out. Skips without a GPU. `--from-json FILE` writes the .md again from a saved
-.json (no runs; FILE's folder unless --out is given).
+(loss_parity_<compare>.* for the others) into --out. Skips without a GPU. `--from-json FILE` writes the .md
+again from a saved .json (no runs; FILE's folder unless --out is given).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from benchmarks.harness import run_xmoe_train
 RUNS = {  # --compare: (name, extra arguments) of the reference run and of the other
     "compile": (("eager", ["--compile", "off"]), ("compiled", ["--compile", "on"])),
     "fp8": (("bf16", ["--compile", "on"]), ("fp8", ["--compile", "on", "--fp8", "experts"])),
+    "fp8_wgrad": (
+        ("bf16", ["--compile", "on"]),
+        ("fp8_wgrad", ["--compile", "on", "--fp8", "experts", "--wgrad", "fp8"]),
+    ),
 }
 
 
