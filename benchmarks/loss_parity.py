@@ -132,9 +132,12 @@ def markdown(meta: dict, ref_name: str, ref: list[float], new_name: str, new: li
 def from_json(path: Path, out: Path) -> None:
     data = json.loads(path.read_text())
     ref_name, new_name = (k for k in data if k != "meta")
-    lines = markdown(data["meta"], ref_name, data[ref_name], new_name, data[new_name])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{path.stem}.md").write_text("\n".join(lines) + "\n")
+    write_markdown(out / f"{path.stem}.md", markdown(data["meta"], ref_name, data[ref_name], new_name, data[new_name]))
+
+
+def write_markdown(path: Path, lines: list[str]) -> None:
+    path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:8]))
 
 
@@ -168,9 +171,7 @@ def main() -> None:
     folder.mkdir(parents=True, exist_ok=True)
     stem = "loss_parity" if args.compare == "compile" else f"loss_parity_{args.compare}"
     (folder / f"{stem}.json").write_text(json.dumps({"meta": meta, ref_name: ref, new_name: new}, indent=1))
-    lines = markdown(meta, ref_name, ref, new_name, new)
-    (folder / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:8]))
+    write_markdown(folder / f"{stem}.md", markdown(meta, ref_name, ref, new_name, new))
 
 
 if __name__ == "__main__":
