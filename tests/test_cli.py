@@ -205,7 +205,7 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_pat
         capsys, ["train", "--out", str(out), "--device", "cpu", "--set", "moe.num_experts=1000000000000"]
     )
     assert "7.41e+16 parameters" in err and "moe.num_experts (1000000000000)" in err and "GiB of memory" in err, err
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
 
 
 def test_fp8_experts_on_a_device_without_fp8_are_refused_before_the_run_starts(tmp_path, capsys, monkeypatch):
@@ -215,7 +215,7 @@ def test_fp8_experts_on_a_device_without_fp8_are_refused_before_the_run_starts(t
     out = tmp_path / "r"
     err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--fp8", "experts", "--steps", "1"])
     assert "moe.fp8='experts' needs a GPU with FP8 matrix instructions" in err and "--fp8 off" in err, err
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()  # the run directory this start created has gone with it
     assert "parameters" not in capsys.readouterr().out  # refused before the model was built and announced
 
 

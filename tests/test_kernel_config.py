@@ -269,3 +269,27 @@ def test_eval_and_generate_run_under_the_kernels_section_the_run_recorded(tmp_pa
     assert tiles.OPTIONS is before
     # a checkpoint written before runs recorded their kernels: the environment's defaults
     assert recorded_config({"model": {}}) == KernelConfig("triton", False)
+
+
+def test_a_run_trained_with_fp8_experts_is_read_unquantised_where_fp8_cannot_run(tmp_path, capsys, clean_env):
+    from xmoe.kernels import fp8_quant
+
+    out = tmp_path / "run"
+    main(["train", "--out", str(out), "--device", "cpu", *TINY, "--steps", "1", "--fp8", "experts", "--wgrad", "fp8"])
+    evaluate = ["eval", str(out), "--data", "markov", "--seq-len", "8", "--max-windows", "4"]
+    capsys.readouterr()
+    main(evaluate)  # the tests' interpreter stands in for a GPU with FP8: the experts run quantised
+    quantised = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    clean_env.setattr(fp8_quant, "interpreting", lambda: False)  # now a CPU as users have it: no FP8 at all
+    main(evaluate)
+    captured = capsys.readouterr()
+    unquantised = json.loads(captured.out.strip().splitlines()[-1])
+    assert "was trained with FP8 experts" in captured.err and "run unquantised" in captured.err, captured.err
+    assert unquantised["kernels"]["wgrad"] == "auto"  # the recorded "fp8" needs FP8 experts; no gradient runs here
+    assert quantised["kernels"]["wgrad"] == "fp8"
+    # the same weights, the experts' products without FP8 rounding: close to the quantised loss, not equal to it
+    assert unquantised["loss"] != quantised["loss"]
+    assert abs(unquantised["loss"] - quantised["loss"]) <= 0.02 * quantised["loss"]
+    main(["generate", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--ids"])
+    captured = capsys.readouterr()
+    assert len(captured.out.strip().split(",")) == 3 and "run unquantised" in captured.err

@@ -496,3 +496,17 @@ def test_lock_released_after_errors_in_setup(tmp_path, capsys):
     assert code == 2 and not (out / runlock.LOCK).exists()
     train(out, "--steps", "1")  # not blocked by the failed attempt
     assert sorted(losses(out)) == [1]
+
+
+def test_a_failed_start_removes_the_directories_it_created_and_keeps_the_others(tmp_path, capsys):
+    out = tmp_path / "runs" / "a" / "r"
+    code, _ = fails(capsys, out, "--steps", "1", "--data", str(tmp_path / "missing.npy"))
+    assert code == 2 and not (tmp_path / "runs").exists()  # runs/, runs/a/ and r/ were this start's
+    out.mkdir(parents=True)
+    (out.parent / "notes.txt").write_text("mine")
+    code, _ = fails(capsys, out, "--steps", "1", "--data", str(tmp_path / "missing.npy"))
+    assert code == 2 and out.is_dir() and not any(out.iterdir())  # there before the start: kept, empty
+    keep = tmp_path / "runs" / "a" / "b" / "r"
+    code, _ = fails(capsys, keep, "--steps", "1", "--data", str(tmp_path / "missing.npy"))
+    assert code == 2 and not (tmp_path / "runs" / "a" / "b").exists()  # b/ was created, a/ was not
+    assert (out.parent / "notes.txt").read_text() == "mine"

@@ -5,6 +5,8 @@ latest checkpoint, or the one ``--step`` names). Text goes through the source's 
 one (a run started with ``--init-from`` keeps the imported one), else it is byte-level (one token per byte).
 `eval` and `generate` run the model under the kernels section the run recorded in the checkpoint's meta.json
 (a Hugging Face directory, which has none: the environment's defaults), resolved on their device as a run's is.
+A run trained with FP8 experts is read on a device without FP8 matrix instructions (a CPU) with its experts
+unquantised (its weights are full precision), saying so on stderr.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +53,11 @@ def _run_checkpoint(run_dir: Path, step: int | None) -> Path:
     return matches[0]
 
 
-def load_source(source: str, step: int | None = None, device: str = "cpu"):
+def load_source(source: str, step: int | None = None, device: str = "cpu", *, compute: bool = True):
     """(model in eval mode, tokenizer path or None, imported HF config or None, the kernels section to run it
-    under: KernelConfig) of a SOURCE. A run that is still training may prune the checkpoint being read: it is pinned
-    while read (and picked again if it went first)."""
+    under: KernelConfig) of a SOURCE (``compute``: for a forward on ``device``, not only its weights).
+    A run that is still training may prune the checkpoint being read: it is pinned while read (and picked again if
+    it went first)."""
     from xmoe.config import KernelConfig
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
     from xmoe.parallel.build import build_model
@@ -80,7 +84,10 @@ def load_source(source: str, step: int | None = None, device: str = "cpu"):
     from xmoe.train.checkpoint_verify import read_meta
 
     def read(found: Path):  # the kernels section from the meta.json of the checkpoint whose weights are read
-        return _run_model(found, device), recorded_config(read_meta(found)["config"])
+        model, kernels = _run_model(found, device, compute), recorded_config(read_meta(found)["config"])
+        if kernels.wgrad == "fp8" and model.cfg.moe.fp8 != "experts":  # FP8 experts set aside on this device
+            kernels = replace(kernels, wgrad="auto")  # no weight gradient runs here; "fp8" needs FP8 experts
+        return model, kernels
 
     model, kernels = read_pinned(lambda: _run_checkpoint(path, step), read)
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
@@ -102,13 +109,29 @@ def _kernels(model, kernels, num_tokens: int, device: str):
     return resolve_layer(model.cfg.moe, kernels, num_tokens, torch.device(device), torch.float32)
 
 
-def _run_model(found: Path, device: str):
-    """The model of run checkpoint ``found``, built from the config its meta.json stores."""
+def _run_model(found: Path, device: str, compute: bool = True):
+    """The model of run checkpoint ``found``, built from the config its meta.json stores (FP8 experts that cannot
+    run on ``device`` set aside, saying so if it is for ``compute``)."""
     from xmoe.parallel.build import build_model
     from xmoe.train.checkpoint import load_checkpoint
     from xmoe.train.checkpoint_verify import read_meta
 
     cfg = model_config_from_dict(read_meta(found)["config"]["model"])
+    if cfg.moe.fp8 == "experts":
+        import torch
+
+        from xmoe.kernels.choice import fp8_refusal
+
+        refusal = fp8_refusal(torch.device(device))
+        if refusal:  # the weights are full precision: the experts run unquantised, which the user is told
+            cfg = replace(cfg, moe=replace(cfg.moe, fp8="off"))
+        if refusal and compute:
+            print(
+                f"xmoe: note: {found} was trained with FP8 experts (moe.fp8='experts'), which cannot run on "
+                f"{device} ({refusal.split(': ')[0]}); its experts run unquantised, so results can differ "
+                "slightly from a run on a GPU with FP8 matrix instructions",
+                file=sys.stderr,
+            )
     model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
     load_checkpoint(found, model, restore_rng=False, restore_extra=False)
     return model
@@ -213,7 +236,7 @@ def run_export(args: argparse.Namespace) -> Path:
         raise ValueError(f"--max-shard-gb ({args.max_shard_gb:g}) must be a number of GiB > 0, e.g. 5")
     out = Path(args.hf)
     _check_export_target(out, args.overwrite)
-    model, tokenizer, hf, _ = load_source(args.run_dir, args.step)  # weights only: no kernel runs
+    model, tokenizer, hf, _ = load_source(args.run_dir, args.step, compute=False)  # weights only
     family = args.family or (hf or {}).get("model_type")
     staged = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
     try:

@@ -58,6 +58,19 @@ def resolve_choice(run: RunConfig, device: torch.device, dtype: torch.dtype) -> 
     return resolve_layer(run.model.moe, run.kernels, num_tokens, device, dtype, ep=run.parallel.ep)
 
 
+def fp8_refusal(device: torch.device) -> str | None:
+    """Why FP8 experts (moe.fp8='experts') cannot run on ``device``, naming the fix; None where they can."""
+    if not triton_available():
+        return "moe.fp8='experts' runs Triton kernels: pip install triton, or set moe.fp8='off' (--fp8 off)"
+    from xmoe.kernels.fp8_quant import fp8_format
+
+    try:
+        fp8_format(device)
+    except ValueError as e:  # the device has no FP8 matrix instructions
+        return str(e)
+    return None
+
+
 def resolve_layer(
     moe: MoEConfig, cfg: KernelConfig, num_tokens: int, device: torch.device, dtype: torch.dtype, *, ep: int = 1
 ) -> KernelChoice:
@@ -71,13 +84,9 @@ def resolve_layer(
             "(--fp8 experts); with bf16 experts set kernels.wgrad to auto, triton or grouped_mm (--wgrad)"
         )
     if moe.fp8 == "experts":  # refused here, before a trainer builds anything, not at the first forward
-        if not triton_available():
-            raise ValueError(
-                "moe.fp8='experts' runs Triton kernels: pip install triton, or set moe.fp8='off' (--fp8 off)"
-            )
-        from xmoe.kernels.fp8_quant import fp8_format
-
-        fp8_format(device)  # a ValueError naming the device and the fix where it has no FP8 matrix instructions
+        refusal = fp8_refusal(device)
+        if refusal:
+            raise ValueError(refusal)
     backend = resolve_backend(moe.kernel_backend, device)
     # FP8 experts call the Triton kernels whatever the backend; the padded baseline's experts are torch.bmm's
     triton_gemms = moe.fp8 == "experts" or (backend == "triton" and moe.dispatcher != "padded")

@@ -9,7 +9,8 @@ previous run aside until the new one has written something).
      it (``--overwrite``). A new run never deletes before it has started: the previous run's outputs (OUTPUTS)
      are moved into ``OUT/xmoe.replaced/`` and deleted only when the new run writes its first log line or
      checkpoint (``RunLock.commit``); a new run that ends before that (a bad data path, a failed build, Ctrl-C)
-     removes what it wrote and moves them back. A start killed before either is settled by the next one.
+     removes what it wrote and moves them back (and the directories it created for ``OUT``, if they are empty
+     then). A start killed before either is settled by the next one.
   3. leftovers of crashed saves (``*.tmp-*``) are removed: under the lock nothing can still be writing them.
 Rank 0's outcome is broadcast, so all ranks start or fail together (no rank waits in a collective forever).
 What a resume must match, and the checkpoint it continues from, is ``resume.py``.
@@ -51,6 +52,7 @@ class RunLock(DirLock):
     def __init__(self, out_dir: Path) -> None:
         super().__init__(out_dir)
         self.new_run = False  # a fresh start (not a resume): undone by release() unless committed
+        self.created: list[Path] = []  # the directories this start made (out_dir first): an undone start removes them
 
     def commit(self) -> None:
         """The new run has written its first output: the run it replaced (--overwrite) is deleted now."""
@@ -64,12 +66,19 @@ class RunLock(DirLock):
 
     def release(self) -> None:
         """Unlock; a new run that never committed takes back what it wrote and restores the run it replaced."""
-        if self._fd is not None and self.new_run:
+        undone = self._fd is not None and self.new_run
+        if undone:
             self.new_run = False
             note = _undo_start(self.path.parent)
             if note:
                 log.info(note)
         super().release()
+        if undone:  # a refused start leaves no empty run directory behind (the lock file has gone with release)
+            for path in self.created:
+                try:
+                    path.rmdir()
+                except OSError:  # not empty (or no longer there): what is in it is someone else's
+                    break
 
 
 def _present(out_dir: Path) -> list[str]:
@@ -187,8 +196,10 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock, lis
     """Rank 0's part of ``open_run_dir``; returns the lock and lines to print."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirError(f"--out ({out_dir}) is a file, not a directory; choose a directory path")
+    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(out_dir).acquire()
+    lock.created = created
     notes = []
     try:
         if lock.stale:
