@@ -18,8 +18,9 @@ Correctness first (the check that decides the exit status), logits ~ N(0, 1):
   weights, scores_TK and grad(logits) (backward of a random grad_weights): rel err vs the torch path taken at
            the kernel's ids (so near-tie rows compare like for like), ||got - ref|| / ||ref|| < 1e-5.
 Then the median time (harness.time_ms) of the forward alone and forward+backward; speedup = torch / triton.
---bwd-warps: for each warp count (router_topk.BWD_NUM_WARPS), the check again and the kernel's forward+backward
-(columns triton_bwd_w<N>_fwd_bwd_ms, ok_bwd_w<N>), in the same run.
+--bwd-warps: for each warp count (router_topk.BWD_NUM_WARPS, forced for every tile), the check again, the kernel's
+forward+backward (columns triton_bwd_w<N>_fwd_bwd_ms, ok_bwd_w<N>) and the backward kernel's GPU time alone
+(graph_us: triton_bwd_w<N>_kernel_us; triton_bwd_kernel_us at the default warps), in the same run.
 fwd_gbs: the kernel forward's effective bandwidth, reading logits and writing weights, ids and scores.
 """
 
@@ -63,13 +64,15 @@ COLUMNS = [
     "torch_fwd_bwd_ms",
     "fwd_bwd_speedup",
     "fwd_gbs",
+    "triton_bwd_kernel_us",
     "error",
 ]
 NOTES = (
     f"ok: ids equal to the torch path's but for near_ties (ids differ, choice values within rtol {TIE_RTOL}; "
     f"other differing rows: id_mismatch); weights, scores_TK and grad(logits) rel err < {TOLERANCE}. "
     "*_ms: median; speedup = torch / triton (>1: the kernel is faster); fwd_gbs: the kernel forward's bytes "
-    "(logits in, weights, ids and scores out) per second."
+    "(logits in, weights, ids and scores out) per second; *_kernel_us: the backward kernel alone, GPU time per "
+    "launch replayed from a CUDA graph (the *_ms columns include the host's launch cost)."
 )
 
 
@@ -115,6 +118,18 @@ def check(logits, bias, grad_w, K, *args):
     return ok, info  # a NaN error fails too
 
 
+def graph_us(fn, launches=20) -> float:
+    """Microseconds of GPU time per call of fn, replayed from a CUDA graph of ``launches`` calls: the kernel alone,
+    without the host's launch cost (which the *_ms columns include, and which is most of them at these sizes)."""
+    fn()  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return time_ms(graph.replay) * 1000 / launches
+
+
 def run_case(name, T, seed=0, bwd_warps=()):
     from xmoe.kernels import router_topk as rt
     from xmoe.kernels.router_topk import router_topk
@@ -138,6 +153,8 @@ def run_case(name, T, seed=0, bwd_warps=()):
         row[f"{method}_fwd_bwd_ms"] = time_ms(lambda fn=fn: torch.autograd.grad(fn(x), x, grad_w))
     for phase in ("fwd", "fwd_bwd"):
         row[f"{phase}_speedup"] = row[f"torch_{phase}_ms"] / row[f"triton_{phase}_ms"]
+    ids = router_topk(logits, bias, K, *args)[1]
+    row["triton_bwd_kernel_us"] = graph_us(lambda: rt.router_topk_bwd(grad_w, logits, ids, *args))
     default = rt.BWD_NUM_WARPS
     for warps in bwd_warps:
         rt.BWD_NUM_WARPS = warps
@@ -146,6 +163,7 @@ def run_case(name, T, seed=0, bwd_warps=()):
             row[f"triton_bwd_w{warps}_fwd_bwd_ms"] = time_ms(
                 lambda: torch.autograd.grad(router_topk(x, bias, K, *args)[0], x, grad_w)
             )
+            row[f"triton_bwd_w{warps}_kernel_us"] = graph_us(lambda: rt.router_topk_bwd(grad_w, logits, ids, *args))
         finally:
             rt.BWD_NUM_WARPS = default
         row["ok"] = row["ok"] and row[f"ok_bwd_w{warps}"]
@@ -182,7 +200,9 @@ def main() -> int:
     parser.add_argument("--bwd-warps", default="", help="backward kernel warp counts to time too, e.g. 4,8")
     args = parser.parse_args()
     bwd_warps = tuple(int(w) for w in args.bwd_warps.split(",") if w)
-    columns = COLUMNS + [c for w in bwd_warps for c in (f"ok_bwd_w{w}", f"triton_bwd_w{w}_fwd_bwd_ms")]
+    columns = COLUMNS + [
+        c for w in bwd_warps for c in (f"ok_bwd_w{w}", f"triton_bwd_w{w}_fwd_bwd_ms", f"triton_bwd_w{w}_kernel_us")
+    ]
     if not torch.cuda.is_available():
         print("bench_router: skipped, no CUDA device (CPU coverage: tests/test_router_kernel.py)")
         return 0

@@ -364,7 +364,6 @@ def missed_classes(recording: Recording, devices=DEVICES) -> list[str]:
 # memory per thread they spilled by Triton version. The compile test fails on any other spill of a shipped
 # configuration; docs/kernels.md ("Resources per target") has the table and what would remove them.
 KNOWN_SPILLS = {
-    ("cuda:90", "_router_topk_bwd_kernel", "BLOCK_T=64 BLOCK_E=64 num_warps=4"): "Triton 3.6: 56-120 B, 3.9: 64-136 B",
     (
         "cuda:90",
         "_swiglu_up_fwd_kernel",

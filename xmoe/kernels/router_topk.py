@@ -24,10 +24,17 @@ import triton.language as tl
 from xmoe.kernels._common import cdiv, check_device, interpreting, kernel_op, next_pow2
 
 MAX_EXPERTS, MAX_TOP_K = 512, 16
-# Warps of the backward kernel. At E = 64 (64 x 64 tiles) its 4 warps spill on sm_90 (56-136 bytes per thread,
-# compiled ahead of time with Triton 3.6 and 3.9) where 8 do not; benchmarks/bench_router.py --bwd-warps 4,8 times
-# both in one run before the default is changed.
-BWD_NUM_WARPS = 4
+# Warps of the backward kernel: 4, but 8 for 64-expert tiles (64 x 64), where 4 warps spill on sm_90 (56-136 bytes
+# per thread, Triton 3.6 and 3.9) and 8 do not. The kernel alone on the H200 (benchmarks/bench_router.py
+# --bwd-warps 4,8, CUDA-graph replay), T = 16384: E = 64 18.8 us at 4 warps, 18.9 at 8 (level, without the spill);
+# E = 128 15.0 against 19.1 and E = 256 26.0 against 36.7, so 4 stay there.
+BWD_NUM_WARPS: int | None = None  # forces one count for every tile (bench_router.py --bwd-warps); None: the above
+
+
+def _bwd_warps(block_e: int) -> int:
+    if BWD_NUM_WARPS is not None:
+        return BWD_NUM_WARPS
+    return 8 if block_e == 64 else 4
 
 
 def router_topk_supports(num_experts: int, top_k: int, num_expert_groups: int = 1) -> bool:
@@ -238,7 +245,7 @@ def router_topk_bwd(
             NORM=norm_topk_prob,
             BLOCK_T=block_t,
             BLOCK_E=block_e,
-            num_warps=BWD_NUM_WARPS,
+            num_warps=_bwd_warps(block_e),
         )
     return grad_TE
 
