@@ -123,12 +123,14 @@ def _run_model(found: Path, device: str, compute: bool = True):
         from xmoe.kernels.choice import fp8_refusal
 
         refusal = fp8_refusal(torch.device(device))
-        if refusal:  # the weights are full precision: the experts run unquantised, which the user is told
+        # the weights are full precision: the experts run unquantised, which the user is told (the refusal without
+        # the fix it ends with, which is for training)
+        if refusal:
             cfg = replace(cfg, moe=replace(cfg.moe, fp8="off"))
         if refusal and compute:
             print(
                 f"xmoe: note: {found} was trained with FP8 experts (moe.fp8='experts'), which cannot run on "
-                f"{device} ({refusal.split(': ')[0]}); its experts run unquantised, so results can differ "
+                f"{device} ({refusal.rsplit(': ', 1)[0]}); its experts run unquantised, so results can differ "
                 "slightly from a run on a GPU with FP8 matrix instructions",
                 file=sys.stderr,
             )

@@ -49,10 +49,10 @@ class RunLock(DirLock):
     """The run directory's lock, which also carries a new run's start (``commit`` / ``release``): see the module
     docstring, step 2."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, created: tuple[Path, ...] = ()) -> None:
         super().__init__(out_dir)
         self.new_run = False  # a fresh start (not a resume): undone by release() unless committed
-        self.created: list[Path] = []  # the directories this start made (out_dir first): an undone start removes them
+        self.created = created  # the directories this start made (out_dir first): an undone start removes them
 
     def commit(self) -> None:
         """The new run has written its first output: the run it replaced (--overwrite) is deleted now."""
@@ -196,10 +196,9 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock, lis
     """Rank 0's part of ``open_run_dir``; returns the lock and lines to print."""
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirError(f"--out ({out_dir}) is a file, not a directory; choose a directory path")
-    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]
+    created = tuple(d for d in (out_dir, *out_dir.parents) if not d.exists())
     out_dir.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(out_dir).acquire()
-    lock.created = created
+    lock = RunLock(out_dir, created).acquire()
     notes = []
     try:
         if lock.stale:
