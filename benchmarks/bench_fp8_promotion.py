@@ -14,8 +14,10 @@ side on dense GEMMs of the routed experts' sizes (C = A B^T, A in 1 x 128 groups
   turns at the tensor cores, so one half's scaling runs while the other's product is computed.
 * ``cublas blockwise``: ``torch._scaled_mm`` with the same 1 x 128 / 128 x 128 scales (cuBLASLt's block scaling;
   refused or wrong where this torch's layout rules are not met: recorded per row).
-* ``triton in-place``: one accumulator, no scales, and ``cublas rowwise``: one scale per row (neither is the FP8
-  recipe: ceilings for these tiles and for the library).
+* ``triton fresh, 256-deep groups``: the shipped loop with scales per 1 x 256 / 128 x 256 (every other 128-deep
+  scale of the same data), so 256-deep steps and half the promotions; refused where K is not a multiple of 256.
+* ``triton in-place``: one accumulator, no scales (128 or 256 deep), and ``cublas rowwise``: one scale per row
+  (neither is the FP8 recipe: ceilings for these tiles and for the library).
 
 128 x 128 x 128 tiles, tiles taken column-fastest (as xmoe's grouped FP8 kernels do), 3 or 4 stages. Each scaled
 result is first checked against a float64 product of the dequantised inputs. Writes bench_fp8_promotion.json / .md
@@ -256,11 +258,16 @@ def _gluon(A, B, sa, sb, C, stages, overlap, block_m=128, warps=8):
     _gluon_fp8_gemm[grid](a_desc, b_desc, C, sa, sb, M, N, K, STAGES=stages, OVERLAP=overlap, num_warps=warps)
 
 
-def _triton(A, B, sa, sb, C, fresh, stages):
+def _triton(A, B, sa, sb, C, fresh, stages, depth=G):
+    """``depth``: the K extent of one step and one scale group (256: scales per 1 x 256 / 128 x 256, a product
+    promoted every 256 instead of every 128)."""
     M, K = A.shape
     N = B.shape[0]
+    if K % depth:
+        raise ValueError(f"K = {K} is not a multiple of {depth}")
     grid = ((M // G) * (N // G),)
-    _triton_fp8_gemm[grid](A, sa, B, sb, C, M, N, K, FRESH=fresh, BM=G, BN=G, BK=G, num_warps=8, num_stages=stages)
+    _triton_fp8_gemm[grid](A, sa, B, sb, C, M, N, K, FRESH=fresh, BM=G, BN=G, BK=depth, num_warps=8,
+                           num_stages=stages)  # fmt: skip
 
 
 def _operands(M, N, K, gen):
@@ -302,18 +309,30 @@ def _cublas_rowwise(A, B, ra, rb, C):
 
 
 def _variants(A, B, sa, sb, C):
+    """(name, run, (A's scales, B's scales, their K group) for the float64 check, or None: not the recipe)."""
     ra = torch.ones(A.shape[0], 1, device=A.device)
     rb = torch.ones(1, B.shape[0], device=A.device)
     sa_cm, sb_t = _cublas_scales(sa, sb)
+    sa2, sb2 = sa[:, ::2].contiguous(), sb[:, ::2].contiguous()  # 256-deep groups (K a multiple of 256)
+    base, deep = (sa, sb, G), (sa2, sb2, 2 * G)
     return [
-        ("triton fresh, 4 stages", lambda: _triton(A, B, sa, sb, C, True, 4)),
-        ("gluon overlap, 4 stages", lambda: _gluon(A, B, sa, sb, C, 4, True)),
-        ("gluon ws, 3 stages", lambda: _gluon_ws(A, B, sa, sb, C, 3)),
-        ("gluon ws, 4 stages", lambda: _gluon_ws(A, B, sa, sb, C, 4)),
-        ("cublas blockwise (torch._scaled_mm)", lambda: _cublas_blockwise(A, B, sa_cm, sb_t, C)),
-        ("triton in-place, no scales, 3 stages", lambda: _triton(A, B, sa, sb, C, False, 3)),
-        ("cublas rowwise, no block scales", lambda: _cublas_rowwise(A, B, ra, rb, C)),
+        ("triton fresh, 4 stages", lambda: _triton(A, B, sa, sb, C, True, 4), base),
+        ("gluon overlap, 4 stages", lambda: _gluon(A, B, sa, sb, C, 4, True), base),
+        ("gluon ws, 3 stages", lambda: _gluon_ws(A, B, sa, sb, C, 3), base),
+        ("gluon ws, 4 stages", lambda: _gluon_ws(A, B, sa, sb, C, 4), base),
+        ("cublas blockwise (torch._scaled_mm)", lambda: _cublas_blockwise(A, B, sa_cm, sb_t, C), base),
+        ("triton fresh, 256-deep groups, 3 stages", lambda: _triton(A, B, sa2, sb2, C, True, 3, 2 * G), deep),
+        ("triton in-place, no scales, 3 stages", lambda: _triton(A, B, sa, sb, C, False, 3), None),
+        ("triton in-place, no scales, 256 deep, 3 stages", lambda: _triton(A, B, sa, sb, C, False, 3, 2 * G), None),
+        ("cublas rowwise, no block scales", lambda: _cublas_rowwise(A, B, ra, rb, C), None),
     ]
+
+
+def _reference(A, B, scales, check):
+    """float64 product of the first rows of the dequantised operands."""
+    sa, sb, group = scales
+    a = A[check].double() * sa[check].double().repeat_interleave(group, 1)
+    return a @ (B.double() * sb.double().repeat_interleave(G, 0).repeat_interleave(group, 1)).T
 
 
 def _one_line(exc: Exception) -> str:
@@ -337,12 +356,9 @@ def main() -> None:
     for M, N, K in [(args.rows, 2048, 1408), (args.rows, 1408, 2048), (args.rows, 2048, 2048)]:
         A, B, sa, sb = _operands(M, N, K, gen)
         C = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        check = slice(0, 2048)  # the first rows against float64, every variant
-        ref = (A[check].double() * sa[check].double().repeat_interleave(G, 1)) @ (
-            B.double() * sb.double().repeat_interleave(G, 0).repeat_interleave(G, 1)
-        ).T
+        check = slice(0, 2048)  # the first rows against float64, every scaled variant
         wanted = [w for w in args.variants.split(",") if w]
-        for name, fn in _variants(A, B, sa, sb, C):
+        for name, fn, scales in _variants(A, B, sa, sb, C):
             if wanted and not any(w in name for w in wanted):
                 continue
             C.zero_()
@@ -353,7 +369,10 @@ def main() -> None:
                 rows.append({"M x N x K": f"{M} x {N} x {K}", "variant": name, "error": _one_line(exc)})
                 print(f"{M} x {N} x {K} {name}: {rows[-1]['error']}", flush=True)
                 continue
-            err = None if "no " in name and "scales" in name else ((C[check].double() - ref).norm() / ref.norm()).item()
+            err = None
+            if scales is not None:
+                ref = _reference(A, B, scales, check)
+                err = ((C[check].double() - ref).norm() / ref.norm()).item()
             ms = time_ms(fn, warmup_ms=50, rep_ms=300)
             row = {"M x N x K": f"{M} x {N} x {K}", "variant": name, "ms": ms, "tflops": 2 * M * N * K / ms / 1e9}
             rows.append({**row, "rel_err_vs_float64": err})
