@@ -28,7 +28,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 CATEGORIES = [  # first match wins; lower-case substrings of kernel names
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-    ("moe kernels", ("_grouped", "swiglu", "_wgrad", "router_topk", "_gather", "_combine", "permute", "_mm_kernel")),
+    (
+        "moe kernels",
+        (
+            "_grouped",
+            "swiglu",
+            "_wgrad",
+            "router_topk",
+            "_gather",
+            "_combine",
+            "permute",
+            "_mm_kernel",
+            "_fp8_",
+            "_quant_",
+        ),
+    ),
     ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm", "norm_kernel")),
     ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas", "matmul", "sgemm", "xmma")),
     ("copies / casts", ("copy", "cast", "memcpy", "convert", "to_copy")),
