@@ -1,6 +1,6 @@
 """The FP8 weight quantiser (``fp8_quant.quantize_expert_weights``: every expert weight in 128 x 128 blocks, in its
 own layout and transposed, once per optimizer step) at the model shapes, per launch configuration of
-``_quant_blocks_kernel``, side by side in one run.
+``_quant_blocks_kernel`` (``fp8_quant._quantize_blocks_into``'s chunk and warps), side by side in one run.
 
     python benchmarks/bench_fp8_quant.py --out results/ [--shapes small medium] [--configs 32x4 128x16]
 
@@ -23,17 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from benchmarks.harness import RESULTS_ENV, environment, time_ms, write_results
 from xmoe.kernels import fp8_quant
-from xmoe.kernels._common import cdiv
 from xmoe.model.presets import PRESETS
-
-
-def _launch(w, q, qt, s, form, chunk: int, warps: int) -> None:
-    e, r, c = w.shape
-    grid = (cdiv(c, fp8_quant.GROUP), cdiv(r, fp8_quant.GROUP), e)
-    fp8_quant._quant_blocks_kernel[grid](
-        w, q, qt, s, r, c, w.stride(0), w.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        **fp8_quant.format_constexprs(form), GROUP=fp8_quant.GROUP, CHUNK=chunk, num_warps=warps,
-    )  # fmt: skip
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,9 +63,13 @@ def main() -> None:
             for config in args.configs:
                 chunk, warps = (int(v) for v in config.split("x"))
                 out = [torch.empty_like(t) for t in ref]
-                _launch(w, *out, form, chunk, warps)
+                fp8_quant._quantize_blocks_into(w, *out, form, chunk, warps)
                 same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, ref, strict=True))
-                ms = time_ms(lambda w=w, out=out, chunk=chunk, warps=warps: _launch(w, *out, form, chunk, warps))
+                ms = time_ms(
+                    lambda w=w, out=out, chunk=chunk, warps=warps: fp8_quant._quantize_blocks_into(
+                        w, *out, form, chunk, warps
+                    )
+                )
                 row = {"shape": shape, "config": f"({e}, {r}, {c}) CHUNK={chunk} num_warps={warps}", "ms": ms}
                 rows.append({**row, "tb_s": w.numel() * 6 / 1e9 / ms, "bitwise_equal_to_shipped": same})
                 print(f"{shape} {row['config']} {ms:.3f} ms {rows[-1]['tb_s']:.2f} TB/s same={same}", flush=True)
