@@ -38,6 +38,10 @@ CASES = {
     "moe4_b8_compiled": _case(4, 8, 4, "--compile", "on"),
     "moe4_b8_compiled_mb8": _case(4, 8, 8, "--compile", "on"),
     "moe4_b8_compiled_mb8_fp8": _case(4, 8, 8, "--compile", "on", "--fp8", "experts"),
+    "moe4_b8_compiled_mb8_wgrad_grouped_mm": _case(4, 8, 8, "--compile", "on", "--wgrad", "grouped_mm"),
+    "moe4_b8_compiled_mb8_fp8_wgrad_grouped_mm": _case(
+        4, 8, 8, "--compile", "on", "--fp8", "experts", "--wgrad", "grouped_mm"
+    ),
     "moe4_b8_compiled_mb8_torch_adamw": _case(4, 8, 8, "--compile", "on", "--optimizer", "torch"),
     # 8 layers, global batch 32 and 64
     "moe8_b32_compiled": _case(8, 32, 4, "--compile", "on"),
@@ -46,6 +50,10 @@ CASES = {
     "moe8_b64_compiled_mb16": _case(8, 64, 16, "--compile", "on"),
     "moe8_b64_compiled_mb16_fp8": _case(8, 64, 16, "--compile", "on", "--fp8", "experts"),
     "moe8_b64_compiled_mb16_fp8_wgrad": _case(8, 64, 16, "--compile", "on", "--fp8", "experts", "--wgrad", "fp8"),
+    "moe8_b64_compiled_mb16_wgrad_grouped_mm": _case(8, 64, 16, "--compile", "on", "--wgrad", "grouped_mm"),
+    "moe8_b64_compiled_mb16_fp8_wgrad_grouped_mm": _case(
+        8, 64, 16, "--compile", "on", "--fp8", "experts", "--wgrad", "grouped_mm"
+    ),
     "moe8_b64_compiled_mb32": _case(8, 64, 32, "--compile", "on"),
     "moe8_b64_compiled_torch": _case(8, 64, 8, "--compile", "on", "--kernel-backend", "torch"),
     "moe8_b64_compiled_moe_recompute": _case(8, 64, 8, "--compile", "on", "--recompute", "moe"),

@@ -70,6 +70,38 @@ def test_markov_samples_have_the_exact_entropy():
     assert src.bigram_entropy - src.entropy_rate > 0.3  # attention has something to learn
 
 
+def _compared_walk(src, seed, indices, length):
+    """The markov walk by float64 comparison of each context's whole cumulative row, one position at a time."""
+    u_NT = np.stack([np.random.default_rng([seed, int(i)]).random(length) for i in indices])
+    cdf_CV = np.cumsum(src.probs_CV, axis=1)[:, :-1]  # a row's last sum (1 up to rounding) never compared
+    out_NT = np.empty(u_NT.shape, dtype=np.int64)
+    state_N = np.searchsorted(np.cumsum(src.pi_C)[:-1], u_NT[:, 0], side="right")  # (h, x_0) ~ pi
+    out_NT[:, 0] = state_N % src.vocab
+    for t in range(1, length):
+        out_NT[:, t] = (cdf_CV[state_N] <= u_NT[:, t, None]).sum(1)
+        state_N = src.bucket_V[out_NT[:, t - 1]] * src.vocab + out_NT[:, t]
+    return out_NT
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"order": 1},
+        {"vocab": 7, "branch": 2},
+        {"vocab": 2, "order": 1, "branch": 1, "smooth": 1.0},
+        {"vocab": 256, "buckets": 4},
+    ],  # the last: rows too crowded for the lookup tables, compared whole
+)
+@pytest.mark.parametrize("length", [1, 2, 300])
+def test_markov_walk_matches_the_compared_walk(kw, length):
+    src = MarkovSource(**kw)
+    assert (src._walk_tables() is None) == (kw.get("vocab") == 256)  # lookup tables, or whole rows compared
+    got = src.sample(seed=5, indices=np.arange(40, 137), length=length)
+    assert got.shape == (97, length) and got.dtype == np.int64
+    np.testing.assert_array_equal(got, _compared_walk(src, 5, np.arange(40, 137), length))
+
+
 def test_markov_dataset_fields_and_options():
     ds = build_dataset("markov", seq_len=128)
     assert ds.vocab_size == 64 and ds.epoch_size is None

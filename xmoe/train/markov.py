@@ -10,6 +10,9 @@ import numpy as np
 # K successors per context.
 
 
+_U_BITS = 53  # numpy's float64 uniforms are integer multiples of 2**-53
+
+
 def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
     """Entropy in nats along ``axis``, with 0 log 0 = 0."""
     logp = np.log(np.where(p > 0, p, 1.0))
@@ -98,6 +101,7 @@ class MarkovSource:
         self._cdf_CV[:, -1] = np.inf
         self._cdf_pi_C = np.cumsum(self.pi_C)
         self._cdf_pi_C[-1] = np.inf
+        self._walk: tuple | None = None  # sample's lookup tables, made on first use (_walk_tables)
 
     def _stationary(self, tol: float = 1e-14, max_iter: int = 10_000) -> np.ndarray:
         """pi_C with pi P = pi, by power iteration in float64 on the C-state chain (~80 iterations: the
@@ -123,15 +127,62 @@ class MarkovSource:
         for order 1."""
         return (self.bigram_entropy + (seq_len - 1) * self.entropy_rate) / seq_len
 
+    def _walk_tables(self) -> tuple[np.ndarray, np.ndarray, int, int] | None:
+        """``sample``'s lookup tables, made on first use: (keys, first, shift, steps), or None where the chain's
+        cumulative rows are too crowded for them (then ``sample`` compares whole rows).
+
+        numpy's float64 uniforms are integer multiples of 2**-53, so cdf <= u exactly when
+        ceil(cdf * 2**53) <= u * 2**53 (both exact in float64): keys (C * V,) int64 holds the rows' cumulative
+        sums so scaled (the +inf of each row's end as 2**53, above every u). Row c's range of u is cut into
+        2**bits buckets; first (C * 2**bits,) int64 holds c * V + the count of row c's keys <= the bucket's
+        start, and at most ``steps`` keys lie inside a bucket, so the count for u is at most ``steps``
+        comparisons past it. The fewest bits (8-16, a table of at most 2**22 entries) that leave one step."""
+        if self._walk is None:
+            C, V = self._cdf_CV.shape
+            cdf = np.ceil(np.ldexp(self._cdf_CV, _U_BITS))
+            cdf[:, -1] = 2.0**_U_BITS
+            keys_CV = cdf.astype(np.int64)
+            row_C = np.arange(C, dtype=np.int64)[:, None]
+            for bits in range(8, 17):
+                # key <= b * 2**shift exactly when (key - 1) >> shift < b: a cumulative count per bucket
+                shift = _U_BITS - bits
+                slot_CV = row_C * ((1 << bits) + 1) + ((keys_CV - 1) >> shift) + 1
+                count_CB = np.cumsum(np.bincount(slot_CV.ravel(), minlength=C * ((1 << bits) + 1)).reshape(C, -1), 1)
+                steps = int(np.diff(count_CB, axis=1).max())
+                if steps <= 1 or C << (bits + 1) > 2**22:
+                    break
+            first = (count_CB[:, :-1] + row_C * V).ravel()
+            self._walk = (keys_CV.ravel(), first, shift, steps) if steps <= 4 else ()
+        return self._walk or None
+
     def sample(self, seed: int, indices: np.ndarray, length: int) -> np.ndarray:
         """(N, length) int64: sample i is a stationary stretch drawn from uniforms of rng (seed, i) only, so it
         does not depend on which other samples are drawn with it."""
         u_NT = np.stack([np.random.default_rng([seed, int(i)]).random(length) for i in indices])
-        out_NT = np.empty(u_NT.shape, dtype=np.int64)
         state_N = np.searchsorted(self._cdf_pi_C, u_NT[:, 0], side="right")  # (h, x_0) ~ pi
-        out_NT[:, 0] = state_N % self.vocab
+        # Inverse-CDF draws from each sample's context row, vectorized over the N samples: the count of the row's
+        # cumulative sums <= u, by lookup (_walk_tables) or by comparing the whole row; (T, N) arrays, so that
+        # each position's loads and stores are contiguous.
+        tables = self._walk_tables()
+        out_TN = np.empty((length, len(indices)), dtype=np.int64)
+        out_TN[0] = state_N % self.vocab
+        if tables is None:
+            uf_TN = np.ascontiguousarray(u_NT.T)
+            for t in range(1, length):
+                (self._cdf_CV[state_N] <= uf_TN[t, :, None]).sum(1, out=out_TN[t])
+                state_N = self.bucket_V[out_TN[t - 1]] * self.vocab + out_TN[t]
+            return np.ascontiguousarray(out_TN.T)
+        keys, first, shift, steps = tables
+        u_TN = np.ascontiguousarray(np.ldexp(u_NT, _U_BITS).astype(np.int64).T)
+        in_row_TN = u_TN >> shift  # each u's bucket within its row
+        bucket_N = state_N.astype(np.int64) << (_U_BITS - shift)  # the first bucket of each sample's row
+        # the first bucket of the next context's row, from the last two tokens (flat: previous * V + current)
+        next_F = (self.bucket_V.astype(np.int64)[:, None] * self.vocab + np.arange(self.vocab)) << (_U_BITS - shift)
+        next_F = next_F.ravel()
         for t in range(1, length):
-            # Inverse-CDF draw from each sample's context row, vectorized over the N samples.
-            out_NT[:, t] = (self._cdf_CV[state_N] <= u_NT[:, t, None]).sum(1)
-            state_N = self.bucket_V[out_NT[:, t - 1]] * self.vocab + out_NT[:, t]
-        return out_NT
+            idx_N = first.take(bucket_N + in_row_TN[t])
+            for _ in range(steps):
+                idx_N += keys.take(idx_N) <= u_TN[t]
+            np.remainder(idx_N, self.vocab, out=out_TN[t])
+            bucket_N = next_F.take(out_TN[t - 1] * self.vocab + out_TN[t])
+        return np.ascontiguousarray(out_TN.T)
