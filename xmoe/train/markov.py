@@ -175,14 +175,17 @@ class MarkovSource:
         keys, first, shift, steps = tables
         u_TN = np.ascontiguousarray(np.ldexp(u_NT, _U_BITS).astype(np.int64).T)
         in_row_TN = u_TN >> shift  # each u's bucket within its row
+        # idx = c * V + x_t (c the context of x_t, itself bucket(x_{t-2}) * V + x_{t-1}) names both of the
+        # next context's tokens: next_CV[idx] is the first bucket of that context's row
+        C, V = self._cdf_CV.shape
+        next_CV = (self.bucket_V[np.arange(C) % V].astype(np.int64)[:, None] * V + np.arange(V)) << (_U_BITS - shift)
+        next_CV = next_CV.ravel()
+        idx_TN = np.empty_like(u_TN)
         bucket_N = state_N.astype(np.int64) << (_U_BITS - shift)  # the first bucket of each sample's row
-        # the first bucket of the next context's row, from the last two tokens (flat: previous * V + current)
-        next_F = (self.bucket_V.astype(np.int64)[:, None] * self.vocab + np.arange(self.vocab)) << (_U_BITS - shift)
-        next_F = next_F.ravel()
         for t in range(1, length):
-            idx_N = first.take(bucket_N + in_row_TN[t])
+            idx_N = first.take(bucket_N + in_row_TN[t], out=idx_TN[t])
             for _ in range(steps):
                 idx_N += keys.take(idx_N) <= u_TN[t]
-            np.remainder(idx_N, self.vocab, out=out_TN[t])
-            bucket_N = next_F.take(out_TN[t - 1] * self.vocab + out_TN[t])
+            bucket_N = next_CV.take(idx_N)
+        out_TN[1:] = idx_TN[1:] % V
         return np.ascontiguousarray(out_TN.T)
