@@ -1,16 +1,15 @@
 """Where one training step's GPU time goes: torch.profiler over the real trainer's steps on one GPU.
 
     python benchmarks/profile_step.py --layers 8 --batch-size 64 --micro-batch-size 8 --compile on
-    python benchmarks/profile_step.py --out results/ --tag moe8_b64_compiled ...
+    python benchmarks/profile_step.py --results results/ --tag moe8_b64_compiled ...
 
 Builds `xmoe train`'s Trainer from the same flags (small preset shape, seq 2048), runs warm-up steps (compilation
-included), then profiles ``--steps`` optimizer steps. Kernels are grouped by name into GEMM, attention, MoE
-kernels (xmoe's Triton grouped GEMMs, router, gather/combine), optimizer, copies / casts, elementwise and
-reductions, other; "idle" is the step's wall time that no kernel covers (the host or a sync sets the pace
-there). Prints the table, the top kernels and the gaps between kernels (the short ones, a launch's latency, in
-one sum; the longer ones, host work the GPU waited for, by the kernels on either side); with --out writes
-profile_<tag>.json / .md. Skips without a GPU.
-"""
+included), then profiles ``--steps`` optimizer steps. Kernels are grouped by name into GEMM, attention, MoE kernels
+(xmoe's Triton grouped GEMMs, router, gather/combine), optimizer, copies / casts, elementwise and reductions, other;
+"idle" is the step's wall time that no kernel covers (the host or a sync sets the pace there; the profiler's own
+cost per op slows the host, so check a gap with host_lead.py, which runs without it). Prints the table, the top
+kernels and the gaps between kernels (the short ones, a launch's latency, in one sum; the longer ones, host work the
+GPU waited for, by the kernels on either side); with --results writes profile_<tag>.json / .md. Skips without a GPU."""
 
 from __future__ import annotations
 
