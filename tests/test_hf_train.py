@@ -327,8 +327,9 @@ def test_a_checkpoint_pruned_before_it_is_pinned_is_picked_again(imported_run, m
         found = original(path, step)
         picks.append(found.name)
         if len(picks) == 1:  # the trainer saves step 3 and prunes step 2 between the pick and the pin
-            model = infer._run_model(found, "cpu")
-            ckpt.save_checkpoint(run, 3, model, keep_last=1, config=ckpt.read_meta(found)["config"])
+            meta = ckpt.read_meta(found)
+            model, _ = infer._run_model(found, meta, "cpu")
+            ckpt.save_checkpoint(run, 3, model, keep_last=1, config=meta["config"])
         return found
 
     monkeypatch.setattr(infer, "_run_checkpoint", pick_then_lose_it)

@@ -84,12 +84,17 @@ def load_source(source: str, step: int | None = None, device: str = "cpu", *, co
     from xmoe.train.checkpoint_verify import read_meta
 
     def read(found: Path):  # the kernels section from the meta.json of the checkpoint whose weights are read
-        model, kernels = _run_model(found, device, compute), recorded_config(read_meta(found)["config"])
+        meta = read_meta(found)
+        model, note = _run_model(found, meta, device)
+        kernels = recorded_config(meta["config"])
         if kernels.wgrad == "fp8" and model.cfg.moe.fp8 != "experts":  # FP8 experts set aside on this device
             kernels = replace(kernels, wgrad="auto")  # no weight gradient runs here; "fp8" needs FP8 experts
-        return model, kernels
+        return model, kernels, note
 
-    model, kernels = read_pinned(lambda: _run_checkpoint(path, step), read)
+    # the note once, for the checkpoint read (a read retried after a prune builds the model again)
+    model, kernels, note = read_pinned(lambda: _run_checkpoint(path, step), read)
+    if note and compute:
+        print(note, file=sys.stderr)
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
     imported = (
         read_json(hf_file, "copy the config.json of the directory the run was imported from to it")
@@ -109,14 +114,14 @@ def _kernels(model, kernels, num_tokens: int, device: str):
     return resolve_layer(model.cfg.moe, kernels, num_tokens, torch.device(device), torch.float32)
 
 
-def _run_model(found: Path, device: str, compute: bool = True):
-    """The model of run checkpoint ``found``, built from the config its meta.json stores (FP8 experts that cannot
-    run on ``device`` set aside, saying so if it is for ``compute``)."""
+def _run_model(found: Path, meta: dict, device: str):
+    """(the model of run checkpoint ``found``, built from the config of its ``meta`` (meta.json's), a note for the
+    user or None): FP8 experts that cannot run on ``device`` are set aside, and the note says so."""
     from xmoe.parallel.build import build_model
     from xmoe.train.checkpoint import load_checkpoint
-    from xmoe.train.checkpoint_verify import read_meta
 
-    cfg = model_config_from_dict(read_meta(found)["config"]["model"])
+    cfg = model_config_from_dict(meta["config"]["model"])
+    note = None
     if cfg.moe.fp8 == "experts":
         import torch
 
@@ -127,16 +132,14 @@ def _run_model(found: Path, device: str, compute: bool = True):
         # the fix it ends with, which is for training)
         if refusal:
             cfg = replace(cfg, moe=replace(cfg.moe, fp8="off"))
-        if refusal and compute:
-            print(
+            note = (
                 f"xmoe: note: {found} was trained with FP8 experts (moe.fp8='experts'), which cannot run on "
                 f"{device} ({refusal.rsplit(': ', 1)[0]}); its experts run unquantised, so results can differ "
-                "slightly from a run on a GPU with FP8 matrix instructions",
-                file=sys.stderr,
+                "slightly from a run on a GPU with FP8 matrix instructions"
             )
     model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
     load_checkpoint(found, model, restore_rng=False, restore_extra=False)
-    return model
+    return model, note
 
 
 def _encode(text: str, tokenizer: str | None) -> list[int]:
