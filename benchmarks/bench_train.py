@@ -43,6 +43,9 @@ CASES = {
         4, 8, 8, "--compile", "on", "--fp8", "experts", "--wgrad", "grouped_mm"
     ),
     "moe4_b8_compiled_mb8_torch_adamw": _case(4, 8, 8, "--compile", "on", "--optimizer", "torch"),
+    # --autotune: every tile candidate timed at each new shape class (in the first, unaveraged window)
+    "moe4_b8_compiled_mb8_autotune": _case(4, 8, 8, "--compile", "on", "--autotune"),
+    "moe4_b8_compiled_mb8_fp8_autotune": _case(4, 8, 8, "--compile", "on", "--fp8", "experts", "--autotune"),
     # 8 layers, global batch 32 and 64
     "moe8_b32_compiled": _case(8, 32, 4, "--compile", "on"),
     "moe8_b64_eager": _case(8, 64, 8, "--compile", "off"),
@@ -54,6 +57,8 @@ CASES = {
     "moe8_b64_compiled_mb16_fp8_wgrad_grouped_mm": _case(
         8, 64, 16, "--compile", "on", "--fp8", "experts", "--wgrad", "grouped_mm"
     ),
+    "moe8_b64_compiled_mb16_autotune": _case(8, 64, 16, "--compile", "on", "--autotune"),
+    "moe8_b64_compiled_mb16_fp8_autotune": _case(8, 64, 16, "--compile", "on", "--fp8", "experts", "--autotune"),
     "moe8_b64_compiled_mb32": _case(8, 64, 32, "--compile", "on"),
     "moe8_b64_compiled_torch": _case(8, 64, 8, "--compile", "on", "--kernel-backend", "torch"),
     "moe8_b64_compiled_moe_recompute": _case(8, 64, 8, "--compile", "on", "--recompute", "moe"),

@@ -13,7 +13,8 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
      fastest kept in memory and in ``$XMOE_CACHE_DIR`` (default ~/.cache/xmoe), one JSON file per GPU name and
      Triton version. Candidates that fail to compile or launch are skipped.
   4. The tuned table shipped for this GPU model, if any (xmoe/kernels/tuned/<GPU name>.json: the winners of an
-     autotuning run of benchmarks/bench_experts.py over the three model shapes), for the classes it has.
+     autotuning run of benchmarks/bench_experts.py over the three model shapes, and of benchmarks/bench_train.py's
+     autotune cases for the classes compiled training launches: its "source" says which), for the classes it has.
   5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
      experts average fewer than 64 rows, and pipeline stages cut until they fit the GPU's shared memory (an
      A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
