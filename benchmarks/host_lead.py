@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import sys
 import tempfile
 import time
@@ -148,7 +147,7 @@ def summarise(timed, window: int) -> tuple[list[dict], list[dict]]:
 
 
 def main() -> None:
-    from benchmarks.harness import markdown_table, parse_trainer_args
+    from benchmarks.harness import markdown_table, parse_trainer_args, write_step_report
     from xmoe.train.cli import build_run_config
     from xmoe.train.trainer import Trainer
 
@@ -214,19 +213,9 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.results:
-        folder = Path(args.results)
-        folder.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "gpu": torch.cuda.get_device_name(0) if cuda else "none (CPU: every lead is zero)",
-            "torch": torch.__version__,
-            "command": "python " + " ".join(sys.argv),
-        }
-        (folder / f"host_lead_{args.tag}.json").write_text(json.dumps({"meta": meta, "windows": windows}, indent=1))
-        (folder / f"host_lead_{args.tag}.md").write_text(
-            f"# host lead {args.tag}\n\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}\n\n"
-            f"`{meta['command']}`\n\n{text}\n"
-        )
+        gpu = torch.cuda.get_device_name(0) if cuda else "none (CPU: every lead is zero)"
+        stem, title = f"host_lead_{args.tag}", f"host lead {args.tag}"
+        write_step_report(args.results, stem, title, text, {"windows": windows}, gpu)
 
 
 if __name__ == "__main__":

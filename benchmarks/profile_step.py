@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import tempfile
 import time
@@ -82,7 +81,7 @@ LONG_GAP_MS = 0.05  # a gap past this is host work the GPU waited for, not one l
 
 
 def main() -> None:
-    from benchmarks.harness import host_ops_in_longest_gap, kernel_gaps, parse_trainer_args
+    from benchmarks.harness import host_ops_in_longest_gap, kernel_gaps, parse_trainer_args, write_step_report
     from xmoe.train.cli import build_run_config
     from xmoe.train.trainer import Trainer
 
@@ -190,32 +189,16 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.results:
-        folder = Path(args.results)
-        folder.mkdir(parents=True, exist_ok=True)
-        meta = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "gpu": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            "command": "python " + " ".join(sys.argv),
+        payload = {
+            "wall_ms": wall_ms,
+            "categories": rows,
+            "top": top,
+            "short_gaps_ms": short_ms,
+            "long_gaps": long_gaps,
+            "syncs": syncs,
         }
-        (folder / f"profile_{args.tag}.json").write_text(
-            json.dumps(
-                {
-                    "meta": meta,
-                    "wall_ms": wall_ms,
-                    "categories": rows,
-                    "top": top,
-                    "short_gaps_ms": short_ms,
-                    "long_gaps": long_gaps,
-                    "syncs": syncs,
-                },
-                indent=1,
-            )
-        )
-        (folder / f"profile_{args.tag}.md").write_text(
-            f"# profile {args.tag}\n\n{meta['date']}, {meta['gpu']}, torch "
-            f"{meta['torch']}\n\n`{meta['command']}`\n\n{text}\n"
-        )
+        gpu = torch.cuda.get_device_name(0)
+        write_step_report(args.results, f"profile_{args.tag}", f"profile {args.tag}", text, payload, gpu)
 
 
 if __name__ == "__main__":
