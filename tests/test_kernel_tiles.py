@@ -152,6 +152,43 @@ def test_shipped_tables_are_valid_candidates(tmp_path):
     assert tiles.shipped_table("Broken_GPU", tmp_path) == {}
 
 
+def test_a_class_the_table_lacks_takes_its_neighbours_entry(monkeypatch):
+    a, b, c, d = (
+        TileConfig(128, 256, 64, 8, 4),
+        TileConfig(128, 128, 64, 8, 3),
+        TileConfig(64, 128, 64, 4, 4),
+        TileConfig(128, 128, 32, 4, 6),
+    )
+    table = {
+        "mm|k2048|n2048|r2048": a,
+        "mm|k2048|n1024|r4096": b,
+        "mm|k2048|n128|r512": c,
+        "wgrad|k2048|n2048|r1024": d,
+    }
+    assert tiles.neighbour(table, "mm|k2048|n2048|r4096") == a  # rows one power of two away come before width
+    assert tiles.neighbour(table, "mm|k2048|n2048|r1024") == a
+    assert tiles.neighbour(table, "mm|k2048|n1024|r2048") == b  # its rows neighbour, before a at twice the width
+    assert tiles.neighbour(table, "mm|k2048|n4096|r2048") == a  # no rows neighbour: the narrower width's
+    assert tiles.neighbour(table, "mm|k2048|n2048|r8192") is None  # two powers of two away
+    assert tiles.neighbour(table, "mm|k2048|n4096|r4096") is None  # one away in both
+    assert tiles.neighbour(table, "mm|k4096|n2048|r2048") is None  # another reduction length
+    assert tiles.neighbour(table, "dx|k2048|n2048|r2048") is None  # another kernel
+    assert tiles.neighbour(table, "mm|k2048|n128|r64") is None  # few rows per expert: the heuristic's 64-row tiles
+    assert tiles.neighbour(table, "mm|k2048|n128|r1024") == c
+    assert tiles.neighbour({"mm|k2048|n256|r1024": a}, "mm|k2048|n128|r1024") is None  # a tile wider than the output
+    # pick: the table's own class, else a neighbour's entry, else the heuristic
+    monkeypatch.setattr(tiles, "interpreting", lambda: False)
+    monkeypatch.setattr(tiles, "device_budget", lambda device: (227 * 1024, table))
+    monkeypatch.setattr(tiles, "_PICKED", {})
+    gpu = torch.device("cuda", 0)
+    assert tiles.pick("mm", torch.bfloat16, gpu, 1408, 2048, 2048 * 64, 64) == a
+    assert tiles.pick("mm", torch.bfloat16, gpu, 1408, 2048, 4096 * 64, 64) == a
+    assert tiles.pick("wgrad", torch.bfloat16, gpu, 1408, 2048, 2048 * 64, 64) == d
+    assert tiles.pick("dx", torch.bfloat16, gpu, 1408, 2048, 2048 * 64, 64) == tiles.heuristic(
+        "dx", 2048 * 64, 64, 227 * 1024, 2048
+    )
+
+
 def test_heuristic_fits_the_gpu():
     h200, a100, amd = 227 * 1024, 164 * 1024, 64 * 1024
     # H200: the sweep winners; experts with < 64 rows each: 64-row tiles

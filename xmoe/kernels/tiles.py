@@ -14,7 +14,9 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
      Triton version. Candidates that fail to compile or launch are skipped.
   4. The tuned table shipped for this GPU model, if any (xmoe/kernels/tuned/<GPU name>.json: the winners of an
      autotuning run of benchmarks/bench_experts.py over the three model shapes, and of benchmarks/bench_train.py's
-     autotune cases for the classes compiled training launches: its "source" says which), for the classes it has.
+     autotune cases for the classes compiled training launches: its "source" says which), for the classes it has,
+     and for a class it lacks, the entry of a class next to it (``neighbour``: rows per expert or output width one
+     power of two away).
   5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
      experts average fewer than 64 rows, and pipeline stages cut until they fit the GPU's shared memory (an
      A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
@@ -256,6 +258,24 @@ def heuristic(kernel: str, num_rows: int, num_experts: int, max_shared: int, wid
     return fitted
 
 
+def neighbour(table: dict[str, TileConfig], key: str) -> TileConfig | None:
+    """For a class ``key`` the table lacks, the config of a class next to it: the same kernel and reduction length,
+    and the rows per expert or the output width one power of two away (not both; rows first, then width, the
+    smaller side first). None where the table has no such class, where ``key`` has at most 64 rows per expert (the
+    heuristic's 64-row tiles begin there) and where the neighbour's tile is wider than ``key``'s output. (Of the
+    12 classes a compiled training step launched that the H200 table lacked, this named the autotuned winner for 10,
+    the heuristic for 6: benchmarks/results/bench_train_autotune.md.)"""
+    kernel, depth, width, rows = key.split("|")
+    n, r = int(width[1:]), int(rows[1:])
+    if r <= 64:
+        return None
+    for n2, r2 in ((n, r // 2), (n, r * 2), (n // 2, r), (n * 2, r)):
+        cfg = table.get(f"{kernel}|{depth}|n{n2}|r{r2}")
+        if cfg is not None and cfg.block_n <= n:
+            return cfg
+    return None
+
+
 def device_budget(device: torch.device) -> tuple[int, dict[str, TileConfig]]:
     """(shared memory per block, shipped table) of the device: all that steps 4 and 5 of a pick know of it (the
     ahead-of-time compile checks in aot.py stand other GPUs in here)."""
@@ -288,7 +308,7 @@ def pick(
     if cfg is not None:
         return cfg
     max_shared, table = device_budget(device)
-    cfg = table.get(key) or heuristic(kernel, num_rows, num_experts, max_shared, width)
+    cfg = table.get(key) or neighbour(table, key) or heuristic(kernel, num_rows, num_experts, max_shared, width)
     if OPTIONS.autotune and device.type == "cuda" and run is not None:
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return cfg  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
@@ -300,8 +320,8 @@ def pick(
 
 def source(dtype: torch.dtype, device: torch.device) -> str:
     """Where ``pick`` takes the configs of launches in ``dtype`` on ``device`` from, in the run header's words (the
-    order of ``pick``): "interpreter", "fp32", "autotune", "table <GPU name>" (the shipped table; the heuristic
-    for classes it lacks) or "heuristic"."""
+    order of ``pick``): "interpreter", "fp32", "autotune", "table <GPU name>" (the shipped table; a class next to
+    one of its classes, or else the heuristic, for classes it lacks) or "heuristic"."""
     if interpreting():
         return "interpreter"
     if dtype == torch.float32:
