@@ -120,16 +120,9 @@ def write_results(
 def write_step_report(folder: str, stem: str, title: str, text: str, payload: dict, gpu: str) -> None:
     """<folder>/<stem>.json (meta and ``payload``) and <stem>.md (``title``, date, ``gpu``, torch, the command, then
     ``text``): the results files of the single-GPU step diagnostics (profile_step.py, host_lead.py)."""
-    import time
-
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "command": "python " + " ".join(sys.argv),
-    }
+    meta = {**environment(), "gpu": gpu}
     (path / f"{stem}.json").write_text(json.dumps({"meta": meta, **payload}, indent=1))
     (path / f"{stem}.md").write_text(
         f"# {title}\n\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}\n\n`{meta['command']}`\n\n{text}\n"

@@ -66,6 +66,11 @@ class Marks:
         self.timed = [(n, h, host_ref + ref.elapsed_time(e) / 1e3 if e is not None else h) for n, h, e in self.rows]
 
 
+def _drawn_key(pos: np.ndarray) -> tuple[int, int]:
+    """How ``draw_ahead`` files a draw and ``instrumented`` finds it: its first position and its length."""
+    return int(pos[0]), len(pos)
+
+
 @contextlib.contextmanager
 def instrumented(trainer, marks: Marks, drawn: dict | None):
     """The trainer's phases marked (functions wrapped for the block, restored after); ``drawn``: a dict the
@@ -73,17 +78,6 @@ def instrumented(trainer, marks: Marks, drawn: dict | None):
     import xmoe.train.trainer as trainer_mod
     from xmoe.moe.step import MoEStep
     from xmoe.train.data import TokenLoader
-
-    saved = [
-        (trainer_mod, "clip_gradients"),
-        (trainer_mod, "optimizer_step"),
-        (MoEStep, "end_micro_batch"),
-        (MoEStep, "finish"),
-        (TokenLoader, "__next__"),
-        (TokenLoader, "_draw"),
-        (trainer, "wrapped"),
-    ]
-    saved_values = [(owner, name, getattr(owner, name)) for owner, name in saved]
 
     def after(fn, name):
         def call(*a, **k):
@@ -96,35 +90,36 @@ def instrumented(trainer, marks: Marks, drawn: dict | None):
     draw = TokenLoader._draw
 
     def served(loader, pos):
-        return drawn[(int(pos[0]), len(pos))] if drawn is not None else draw(loader, pos)
+        return drawn[_drawn_key(pos)] if drawn is not None else draw(loader, pos)
 
-    trainer_mod.clip_gradients = after(trainer_mod.clip_gradients, "clipped")
-    trainer_mod.optimizer_step = after(trainer_mod.optimizer_step, "optimizer")
-    MoEStep.end_micro_batch = after(MoEStep.end_micro_batch, "backward")
-    MoEStep.finish = after(MoEStep.finish, "finished")
-    TokenLoader.__next__ = after(TokenLoader.__next__, "batch")
-    TokenLoader._draw = served
-    trainer.wrapped = after(trainer.wrapped, "forward")
+    patches = [
+        (trainer_mod, "clip_gradients", after(trainer_mod.clip_gradients, "clipped")),
+        (trainer_mod, "optimizer_step", after(trainer_mod.optimizer_step, "optimizer")),
+        (MoEStep, "end_micro_batch", after(MoEStep.end_micro_batch, "backward")),
+        (MoEStep, "finish", after(MoEStep.finish, "finished")),
+        (TokenLoader, "__next__", after(TokenLoader.__next__, "batch")),
+        (TokenLoader, "_draw", served),
+        (trainer, "wrapped", after(trainer.wrapped, "forward")),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        for owner, name, value in saved_values:
+        for owner, name, value in saved:
             setattr(owner, name, value)
 
 
-def draw_ahead(loader, steps: int, drawn: dict) -> None:
-    """Fill ``drawn`` with the loader's next draws for ``steps`` optimizer steps, keyed as ``instrumented`` looks
+def draw_ahead(loader, batches: int, drawn: dict) -> None:
+    """Fill ``drawn`` with the loader's next draws, enough for ``batches`` batches, filed as ``instrumented`` looks
     them up, and make its next batch come from a fresh draw (the same samples: the draw is a function of the
     positions)."""
-    from xmoe.train.data import PREFETCH_ROWS
-
-    per_draw = max(1, PREFETCH_ROWS // loader.local_batch_size)
-    start = loader.samples_seen
-    for j in range(steps // per_draw + 2):
-        pos = np.concatenate(
-            [loader._positions(start + (j * per_draw + i) * loader.global_batch_size) for i in range(per_draw)]
-        )
-        drawn[(int(pos[0]), len(pos))] = loader._draw(pos)
+    start, end = loader.samples_seen, loader.samples_seen + (batches + 1) * loader.global_batch_size
+    while start < end:
+        steps, pos = loader._draw_positions(start)
+        drawn[_drawn_key(pos)] = loader._draw(pos)
+        start += steps * loader.global_batch_size
     loader._ahead = (0, [])
 
 

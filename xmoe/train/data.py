@@ -404,16 +404,19 @@ class TokenLoader:
         one token left."""
         start, ahead = self._ahead
         if not ahead or start != self.samples_seen:  # none left, or the state was set since they were drawn
-            steps = max(1, PREFETCH_ROWS // self.local_batch_size)
-            pos_B = np.concatenate(
-                [self._positions(self.samples_seen + j * self.global_batch_size) for j in range(steps)]
-            )
+            steps, pos_B = self._draw_positions(self.samples_seen)
             ahead = list(np.split(self._draw(pos_B), steps))
         tokens_BS1 = ahead.pop(0)
         self.samples_seen += self.global_batch_size
         self._ahead = (self.samples_seen, ahead)
         batch_BS1 = torch.from_numpy(tokens_BS1)
         return batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
+
+    def _draw_positions(self, samples_seen: int) -> tuple[int, np.ndarray]:
+        """(batches, this rank's positions) of the one dataset call that starts at ``samples_seen``: PREFETCH_ROWS
+        rows in whole batches, at least one."""
+        steps = max(1, PREFETCH_ROWS // self.local_batch_size)
+        return steps, np.concatenate([self._positions(samples_seen + j * self.global_batch_size) for j in range(steps)])
 
     def _positions(self, samples_seen: int) -> np.ndarray:
         """This rank's positions in the dataset's order for the batch that starts at ``samples_seen``."""
