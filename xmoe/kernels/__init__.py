@@ -3,10 +3,8 @@
   gather_rows(x_TH, token_ids_N, row_of_slot_TK) -> x_NH
   combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK) -> out_TH
   grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E) -> y_NH
-  moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2,
-              sinks=None) -> out_TH   (sinks: fp32 targets the Triton backward adds the weight gradients into)
+  moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2) -> out_TH
   accumulate_grad(grad, update, dtype) -> grad + update (into grad; None: update in dtype)
-  accumulate_into(target, update, flags, flag) -> None: target (+)= update as flags[flag] says, then flags[flag] = 1
 
 The Triton backend also has ``router_topk`` (router_topk.py), which the router uses when its backend provides it.
 FP8 experts (``moe.fp8 = "experts"``) call the Triton FP8 ops directly, on GPUs with FP8 matrix instructions:

@@ -7,10 +7,6 @@ each narrow value once, converts it in registers and writes (or reads, adds and 
 10) bytes per weight, the sum in the same order as torch's (fp32 + fp32(narrow)), so the results are bitwise
 torch's. On an H200, 2.2B weights (benchmarks/bench_optimizer.py, one run, benchmarks/results/bench_optimizer.md):
 upcast 6.30 ms by torch (about 2.1 TB/s) against 3.38 ms here (3.9 TB/s); add 7.88 against 5.24 ms.
-
-``accumulate_into`` is the same pass into a target that exists before its first gradient (MoEStep's gradient
-targets, allocated uninitialised when a step opens): a device flag says whether it holds a gradient yet (add) or
-not (store, old values unread), and is set after.
 """
 
 from __future__ import annotations
@@ -20,32 +16,24 @@ import triton
 import triton.language as tl
 
 from xmoe.kernels import reference
-from xmoe.kernels._common import cdiv, check_device, interpreting, kernel_op
+from xmoe.kernels._common import cdiv, check_device, interpreting
 
 BLOCK = 4096  # elements per program: 16 KiB of fp32 written, 8 KiB of bf16 read
 
 
-@triton.jit(do_not_specialize=["flag"])
+@triton.jit
 def _accumulate_kernel(
-    dst_ptr,  # (n,) fp32 contiguous: read only when ADD (and, when FLAGGED, flags[flag] is nonzero)
+    dst_ptr,  # (n,) fp32 contiguous: read only when ADD
     src_ptr,  # (n,) bf16/fp16/fp32 contiguous
-    flags_ptr,  # int32 (read when FLAGGED)
-    flag,
     n,
     ADD: tl.constexpr,
-    FLAGGED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     value = tl.load(src_ptr + offs, mask=mask).to(tl.float32)
     if ADD:
-        if FLAGGED:
-            # the flag broadcast first: Triton's interpreter refuses a scalar in a mask
-            mask_dst = mask & ((tl.zeros_like(offs) + tl.load(flags_ptr + flag)) != 0)
-        else:
-            mask_dst = mask
-        value = tl.load(dst_ptr + offs, mask=mask_dst, other=0.0) + value
+        value = tl.load(dst_ptr + offs, mask=mask) + value
     tl.store(dst_ptr + offs, value, mask=mask)
 
 
@@ -64,34 +52,5 @@ def accumulate_grad(grad: torch.Tensor | None, update: torch.Tensor, dtype: torc
     n = update.numel()
     if n:
         block = 64 if interpreting() else BLOCK
-        _accumulate_kernel[(cdiv(n, block),)](
-            out, update, update, 0, n, ADD=grad is not None, FLAGGED=False, BLOCK=block, num_warps=8
-        )
+        _accumulate_kernel[(cdiv(n, block),)](out, update, n, ADD=grad is not None, BLOCK=block, num_warps=8)
     return out
-
-
-@kernel_op("accumulate_into", mutates_args=("target", "flags"))
-def accumulate_into(target: torch.Tensor, update: torch.Tensor, flags: torch.Tensor, flag: int) -> None:
-    """target += update where flags[flag] is nonzero, target = update (upcast) where it is 0; then flags[flag] = 1.
-    target: fp32 contiguous, update: its shape, contiguous. Elsewhere (CPU without the interpreter) torch's
-    ops."""
-    if target.shape != update.shape:
-        raise ValueError(f"a gradient of shape {tuple(update.shape)} cannot add into one of {tuple(target.shape)}")
-    if target.dtype != torch.float32 or not (target.is_contiguous() and update.is_contiguous()):
-        raise ValueError("accumulate_into takes a contiguous float32 target and a contiguous update")
-    if target.device.type == "cpu" and not interpreting():
-        reference.accumulate_into(target, update, flags, flag)
-        return
-    check_device(target, update, flags)
-    n = update.numel()
-    if n:
-        block = 64 if interpreting() else BLOCK
-        _accumulate_kernel[(cdiv(n, block),)](
-            target, update, flags, flag, n, ADD=True, FLAGGED=True, BLOCK=block, num_warps=8
-        )
-    flags[flag] = 1
-
-
-@accumulate_into.register_fake
-def _(target, update, flags, flag):
-    return None

@@ -151,30 +151,13 @@ def layer_tensors(shape: Shape, dtype: torch.dtype) -> SimpleNamespace:
     )
 
 
-def grad_targets(t: SimpleNamespace) -> tuple[torch.Tensor, ...]:
-    """MoEStep's gradient targets for layer_tensors' weights (RoutedExperts.make_sinks): fp32 and the flags."""
-    return (
-        *(torch.empty_like(w, dtype=torch.float32) for w in (t.w1, t.w3, t.w2)),
-        torch.empty(3, dtype=torch.int32, device=META),
-    )
-
-
-def _moe_experts(shape: Shape, dtype: torch.dtype, into_grad: bool = False) -> None:
+def _moe_experts(shape: Shape, dtype: torch.dtype) -> None:
     from xmoe.kernels import triton_ops
 
     t = layer_tensors(shape, dtype)
     token_ids_N, slot_ids_N, row_of_slot_TK, counts_E = t.plan_args
     out = triton_ops.moe_experts(
-        t.x_TH,
-        t.weights_TK,
-        token_ids_N,
-        slot_ids_N,
-        row_of_slot_TK,
-        counts_E,
-        t.w1,
-        t.w3,
-        t.w2,
-        sinks=grad_targets(t) if into_grad else None,
+        t.x_TH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, t.w1, t.w3, t.w2
     )
     out.backward(torch.empty_like(out))
 
@@ -183,13 +166,6 @@ def _moe_experts(shape: Shape, dtype: torch.dtype, into_grad: bool = False) -> N
 def _fused_experts(shape: Shape, device: Device) -> None:
     """moe_experts (gather, experts and combine fused), forward and backward"""
     _moe_experts(shape, torch.bfloat16)
-
-
-@workload("fused_into_grad")
-def _fused_into_grad(shape: Shape, device: Device) -> None:
-    """moe_experts with MoEStep's gradient targets (a step of several micro-batches): the weight-gradient kernels
-    adding into the fp32 .grad in their epilogue, forward and backward"""
-    _moe_experts(shape, torch.bfloat16, into_grad=True)
 
 
 @workload("three_ops")
@@ -213,14 +189,12 @@ def _fused_experts_fp32(shape: Shape, device: Device) -> None:
 
 @workload("grad_accumulate", shapes=(Shape.preset("small", 8192),))
 def _grad_accumulate(shape: Shape, device: Device) -> None:
-    """accumulate_grad: a bf16 expert weight gradient upcast into a new fp32 .grad, and added into one; and
-    accumulate_into, as the flags say"""
-    from xmoe.kernels.accumulate import accumulate_grad, accumulate_into
+    """accumulate_grad: a bf16 expert weight gradient upcast into a new fp32 .grad, and added into one"""
+    from xmoe.kernels.accumulate import accumulate_grad
 
     update = torch.empty(shape.experts, shape.hidden, shape.ffn, dtype=torch.bfloat16, device=META)
     grad = accumulate_grad(None, update, torch.float32)
     accumulate_grad(grad, update, torch.float32)
-    accumulate_into(grad, update, torch.empty(3, dtype=torch.int32, device=META), 1)
 
 
 @workload("adamw", shapes=(Shape.preset("small", 8192),))
@@ -293,18 +267,6 @@ def _fp8_wgrad(shape: Shape, device: Device) -> None:
     with tiles.use_options(wgrad="fp8"):
         _fp8_fused(shape, device)
         _fp8_grouped(shape, device)
-
-
-@workload("fp8_wgrad_into_grad", shapes=(Shape.preset("small", 8192),), fp8=True)
-def _fp8_wgrad_into_grad(shape: Shape, device: Device) -> None:
-    """moe_experts_fp8 with FP8 weight gradients and MoEStep's gradient targets (fp8_wgrad's results added by
-    accumulate_into), forward and backward"""
-    from xmoe.kernels.fp8_experts import moe_experts_fp8
-
-    t, qw, fmt = fp8_layer(shape, device)
-    with tiles.use_options(wgrad="fp8"):
-        out = moe_experts_fp8(t.x_TH, t.weights_TK, *t.plan_args, t.w1, t.w3, t.w2, qw, fmt, sinks=grad_targets(t))
-        out.backward(torch.empty_like(out))
 
 
 @workload("fp8_weights", fp8=True)

@@ -27,14 +27,13 @@ from __future__ import annotations
 import torch
 
 from xmoe.kernels._common import cdiv
-from xmoe.kernels.accumulate import accumulate_into
 from xmoe.kernels.combine import combine_fwd, combine_into
 from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd, input_grad_operands
 from xmoe.kernels.fp8_quant import GROUP, Fp8ExpertWeights, quantize_rows
 from xmoe.kernels.fp8_wgrad import column_groups, fp8_wgrad, quantize_cols, use_fp8_wgrad
 from xmoe.kernels.grouped_gemm import can_reuse_saved
 from xmoe.kernels.grouped_wgrad import grouped_wgrad, wgrad_engine
-from xmoe.kernels.triton_ops import _mark_overwritten, column_chunks, sinks_saved, wgrad_or_add
+from xmoe.kernels.triton_ops import _mark_overwritten, column_chunks
 
 __all__ = ["grouped_swiglu_fp8", "moe_experts_fp8"]
 
@@ -82,24 +81,15 @@ def _down_operands(
     return aq, scale_a, qw.w2_EHF, qw.scale2.transpose(1, 2), None, None, None, None
 
 
-def _fp8_wgrad_pair(x, idx_N, dh1, dh3, groups, fmt, sinks):
-    """(dW1, dW3) = x[idx]^T (dh1, dh3) per expert in FP8: x's rows quantised down their columns once for both;
-    with ``sinks``, added into their targets (``_added``)."""
+def _fp8_wgrad_pair(x, idx_N, dh1, dh3, groups, fmt):
+    """(dW1, dW3) = x[idx]^T (dh1, dh3) per expert in FP8: x's rows quantised down their columns once for both."""
     xq_t, s_xt = quantize_cols(x, idx_N, *groups, fmt)
     dw = []
-    for i, dh in enumerate((dh1, dh3)):
+    for dh in (dh1, dh3):
         dhq_t, s_dht = quantize_cols(dh, None, *groups, fmt)
-        dw.append(_added(fp8_wgrad(xq_t, s_xt, dhq_t, s_dht, groups.bounds_3E, fmt, x.dtype), sinks, i))
+        dw.append(fp8_wgrad(xq_t, s_xt, dhq_t, s_dht, groups.bounds_3E, fmt, x.dtype))
         del dhq_t, s_dht
     return dw[0], dw[1]
-
-
-def _added(dw: torch.Tensor, sinks, index: int) -> torch.Tensor | None:
-    """dw, or with ``sinks`` (triton_ops.sinks_saved's) None once dw is added into sinks[index]."""
-    if not sinks:
-        return dw
-    accumulate_into(sinks[index], dw, sinks[3], index)
-    return None
 
 
 class MoEExpertsFp8Fn(torch.autograd.Function):
@@ -117,10 +107,6 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
         w2_EFH,
         qw: Fp8ExpertWeights,
         fmt: str,
-        sink1,
-        sink3,
-        sink2,
-        sink_flags,
     ):
         if token_ids_N.shape != slot_ids_N.shape:
             raise ValueError(
@@ -163,14 +149,13 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
             qw.scale2,
             h1,
             h3,
-            *sinks_saved(sink1, sink3, sink2, sink_flags),
         )
         ctx.fmt = fmt
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
-        (x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, q13, q2, s13, s2, h1, h3, *sinks) = (
+        (x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, q13, q2, s13, s2, h1, h3) = (
             ctx.saved_tensors
         )
         grad_TH = grad_TH.contiguous()
@@ -194,14 +179,14 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
             awq, s_aw = quantize_cols(a_w, None, *groups, ctx.fmt)
         else:
             g_rows, g_ids = (grad_TH.index_select(0, token_ids_N), None) if gather else (grad_TH, token_ids_N)
-            dw2 = wgrad_or_add(a_w, None, g_rows, None, g_ids, counts_E, sinks, 2)[0]
+            dw2 = grouped_wgrad(a_w, None, g_rows, None, g_ids, counts_E)[0]
             del g_rows
         if reuse:  # a_w is h1's storage, which ctx holds until the backward returns: free it now, before dx
             a_w.untyped_storage().resize_(0)
         del a_w
         if fp8_wg:
             gq_t, s_gt = quantize_cols(grad_TH, token_ids_N, *groups, ctx.fmt)
-            dw2 = _added(fp8_wgrad(awq, s_aw, gq_t, s_gt, groups.bounds_3E, ctx.fmt, grad_TH.dtype), sinks, 2)
+            dw2 = fp8_wgrad(awq, s_aw, gq_t, s_gt, groups.bounds_3E, ctx.fmt, grad_TH.dtype)
             del awq, s_aw, gq_t, s_gt
         # 3. dx = dh1 w1^T + dh3 w3^T = (dh1 | dh3)(w1 | w3)^T in FP8, summed per token (k in order), one column
         #    chunk at a time
@@ -210,15 +195,15 @@ class MoEExpertsFp8Fn(torch.autograd.Function):
         del operands, dhq, scale_dh
         # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e), bf16 or FP8
         if fp8_wg:
-            dw1, dw3 = _fp8_wgrad_pair(x_TH, token_ids_N, dh1, dh3, groups, ctx.fmt, sinks)
+            dw1, dw3 = _fp8_wgrad_pair(x_TH, token_ids_N, dh1, dh3, groups, ctx.fmt)
         else:
             x_rows, x_ids = (x_TH.index_select(0, token_ids_N), None) if gather else (x_TH, token_ids_N)
-            dw1, dw3 = wgrad_or_add(x_rows, x_ids, dh1, dh3, None, counts_E, sinks, 0)
+            dw1, dw3 = grouped_wgrad(x_rows, x_ids, dh1, dh3, None, counts_E)
             del x_rows
         del dh1, dh3
         grad_w = torch.zeros(weights_TK.numel(), dtype=weights_TK.dtype, device=weights_TK.device)
         grad_w[slot_ids_N] = grad_w_N.to(grad_w.dtype)  # slots are unique: a permutation, no accumulation
-        return (dx_TH, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2) + (None,) * 6
+        return dx_TH, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None, None
 
 
 def moe_experts_fp8(
@@ -233,24 +218,11 @@ def moe_experts_fp8(
     w2_EFH,
     qw: Fp8ExpertWeights,
     fmt: str,
-    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
     """out[t] = sum_k w[t,k] * expert_{e(t,k)}(x[t]) with FP8 expert GEMMs; gradients for x, the weights and the
-    routing weights as moe_experts gives them; ``sinks``: as triton_ops.moe_experts' (the weight gradients added
-    into fp32 targets, none returned for w1, w3, w2)."""
+    routing weights as moe_experts gives them."""
     return MoEExpertsFp8Fn.apply(
-        x_TH,
-        weights_TK,
-        token_ids_N,
-        slot_ids_N,
-        row_of_slot_TK,
-        tokens_per_expert_E,
-        w1_EHF,
-        w3_EHF,
-        w2_EFH,
-        qw,
-        fmt,
-        *(sinks if sinks is not None else (None,) * 4),
+        x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, qw, fmt
     )
 
 
@@ -301,7 +273,7 @@ class GroupedSwiGLUFp8Fn(torch.autograd.Function):
                 grad_NH.dtype,
             )
             del a
-            dw1, dw3 = _fp8_wgrad_pair(x_NH, None, dh1, dh3, groups, ctx.fmt, ())
+            dw1, dw3 = _fp8_wgrad_pair(x_NH, None, dh1, dh3, groups, ctx.fmt)
             return dx, dw1, dw3, dw2, None, None, None
         dw2 = grouped_wgrad(a, None, grad_NH, None, None, counts_E)[0]
         del a

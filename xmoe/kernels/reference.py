@@ -162,20 +162,9 @@ def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
 
 
 def moe_experts(
-    x_TH,
-    weights_TK,
-    token_ids_N,
-    slot_ids_N,
-    row_of_slot_TK,
-    tokens_per_expert_E,
-    w1_EHF,
-    w3_EHF,
-    w2_EFH,
-    ops=None,
-    sinks=None,
+    x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, ops=None
 ):
-    """gather -> grouped SwiGLU -> combine, unfused, through ``ops`` (a backend module; default this one).
-    ``sinks`` is not used: the weight gradients reach w1, w3, w2 (their hooks add them into the targets)."""
+    """gather -> grouped SwiGLU -> combine, unfused, through ``ops`` (a backend module; default this one)."""
     ops = ops or _THIS
     x_NH = ops.gather_rows(x_TH, token_ids_N, row_of_slot_TK)
     y_NH = ops.grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E)
@@ -189,12 +178,3 @@ def accumulate_grad(grad: torch.Tensor | None, update: torch.Tensor, dtype: torc
     """``grad + update`` written into ``grad`` (None: ``update`` as a new tensor of ``dtype``): how a weight
     gradient computed in a narrower dtype joins its parameter's .grad."""
     return update.to(dtype) if grad is None else grad.add_(update)
-
-
-def accumulate_into(target: torch.Tensor, update: torch.Tensor, flags: torch.Tensor, flag: int) -> None:
-    """target += update where flags[flag] is nonzero, target = update where it is 0 (target's values, possibly
-    uninitialised, are then not used); then flags[flag] = 1. How a weight gradient joins a target that exists
-    before its first gradient (moe/step.py's gradient targets)."""
-    held = flags[flag] != 0
-    target.copy_(torch.where(held, target + update.to(target.dtype), update.to(target.dtype)))
-    flags[flag] = 1

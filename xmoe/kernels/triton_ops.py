@@ -31,10 +31,9 @@ import torch
 
 from xmoe.kernels._common import cdiv, interpreting
 from xmoe.kernels.accumulate import accumulate_grad as accumulate_grad
-from xmoe.kernels.accumulate import accumulate_into as accumulate_into
 from xmoe.kernels.combine import combine_fwd, combine_into, combine_rows
 from xmoe.kernels.grouped_gemm import can_reuse_saved, grouped_mm, swiglu_down_bwd, swiglu_up_fwd
-from xmoe.kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_into, wgrad_engine
+from xmoe.kernels.grouped_wgrad import grouped_wgrad, wgrad_engine
 from xmoe.kernels.permute import gather_rows
 from xmoe.kernels.router_topk import router_topk, router_topk_supports
 
@@ -79,20 +78,7 @@ def _chunked_mm_combine(a1, b1_EKN, a2, b2_EKN, counts_E, row_of_slot_TK, weight
 class MoEExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
-        x_TH,
-        weights_TK,
-        token_ids_N,
-        slot_ids_N,
-        row_of_slot_TK,
-        tokens_per_expert_E,
-        w1_EHF,
-        w3_EHF,
-        w2_EFH,
-        sink1,
-        sink3,
-        sink2,
-        sink_flags,
+        ctx, x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH
     ):
         if token_ids_N.shape != slot_ids_N.shape:
             raise ValueError(
@@ -116,15 +102,12 @@ class MoEExpertsFn(torch.autograd.Function):
             w2_EFH,
             h1,
             h3,
-            *sinks_saved(sink1, sink3, sink2, sink_flags),
         )
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
-        x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, w1, w3, w2, h1, h3, *sinks = (
-            ctx.saved_tensors
-        )
+        x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, w1, w3, w2, h1, h3 = ctx.saved_tensors
         grad_TH = grad_TH.contiguous()
         row_w_N = weights_TK.reshape(-1)[slot_ids_N].float()
         # 1. da = w_n * (grad_out[token] w2^T) -> dh1 (over da), dh3 (over h3 when allowed); a_w = w_n * a (over
@@ -139,7 +122,7 @@ class MoEExpertsFn(torch.autograd.Function):
         if reuse:
             _mark_overwritten(h1, h3)
         # 2. dW2_e = (w * a)_e^T grad_out[token]_e
-        dw2 = wgrad_or_add(a_w, None, g_rows, None, g_ids, counts_E, sinks, 2)[0]
+        dw2 = grouped_wgrad(a_w, None, g_rows, None, g_ids, counts_E)[0]
         del g_rows
         if reuse:  # a_w is h1's storage, which ctx holds until the backward returns: free it now, before dx
             a_w.untyped_storage().resize_(0)
@@ -150,60 +133,18 @@ class MoEExpertsFn(torch.autograd.Function):
         )
         # 4. dW1_e, dW3_e = x[token]_e^T (dh1_e, dh3_e): one pass over x's rows read by token id, or gathered
         x_rows, x_ids = (x_TH.index_select(0, token_ids_N), None) if gather else (x_TH, token_ids_N)
-        dw1, dw3 = wgrad_or_add(x_rows, x_ids, dh1, dh3, None, counts_E, sinks, 0)
+        dw1, dw3 = grouped_wgrad(x_rows, x_ids, dh1, dh3, None, counts_E)
         del x_rows, dh1, dh3
         # 5. weight gradient: one slot per kept row, dropped slots stay 0
         grad_w = torch.zeros(weights_TK.numel(), dtype=weights_TK.dtype, device=weights_TK.device)
         grad_w[slot_ids_N] = grad_w_N.to(grad_w.dtype)  # slots are unique: a permutation, no accumulation
-        return dx_TH, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None, None, None, None
+        return dx_TH, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2
 
 
-def sinks_saved(sink1, sink3, sink2, sink_flags) -> tuple[torch.Tensor, ...]:
-    """The gradient targets as the fused Functions save them: (w1's, w3's, w2's, the flags), or () without."""
-    if sink_flags is None:
-        return ()
-    return sink1, sink3, sink2, sink_flags
-
-
-def wgrad_or_add(a, a_idx_N, b1, b2, b_idx_N, counts_E, sinks, first) -> tuple:
-    """grouped_wgrad's (c1, c2), or with ``sinks`` (sinks_saved's) the same added into sinks[first] (and
-    sinks[first + 1] for c2) by grouped_wgrad_into, and (None, None) returned: the weights get no gradient of their
-    own."""
-    if not sinks:
-        return grouped_wgrad(a, a_idx_N, b1, b2, b_idx_N, counts_E)
-    second = sinks[first + 1] if b2 is not None else None
-    grouped_wgrad_into(a, a_idx_N, b1, b2, b_idx_N, counts_E, sinks[first], second, sinks[3], first, first + 1)
-    return None, None
-
-
-def moe_experts(
-    x_TH,
-    weights_TK,
-    token_ids_N,
-    slot_ids_N,
-    row_of_slot_TK,
-    tokens_per_expert_E,
-    w1_EHF,
-    w3_EHF,
-    w2_EFH,
-    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-):
-    """Routed SwiGLU experts with gather and combine fused in: out[t] = sum_k w[t,k] * expert_{e(t,k)}(x[t]).
-
-    ``sinks`` (g1, g3, g2, flags): fp32 targets of w1's, w3's and w2's gradients (flags: int32 (3,), nonzero where
-    a target already holds a gradient): the backward's weight-gradient kernels add into them in their epilogue and
-    return no gradient for w1, w3, w2 (the one-process detached path of moe/step.py)."""
+def moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH):
+    """Routed SwiGLU experts with gather and combine fused in: out[t] = sum_k w[t,k] * expert_{e(t,k)}(x[t])."""
     return MoEExpertsFn.apply(
-        x_TH,
-        weights_TK,
-        token_ids_N,
-        slot_ids_N,
-        row_of_slot_TK,
-        tokens_per_expert_E,
-        w1_EHF,
-        w3_EHF,
-        w2_EFH,
-        *(sinks if sinks is not None else (None,) * 4),
+        x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH
     )
 
 

@@ -75,35 +75,7 @@ class RoutedExperts(nn.Module):
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         return w1, w3, w2, quantize_expert_weights(w1.detach(), w3.detach(), w2.detach(), fmt)
 
-    def make_sinks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(g1, g3, g2, flags): the fp32 tensors the weight gradients of one optimizer step's micro-batches are
-        added into, which are the parameters' .grad (allocated here, uninitialised, where there is none), and an
-        int32 flag per weight, nonzero once its target holds a gradient (set here where a .grad was already
-        there). The Triton fused backward adds into them in its weight-gradient kernels' epilogue
-        (kernels.triton_ops.moe_experts' ``sinks``); every other path through the detached copies' hooks. None
-        where a parameter is frozen, not a plain contiguous fp32 tensor, or has a .grad of another kind."""
-        params = (self.w1, self.w3, self.w2)
-        usable = all(
-            w.requires_grad
-            and not hasattr(w, "to_local")
-            and w.dtype == torch.float32
-            and w.is_contiguous()
-            and (w.grad is None or (w.grad.dtype == torch.float32 and w.grad.is_contiguous()))
-            for w in params
-        )
-        if not usable:
-            return None
-        flags = torch.zeros(3, dtype=torch.int32, device=self.w1.device)
-        for i, w in enumerate(params):
-            if w.grad is None:
-                w.grad = torch.empty_like(w)
-            else:
-                flags[i] = 1
-        return (*(w.grad for w in params), flags)
-
-    def make_casts(
-        self, dtype: torch.dtype, detach: bool, cache: CastCache | None = None, sinks: tuple | None = None
-    ) -> tuple:
+    def make_casts(self, dtype: torch.dtype, detach: bool, cache: CastCache | None = None) -> tuple:
         """The weight copies one optimizer step's micro-batches share (MoEStep calls this when the step opens).
 
         bf16: ``dtype`` copies; with ``detach`` (and a dtype other than the parameters'), leaves of their own whose
@@ -111,23 +83,16 @@ class RoutedExperts(nn.Module):
         fp8_quant.quantize_expert_weights), and as gradient receivers the parameters themselves, or with
         ``detach`` zero-stride stand-ins of dtype ``dtype`` (no memory: the FP8 GEMMs never read them) whose
         gradient is added into the fp32 .grad the same way. ``cache``: the detached bf16 copies the last optimizer
-        step wrote (moe/casts.py: CastCache), used where they still hold the weights. ``sinks`` (make_sinks', with
-        ``detach``): the detached copies' gradients are added into those targets instead of into a .grad made on
-        the first backward."""
+        step wrote (moe/casts.py: CastCache), used where they still hold the weights."""
         params = (self.w1, self.w3, self.w2)
         ops = get_ops(self.kernel_backend, self.w1.device)  # whose accumulate_grad adds the copies' gradients
-        into = (lambda i: (sinks[i], sinks[3], i)) if sinks is not None else (lambda i: None)
         if self.fp8:
             from xmoe.kernels.fp8_quant import fp8_format
 
-            receivers = (
-                tuple(_leaf_into(w, _stand_in(w, dtype), ops, into(i)) for i, w in enumerate(params))
-                if detach
-                else params
-            )
+            receivers = tuple(_leaf_into(w, _stand_in(w, dtype), ops) for w in params) if detach else params
             return (*receivers, self.fp8_weights(fp8_format(self.w1.device).name)[3])
         if detach and dtype != self.w1.dtype:
-            return tuple(_leaf_into(w, _cast(w, dtype, cache), ops, into(i)) for i, w in enumerate(params))
+            return tuple(_leaf_into(w, _cast(w, dtype, cache), ops) for w in params)
         return tuple(w.to(dtype) for w in params)
 
     def forward(
@@ -137,40 +102,24 @@ class RoutedExperts(nn.Module):
         plan: RoutingPlan | None = None,
         weights_TK: torch.Tensor | None = None,
         casts: tuple | None = None,
-        sinks: tuple | None = None,
     ) -> torch.Tensor:
         """Rows (N, H) grouped by expert -> (N, H); or, with ``plan`` and ``weights_TK``, tokens (T, H) -> the
         weighted sum of each token's expert outputs (T, H): gather, experts and combine in one backend op
         (fused by the Triton backend). Called as a module either way, so wrappers' hooks (FSDP) run. ``casts``:
-        the optimizer step's weight copies (make_casts), else the weights are cast here; ``sinks``: the step's
-        gradient targets (make_sinks), which the fused path's backward adds the weight gradients into when it
-        computes with the step's detached copies."""
-        if sinks is not None and (casts is None or not torch.is_grad_enabled()):
-            sinks = None
+        the optimizer step's weight copies (make_casts), else the weights are cast here."""
         if self.fp8:
-            return self._forward_fp8(x, tokens_per_expert_E, plan, weights_TK, casts, sinks)
+            return self._forward_fp8(x, tokens_per_expert_E, plan, weights_TK, casts)
         w1, w3, w2 = self.local_weights(x.dtype, casts)
-        if w1 is not (casts[0] if casts is not None else None):
-            sinks = None  # computed with a fresh cast, not the detached copies the sinks belong with
         ops = get_ops(self.kernel_backend, x.device)
         if plan is not None:
             return ops.moe_experts(
-                x,
-                weights_TK,
-                plan.token_ids_N,
-                plan.slot_ids_N,
-                plan.row_of_slot_TK,
-                tokens_per_expert_E,
-                w1,
-                w3,
-                w2,
-                sinks=sinks,
+                x, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, tokens_per_expert_E, w1, w3, w2
             )
         if x.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
             return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
         return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
 
-    def _forward_fp8(self, x, tokens_per_expert_E, plan, weights_TK, casts, sinks):
+    def _forward_fp8(self, x, tokens_per_expert_E, plan, weights_TK, casts):
         from xmoe.kernels.fp8_quant import fp8_format
 
         fmt = fp8_format(x.device).name  # refuses devices without FP8 matrix instructions, naming the fix
@@ -182,8 +131,6 @@ class RoutedExperts(nn.Module):
         from xmoe.kernels import fp8_experts
 
         w1, w3, w2, qw = self.fp8_weights(fmt, casts)
-        if casts is None or w1 is not casts[0]:
-            sinks = None
         if plan is not None:
             return fp8_experts.moe_experts_fp8(
                 x,
@@ -197,7 +144,6 @@ class RoutedExperts(nn.Module):
                 w2,
                 qw,
                 fmt,
-                sinks=sinks,
             )
         return fp8_experts.grouped_swiglu_fp8(x, w1, w3, w2, tokens_per_expert_E, qw, fmt)
 
@@ -213,26 +159,19 @@ def _cast(weight: torch.Tensor, dtype: torch.dtype, cache: CastCache | None) -> 
     return weight.detach().to(dtype) if copy is None else copy
 
 
-def _leaf_into(param: torch.Tensor, leaf: torch.Tensor, ops: ModuleType, into: tuple | None = None) -> torch.Tensor:
+def _leaf_into(param: torch.Tensor, leaf: torch.Tensor, ops: ModuleType) -> torch.Tensor:
     """leaf as an autograd leaf of its own whose gradient each backward adds into param's .grad (by the kernel
-    backend's ``accumulate_grad``), or with ``into`` (target, flags, index: make_sinks') into that target (by its
-    ``accumulate_into``)."""
+    backend's ``accumulate_grad``)."""
     leaf.requires_grad_(param.requires_grad)
     if param.requires_grad:
-        leaf.register_post_accumulate_grad_hook(functools.partial(_accumulate_fp32, param, ops, into))
+        leaf.register_post_accumulate_grad_hook(functools.partial(_accumulate_fp32, param, ops))
     return leaf
 
 
-def _accumulate_fp32(param: torch.Tensor, ops: ModuleType, into: tuple | None, cast: torch.Tensor) -> None:
-    """Add a compute-dtype copy's gradient into its fp32 parameter's .grad (one mixed-dtype pass) and drop it.
-    The hook runs with no gradient too: after a fused backward that added it into the target itself."""
-    if cast.grad is None:
-        return
-    if into is None:
-        param.grad = ops.accumulate_grad(param.grad, cast.grad, param.dtype)
-    else:
-        target, flags, index = into
-        ops.accumulate_into(target, cast.grad.contiguous(), flags, index)
+def _accumulate_fp32(param: torch.Tensor, ops: ModuleType, cast: torch.Tensor) -> None:
+    """Add a compute-dtype copy's gradient into its fp32 parameter's .grad (one mixed-dtype pass) and drop it."""
+    assert cast.grad is not None  # a post-accumulate-grad hook runs once the gradient is there
+    param.grad = ops.accumulate_grad(param.grad, cast.grad, param.dtype)
     cast.grad = None
 
 

@@ -58,7 +58,6 @@ class LayerStep:
 
     aux_loss_scale: float
     casts: tuple | None = None  # RoutedExperts.make_casts' copies, for the experts' forward
-    sinks: tuple | None = None  # RoutedExperts.make_sinks' fp32 gradient targets, for the fused backward
     stats: dict[str, torch.Tensor] | None = None
 
 
@@ -127,8 +126,7 @@ class MoELayer(nn.Module):
         step = self.moe_step
         casts = step.casts if step is not None else None
         if self.dispatcher.fuses_experts:  # one rank: the backend may fuse the three steps
-            sinks = step.sinks if step is not None else None
-            out_TH = self.experts(x_TH, plan.tokens_per_expert_E, plan, route.weights_TK, casts=casts, sinks=sinks)
+            out_TH = self.experts(x_TH, plan.tokens_per_expert_E, plan, route.weights_TK, casts=casts)
         else:
             x_NH, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TH, plan)
             y_NH = self.experts(x_NH, tokens_per_expert, casts=casts)

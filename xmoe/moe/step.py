@@ -20,11 +20,6 @@ What passes between the step and each layer while it is open (``moe/layer.py: La
   casts           the routed experts' weight copies for the step's micro-batches (RoutedExperts.make_casts: the
                   compute dtype, or the FP8 copies with their block scales), made once at entry and dropped at exit;
                   None where the weights are DTensors (expert parallelism, FSDP2), which are cast per forward
-  sinks           with detached copies and more than one micro-batch: the experts' fp32 .grad, allocated when the
-                  step opens (RoutedExperts.make_sinks), with a device flag per weight saying whether it holds a
-                  gradient yet; the fused Triton backward adds each micro-batch's weight gradients into them in its
-                  GEMMs' epilogue (no bf16 gradient written and read back). Every micro-batch opened must have its
-                  backward run before the step closes (checked on the device, with no host sync)
   stats           what the layer's latest forward routed; a forward recomputed in backward reports the same values
                   again, so end_micro_batch() reads each layer once per micro-batch
 and, once per step, the dispatchers' traffic counters (read and reset by finish()).
@@ -73,10 +68,7 @@ class MoEStep:
     ``detach_casts``: the copies are leaves of their own whose gradient each backward adds straight into the fp32
     parameter's .grad (one mixed-dtype pass, 10 bytes per weight) instead of autograd's cast-back and fp32
     accumulation (two passes, 18 bytes; measured there too). The parameters then get their gradients outside
-    autograd, so only for a model no wrapper reduces through autograd hooks (one process; not DDP). With more
-    than one micro-batch the fp32 .grad of the experts are made when the step opens (uninitialised) and the
-    backward adds into them (``sinks`` above); a step left by an exception drops the .grad it made. With one
-    micro-batch the .grad is made by the backward, as before: made early, it would be held through the forward.
+    autograd, so only for a model no wrapper reduces through autograd hooks (one process; not DDP).
 
     ``cache``: copies the previous optimizer step wrote beside the weights it updated (``CastCache``), used by
     the detached copies instead of casting again."""
@@ -100,7 +92,6 @@ class MoEStep:
         self._aux = torch.zeros((), device=device)
         self._rows = torch.zeros((), dtype=torch.long, device=device)
         self._load_LE: torch.Tensor | None = None
-        self._made: list[tuple[nn.Module, list[bool]]] = []  # (experts given sinks, which .grad they made)
 
     def __enter__(self) -> MoEStep:
         """The layers report to this step; their experts' weight copies are made now (with gradients on: a step
@@ -109,36 +100,15 @@ class MoEStep:
         for layer, slot in zip(self._layers, self._slots, strict=False):
             experts = layer.experts
             if cast_dtype is not None and not any(hasattr(w, "to_local") for w in (experts.w1, experts.w3, experts.w2)):
-                made = [w.grad is None for w in (experts.w1, experts.w3, experts.w2)]
-                detached = self.detach_casts and (experts.fp8 or cast_dtype != experts.w1.dtype)  # make_casts' rule
-                if detached and self.micro_batches > 1:
-                    slot.sinks = experts.make_sinks()
-                    if slot.sinks is not None:
-                        self._made.append((experts, made))
-                slot.casts = experts.make_casts(cast_dtype, self.detach_casts, self.cache, slot.sinks)
+                slot.casts = experts.make_casts(cast_dtype, self.detach_casts, self.cache)
             layer.moe_step = slot
         return self
 
     def __exit__(self, *exc) -> None:
-        """The copies are dropped, so nothing stale outlives the step; the layers compute alone again. Every
-        gradient target must hold a gradient now (a device-side assert); after an exception the .grad the step
-        made are dropped instead (the step's gradients are incomplete)."""
-        flags = [slot.sinks[3] for slot in self._slots if slot.sinks is not None]
+        """The copies are dropped, so nothing stale outlives the step; the layers compute alone again."""
         for layer, slot in zip(self._layers, self._slots, strict=False):
             layer.moe_step = None
-            slot.casts = slot.sinks = None
-        if exc[0] is not None:
-            for experts, made in self._made:
-                for w, fresh in zip((experts.w1, experts.w3, experts.w2), made, strict=True):
-                    if fresh:
-                        w.grad = None
-        elif flags:
-            torch._assert_async(
-                torch.cat(flags).bool().all(),
-                "an MoEStep closed with a micro-batch whose backward did not run: the experts' .grad holds no "
-                "gradient (run every micro-batch's backward inside the step)",
-            )
-        self._made.clear()
+            slot.casts = None
 
     def end_micro_batch(self) -> None:
         """Add the micro-batch's routing statistics (every layer's report) to the step's, on the device."""
