@@ -214,9 +214,11 @@ class Transformer(nn.Module):
         T, chunk = h_TH.shape[0], self.loss_chunk_tokens
         if chunk == 0 or T <= chunk:
             return self._loss_sum(h_TH, targets_T) / num_valid
+        # split, not a slice per chunk: one backward node gathers the chunks' gradients into h's in one pass,
+        # where each slice's backward would write a zero-filled (T, H) gradient and autograd add them up
         total = sum(
-            checkpoint(self._loss_sum, h_TH[i : i + chunk], targets_T[i : i + chunk], use_reentrant=False)
-            for i in range(0, T, chunk)
+            checkpoint(self._loss_sum, h_chunk, t_chunk, use_reentrant=False)
+            for h_chunk, t_chunk in zip(h_TH.split(chunk), targets_T.split(chunk), strict=True)
         )
         return total / num_valid
 
