@@ -238,6 +238,44 @@ def test_chunked_loss_matches_unchunked_value_and_gradients() -> None:
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_chunked_loss_in_bf16_and_without_gradients() -> None:
+    # under autocast the chunks compute in bf16 as the unchunked head does (loss and gradients close to it); under
+    # no_grad the chunked loss is the same value and holds no gradient buffers
+    cfg = small_cfg(layers=1)
+    plain = Transformer(cfg, loss_chunk_tokens=0)
+    chunked = Transformer(cfg, loss_chunk_tokens=16)  # 60 tokens -> 4 chunks, the last of 12
+    chunked.load_state_dict(plain.state_dict())
+    tokens, targets = rand_tokens(cfg, 3, 20, seed=5), rand_tokens(cfg, 3, 20, seed=6)
+    targets[0, :] = IGNORE_INDEX  # a chunk with ignored rows only
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = plain(tokens, targets), chunked(tokens, targets)
+    a.backward()
+    b.backward()
+    assert a.dtype == b.dtype == torch.float32 and abs(a.item() - b.item()) < 1e-2 * a.item()
+    for (name, pa), pb in zip(plain.named_parameters(), chunked.parameters(), strict=False):
+        assert pb.grad.dtype == torch.float32
+        assert ((pa.grad - pb.grad).norm() / pa.grad.norm()).item() < 2e-2, name
+    with torch.no_grad():
+        torch.testing.assert_close(chunked(tokens, targets), plain(tokens, targets), atol=1e-6, rtol=1e-6)
+
+
+def test_chunked_loss_compiles_without_graph_break() -> None:
+    cfg = small_cfg(layers=1)
+    model = Transformer(cfg, loss_chunk_tokens=16)
+    tokens, targets = rand_tokens(cfg, 3, 20, seed=7), rand_tokens(cfg, 3, 20, seed=8)
+    results = []
+    for compiled in (False, True):
+        if compiled:
+            torch._dynamo.reset()
+            model._chunk_ce = torch.compile(model._chunk_ce, fullgraph=True, backend="aot_eager")
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dense", [None, 1])
 def test_autocast_bf16_loss_is_fp32_and_close(dense: int | None) -> None:
     cfg = small_cfg(layers=2, dense=dense)

@@ -42,10 +42,9 @@ from xmoe.config import ModelConfig
 from xmoe.model import init as param_init
 from xmoe.model.attention import KVCache, make_attention
 from xmoe.model.layers import RMSNorm, apply_rotary, rope_tables  # noqa: F401  (apply_rotary: re-exported)
+from xmoe.model.loss import IGNORE_INDEX, chunk_cross_entropy, chunked_head_loss
 from xmoe.moe.experts import SwiGLU
 from xmoe.moe.layer import MoELayer, moe_layers
-
-IGNORE_INDEX = -100  # targets with this value contribute no loss (F.cross_entropy's default)
 
 
 class Block(nn.Module):
@@ -105,10 +104,12 @@ class Transformer(nn.Module):
     the mean fp32 cross-entropy over targets != -100 (auxiliary MoE losses are already attached to the graph
     by each MoELayer, so ``loss.backward()`` trains the routers too).
 
-    ``loss_chunk_tokens``: when B*S exceeds it, the head and cross-entropy run over token chunks of this size
-    under activation checkpointing, so only one chunk's (chunk, V) fp32 logits ever exist (S=4096, B=4,
-    V=50304 would otherwise hold 3.3 GB of fp32 logits plus their gradient); the price is one extra head
-    forward per chunk in backward. 0 disables chunking (e.g. for a vocab-parallel loss applied from outside).
+    ``loss_chunk_tokens``: when B*S exceeds it, the head and cross-entropy run over token chunks of this size, so
+    only one chunk's (chunk, V) logits and their gradient ever exist (S=4096, B=4, V=50304 would otherwise hold
+    3.3 GB of fp32 logits plus their gradient): the gradients of h and of the head weight are made chunk by
+    chunk in the forward and held for the backward (model/loss.py); a head weight that is a DTensor takes
+    checkpointed chunks instead, recomputed in backward. 0 disables chunking (e.g. for a vocab-parallel loss
+    applied from outside).
 
     Low precision: keep parameters fp32 and use autocast or FSDP's MixedPrecisionPolicy. ``model.to(bf16)``
     also casts the rotary tables to bf16 (positions past ~256 then lose angle precision).
@@ -214,6 +215,9 @@ class Transformer(nn.Module):
         T, chunk = h_TH.shape[0], self.loss_chunk_tokens
         if chunk == 0 or T <= chunk:
             return self._loss_sum(h_TH, targets_T) / num_valid
+        weight = self.head.weight
+        if not hasattr(weight, "to_local"):  # a plain weight: gradients made chunk by chunk in the forward (loss.py)
+            return chunked_head_loss(h_TH, weight, targets_T, chunk, self._chunk_ce) / num_valid
         # split, not a slice per chunk: one backward node gathers the chunks' gradients into h's in one pass,
         # where each slice's backward would write a zero-filled (T, H) gradient and autograd add them up
         total = sum(
@@ -221,6 +225,11 @@ class Transformer(nn.Module):
             for h_chunk, t_chunk in zip(h_TH.split(chunk), targets_T.split(chunk), strict=True)
         )
         return total / num_valid
+
+    def _chunk_ce(self, logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's cross-entropy sum and its logits' gradient (loss.chunk_cross_entropy): a method, so that
+        regional compilation can replace it with its compiled form."""
+        return chunk_cross_entropy(logits_CV, targets_C)
 
     def _loss_sum(self, h_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
         logits_TV = self.head(h_TH).float()

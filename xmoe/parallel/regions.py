@@ -2,7 +2,8 @@
 compilation.
 
 Regions, not the whole model: each block's two residual branches (``Block.attn_branch``, ``Block.ffn_branch``) and
-the loss head (``Transformer._loss_sum``: head projection + fp32 cross-entropy of one token chunk) are compiled
+the loss head (``Transformer._loss_sum``: head projection + fp32 cross-entropy; ``Transformer._chunk_ce``: one token
+chunk's cross-entropy and logit gradient, model/loss.py) are compiled
 one by one. Blocks of one kind share the compiled code, so compile time does not grow with depth; module calls,
 parallelism hooks (DDP, FSDP2) and recompute checkpoints stay eager around the compiled regions. What the compiler
 gains is fusion of the elementwise work between the GEMMs: RMSNorm and its fp32 casts, rotary embedding, residual
@@ -61,4 +62,5 @@ def apply_compile(model: Transformer, device: torch.device, fullgraph: bool = Fa
         block.attn_branch = torch.compile(block.attn_branch, fullgraph=fullgraph)  # type: ignore[method-assign]
         block.ffn_branch = torch.compile(block.ffn_branch, fullgraph=fullgraph)  # type: ignore[method-assign]
     model._loss_sum = torch.compile(model._loss_sum, fullgraph=fullgraph)  # type: ignore[method-assign]
+    model._chunk_ce = torch.compile(model._chunk_ce, fullgraph=fullgraph)  # type: ignore[method-assign]
     log.info("compiled %d blocks' attention and FFN branches and the loss head", len(blocks(model)))

@@ -149,7 +149,9 @@ def estimate_trainer_memory(
     accumulating = accumulation > 1
     start_grads = 4 * total_params if accumulating else 4 * (parts["head"] or parts["embedding"])
     tail = 4 * T * H + b * T * H  # final norm's input and the head's input
-    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V  # bf16 logits, fp32 log-softmax and their gradients
+    # one chunk's bf16 logits, fp32 softmax and gradients (made at the end of the forward, model/loss.py, beside
+    # what the backward starts with: the same sum)
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V
     return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)
 
 
