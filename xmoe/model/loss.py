@@ -35,9 +35,11 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tup
     picked_C = torch.where(valid_C, targets_C, 0)
     lse_C = torch.logsumexp(logits, dim=-1)
     loss = ((lse_C - logits.gather(1, picked_C[:, None]).squeeze(1)) * valid_C).sum()
-    grad = torch.exp(logits - lse_C[:, None])
-    grad = grad - torch.nn.functional.one_hot(picked_C, logits.shape[1]).to(grad.dtype)
-    return loss, (grad * valid_C[:, None]).to(logits_CV.dtype)
+    probs = torch.exp(logits - lse_C[:, None])
+    # the target's column by comparison, not one_hot (an int64 (C, V) tensor eagerly): fuses into the one pass
+    hit_CV = torch.arange(logits.shape[1], device=logits.device)[None, :] == picked_C[:, None]
+    grad = torch.where(hit_CV, probs - 1.0, probs) * valid_C[:, None]
+    return loss, grad.to(logits_CV.dtype)
 
 
 def _chunks(h_TH, weight_VH, targets_T, chunk, compute_dtype, chunk_ce, need_h, need_w):

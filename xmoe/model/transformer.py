@@ -108,7 +108,8 @@ class Transformer(nn.Module):
     only one chunk's (chunk, V) logits and their gradient ever exist (S=4096, B=4, V=50304 would otherwise hold
     3.3 GB of fp32 logits plus their gradient): the gradients of h and of the head weight are made chunk by
     chunk in the forward and held for the backward (model/loss.py); a head weight that is a DTensor takes
-    checkpointed chunks instead, recomputed in backward. 0 disables chunking (e.g. for a vocab-parallel loss
+    checkpointed chunks instead, recomputed in backward (and a forward without gradients plain chunks). 0
+    disables chunking (e.g. for a vocab-parallel loss
     applied from outside).
 
     Low precision: keep parameters fp32 and use autocast or FSDP's MixedPrecisionPolicy. ``model.to(bf16)``
@@ -216,7 +217,8 @@ class Transformer(nn.Module):
         if chunk == 0 or T <= chunk:
             return self._loss_sum(h_TH, targets_T) / num_valid
         weight = self.head.weight
-        if not hasattr(weight, "to_local"):  # a plain weight: gradients made chunk by chunk in the forward (loss.py)
+        if torch.is_grad_enabled() and not hasattr(weight, "to_local"):
+            # a plain weight: the gradients made chunk by chunk in the forward (loss.py)
             return chunked_head_loss(h_TH, weight, targets_T, chunk, self._chunk_ce) / num_valid
         # split, not a slice per chunk: one backward node gathers the chunks' gradients into h's in one pass,
         # where each slice's backward would write a zero-filled (T, H) gradient and autograd add them up
