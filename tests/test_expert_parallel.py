@@ -33,11 +33,11 @@ def _model_config():
     )
 
 
-def _model(seed: int):
+def _model(seed: int, chunk: int = 0):
     from xmoe.model.transformer import Transformer
 
     torch.manual_seed(seed)
-    return Transformer(_model_config(), loss_chunk_tokens=0).double()
+    return Transformer(_model_config(), loss_chunk_tokens=chunk).double()
 
 
 def _batches(num_ranks: int):
@@ -48,7 +48,7 @@ def _batches(num_ranks: int):
 
 def _reference_step(num_ranks: int):
     """Single process: mean of the per-rank losses (as the data-parallel ranks average), clip, one AdamW step."""
-    model = _model(seed=0)
+    model = _model(seed=0)  # the loss unchunked: the reference for chunked layouts too
     inputs, targets = _batches(num_ranks)
     for r in range(num_ranks):  # each rank's backward, summed: aux losses attach per forward, as on the ranks
         model(inputs[r], targets[r]).backward()
@@ -71,17 +71,17 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _parallel_model(dp: int, ep: int, placement: str, world_size: int, seed: int):
+def _parallel_model(dp: int, ep: int, placement: str, world_size: int, seed: int, chunk: int = 0):
     from xmoe.config import ParallelConfig
     from xmoe.parallel.dims import ParallelDims
     from xmoe.parallel.expert_parallel import apply_expert_parallel
 
     cfg = ParallelConfig(dp=dp, ep=ep, placement=placement)
     dims = ParallelDims.from_config(cfg, world_size, num_experts=8).build_mesh("cpu")
-    return apply_expert_parallel(_model(seed), dims), dims
+    return apply_expert_parallel(_model(seed, chunk), dims), dims
 
 
-def _train_step_body(rank: int, world_size: int, layouts, ckpt_dir: str | None):
+def _train_step_body(rank: int, world_size: int, layouts, ckpt_dir: str | None, chunk: int = 0):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -96,7 +96,7 @@ def _train_step_body(rank: int, world_size: int, layouts, ckpt_dir: str | None):
     inputs, targets = _batches(world_size)
     for i, (dp, ep, placement) in enumerate(layouts):
         where = f"dp={dp} ep={ep} {placement} rank={rank}"
-        model, dims = _parallel_model(dp, ep, placement, world_size, seed=0)
+        model, dims = _parallel_model(dp, ep, placement, world_size, seed=0, chunk=chunk)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         r = dims.coord("dp_ep")  # the data shard this rank trains on
         model(inputs[r], targets[r]).backward()
@@ -138,6 +138,12 @@ def _train_step_body(rank: int, world_size: int, layouts, ckpt_dir: str | None):
 
 def test_expert_parallel_training_step_two_ranks():
     run_distributed(_train_step_body, 2, [(1, 2, "ep_first")], None)
+
+
+def test_chunked_loss_under_fsdp_and_expert_parallel_two_ranks():
+    # the loss head over chunks of 5 of each rank's 16 tokens (the last of 1), with the dense weights, the head
+    # included, sharded by FSDP2 (dp 2) and with experts sharded (ep 2): gradients and the step as one process's
+    run_distributed(_train_step_body, 2, [(2, 1, "ep_first"), (1, 2, "ep_first")], None, 5)
 
 
 def test_expert_parallel_step_and_checkpoint_across_ep_degrees(tmp_path):
