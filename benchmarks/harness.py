@@ -117,12 +117,14 @@ def write_results(
     return json_path, md_path
 
 
-def write_step_report(folder: str, stem: str, title: str, text: str, payload: dict, gpu: str) -> None:
-    """<folder>/<stem>.json (meta and ``payload``) and <stem>.md (``title``, date, ``gpu``, torch, the command, then
-    ``text``): the results files of the single-GPU step diagnostics (profile_step.py, host_lead.py)."""
+def write_step_report(folder: str, stem: str, title: str, text: str, payload: dict, gpu: str | None = None) -> None:
+    """<folder>/<stem>.json (meta and ``payload``) and <stem>.md (``title``, date, the GPU, torch, the command, then
+    ``text``): the results files of the single-GPU step diagnostics (profile_step.py, host_lead.py). ``gpu``: what
+    to call the device where environment()'s GPU name does not say (no GPU)."""
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    meta = {**environment(), "gpu": gpu}
+    meta = environment()
+    meta["gpu"] = gpu or meta["gpu"]
     (path / f"{stem}.json").write_text(json.dumps({"meta": meta, **payload}, indent=1))
     (path / f"{stem}.md").write_text(
         f"# {title}\n\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}\n\n`{meta['command']}`\n\n{text}\n"

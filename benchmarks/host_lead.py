@@ -208,7 +208,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.results:
-        gpu = torch.cuda.get_device_name(0) if cuda else "none (CPU: every lead is zero)"
+        gpu = None if cuda else "none (CPU: every lead is zero)"
         stem, title = f"host_lead_{args.tag}", f"host lead {args.tag}"
         write_step_report(args.results, stem, title, text, {"windows": windows}, gpu)
 

@@ -197,8 +197,7 @@ def main() -> None:
             "long_gaps": long_gaps,
             "syncs": syncs,
         }
-        gpu = torch.cuda.get_device_name(0)
-        write_step_report(args.results, f"profile_{args.tag}", f"profile {args.tag}", text, payload, gpu)
+        write_step_report(args.results, f"profile_{args.tag}", f"profile {args.tag}", text, payload)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def chunk_cross_entropy(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tup
 
 
 def _chunks(h_TH, weight_VH, targets_T, chunk, compute_dtype, chunk_ce, need_h, need_w):
-    """(the loss sum, [dh_TH, dw_VH] as asked for, unscaled): the forward's loop over the chunks."""
+    """(the loss sum, dh_TH, dw_VH), the gradients unscaled and None where not asked for: the forward's loop over
+    the chunks."""
     w_VH = weight_VH.to(compute_dtype)  # once for every chunk
     total = torch.zeros((), dtype=torch.float32, device=h_TH.device)
     dh_TH = torch.empty(h_TH.shape, dtype=compute_dtype, device=h_TH.device) if need_h else None
@@ -57,24 +58,24 @@ def _chunks(h_TH, weight_VH, targets_T, chunk, compute_dtype, chunk_ce, need_h, 
         if dw_VH is not None:
             dw_VH += dlogits_CV.t() @ h_CH
         del dlogits_CV
-    return total, [t for t in (dh_TH, dw_VH) if t is not None]
+    return total, dh_TH, dw_VH
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TH, weight_VH, targets_T, chunk, compute_dtype, chunk_ce, need_h, need_w):
         with torch.autocast(h_TH.device.type, enabled=False):  # the dtypes are chosen here
-            total, held = _chunks(h_TH, weight_VH, targets_T, chunk, compute_dtype, chunk_ce, need_h, need_w)
-        ctx.save_for_backward(*held)
-        ctx.held = (need_h, need_w, h_TH.dtype, weight_VH.dtype)
+            total, dh_TH, dw_VH = _chunks(h_TH, weight_VH, targets_T, chunk, compute_dtype, chunk_ce, need_h, need_w)
+        ctx.save_for_backward(dh_TH, dw_VH)
+        ctx.dtypes = (h_TH.dtype, weight_VH.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        need_h, need_w, h_dtype, w_dtype = ctx.held
-        held = list(ctx.saved_tensors)
-        dh = (held.pop(0).float() * grad).to(h_dtype) if need_h else None
-        dw = (held.pop(0) * grad).to(w_dtype) if need_w else None
+        dh_TH, dw_VH = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        dh = (dh_TH.float() * grad).to(h_dtype) if dh_TH is not None else None
+        dw = (dw_VH * grad).to(w_dtype) if dw_VH is not None else None
         return dh, dw, None, None, None, None, None, None
 
 

@@ -109,8 +109,7 @@ class Transformer(nn.Module):
     3.3 GB of fp32 logits plus their gradient): the gradients of h and of the head weight are made chunk by
     chunk in the forward and held for the backward (model/loss.py); a head weight that is a DTensor takes
     checkpointed chunks instead, recomputed in backward (and a forward without gradients plain chunks). 0
-    disables chunking (e.g. for a vocab-parallel loss
-    applied from outside).
+    disables chunking (e.g. for a vocab-parallel loss applied from outside).
 
     Low precision: keep parameters fp32 and use autocast or FSDP's MixedPrecisionPolicy. ``model.to(bf16)``
     also casts the rotary tables to bf16 (positions past ~256 then lose angle precision).

@@ -148,7 +148,9 @@ def estimate_trainer_memory(
         blocks.append((saved, regen, 4 * weights, b * weights))
     accumulating = accumulation > 1
     start_grads = 4 * total_params if accumulating else 4 * (parts["head"] or parts["embedding"])
-    tail = 4 * T * H + b * T * H  # final norm's input and the head's input
+    # the final norm's input, and the head's input (or, with the loss in chunks, h's gradient in the compute dtype,
+    # which model/loss.py holds instead: the same bytes)
+    tail = 4 * T * H + b * T * H
     # one chunk's bf16 logits, fp32 softmax and gradients (made at the end of the forward, model/loss.py, beside
     # what the backward starts with: the same sum)
     loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V
