@@ -1,9 +1,12 @@
 """The per-parameter work of one training step on one GPU: gradient clipping and the AdamW step, side by side:
 torch's fused AdamW with the clip in place first (what the trainer did) or folded into its pass, and xmoe's Triton
 AdamW (what the trainer now runs) with the clip folded, alone and writing the routed experts' bf16 copies of the
-next step in its pass (against those copies made by a pass of their own).
+next step in its pass (against those copies made by a pass of their own); with ``--fp8``, also writing FP8 experts'
+FP8 copies (both layouts, 128 x 128 block scales) in its pass, at each ``--fp8-tiles`` setting of that kernel
+(rows of a block per pass x warps), against the quantising pass the experts otherwise make once per step.
 
     python benchmarks/bench_optimizer.py --layers 4 --out results/
+    python benchmarks/bench_optimizer.py --layers 4 --fp8 --fp8-tiles 32x16,16x8,32x8 --out results/
 
 The model is the trainer's (`--preset`, `--layers`) in fp32 on the GPU, every parameter given a random gradient;
 each variant is timed over repeated steps of the same optimizer (harness.time_ms: median). Also timed alone, for
@@ -12,8 +15,9 @@ scale: the gradient norm, the AdamW step without clipping, and the routed expert
 torch's dtype-converting ops against the Triton accumulate_grad the Triton backend uses, checked bitwise equal
 first. Before anything is timed, the Triton AdamW is also checked against torch's fused AdamW over three clipped
 steps of copies of the largest parameters (relative difference of the weights and moments) and its bf16 copies
-against the updated weights cast by torch (bitwise). Writes bench_optimizer.json / .md into --out. Skips without a
-GPU.
+against the updated weights cast by torch (bitwise), and with ``--fp8`` the FP8 copies written in its pass against
+quantize_expert_weights of the updated weights (bitwise). Writes bench_optimizer.json / .md (bench_optimizer_fp8
+with ``--fp8``) into --out. Skips without a GPU.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
 from benchmarks.harness import RESULTS_ENV, environment, time_ms, write_results
+from xmoe.kernels import adamw
 from xmoe.kernels.accumulate import accumulate_grad
 from xmoe.model.presets import get_preset
 from xmoe.model.transformer import Transformer
@@ -43,6 +48,12 @@ def main() -> None:
     p.add_argument("--preset", default="small", help="model preset (default small)")
     p.add_argument("--layers", type=int, default=4, help="number of layers (default 4)")
     p.add_argument("--max-norm", type=float, default=1.0, help="clipping threshold (default 1.0, the trainer's)")
+    p.add_argument("--fp8", action="store_true", help="FP8 experts: also time the FP8 copies written in AdamW's pass")
+    p.add_argument(
+        "--fp8-tiles",
+        default=f"{adamw.QUANT_CHUNK}x{adamw.QUANT_WARPS}",
+        help="settings of that pass to time, ROWSxWARPS comma-separated (default: the shipped one)",
+    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -51,6 +62,8 @@ def main() -> None:
     os.environ[RESULTS_ENV] = args.out
     cfg = get_preset(args.preset)
     cfg.num_layers = args.layers
+    if args.fp8:
+        cfg.moe.fp8 = "experts"
     device = torch.device("cuda")
     with torch.device(device):
         model = Transformer(cfg)
@@ -79,7 +92,7 @@ def main() -> None:
     agreement = _check_triton_adamw(model, args.max_norm)
     print(f"Triton AdamW against torch's fused AdamW: {agreement}", flush=True)
     triton_opt = TritonAdamW(param_groups(model, 0.1), lr=1e-4)
-    cache = expert_casts(model, torch.bfloat16)
+    cache = CastCache(experts, torch.bfloat16)  # the bf16 copies (those of experts that are not FP8)
     triton_copies = TritonAdamW(param_groups(model, 0.1), lr=1e-4, casts=cache)
     assert folds_clipping(triton_opt, params) and all(cache.wants(w) for w in experts)
 
@@ -100,7 +113,11 @@ def main() -> None:
         ("experts' bf16 gradients added into the fp32 .grad, torch", lambda: [w.grad.add_(g) for w, g in pairs]),
         ("the same, Triton accumulate_grad", lambda: [accumulate_grad(w.grad, g, fp32) for w, g in pairs]),
     ]
-    for opt in (optimizer, triton_opt, triton_copies):
+    optimizers = [optimizer, triton_opt, triton_copies]
+    fp8_rows, fp8_check = _fp8_variants(model, params, args) if args.fp8 else ([], {})
+    timings += [(name, fn) for name, fn, _ in fp8_rows]
+    optimizers += [opt for _, _, opt in fp8_rows if opt is not None]
+    for opt in optimizers:
         opt.step()  # AdamW's state allocated before anything is timed
     rows = []
     for name, fn in timings:
@@ -116,6 +133,7 @@ def main() -> None:
         "expert_parameters": sum(w.numel() for w in experts),
         "accumulate_grad_bitwise_equal_to_torch": bitwise,
         "triton_adamw_against_fused": agreement,
+        **({"fp8_copies_bitwise": fp8_check} if args.fp8 else {}),
     }
     fused_ms, triton_ms = ms["clip folded into fused AdamW"], ms["clip folded into Triton AdamW"]
     separate = triton_ms + ms["routed experts' bf16 copies (once per step)"]
@@ -128,7 +146,66 @@ def main() -> None:
         f"(three clipped steps): {agreement}. Triton accumulate_grad bitwise equal to torch's upcast and add: "
         f"{bitwise}."
     )
-    write_results("bench_optimizer", rows, ["variant", "ms"], meta, "Clipping and AdamW, one step", notes)
+    if args.fp8:
+        quant = ms["routed experts' FP8 copies, a quantising pass (once per step)"]
+        best = min(
+            (r for r in rows if r["variant"].startswith("clip folded into Triton AdamW, writing the experts' FP8")),
+            key=lambda r: r["ms"],
+        )
+        notes += (
+            f" FP8 experts: AdamW then the quantising pass {triton_ms + quant:.1f} ms, the copies written in AdamW's "
+            f"pass {best['ms']:.1f} ms at best ({best['variant'].rsplit('(', 1)[-1].rstrip(')')}); those copies "
+            f"bitwise quantize_expert_weights' of the updated weights: {fp8_check}."
+        )
+    write_results(
+        "bench_optimizer_fp8" if args.fp8 else "bench_optimizer",
+        rows,
+        ["variant", "ms"],
+        meta,
+        "Clipping and AdamW, one step",
+        notes,
+    )
+
+
+def _fp8_variants(model, params, args) -> tuple[list, dict]:
+    """([(row name, call, optimizer to warm up)], {tile: copies bitwise}): the FP8 experts' quantising pass, and
+    the clip folded into Triton AdamW writing their FP8 copies at each --fp8-tiles setting (each setting checked
+    first: one step from copies of the weights and state, its copies against quantize_expert_weights')."""
+    from xmoe.kernels.fp8_quant import fp8_format, quantize_expert_weights
+    from xmoe.moe.layer import moe_layers
+
+    fmt = fp8_format(params[0].device).name
+    stacks = [(layer.experts.w1, layer.experts.w3, layer.experts.w2) for layer in moe_layers(model)]
+    rows: list = [
+        (
+            "routed experts' FP8 copies, a quantising pass (once per step)",
+            lambda: [quantize_expert_weights(*ws, fmt) for ws in stacks],
+            None,
+        )
+    ]
+    checks = {}
+    for spec in args.fp8_tiles.split(","):
+        chunk, warps = (int(n) for n in spec.split("x"))
+        cache = expert_casts(model, torch.bfloat16)
+        opt = TritonAdamW(param_groups(model, 0.1), lr=1e-4, casts=cache)
+
+        def step(opt=opt, chunk=chunk, warps=warps):
+            adamw.QUANT_CHUNK, adamw.QUANT_WARPS = chunk, warps
+            optimizer_step(opt, clip_gradients(opt, params, args.max_norm, None)[1])
+
+        saved = [w.detach().clone() for ws in stacks for w in ws]
+        step()
+        bitwise = True
+        for layer in moe_layers(model):
+            got = layer.experts._cached_fp8(fmt, cache)
+            want = quantize_expert_weights(layer.experts.w1, layer.experts.w3, layer.experts.w2, fmt)
+            bitwise &= got is not None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        with torch.no_grad():  # the weights as they were, so every variant times steps from the same place
+            for w, s in zip((w for ws in stacks for w in ws), saved, strict=True):
+                w.copy_(s)
+        checks[spec] = bitwise
+        rows.append((f"clip folded into Triton AdamW, writing the experts' FP8 copies ({spec})", step, None))
+    return rows, checks
 
 
 def _check_triton_adamw(model, max_norm: float) -> dict:

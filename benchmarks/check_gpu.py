@@ -12,7 +12,9 @@ output element a kernel forgets to write shows up as NaN and fails. The fused pa
 bitwise identical with each engine (no atomics). The torch backend's own bf16 error is printed beside ours for scale.
 
 FP8 (``--fp8``; moe.fp8 = "experts", xmoe/kernels/fp8_*.py): the quantisers on the GPU against the float64
-reference of tests/fp8_reference.py (bitwise: correctly rounded scales, round-to-nearest-even conversion), then
+reference of tests/fp8_reference.py (bitwise: correctly rounded scales, round-to-nearest-even conversion), and
+the FP8 copies AdamW writes in its pass (xmoe/kernels/adamw.py) against its plain pass and quantize_blocks (bitwise);
+then
 the FP8 fused op (and once the FP8 grouped SwiGLU) forward and backward with bf16 activations and weights
 quantised from fp32, on the cases below with row and weight-block magnitudes spread over 100x (a scale read from
 the wrong group moves results far beyond rounding): against the float64 emulation of the same FP8 arithmetic,
@@ -185,7 +187,8 @@ def _fp8_reference_module():
 
 def check_fp8_quantizers(fmt, seed=0):
     """Mismatching elements of the GPU quantisers against the float64 reference (0 expected)."""
-    from xmoe.kernels.fp8_quant import quantize_blocks, quantize_rows
+    from xmoe.kernels.adamw import adamw_update
+    from xmoe.kernels.fp8_quant import BlockCopies, quantize_blocks, quantize_rows
 
     R = _fp8_reference_module()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -196,7 +199,24 @@ def check_fp8_quantizers(fmt, seed=0):
     w = _spread(torch.randn(4, 2048 + 40, 1408, device="cuda", generator=gen, dtype=torch.float64), gen, 128, 128)
     qb, qbt, sb = quantize_blocks(w.float(), fmt)
     qb_ref, sb_ref = R.quantize_blocks(w.float(), fmt)
+    # AdamW writing the copies in its pass (the second of a side-by-side pair, as w3's): the same as the plain
+    # step followed by quantize_blocks of its result, update and copies alike
+    p = w.float()
+    g, m, v = (torch.randn(p.shape, device="cuda", generator=gen) * 1e-3 for _ in range(3))
+    v = v.abs()
+    hyper = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, divisor=torch.tensor(1.3).cuda())
+    plain = [t.clone() for t in (p, m, v)]
+    adamw_update(plain[0], g, plain[1], plain[2], **hyper)
+    pair = BlockCopies.empty(p.shape, 2, fmt, p.device)
+    adamw_update(p, g, m, v, copy=pair.member(1), **hyper)
+    aq, aqt, asc = quantize_blocks(plain[0], fmt)
+    got = pair.member(1)
+    adamw_copies = sum(int((a != b).sum()) for a, b in zip((p, m, v), plain, strict=True))
+    adamw_copies += int((got.q.view(torch.uint8) != aq.view(torch.uint8)).sum())
+    adamw_copies += int((got.qt.view(torch.uint8) != aqt.view(torch.uint8)).sum())
+    adamw_copies += int((got.scale != asc).sum())
     return {
+        "adamw_copies": adamw_copies,
         "rows_values": int((q.double() != q_ref).sum()),
         "rows_scales": int((s.double() != s_ref).sum()),
         "block_values": int((qb.double() != qb_ref).sum()),

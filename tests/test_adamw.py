@@ -1,10 +1,12 @@
 """xmoe's Triton AdamW (xmoe/kernels/adamw.py, xmoe/train/optim.py: TritonAdamW), in Triton's interpreter: each step
 against a float64 AdamW written out here, its state against torch's AdamW (checkpoints load either way), the
-clip's divisor folded into its pass, and the next step's expert copies it writes (xmoe/moe/casts.py: CastCache).
+clip's divisor folded into its pass, and the next step's expert copies it writes (xmoe/moe/casts.py: CastCache),
+bf16 or FP8.
 
 The interpreter computes bf16 wrongly (numpy has none): fp16 stands in for the copies' dtype; the kernel casts
-to whatever dtype the copy has, and benchmarks/check_gpu.py checks the bf16 copies and the step against torch's
-fused AdamW on a GPU."""
+to whatever dtype the copy has, and benchmarks/bench_optimizer.py checks the bf16 copies and the step against
+torch's fused AdamW on a GPU. FP8 experts' FP8 copies, written in the same pass, are checked here against the plain
+pass followed by fp8_quant.quantize_blocks (bitwise), and on a GPU by benchmarks/check_gpu.py --fp8."""
 
 from __future__ import annotations
 
@@ -224,7 +226,7 @@ def test_the_optimizer_setting_chooses_or_refuses(monkeypatch):
     mine = build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")  # interpreter
     assert isinstance(mine, TritonAdamW) and describe_optimizer(mine) == "optimizer xmoe Triton AdamW"
     cached = TritonAdamW(param_groups(model, 0.1), lr=1e-3, casts=expert_casts(model, torch.float16))
-    assert "next bf16 copies" in describe_optimizer(cached)
+    assert "next fp16 copies" in describe_optimizer(cached)
     assert describe_optimizer(torch.optim.AdamW(model.parameters(), fused=True)) == "optimizer torch AdamW (fused)"
     sharded = torch.nn.Parameter(torch.zeros(4))
     sharded.to_local = lambda: sharded  # what marks a DTensor here
@@ -239,3 +241,116 @@ def test_the_optimizer_setting_chooses_or_refuses(monkeypatch):
         build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")
     with pytest.raises(ValueError, match="must be 'auto', 'torch' or 'triton'"):
         build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, choice="sgd")
+
+
+@pytest.mark.parametrize("shape", [(2, 136, 200), (1, 128, 128), (3, 40, 260)])  # uneven, whole, narrow blocks
+@pytest.mark.parametrize("divide", [False, True])
+def test_fp8_copies_written_with_the_update_are_the_two_passes_bitwise(shape, divide):
+    # the FP8 variant's update and copies against the plain pass followed by quantize_blocks of its result, for
+    # the second member of a side-by-side pair (w3's place), over three steps of moments
+    from xmoe.kernels import fp8_quant
+
+    gen = torch.Generator().manual_seed(sum(shape) + divide)
+    p = torch.randn(shape, generator=gen) * 0.02
+    m, v = torch.zeros(shape), torch.zeros(shape)
+    ref = [p.clone(), m.clone(), v.clone()]
+    hyper = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    for step in range(1, 4):
+        g = torch.randn(shape, generator=gen) * 10.0 ** (step - 3)
+        g[0, :3] = 0.0  # rows of zero gradient beside others
+        divisor = torch.tensor(1.7) if divide else None
+        pair = fp8_quant.BlockCopies.empty(p.shape, 2, "e4m3fn", p.device)
+        adamw_update(p, g, m, v, step=step, divisor=divisor, copy=pair.member(1), **hyper)
+        adamw_update(*ref[:1], g, *ref[1:], step=step, divisor=divisor, **hyper)
+        assert all(torch.equal(a, b) for a, b in zip((p, m, v), ref, strict=True))
+        q, qt, scale = fp8_quant.quantize_blocks(ref[0], "e4m3fn")
+        got = pair.member(1)
+        assert torch.equal(got.q, q) and torch.equal(got.qt, qt) and torch.equal(got.scale, scale)
+    # and the copy dequantises to the weight within e4m3's rounding (relative to the block's largest value)
+    deq = got.q * scale.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, : shape[1], : shape[2]]
+    assert 0 < rel(deq, p) < 0.05
+
+
+def test_fp8_copy_layouts_are_checked():
+    from xmoe.kernels import fp8_quant
+
+    p, g, m, v = (torch.zeros(2, 130, 260) for _ in range(4))
+    hyper = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    good = fp8_quant.BlockCopies.empty(p.shape, 1, "e4m3fn", p.device).member(0)
+    with pytest.raises(ValueError, match=r"FP8 copy qt is \(2, 130, 260\).*needs \(2, 260, 130\)"):
+        adamw_update(p, g, m, v, copy=good._replace(qt=good.q), **hyper)
+    with pytest.raises(ValueError, match=r"FP8 copy scale .*torch.float16"):
+        adamw_update(p, g, m, v, copy=good._replace(scale=good.scale.half()), **hyper)
+    with pytest.raises(ValueError, match="must be one of"):
+        adamw_update(p, g, m, v, copy=good._replace(fmt="e5m2"), **hyper)
+    with pytest.raises(ValueError, match=r"\(E, R, C\) weight"):
+        flat = torch.zeros(8)
+        adamw_update(flat, flat, flat.clone(), flat.clone(), copy=good, **hyper)
+
+
+def _fp8_layer(seed):
+    from xmoe.moe.layer import MoEConfig, MoELayer
+
+    torch.manual_seed(seed)
+    cfg = MoEConfig(hidden_size=64, ffn_hidden_size=48, num_experts=3, top_k=2, kernel_backend="triton", fp8="experts")
+    return MoELayer(cfg)
+
+
+def _fp8_train(layer, optimizer, cache, xs):
+    """Steps of two micro-batches each, as the trainer takes them (MoEStep with the cache, then the optimizer)."""
+    for x in xs:
+        with MoEStep(layer, 2, torch.device("cpu"), cast_dtype=torch.float32, detach_casts=True, cache=cache):
+            for half in x.chunk(2):
+                layer(half).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_fp8_experts_take_the_copies_the_optimizer_wrote(monkeypatch):
+    from xmoe.kernels import fp8_quant
+    from xmoe.train.optim import describe_optimizer
+
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(40 + i)) for i in range(2)]
+    calls = []
+    real = fp8_quant.quantize_expert_weights
+    monkeypatch.setattr(fp8_quant, "quantize_expert_weights", lambda *a: calls.append(1) or real(*a))
+    # the same steps with copies written by the optimizer and quantised at each step's start: bitwise one run
+    runs = {}
+    for cached in (False, True):
+        layer = _fp8_layer(9)
+        cache = expert_casts(layer, torch.bfloat16) if cached else None
+        optimizer = TritonAdamW(param_groups(layer, 0.1), lr=1e-2, casts=cache)
+        calls.clear()
+        _fp8_train(layer, optimizer, cache, xs)
+        assert len(calls) == (1 if cached else 2)  # with the cache only the first step quantises
+        runs[cached] = (layer, cache, optimizer)
+    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters(), strict=True):
+        assert torch.equal(a, b)
+    layer, cache, optimizer = runs[True]
+    assert describe_optimizer(optimizer).endswith("(writes the experts' next FP8 copies)")
+    assert not cache.has_casts() and cache.has_fp8() and cache.num_waiting() == 3
+    experts = layer.experts
+
+    def step_copies():
+        with MoEStep(layer, 1, torch.device("cpu"), cast_dtype=torch.float32, detach_casts=True, cache=cache):
+            return layer.moe_step.casts[3]
+
+    calls.clear()
+    taken = step_copies()  # the copies written by the last step: the weights' block quantisation
+    assert not calls and cache.num_waiting() == 0
+    for got, want in zip(taken, real(experts.w1, experts.w3, experts.w2, "e4m3fn"), strict=True):
+        assert torch.equal(got, want)
+    step_copies()  # handed out once: the next step quantises
+    assert len(calls) == 1
+    _fp8_train(layer, optimizer, cache, xs[:1])
+    with torch.no_grad():
+        experts.w2.mul_(2.0)  # changed after the step: the copies no longer hold it, so all are quantised again
+    calls.clear()
+    fresh = step_copies()
+    assert len(calls) == 1 and torch.equal(fresh.scale2, real(experts.w1, experts.w3, experts.w2, "e4m3fn").scale2)
+    # a weight the optimizer skipped (no gradient) leaves its group incomplete: quantised at the step's start
+    experts.w3.requires_grad_(False)
+    _fp8_train(layer, optimizer, cache, xs[:1])
+    calls.clear()
+    step_copies()
+    assert len(calls) == 1

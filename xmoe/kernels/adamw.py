@@ -13,6 +13,12 @@ Per element, in fp32 (torch.optim.AdamW's update, decoupled weight decay):
 with IEEE-rounded square root and division. 28 bytes per parameter move (read p, g, m, v; write p, m, v), 30
 with the copy. The gradient is not written back: torch's fused AdamW, given a ``grad_scale``, also stores the
 unscaled gradient (4 bytes more per parameter), which nothing after the step reads here.
+
+The routed experts' FP8 copies (moe.fp8 = "experts") come from the same pass (``copy`` a fp8_quant.BlockCopy):
+``_adamw_quant_blocks_kernel`` steps an (E, R, C) weight one 128 x 128 block per program, then quantises the
+block it just wrote (read back from L2, not HBM) into both layouts with its block scale, as
+fp8_quant._quant_blocks_kernel would from the updated weight: 30 bytes per weight instead of 28 here and 6 more
+(4 read, 2 written) in a quantising pass of its own. The copies and the update are bitwise those of the two passes.
 """
 
 from __future__ import annotations
@@ -24,8 +30,20 @@ import triton
 import triton.language as tl
 
 from xmoe.kernels._common import cdiv, check_device, interpreting
+from xmoe.kernels.fp8_quant import GROUP, BlockCopy, _group_scale, _store_fp8, check_block_copy, format_constexprs
 
 BLOCK = 2048  # elements per program
+QUANT_CHUNK, QUANT_WARPS = 32, 16  # rows of a block per pass and warps per program of the FP8 variant
+
+
+@triton.jit
+def _adamw_math(p, g, m, v, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps):
+    """(p, m, v) after one AdamW step with gradient g (already divided), all fp32: both kernels' arithmetic."""
+    p = p - lr_wd * p
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    return p - tl.div_rn(step_size * m, denom), m, v
 
 
 @triton.jit
@@ -55,16 +73,80 @@ def _adamw_kernel(
     v = tl.load(v_ptr + offs, mask=mask)
     if HAS_DIV:
         g = tl.div_rn(g, tl.load(div_ptr))
-    p = p - lr_wd * p
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p - tl.div_rn(step_size * m, denom)
+    p, m, v = _adamw_math(p, g, m, v, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps)
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     if HAS_COPY:
         tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_quant_blocks_kernel(
+    p_ptr,  # (E, R, C) fp32 contiguous: the parameter, updated in place
+    g_ptr,  # (E, R, C) its gradient, fp32 (or narrower), contiguous
+    m_ptr,
+    v_ptr,  # (E, R, C) fp32 contiguous: exp_avg, exp_avg_sq
+    div_ptr,  # () fp32 (read when HAS_DIV)
+    q_ptr,  # (E, R, C) FP8, strides (stride_qe, stride_qr, unit): the updated weight quantised
+    qt_ptr,  # (E, C, R) FP8 contiguous: the same values transposed
+    s_ptr,  # (E, cdiv(R, GROUP), cdiv(C, GROUP)) fp32, strides (stride_se, stride_sr, unit): the block scales
+    R,
+    C,
+    stride_qe,
+    stride_qr,
+    stride_se,
+    stride_sr,
+    lr_wd,
+    beta1,
+    beta2,
+    step_size,
+    bc2_sqrt,
+    eps,
+    HAS_DIV: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    # One G x G block per program, CHUNK rows at a time in loops that are not unrolled (as _quant_blocks_kernel).
+    # Pass 1 steps the block and takes its amax from the updated values; after a barrier (the block's stores
+    # visible to every thread of the program) passes 2 and 3 read it back, straight and transposed, and quantise
+    # it exactly as _quant_blocks_kernel's passes 2 and 3 do.
+    pid_c, pid_r, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_c = pid_c * GROUP + tl.arange(0, GROUP)
+    in_c = offs_c < C
+    base = e.to(tl.int64) * R * C
+    amax = tl.zeros((CHUNK,), dtype=tl.float32)
+    for r0 in range(0, GROUP, CHUNK):
+        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
+        mask = (offs_r < R)[:, None] & in_c[None, :]
+        offs = base + offs_r[:, None] * C + offs_c[None, :]
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if HAS_DIV:
+            g = tl.div_rn(g, tl.load(div_ptr))
+        p, m, v = _adamw_math(p, g, m, v, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(p), 0.0), axis=1))
+    scale, inv = _group_scale(tl.max(amax, axis=0), FP8_MAX)
+    tl.debug_barrier()
+    for r0 in range(0, GROUP, CHUNK):
+        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
+        mask = (offs_r < R)[:, None] & in_c[None, :]
+        w = tl.load(p_ptr + base + offs_r[:, None] * C + offs_c[None, :], mask=mask, other=0.0)
+        q_offs = e.to(tl.int64) * stride_qe + offs_r[:, None] * stride_qr + offs_c[None, :]
+        _store_fp8(q_ptr + q_offs, w * inv, mask, MIN_EXP)
+    for r0 in range(0, GROUP, CHUNK):
+        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
+        mask_t = in_c[:, None] & (offs_r < R)[None, :]
+        wt = tl.load(p_ptr + base + offs_c[:, None] + offs_r[None, :] * C, mask=mask_t, other=0.0)
+        _store_fp8(qt_ptr + base + offs_c[:, None] * R + offs_r[None, :], wt * inv, mask_t, MIN_EXP)
+    tl.store(s_ptr + e.to(tl.int64) * stride_se + pid_r * stride_sr + pid_c, scale)
 
 
 def adamw_update(
@@ -80,11 +162,13 @@ def adamw_update(
     eps: float,
     weight_decay: float,
     divisor: torch.Tensor | None = None,
-    copy: torch.Tensor | None = None,
+    copy: torch.Tensor | BlockCopy | None = None,
 ) -> None:
     """One AdamW step of ``param`` (fp32, contiguous) and its moments, in place; ``step``: the step's count t (from
     1). ``divisor``: a one-element fp32 device tensor every gradient is divided by (the clip's). ``copy``: a
-    tensor of param's shape, written with the updated parameter in its dtype."""
+    tensor of param's shape, written with the updated parameter in its dtype; or, for an (E, R, C) parameter, a
+    fp8_quant.BlockCopy written with it quantised in 128 x 128 blocks (fp8_quant.quantize_blocks' values, both
+    layouts, and scales)."""
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     for name, t in tensors.items():
         if t.shape != param.shape:
@@ -95,13 +179,44 @@ def adamw_update(
             raise ValueError(f"{name} has dtype {t.dtype}; the Triton AdamW step keeps fp32 parameters and moments")
     if step < 1:
         raise ValueError(f"step ({step}) counts from 1")
-    if copy is not None and (copy.shape != param.shape or not copy.is_contiguous()):
+    if isinstance(copy, BlockCopy):
+        form, written = check_block_copy(param, copy), [copy.q, copy.qt, copy.scale]
+    elif copy is not None and (copy.shape != param.shape or not copy.is_contiguous()):
         raise ValueError(f"copy must be contiguous of the parameter's shape {tuple(param.shape)}")
+    else:
+        written = [] if copy is None else [copy]
     if divisor is not None and (divisor.numel() != 1 or divisor.dtype != torch.float32):
         raise ValueError(f"divisor must be one fp32 value, got {divisor.numel()} of {divisor.dtype}")
-    check_device(*tensors.values(), *(t for t in (divisor, copy) if t is not None))
+    check_device(*tensors.values(), *written, *([] if divisor is None else [divisor]))
     n = param.numel()
     if n == 0:
+        return
+    scalars = (lr * weight_decay, beta1, beta2, lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step), eps)
+    div = param if divisor is None else divisor  # a pointer either way; read only when HAS_DIV
+    if isinstance(copy, BlockCopy):
+        experts, rows, cols = param.shape
+        _adamw_quant_blocks_kernel[(cdiv(cols, GROUP), cdiv(rows, GROUP), experts)](
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            div,
+            copy.q,
+            copy.qt,
+            copy.scale,
+            rows,
+            cols,
+            copy.q.stride(0),
+            copy.q.stride(1),
+            copy.scale.stride(0),
+            copy.scale.stride(1),
+            *scalars,
+            HAS_DIV=divisor is not None,
+            **format_constexprs(form),
+            GROUP=GROUP,
+            CHUNK=QUANT_CHUNK,
+            num_warps=QUANT_WARPS,
+        )
         return
     block = 64 if interpreting() else BLOCK
     _adamw_kernel[(cdiv(n, block),)](
@@ -109,15 +224,10 @@ def adamw_update(
         grad,
         exp_avg,
         exp_avg_sq,
-        param if divisor is None else divisor,  # a pointer either way; read only when HAS_DIV
+        div,
         param if copy is None else copy,
         n,
-        lr * weight_decay,
-        beta1,
-        beta2,
-        lr / (1.0 - beta1**step),
-        math.sqrt(1.0 - beta2**step),
-        eps,
+        *scalars,
         HAS_DIV=divisor is not None,
         HAS_COPY=copy is not None,
         BLOCK=block,

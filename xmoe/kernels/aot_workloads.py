@@ -222,7 +222,7 @@ def _router(shape: Shape, device: Device) -> None:
 
 def fp8_layer(shape: Shape, device: Device) -> tuple[SimpleNamespace, Fp8ExpertWeights, str]:
     """(layer_tensors in bf16, the FP8 copies of its weights, the device's format name): the copies quantised
-    from fp32 weights, as reuse_weight_casts makes them from the parameters once per step (outside it, one process
+    from fp32 weights, as make_casts makes them from the parameters once per step (outside it, one process
     quantises them once per forward); the bf16 w1, w3, w2 receive the weight gradients, as make_casts' stand-ins
     do."""
     from xmoe.kernels.fp8_quant import FORMATS, quantize_expert_weights
@@ -277,6 +277,22 @@ def _fp8_weights(shape: Shape, device: Device) -> None:
 
     t, _, fmt = fp8_layer(shape, device)
     quantize_expert_weights(t.w1.detach(), t.w3.detach(), t.w2.detach(), fmt)
+
+
+@workload("fp8_adamw", shapes=(Shape.preset("small", 8192),), fp8=True)
+def _fp8_adamw(shape: Shape, device: Device) -> None:
+    """adamw_update writing an expert weight stack's FP8 copies (a member of a side-by-side pair, as w1's and w3's
+    are written), with and without the clip's divisor"""
+    from xmoe.kernels.adamw import adamw_update
+    from xmoe.kernels.fp8_quant import FORMATS, BlockCopies
+
+    (fmt,) = (f.name for f in FORMATS.values() if f.dtype == device.fp8)
+    p, g, m, v = (torch.empty(shape.experts, shape.hidden, shape.ffn, device=META) for _ in range(4))
+    copy = BlockCopies.empty(p.shape, 2, fmt, META).member(1)
+    for divisor in (None, torch.empty((), device=META)):
+        adamw_update(
+            p, g, m, v, step=1, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, divisor=divisor, copy=copy
+        )
 
 
 @workload("candidates", shapes=(Shape.preset("medium", 8192),), shipped=False)

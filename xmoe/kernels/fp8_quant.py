@@ -287,28 +287,78 @@ def _weight(name: str, w_ERC: torch.Tensor) -> torch.Tensor:
     return w_ERC if w_ERC.stride(-1) == 1 else w_ERC.contiguous()
 
 
+class BlockCopy(NamedTuple):
+    """Where one (E, R, C) weight's FP8 copy is written: q (E, R, C) its values (unit column stride: a column slice
+    of a side-by-side buffer, or all of it), qt (E, C, R) contiguous, the values transposed, scale (E, cdiv(R, G),
+    cdiv(C, G)) fp32 its block scales (a column slice, or all), fmt the format's name."""
+
+    q: torch.Tensor
+    qt: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+
+
+class BlockCopies(NamedTuple):
+    """The FP8 copies of ``len(qts)`` weights of one (E, R, C) shape: values side by side in q (E, R, n C), each
+    weight's transposed values in its own (E, C, R), scales side by side in scale (E, cdiv(R, G), n cdiv(C, G))."""
+
+    q: torch.Tensor
+    qts: list[torch.Tensor]
+    scale: torch.Tensor
+    fmt: str
+
+    @classmethod
+    def empty(cls, shape: torch.Size, count: int, fmt: str, device: torch.device) -> BlockCopies:
+        (experts, rows, cols), storage = shape, _format(fmt).storage()
+        return cls(
+            torch.empty(experts, rows, count * cols, dtype=storage, device=device),
+            [torch.empty(experts, cols, rows, dtype=storage, device=device) for _ in range(count)],
+            torch.empty(experts, cdiv(rows, GROUP), count * cdiv(cols, GROUP), dtype=torch.float32, device=device),
+            fmt,
+        )
+
+    def member(self, i: int) -> BlockCopy:
+        """Weight i's part, as views."""
+        cols, groups = self.q.shape[-1] // len(self.qts), self.scale.shape[-1] // len(self.qts)
+        q, scale = self.q[..., i * cols : (i + 1) * cols], self.scale[..., i * groups : (i + 1) * groups]
+        return BlockCopy(q, self.qts[i], scale, self.fmt)
+
+
+def check_block_copy(w_ERC: torch.Tensor, copy: BlockCopy) -> Fp8Format:
+    """ValueError unless ``copy`` is laid out to hold w_ERC's FP8 copy; its format."""
+    form = _format(copy.fmt)
+    if w_ERC.dim() != 3:
+        raise ValueError(f"an FP8 block copy is of an (E, R, C) weight, not one of shape {tuple(w_ERC.shape)}")
+    experts, rows, cols = w_ERC.shape
+    want = {
+        "q": ((experts, rows, cols), form.storage()),
+        "qt": ((experts, cols, rows), form.storage()),
+        "scale": ((experts, cdiv(rows, GROUP), cdiv(cols, GROUP)), torch.float32),
+    }
+    for name, (shape, dtype) in want.items():
+        t = getattr(copy, name)
+        if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1 or (name == "qt" and not t.is_contiguous()):
+            raise ValueError(
+                f"FP8 copy {name} is {tuple(t.shape)} {t.dtype} with strides {t.stride()}; the weight "
+                f"{tuple(w_ERC.shape)} needs {shape} {dtype} with unit column stride{' (contiguous)' * (name == 'qt')}"
+            )
+    return form
+
+
 @kernel_op("fp8_quantize_blocks")
 def quantize_blocks(w_ERC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_ERC, q_ECR, scale): w_ERC in GROUP x GROUP blocks of format ``fmt``, and the same values transposed;
     w[e, r, c] ~ q[e, r, c] * scale[e, r // GROUP, c // GROUP]."""
     w_ERC, form = _weight("w_ERC", w_ERC), _format(fmt)
-    experts, rows, cols = w_ERC.shape
-    q = torch.empty(experts, rows, cols, dtype=form.storage(), device=w_ERC.device)
-    qt = torch.empty(experts, cols, rows, dtype=form.storage(), device=w_ERC.device)
-    scale = torch.empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32, device=w_ERC.device)
-    _quantize_blocks_into(w_ERC, q, qt, scale, form)
-    return q, qt, scale
+    out = BlockCopies.empty(w_ERC.shape, 1, fmt, w_ERC.device)
+    _quantize_blocks_into(w_ERC, *out.member(0)[:3], form)
+    return out.q, out.qts[0], out.scale
 
 
 @quantize_blocks.register_fake
 def _(w_ERC, fmt):
-    experts, rows, cols = w_ERC.shape
-    storage = _format(fmt).storage()
-    return (
-        w_ERC.new_empty(experts, rows, cols, dtype=storage),
-        w_ERC.new_empty(experts, cols, rows, dtype=storage),
-        w_ERC.new_empty(experts, cdiv(rows, GROUP), cdiv(cols, GROUP), dtype=torch.float32),
-    )
+    out = BlockCopies.empty(w_ERC.shape, 1, fmt, w_ERC.device)
+    return out.q, out.qts[0], out.scale
 
 
 @kernel_op("fp8_quantize_block_pair")
@@ -322,26 +372,16 @@ def quantize_block_pair(
     w1_ERC, w3_ERC, form = _weight("w1_ERC", w1_ERC), _weight("w3_ERC", w3_ERC), _format(fmt)
     if w1_ERC.shape != w3_ERC.shape:
         raise ValueError(f"w1_ERC {tuple(w1_ERC.shape)} and w3_ERC {tuple(w3_ERC.shape)} must have one shape")
-    experts, rows, cols = w1_ERC.shape
-    q13 = torch.empty(experts, rows, 2 * cols, dtype=form.storage(), device=w1_ERC.device)
-    qts = [torch.empty(experts, cols, rows, dtype=form.storage(), device=w1_ERC.device) for _ in range(2)]
-    s13 = torch.empty(experts, cdiv(rows, GROUP), 2 * cdiv(cols, GROUP), dtype=torch.float32, device=w1_ERC.device)
-    for w, q, qt, s in zip((w1_ERC, w3_ERC), halves(q13), qts, halves(s13), strict=True):
-        _quantize_blocks_into(w, q, qt, s, form)
-    return q13, qts[0], qts[1], s13
+    out = BlockCopies.empty(w1_ERC.shape, 2, fmt, w1_ERC.device)
+    for i, w in enumerate((w1_ERC, w3_ERC)):
+        _quantize_blocks_into(w, *out.member(i)[:3], form)
+    return out.q, out.qts[0], out.qts[1], out.scale
 
 
 @quantize_block_pair.register_fake
 def _(w1_ERC, w3_ERC, fmt):
-    experts, rows, cols = w1_ERC.shape
-    storage = _format(fmt).storage()
-    qt = w1_ERC.new_empty(experts, cols, rows, dtype=storage)
-    return (
-        w1_ERC.new_empty(experts, rows, 2 * cols, dtype=storage),
-        qt,
-        torch.empty_like(qt),
-        w1_ERC.new_empty(experts, cdiv(rows, GROUP), 2 * cdiv(cols, GROUP), dtype=torch.float32),
-    )
+    out = BlockCopies.empty(w1_ERC.shape, 2, fmt, w1_ERC.device)
+    return out.q, out.qts[0], out.qts[1], out.scale
 
 
 def halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,7 +427,8 @@ def quantize_expert_weights(
     w1_EHF: torch.Tensor, w3_EHF: torch.Tensor, w2_EFH: torch.Tensor, fmt: str
 ) -> Fp8ExpertWeights:
     """The FP8 copies the experts' GEMMs read (one pass over each weight): once per optimizer step, by
-    ``reuse_weight_casts`` (xmoe/moe/experts.py), or once per forward where the weights are not cached there."""
+    ``RoutedExperts.make_casts`` (xmoe/moe/experts.py) where the optimizer step did not write them with its update
+    (xmoe/kernels/adamw.py), or once per forward outside an optimizer step."""
     q13, q1t, q3t, s13 = quantize_block_pair(w1_EHF, w3_EHF, fmt)
     q2, q2t, s2 = quantize_blocks(w2_EFH, fmt)
     return Fp8ExpertWeights(w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w13_EHF=q13, w2_EFH=q2, scale13=s13, scale2=s2)

@@ -75,6 +75,26 @@ class RoutedExperts(nn.Module):
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         return w1, w3, w2, quantize_expert_weights(w1.detach(), w3.detach(), w2.detach(), fmt)
 
+    def _cached_fp8(self, fmt: str, cache: CastCache | None):
+        """The Fp8ExpertWeights the last optimizer step wrote with its update (moe/casts.py: CastCache), or None
+        where it wrote none or they no longer hold the weights."""
+        if cache is None or cache.fp8_format != fmt:
+            return None
+        up, down = cache.take_fp8((self.w1, self.w3)), cache.take_fp8((self.w2,))
+        if up is None or down is None:
+            return None
+        from xmoe.kernels.fp8_quant import Fp8ExpertWeights
+
+        return Fp8ExpertWeights(
+            w1_EFH=up.qts[0],
+            w3_EFH=up.qts[1],
+            w2_EHF=down.qts[0],
+            w13_EHF=up.q,
+            w2_EFH=down.q,
+            scale13=up.scale,
+            scale2=down.scale,
+        )
+
     def make_casts(self, dtype: torch.dtype, detach: bool, cache: CastCache | None = None) -> tuple:
         """The weight copies one optimizer step's micro-batches share (MoEStep calls this when the step opens).
 
@@ -82,15 +102,17 @@ class RoutedExperts(nn.Module):
         gradient is added straight into the fp32 .grad. FP8: the FP8 copies (one quantising pass per weight,
         fp8_quant.quantize_expert_weights), and as gradient receivers the parameters themselves, or with
         ``detach`` zero-stride stand-ins of dtype ``dtype`` (no memory: the FP8 GEMMs never read them) whose
-        gradient is added into the fp32 .grad the same way. ``cache``: the detached bf16 copies the last optimizer
-        step wrote (moe/casts.py: CastCache), used where they still hold the weights."""
+        gradient is added into the fp32 .grad the same way. ``cache``: the copies the last optimizer step wrote
+        (moe/casts.py: CastCache; the detached bf16 copies, or the FP8 ones), used where they still hold the
+        weights."""
         params = (self.w1, self.w3, self.w2)
         ops = get_ops(self.kernel_backend, self.w1.device)  # whose accumulate_grad adds the copies' gradients
         if self.fp8:
             from xmoe.kernels.fp8_quant import fp8_format
 
             receivers = tuple(_leaf_into(w, _stand_in(w, dtype), ops) for w in params) if detach else params
-            return (*receivers, self.fp8_weights(fp8_format(self.w1.device).name)[3])
+            fmt = fp8_format(self.w1.device).name
+            return (*receivers, self._cached_fp8(fmt, cache) or self.fp8_weights(fmt)[3])
         if detach and dtype != self.w1.dtype:
             return tuple(_leaf_into(w, _cast(w, dtype, cache), ops) for w in params)
         return tuple(w.to(dtype) for w in params)

@@ -155,22 +155,29 @@ class MoEStep:
 
 
 def step_casts(model: nn.Module, autocast: bool, world: int) -> CastCache | None:
-    """The routed experts' bf16 copies an optimizer step writes for the next one, for a run that computes in bf16
-    on one process (where MoEStep(detach_casts=True) takes them); None otherwise (every forward casts). The trainer
-    and ``xmoe plan memory --measure`` both ask here."""
+    """The routed experts' copies an optimizer step writes for the next one (bf16 casts, or FP8 experts' FP8
+    copies), for a run that computes in bf16 on one process (where MoEStep(detach_casts=True) takes them); None
+    otherwise (every forward casts). The trainer and ``xmoe plan memory --measure`` both ask here."""
     return expert_casts(model, torch.bfloat16) if autocast and world == 1 else None
 
 
 def expert_casts(model: nn.Module, dtype: torch.dtype) -> CastCache:
-    """A CastCache for ``model``'s routed experts whose copies are casts to ``dtype``: weights of another dtype,
-    plain tensors (DTensors are cast per forward), not FP8 experts (their copies are quantised in blocks)."""
-    return CastCache(
-        (
-            w
-            for layer in moe_layers(model)
-            if not layer.experts.fp8
-            for w in (layer.experts.w1, layer.experts.w3, layer.experts.w2)
-            if not hasattr(w, "to_local") and w.dtype != dtype
-        ),
-        dtype,
-    )
+    """A CastCache for ``model``'s routed experts: casts to ``dtype`` of weights of another dtype, and the FP8
+    copies of FP8 experts' fp32 weights (in the format of their device); plain tensors only (DTensors are cast
+    per forward)."""
+    casts: list[torch.Tensor] = []
+    fp8: list[tuple[torch.Tensor, ...]] = []
+    for layer in moe_layers(model):
+        weights = (layer.experts.w1, layer.experts.w3, layer.experts.w2)
+        if any(hasattr(w, "to_local") for w in weights):
+            continue
+        if not layer.experts.fp8:
+            casts += [w for w in weights if w.dtype != dtype]
+        elif all(w.dtype == torch.float32 and w.is_contiguous() for w in weights):
+            fp8 += [weights[:2], weights[2:]]  # (w1, w3) side by side, as quantize_block_pair lays them out; (w2,)
+    fmt = None
+    if fp8:
+        from xmoe.kernels.fp8_quant import fp8_format
+
+        fmt = fp8_format(fp8[0][0].device).name
+    return CastCache(casts, dtype, fp8_groups=fp8, fp8_format=fmt)

@@ -44,9 +44,9 @@ class TritonAdamW(torch.optim.AdamW):
     ``grad_scale`` tensor a caller sets (the clip's divisor, xmoe/train/step.py), as torch's fused AdamW does, but
     without writing the divided gradient back: 28 bytes per parameter where torch's fused kernel moves 32. With
     ``casts`` (xmoe/moe/casts.py: CastCache) it also writes the routed experts' copies for the next step in the
-    same pass. Plain fp32 tensors on a GPU (or on CPU under Triton's interpreter); no amsgrad, maximize or
-    found_inf. The step count lives on the host (a CPU tensor, as in torch's default AdamW), so a step reads
-    nothing from the device."""
+    same pass (bf16 casts, or FP8 experts' FP8 copies in both layouts). Plain fp32 tensors on a GPU (or on CPU
+    under Triton's interpreter); no amsgrad, maximize or found_inf. The step count lives on the host (a CPU
+    tensor, as in torch's default AdamW), so a step reads nothing from the device."""
 
     def __init__(
         self,
@@ -169,8 +169,10 @@ def build_optimizer(
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     """What a run's header says of its optimizer."""
     if isinstance(optimizer, TritonAdamW):
-        return "optimizer xmoe Triton AdamW" + (
-            " (writes the experts' next bf16 copies)" if optimizer.casts is not None else ""
-        )
+        cache = optimizer.casts
+        cast = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cache.dtype, str(cache.dtype)) if cache else ""
+        kinds = [] if cache is None else [k for k, has in ((cast, cache.has_casts()), ("FP8", cache.has_fp8())) if has]
+        writes = f" (writes the experts' next {' and '.join(kinds)} copies)" if kinds else ""
+        return "optimizer xmoe Triton AdamW" + writes
     fused = all(group.get("fused") for group in optimizer.param_groups)
     return f"optimizer torch {type(optimizer).__name__}{' (fused)' if fused else ''}"
