@@ -6,7 +6,7 @@ FP8 copies (both layouts, 128 x 128 block scales) in its pass, at each ``--fp8-t
 (rows of a block per pass x warps), against the quantising pass the experts otherwise make once per step.
 
     python benchmarks/bench_optimizer.py --layers 4 --out results/
-    python benchmarks/bench_optimizer.py --layers 4 --fp8 --fp8-tiles 32x16,16x8,32x8 --out results/
+    python benchmarks/bench_optimizer.py --layers 4 --fp8 --fp8-tiles 16x8,32x16,32x8,16x4 --out results/
 
 The model is the trainer's (`--preset`, `--layers`) in fp32 on the GPU, every parameter given a random gradient;
 each variant is timed over repeated steps of the same optimizer (harness.time_ms: median). Also timed alone, for
@@ -171,7 +171,7 @@ def _fp8_variants(model, params, args) -> tuple[list, dict]:
     """([(row name, call, optimizer to warm up)], {tile: copies bitwise}): the FP8 experts' quantising pass, and
     the clip folded into Triton AdamW writing their FP8 copies at each --fp8-tiles setting (each setting checked
     first: one step from copies of the weights and state, its copies against quantize_expert_weights')."""
-    from xmoe.kernels.fp8_quant import fp8_format, quantize_expert_weights
+    from xmoe.kernels.fp8_quant import fp8_format, quantize_block_pair, quantize_blocks, quantize_expert_weights
     from xmoe.moe.layer import moe_layers
 
     fmt = fp8_format(params[0].device).name
@@ -196,10 +196,14 @@ def _fp8_variants(model, params, args) -> tuple[list, dict]:
         saved = [w.detach().clone() for ws in stacks for w in ws]
         step()
         bitwise = True
-        for layer in moe_layers(model):
-            got = layer.experts._cached_fp8(fmt, cache)
-            want = quantize_expert_weights(layer.experts.w1, layer.experts.w3, layer.experts.w2, fmt)
-            bitwise &= got is not None and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        for w1, w3, w2 in stacks:
+            up, down = cache.take_fp8((w1, w3)), cache.take_fp8((w2,))
+            if up is None or down is None:
+                bitwise = False
+                continue
+            got = (up.q, *up.qts, up.scale, down.q, *down.qts, down.scale)
+            want = (*quantize_block_pair(w1, w3, fmt), *quantize_blocks(w2, fmt))
+            bitwise &= all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         with torch.no_grad():  # the weights as they were, so every variant times steps from the same place
             for w, s in zip((w for ws in stacks for w in ws), saved, strict=True):
                 w.copy_(s)

@@ -30,20 +30,46 @@ import triton
 import triton.language as tl
 
 from xmoe.kernels._common import cdiv, check_device, interpreting
-from xmoe.kernels.fp8_quant import GROUP, BlockCopy, _group_scale, _store_fp8, check_block_copy, format_constexprs
+from xmoe.kernels.fp8_quant import GROUP, BlockCopy, _store_block, check_block_copy, format_constexprs
 
 BLOCK = 2048  # elements per program
-QUANT_CHUNK, QUANT_WARPS = 32, 16  # rows of a block per pass and warps per program of the FP8 variant
+QUANT_CHUNK, QUANT_WARPS = 16, 8  # rows of a block per pass and warps per program of the FP8 variant
 
 
 @triton.jit
-def _adamw_math(p, g, m, v, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps):
-    """(p, m, v) after one AdamW step with gradient g (already divided), all fp32: both kernels' arithmetic."""
+def _adamw_step(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    div_ptr,
+    offs,
+    mask,
+    lr_wd,
+    beta1,
+    beta2,
+    step_size,
+    bc2_sqrt,
+    eps,
+    HAS_DIV: tl.constexpr,
+):
+    """One AdamW step of the elements at offs (where mask), in fp32, written back; returns the updated weights
+    (0 where masked): both kernels' arithmetic."""
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    if HAS_DIV:
+        g = tl.div_rn(g, tl.load(div_ptr))
     p = p - lr_wd * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    return p - tl.div_rn(step_size * m, denom), m, v
+    p = p - tl.div_rn(step_size * m, denom)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    return p
 
 
 @triton.jit
@@ -67,16 +93,9 @@ def _adamw_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask)
-    v = tl.load(v_ptr + offs, mask=mask)
-    if HAS_DIV:
-        g = tl.div_rn(g, tl.load(div_ptr))
-    p, m, v = _adamw_math(p, g, m, v, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps)
-    tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    p = _adamw_step(
+        p_ptr, g_ptr, m_ptr, v_ptr, div_ptr, offs, mask, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps, HAS_DIV
+    )
     if HAS_COPY:
         tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
 
@@ -116,37 +135,39 @@ def _adamw_quant_blocks_kernel(
     pid_c, pid_r, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_c = pid_c * GROUP + tl.arange(0, GROUP)
     in_c = offs_c < C
-    base = e.to(tl.int64) * R * C
+    e64 = e.to(tl.int64)
+    base = e64 * R * C
     amax = tl.zeros((CHUNK,), dtype=tl.float32)
     for r0 in range(0, GROUP, CHUNK):
         offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
         mask = (offs_r < R)[:, None] & in_c[None, :]
         offs = base + offs_r[:, None] * C + offs_c[None, :]
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        if HAS_DIV:
-            g = tl.div_rn(g, tl.load(div_ptr))
-        p, m, v = _adamw_math(p, g, m, v, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(p), 0.0), axis=1))
-    scale, inv = _group_scale(tl.max(amax, axis=0), FP8_MAX)
+        p = _adamw_step(
+            p_ptr, g_ptr, m_ptr, v_ptr, div_ptr, offs, mask, lr_wd, beta1, beta2, step_size, bc2_sqrt, eps, HAS_DIV
+        )
+        amax = tl.maximum(amax, tl.max(tl.abs(p), axis=1))  # masked elements stay 0
     tl.debug_barrier()
-    for r0 in range(0, GROUP, CHUNK):
-        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
-        mask = (offs_r < R)[:, None] & in_c[None, :]
-        w = tl.load(p_ptr + base + offs_r[:, None] * C + offs_c[None, :], mask=mask, other=0.0)
-        q_offs = e.to(tl.int64) * stride_qe + offs_r[:, None] * stride_qr + offs_c[None, :]
-        _store_fp8(q_ptr + q_offs, w * inv, mask, MIN_EXP)
-    for r0 in range(0, GROUP, CHUNK):
-        offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
-        mask_t = in_c[:, None] & (offs_r < R)[None, :]
-        wt = tl.load(p_ptr + base + offs_c[:, None] + offs_r[None, :] * C, mask=mask_t, other=0.0)
-        _store_fp8(qt_ptr + base + offs_c[:, None] * R + offs_r[None, :], wt * inv, mask_t, MIN_EXP)
-    tl.store(s_ptr + e.to(tl.int64) * stride_se + pid_r * stride_sr + pid_c, scale)
+    _store_block(
+        p_ptr + base,
+        C,
+        q_ptr,
+        stride_qe,
+        stride_qr,
+        qt_ptr,
+        s_ptr,
+        stride_se,
+        stride_sr,
+        e64,
+        pid_r,
+        pid_c,
+        R,
+        C,
+        tl.max(amax, axis=0),
+        FP8_MAX,
+        MIN_EXP,
+        GROUP,
+        CHUNK,
+    )
 
 
 def adamw_update(

@@ -16,7 +16,8 @@ exactly on the format's max and a power of two rounds it (benchmarks/fp8_scales.
                                                        G x G blocks; each weight in its layout and transposed,
                                                        so that both GEMMs read it reduction-dimension-contiguous
                                                        (w1 and w3 in one (E, H, 2F) buffer: quantize_block_pair)
-Kernels: _quant_rows_kernel, _quant_blocks_kernel; _group_scale and _store_fp8 are shared with fp8_gemm_kernels.py,
+Kernels: _quant_rows_kernel, _quant_blocks_kernel (its passes 2 and 3, _store_block, shared with adamw.py's FP8
+variant); _group_scale and _store_fp8 are shared with fp8_gemm_kernels.py,
 whose producers quantise in their epilogues.
 
 Formats (``FORMATS``): e4m3fn (NVIDIA sm_89 and newer, AMD gfx950) and e4m3fnuz (AMD gfx942, bias 8, no negative
@@ -196,7 +197,58 @@ def _quant_blocks_kernel(
         mask = (offs_r < R)[:, None] & in_c[None, :]
         v = tl.load(w_e + offs_r[:, None] * stride_wr + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-    scale, inv = _group_scale(tl.max(amax, axis=0), FP8_MAX)
+    _store_block(
+        w_e,
+        stride_wr,
+        q_ptr,
+        stride_qe,
+        stride_qr,
+        qt_ptr,
+        s_ptr,
+        stride_se,
+        stride_sr,
+        e64,
+        pid_r,
+        pid_c,
+        R,
+        C,
+        tl.max(amax, axis=0),
+        FP8_MAX,
+        MIN_EXP,
+        GROUP,
+        CHUNK,
+    )
+
+
+@triton.jit
+def _store_block(
+    w_e,
+    stride_wr,
+    q_ptr,
+    stride_qe,
+    stride_qr,
+    qt_ptr,
+    s_ptr,
+    stride_se,
+    stride_sr,
+    e64,
+    pid_r,
+    pid_c,
+    R,
+    C,
+    amax,
+    FP8_MAX: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Passes 2 and 3 of _quant_blocks_kernel's block (pid_r, pid_c) of expert e64's (R, C) weight at w_e (row
+    stride stride_wr), whose largest magnitude is amax: the values quantised into q (strides stride_qe,
+    stride_qr, unit) and, loaded in transposed order, into qt ((E, C, R), contiguous), CHUNK rows at a time; the
+    scale into s (strides stride_se, stride_sr, unit)."""
+    scale, inv = _group_scale(amax, FP8_MAX)
+    offs_c = pid_c * GROUP + tl.arange(0, GROUP)
+    in_c = offs_c < C
     for r0 in range(0, GROUP, CHUNK):
         offs_r = pid_r * GROUP + r0 + tl.arange(0, CHUNK)
         mask = (offs_r < R)[:, None] & in_c[None, :]
