@@ -209,9 +209,9 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_allocated(tmp_pat
 
 
 def test_fp8_experts_on_a_device_without_fp8_are_refused_before_the_run_starts(tmp_path, capsys, monkeypatch):
-    from xmoe.kernels import fp8_quant
+    from xmoe.kernels import fp8_formats
 
-    monkeypatch.setattr(fp8_quant, "interpreting", lambda: False)  # the tests' interpreter otherwise stands in
+    monkeypatch.setattr(fp8_formats, "interpreting", lambda: False)  # the tests' interpreter otherwise stands in
     out = tmp_path / "r"
     err = one_line_error(capsys, ["train", "--out", str(out), "--device", "cpu", "--fp8", "experts", "--steps", "1"])
     assert "moe.fp8='experts' needs a GPU with FP8 matrix instructions" in err and "--fp8 off" in err, err

@@ -508,7 +508,9 @@ def test_fp8_format_by_device_and_refusals(monkeypatch, name, major, minor, arch
 
 
 def test_fp8_refused_on_cpu_outside_the_interpreter(monkeypatch):
-    monkeypatch.setattr(fp8_quant, "interpreting", lambda: False)
+    from xmoe.kernels import fp8_formats
+
+    monkeypatch.setattr(fp8_formats, "interpreting", lambda: False)
     with pytest.raises(ValueError, match=r"cpu device has none.*moe.fp8='off'"):
         fp8_quant.fp8_format(torch.device("cpu"))
     layer = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=2, top_k=1, fp8="experts"))

@@ -272,7 +272,7 @@ def test_eval_and_generate_run_under_the_kernels_section_the_run_recorded(tmp_pa
 
 
 def test_a_run_trained_with_fp8_experts_is_read_unquantised_where_fp8_cannot_run(tmp_path, capsys, clean_env):
-    from xmoe.kernels import fp8_quant
+    from xmoe.kernels import fp8_formats
 
     out = tmp_path / "run"
     main(["train", "--out", str(out), "--device", "cpu", *TINY, "--steps", "1", "--fp8", "experts", "--wgrad", "fp8"])
@@ -280,7 +280,7 @@ def test_a_run_trained_with_fp8_experts_is_read_unquantised_where_fp8_cannot_run
     capsys.readouterr()
     main(evaluate)  # the tests' interpreter stands in for a GPU with FP8: the experts run quantised
     quantised = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    clean_env.setattr(fp8_quant, "interpreting", lambda: False)  # now a CPU as users have it: no FP8 at all
+    clean_env.setattr(fp8_formats, "interpreting", lambda: False)  # now a CPU as users have it: no FP8 at all
     main(evaluate)
     captured = capsys.readouterr()
     unquantised = json.loads(captured.out.strip().splitlines()[-1])

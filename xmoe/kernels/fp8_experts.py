@@ -8,7 +8,7 @@
                                                                      == triton_ops.grouped_swiglu, FP8 GEMMs
 qw: fp8_quant.Fp8ExpertWeights, the FP8 copies of w1, w3, w2 (quantize_expert_weights). w1, w3, w2 are what the
 weight gradients are returned for; their values are not read (any float dtype, or a zero-stride stand-in of their
-shape: moe/experts.py). fmt: the FP8 format's name (fp8_quant.fp8_format(device).name).
+shape: moe/experts.py). fmt: the FP8 format's name (fp8_formats.fp8_format(device).name).
 
 Where each operand is quantised, fused path (the grouped one quantises its (N, H) input and gradient instead):
   forward   x_TH once per token (a (T, H) pass: K times fewer rows than the up GEMM reads by token id); a in the

@@ -17,19 +17,17 @@ exactly on the format's max and a power of two rounds it (benchmarks/fp8_scales.
                                                        so that both GEMMs read it reduction-dimension-contiguous
                                                        (w1 and w3 in one (E, H, 2F) buffer: quantize_block_pair)
 Kernels: _quant_rows_kernel, _quant_blocks_kernel (its passes 2 and 3, _store_block, shared with adamw.py's FP8
-variant); _group_scale and _store_fp8 are shared with fp8_gemm_kernels.py,
-whose producers quantise in their epilogues.
+variant); _group_scale and _store_fp8 are shared with fp8_gemm_kernels.py, whose producers quantise in their
+epilogues.
 
-Formats (``FORMATS``): e4m3fn (NVIDIA sm_89 and newer, AMD gfx950) and e4m3fnuz (AMD gfx942, bias 8, no negative
-zero, largest value 240). ``fp8_format(device)`` names the one a device multiplies in, and refuses devices with no
-FP8 matrix instructions. Under TRITON_INTERPRET=1 (tests on CPU) the quantised values are stored as float32: the
-interpreter's casts to FP8 flush subnormals and mis-encode e4m3fnuz, so ``_store_fp8`` rounds to the format's grid
-in fp32 arithmetic instead, exactly as the hardware's round-to-nearest-even conversion does.
+Formats (``FORMATS``, ``fp8_format(device)``: fp8_formats.py, re-exported here): e4m3fn and e4m3fnuz. Under
+TRITON_INTERPRET=1 (tests on CPU) the quantised values are stored as float32: the interpreter's casts to FP8 flush
+subnormals and mis-encode e4m3fnuz, so ``_store_fp8`` rounds to the format's grid in fp32 arithmetic instead,
+exactly as the hardware's round-to-nearest-even conversion does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -37,71 +35,14 @@ import triton
 import triton.language as tl
 
 from xmoe.kernels._common import cdiv, check_float, interpreting, kernel_op
+from xmoe.kernels.fp8_formats import FIX as FIX  # the formats, re-exported: callers import them from here
+from xmoe.kernels.fp8_formats import FORMATS as FORMATS
+from xmoe.kernels.fp8_formats import Fp8Format as Fp8Format
+from xmoe.kernels.fp8_formats import _format
+from xmoe.kernels.fp8_formats import format_constexprs as format_constexprs
+from xmoe.kernels.fp8_formats import fp8_format as fp8_format
 
 GROUP = 128  # columns per activation scale, rows and columns per weight scale
-
-
-@dataclass(frozen=True)
-class Fp8Format:
-    name: str
-    dtype: torch.dtype  # its torch dtype (Triton: float8e4nv, float8e4b8)
-    max: float  # largest finite value
-    min_exp: int  # exponent of the smallest normal value (subnormals below share its spacing)
-
-    def storage(self) -> torch.dtype:
-        """What quantised tensors are held in: the FP8 dtype, or float32 holding its values under the interpreter."""
-        return torch.float32 if interpreting() else self.dtype
-
-
-FORMATS = {
-    "e4m3fn": Fp8Format("e4m3fn", torch.float8_e4m3fn, 448.0, -6),
-    "e4m3fnuz": Fp8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, -7),
-}
-
-FIX = "set moe.fp8='off' (xmoe train --fp8 off) to run the experts in bf16"
-
-
-@torch.compiler.assume_constant_result  # a property of the device: a constant to torch.compile, traced once
-def _format_name(device_type: str, device_index: int) -> str:
-    if device_type != "cuda":
-        if device_type == "cpu" and interpreting():
-            return "e4m3fn"  # tests: the kernels in Triton's interpreter, FP8 values held in float32
-        raise ValueError(
-            f"moe.fp8='experts' needs a GPU with FP8 matrix instructions; a {device_type} device has none: {FIX}"
-        )
-    props = torch.cuda.get_device_properties(device_index)
-    if torch.version.hip is not None:
-        arch = props.gcnArchName.split(":")[0]
-        if arch == "gfx942":
-            return "e4m3fnuz"
-        if arch == "gfx950":
-            return "e4m3fn"
-        raise ValueError(
-            f"moe.fp8='experts' needs FP8 matrix instructions (AMD gfx942 or gfx950); {props.name} "
-            f"({arch}) has none: {FIX}"
-        )
-    if (props.major, props.minor) >= (8, 9):
-        return "e4m3fn"
-    raise ValueError(
-        f"moe.fp8='experts' needs FP8 matrix instructions (NVIDIA sm_89 or newer: Ada, Hopper, "
-        f"Blackwell); {props.name} (sm_{props.major}{props.minor}) has none: {FIX}"
-    )
-
-
-def fp8_format(device: torch.device) -> Fp8Format:
-    """The FP8 format this device's matrix instructions take; ValueError naming the device and the fix if none."""
-    return FORMATS[_format_name(device.type, device.index or 0)]
-
-
-def _format(fmt: str) -> Fp8Format:
-    if fmt not in FORMATS:
-        raise ValueError(f"FP8 format {fmt!r} must be one of {sorted(FORMATS)}")
-    return FORMATS[fmt]
-
-
-def format_constexprs(fmt: Fp8Format) -> dict:
-    """The kernels' compile-time description of a format."""
-    return dict(FP8_MAX=fmt.max, MIN_EXP=fmt.min_exp)
 
 
 @triton.jit
