@@ -201,14 +201,13 @@ def adamw_update(
     if step < 1:
         raise ValueError(f"step ({step}) counts from 1")
     if isinstance(copy, BlockCopy):
-        form, written = check_block_copy(param, copy), [copy.q, copy.qt, copy.scale]
+        form = check_block_copy(param, copy)
     elif copy is not None and (copy.shape != param.shape or not copy.is_contiguous()):
         raise ValueError(f"copy must be contiguous of the parameter's shape {tuple(param.shape)}")
-    else:
-        written = [] if copy is None else [copy]
     if divisor is not None and (divisor.numel() != 1 or divisor.dtype != torch.float32):
         raise ValueError(f"divisor must be one fp32 value, got {divisor.numel()} of {divisor.dtype}")
-    check_device(*tensors.values(), *written, *([] if divisor is None else [divisor]))
+    outputs = copy[:3] if isinstance(copy, BlockCopy) else (copy,)
+    check_device(*tensors.values(), *(t for t in (*outputs, divisor) if t is not None))
     n = param.numel()
     if n == 0:
         return

@@ -322,18 +322,15 @@ def check_block_copy(w_ERC: torch.Tensor, copy: BlockCopy) -> Fp8Format:
     form = _format(copy.fmt)
     if w_ERC.dim() != 3:
         raise ValueError(f"an FP8 block copy is of an (E, R, C) weight, not one of shape {tuple(w_ERC.shape)}")
-    experts, rows, cols = w_ERC.shape
-    want = {
-        "q": ((experts, rows, cols), form.storage()),
-        "qt": ((experts, cols, rows), form.storage()),
-        "scale": ((experts, cdiv(rows, GROUP), cdiv(cols, GROUP)), torch.float32),
-    }
-    for name, (shape, dtype) in want.items():
-        t = getattr(copy, name)
-        if tuple(t.shape) != shape or t.dtype != dtype or t.stride(-1) != 1 or (name == "qt" and not t.is_contiguous()):
+    want = BlockCopies.empty(w_ERC.shape, 1, copy.fmt, torch.device("meta")).member(0)  # the layout, no memory
+    for name in ("q", "qt", "scale"):
+        t, w = getattr(copy, name), getattr(want, name)
+        if t.shape != w.shape or t.dtype != w.dtype or t.stride(-1) != 1 or (name == "qt" and not t.is_contiguous()):
             raise ValueError(
                 f"FP8 copy {name} is {tuple(t.shape)} {t.dtype} with strides {t.stride()}; the weight "
-                f"{tuple(w_ERC.shape)} needs {shape} {dtype} with unit column stride{' (contiguous)' * (name == 'qt')}"
+                f"{tuple(w_ERC.shape)} needs {tuple(w.shape)} {w.dtype} with unit column stride"
+                + " (contiguous)"
+                * (name == "qt")
             )
     return form
 
@@ -399,6 +396,12 @@ class Fp8ExpertWeights(NamedTuple):
     scale13: torch.Tensor
     scale2: torch.Tensor
 
+    @classmethod
+    def of(cls, up: BlockCopies, down: BlockCopies) -> Fp8ExpertWeights:
+        """From the block copies of (w1, w3), side by side, and of (w2,)."""
+        (q1t, q3t), (q2t,) = up.qts, down.qts
+        return cls(w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w13_EHF=up.q, w2_EFH=down.q, scale13=up.scale, scale2=down.scale)
+
     @property
     def w1_EHF(self) -> torch.Tensor:
         return halves(self.w13_EHF)[0]
@@ -424,4 +427,4 @@ def quantize_expert_weights(
     (xmoe/kernels/adamw.py), or once per forward outside an optimizer step."""
     q13, q1t, q3t, s13 = quantize_block_pair(w1_EHF, w3_EHF, fmt)
     q2, q2t, s2 = quantize_blocks(w2_EFH, fmt)
-    return Fp8ExpertWeights(w1_EFH=q1t, w3_EFH=q3t, w2_EHF=q2t, w13_EHF=q13, w2_EFH=q2, scale13=s13, scale2=s2)
+    return Fp8ExpertWeights.of(BlockCopies(q13, [q1t, q3t], s13, fmt), BlockCopies(q2, [q2t], s2, fmt))

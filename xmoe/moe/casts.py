@@ -89,10 +89,8 @@ class CastCache:
     def take_fp8(self, group: tuple[torch.Tensor, ...]) -> BlockCopies | None:
         """The FP8 copies of ``group`` (as given to the constructor) if every member's is written and still holds
         it, else None (quantise them); handed out once."""
-        entry, known = self._fp8.pop(id(group[0]), None), self._group(group[0])
-        if entry is None or known is None or len(known) != len(group):
-            return None
-        if any(a is not b for a, b in zip(known, group, strict=True)):
+        entry, known = self._fp8.pop(id(group[0]), None), self._group(group[0]) or ()
+        if entry is None or [id(w) for w in known] != [id(w) for w in group]:
             return None
         copies, versions = entry
         return copies if all(versions.get(id(w)) == w._version for w in group) else None

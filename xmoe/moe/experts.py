@@ -85,15 +85,7 @@ class RoutedExperts(nn.Module):
             return None
         from xmoe.kernels.fp8_quant import Fp8ExpertWeights
 
-        return Fp8ExpertWeights(
-            w1_EFH=up.qts[0],
-            w3_EFH=up.qts[1],
-            w2_EHF=down.qts[0],
-            w13_EHF=up.q,
-            w2_EFH=down.q,
-            scale13=up.scale,
-            scale2=down.scale,
-        )
+        return Fp8ExpertWeights.of(up, down)
 
     def make_casts(self, dtype: torch.dtype, detach: bool, cache: CastCache | None = None) -> tuple:
         """The weight copies one optimizer step's micro-batches share (MoEStep calls this when the step opens).

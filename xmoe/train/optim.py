@@ -169,9 +169,11 @@ def build_optimizer(
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     """What a run's header says of its optimizer."""
     if isinstance(optimizer, TritonAdamW):
-        cache = optimizer.casts
-        cast = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cache.dtype, str(cache.dtype)) if cache else ""
-        kinds = [] if cache is None else [k for k, has in ((cast, cache.has_casts()), ("FP8", cache.has_fp8())) if has]
+        cache, kinds = optimizer.casts, []
+        if cache is not None and cache.has_casts():
+            kinds.append({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cache.dtype, str(cache.dtype)))
+        if cache is not None and cache.has_fp8():
+            kinds.append("FP8")
         writes = f" (writes the experts' next {' and '.join(kinds)} copies)" if kinds else ""
         return "optimizer xmoe Triton AdamW" + writes
     fused = all(group.get("fused") for group in optimizer.param_groups)
