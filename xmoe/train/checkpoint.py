@@ -25,7 +25,9 @@ Every failure a rank can hit is turned into the same ``CheckpointError`` on all 
 state go through ``get_state_dict`` / ``set_state_dict``, so plain modules, DDP, FSDP2 and torch.compile'd
 modules share one key space and a checkpoint can be reloaded under a different wrapper or world size.
 Per-rank extra state is loaded with ``torch.load(weights_only=True)``: keep it to tensors, numbers,
-strings, None and dicts/lists/tuples of those (LR scheduler and data-loader state dicts are).
+strings, None and dicts/lists/tuples of those (LR scheduler and data-loader state dicts are). DCP's metadata and
+non-tensor values are read through allow-lists too (``checkpoint_read.py``): reading a checkpoint runs no code
+from it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from xmoe.train.checkpoint_dir import (
     step_dir_name,
     step_of,
 )
+from xmoe.train.checkpoint_read import SafeLoadPlanner, SafeReader, read_metadata
 from xmoe.train.checkpoint_verify import FORMAT, _verify, _verify_files, find_latest, read_meta
 
 # DCP reports a failed save or load as a CheckpointException, which derives from BaseException, not Exception
@@ -262,7 +265,7 @@ def _same(a: float, b: float) -> bool:
 
 def _check_compatible(ckpt: Path, state: dict[str, Any]) -> None:
     """Compare tensor keys and global shapes with the DCP metadata; ValueError naming the first offenders."""
-    stored = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    stored = read_metadata(ckpt).state_dict_metadata
     wanted: dict[str, Any] = {f"model.{k}": v for k, v in state["model"].items()}
     for fqn, per_param in state.get("optim", {}).get("state", {}).items():
         wanted.update({f"optim.state.{fqn}.{k}": v for k, v in per_param.items()})
@@ -330,7 +333,9 @@ def load_checkpoint(
     _check_compatible(path, state)
     try:
         with _dcp_quietly():
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner(path))
+    except CheckpointError:  # a refusal of what the checkpoint holds: already one line naming the file
+        raise
     except FAILURES as e:  # DCP raises many types; name the dir and the way out
         cause = _underlying(e)
         raise CheckpointError(
