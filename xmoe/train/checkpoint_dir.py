@@ -171,7 +171,8 @@ def _ckpt_root(out_dir: Path) -> Path:
 def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
-    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    # a link is not a checkpoint of this run (pruning and --resume-from would act on what it points to)
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir() and not p.is_symlink()]
     return sorted((s, p) for s, p in found if s is not None and (p / COMPLETE).is_file())
 
 
@@ -204,7 +205,7 @@ def remove_leftovers(out_dir: str | os.PathLike) -> list[str]:
     removed = []
     for leftover in root.iterdir():
         if _TMP in leftover.name:  # a crashed save's dir or pointer file; nothing references it
-            if leftover.is_dir():
+            if leftover.is_dir() and not leftover.is_symlink():  # a link goes, never what it points to
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
                 leftover.unlink(missing_ok=True)
@@ -275,7 +276,7 @@ def _point_and_prune(root: Path, step: int, final: Path, keep_last: int) -> None
 def _publish(tmp: Path, final: Path) -> None:
     """Rename tmp -> final. A same-step checkpoint (re-saved after resuming earlier) is swapped out."""
     old = None
-    if final.exists():
+    if os.path.lexists(final):
         old = final.with_name(f"{final.name}{_TMP}old-{secrets.token_hex(4)}")
         os.rename(final, old)
     os.rename(tmp, final)

@@ -257,6 +257,19 @@ class MetricsLogger:
                     stacklevel=2,
                 )
 
+    def move_to(self, out_dir: Path) -> None:
+        """Write into ``out_dir`` from now on, every record so far first (the run directory went while the run
+        trained, and this one takes its place); TensorBoard events stop."""
+        self.out_dir, self.path = out_dir, out_dir / "metrics.jsonl"
+        if not self.active:
+            return
+        for handle in (self._tb, self._file):
+            if handle is not None:
+                handle.close()
+        self._tb = None
+        _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        self._file = open(self.path, "a")
+
     def _read(self) -> list[dict[str, Any]]:
         records = []
         for line in self.path.read_text().splitlines():

@@ -12,6 +12,10 @@ previous run aside until the new one has written something).
      removes what it wrote and moves them back (and the directories it created for ``OUT``, if they are empty
      then). A start killed before either is settled by the next one.
   3. leftovers of crashed saves (``*.tmp-*``) are removed: under the lock nothing can still be writing them.
+A run directory's own entries (the lock, OUTPUTS, the set-aside) must not be symbolic links: xmoe writes, moves and
+deletes them and follows no link there, so a link is refused, its target left alone. A directory deleted, moved or
+replaced under a live run is noticed (``DirLock.lost``): the trainer stops and saves elsewhere, writing nothing more
+at the path, which may be another run's by then.
 Rank 0's outcome is broadcast, so all ranks start or fail together (no rank waits in a collective forever).
 What a resume must match, and the checkpoint it continues from, is ``resume.py``.
 """
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from xmoe.train.runlock import DirLock, RunDirError, _holder_text
+from xmoe.train.runlock import DirLock, RunDirError, _holder_text, refuse_link
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ class RunLock(DirLock):
 
     def commit(self) -> None:
         """The new run has written its first output: the run it replaced (--overwrite) is deleted now."""
-        if not self.new_run:
+        if not self.new_run or self.lost():  # the path is no longer this run's directory: touch nothing there
             return
         self.new_run = False
         aside = self.path.parent / REPLACED
@@ -66,7 +70,7 @@ class RunLock(DirLock):
 
     def release(self) -> None:
         """Unlock; a new run that never committed takes back what it wrote and restores the run it replaced."""
-        undone = self._fd is not None and self.new_run
+        undone = self._fd is not None and self.new_run and not self.lost()
         if undone:
             self.new_run = False
             note = _undo_start(self.path.parent)
@@ -79,6 +83,27 @@ class RunLock(DirLock):
                     path.rmdir()
                 except OSError:  # not empty (or no longer there): what is in it is someone else's
                     break
+
+
+def _refuse_links(out_dir: Path) -> None:
+    """RunDirError naming the first of the run directory's own entries that is a symbolic link."""
+    for name in (REPLACED, MOVING, *OUTPUTS):
+        refuse_link(out_dir / name, "set-aside run" if name in (REPLACED, MOVING) else f"{name}")
+
+
+def rescue_dir(out_dir: Path, step: int) -> Path | None:
+    """A new directory beside ``out_dir`` for a run whose directory went while it trained
+    (``OUT.recovered-step_000123``), or None where none can be made (its parent went too)."""
+    name = f"{out_dir.name}.recovered-step_{step:06d}"
+    for suffix in ("", *(f"-{i}" for i in range(2, 100))):
+        try:
+            (path := out_dir.parent / f"{name}{suffix}").mkdir()
+        except FileExistsError:
+            continue
+        except OSError:
+            return None
+        return path
+    return None
 
 
 def _present(out_dir: Path) -> list[str]:
@@ -201,6 +226,7 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock, lis
     lock = RunLock(out_dir, created).acquire()
     notes = []
     try:
+        _refuse_links(out_dir)
         if lock.stale:
             notes.append(
                 f"took over the lock of {_holder_text(lock.stale)}: {lock.stale_reason}, so that run ended "

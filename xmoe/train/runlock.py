@@ -6,7 +6,13 @@ whose flock is free was left by a run that ended without releasing it, and is ta
 Another host's lock file is taken over only once it has not been touched for STALE_AFTER_S seconds: where a
 filesystem keeps flocks per host, a free flock proves nothing about a run on another host. Where ``flock`` is
 unsupported, the file itself is the lock: created with O_EXCL, and taken over only when it names a process of this
-host that no longer runs, or has not been touched for STALE_AFTER_S.
+host that no longer runs, or has not been touched for STALE_AFTER_S. The lock file is opened without following
+links (a link there is refused, its target left alone), and a wait for another host's heartbeat is timed by this
+host's clock, so a lock stamped in the future by a host whose clock runs ahead ends the wait all the same.
+
+The holder keeps a descriptor of the directory itself: ``lost`` tells when the directory it locked, or its lock
+file, is no longer at its path (deleted, moved, replaced), and ``release`` then leaves the path alone, which may be
+another run's by now.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -27,6 +34,7 @@ log = logging.getLogger(__name__)
 LOCK = "xmoe.lock"
 HEARTBEAT_S = 15.0  # a lock holder touches its lock file this often
 STALE_AFTER_S = 60.0  # another host's lock file untouched this long belongs to a run that has ended
+LOST_CHECK_S = 1.0  # between the saves and logs it always checks, a trainer looks for its directory this often
 
 
 class RunDirError(ValueError):
@@ -45,7 +53,9 @@ def _pid_alive(pid: int) -> bool:
 
 def _read_holder(path: Path) -> dict[str, Any]:
     try:
-        holder = json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is nobody's lock: read nothing through it
+        with os.fdopen(fd) as f:
+            holder = json.loads(f.read(1 << 16))
         return holder if isinstance(holder, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -58,11 +68,26 @@ def _holder_text(holder: dict[str, Any]) -> str:
 
 
 def _untouched_s(path: Path) -> float:
-    """Seconds since the lock file was last written or touched by its holder's heartbeat."""
+    """Seconds since the lock file was last written or touched by its holder's heartbeat (0 for a time in the
+    future: another host's clock ahead of ours)."""
     try:
-        return max(0.0, time.time() - path.stat().st_mtime)
+        return max(0.0, time.time() - path.lstat().st_mtime)
     except OSError:
         return float("inf")
+
+
+def refuse_link(path: Path, what: str) -> None:
+    """RunDirError when ``path`` is a symbolic link: xmoe writes, moves and deletes a run directory's own entries
+    and follows no link there (its target would be overwritten, or its files moved into the run)."""
+    if path.is_symlink():
+        raise RunDirError(
+            f"{path} is a symbolic link (to {os.readlink(path)}), where a run keeps its {what}; xmoe follows no "
+            "link inside a run directory: remove the link (its target is left alone) or choose another --out"
+        )
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _pid_text(holder: dict[str, Any]) -> str:
@@ -77,6 +102,8 @@ class DirLock:
     def __init__(self, out_dir: Path) -> None:
         self.path = out_dir / LOCK
         self._fd: int | None = None
+        self._dir_fd: int | None = None  # the locked directory itself, wherever it goes (lost, release)
+        self._checked = 0.0  # monotonic time of lost()'s last look
         self.stale: dict[str, Any] | None = None  # the dead holder whose lock was taken over
         self.stale_reason = ""  # what showed that holder to be gone
         self._stop_beating = threading.Event()
@@ -89,8 +116,8 @@ class DirLock:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         }
         for _ in range(5):  # retried only when a releasing holder unlinks the file between open and lock
-            created = not self.path.exists()
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            created = not os.path.lexists(self.path)
+            fd = self._open_lock_file(os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -107,7 +134,7 @@ class DirLock:
                     self.path.unlink(missing_ok=True)
                 return self._acquire_exclusive_file(me)
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -124,9 +151,52 @@ class DirLock:
                 raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
-        self._fd = fd
-        self._start_heartbeat()
+        self._hold(fd)
         return self
+
+    def _open_lock_file(self, flags: int) -> int:
+        """``os.open`` of the lock file that follows no link and opens nothing but a plain file."""
+        refuse_link(self.path, "lock file")
+        try:
+            fd = os.open(self.path, flags | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # made a link between the check above and the open
+                refuse_link(self.path, "lock file")
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RunDirError(f"{self.path} is not a plain file; remove it (a run makes its lock file itself)")
+        return fd
+
+    def _hold(self, fd: int) -> None:
+        """The lock is ours: remember the directory it locks (by descriptor) and start the heartbeat."""
+        self._fd = fd
+        self._dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        self._start_heartbeat()
+
+    def lost(self, *, now: bool = True) -> str:
+        """Why the locked directory is no longer this run's (deleted, moved or replaced, or its lock file removed
+        or replaced), or "" while it is. Two stats; unless ``now``, at most once per LOST_CHECK_S ("" between)."""
+        if self._fd is None or self._dir_fd is None:
+            return ""
+        now_s = time.monotonic()
+        if not now and now_s - self._checked < LOST_CHECK_S:
+            return ""
+        self._checked = now_s
+        out = self.path.parent
+        try:
+            here = _identity(os.stat(out))
+        except FileNotFoundError:
+            return f"run directory {out} was deleted"
+        if here != _identity(os.fstat(self._dir_fd)):
+            return f"run directory {out} was moved or replaced by another directory"
+        try:
+            lock = _identity(os.lstat(self.path))
+        except FileNotFoundError:
+            return f"run directory {out} was changed under this run: its lock file {self.path} was removed"
+        if lock != _identity(os.fstat(self._fd)):
+            return f"run directory {out} was changed under this run: its lock file {self.path} was replaced"
+        return ""
 
     def _check_free_flock(self, holder: dict[str, Any], host: str) -> None:
         """A lock file with a free flock: stale on this host; on another host only once untouched for
@@ -135,33 +205,41 @@ class DirLock:
         if holder.get("host") == host:
             self.stale, self.stale_reason = holder, f"{checked} and {_pid_text(holder)}"
             return
+        mtime = self.path.lstat().st_mtime
+        ahead = mtime - time.time()  # > 0: the holder's host stamped it by a clock ahead of ours
         untouched = _untouched_s(self.path)
-        if untouched < STALE_AFTER_S:
+        wait_s = max(0.0, STALE_AFTER_S - untouched)
+        if wait_s > 0:
             log.info(
                 f"{self.path} names {_holder_text(holder)}, touched {untouched:.0f} s ago: waiting up to "
-                f"{STALE_AFTER_S - untouched:.0f} s to see whether that run is still alive"
+                f"{wait_s:.0f} s to see whether that run is still alive"
             )
-        mtime = self.path.stat().st_mtime
-        while untouched < STALE_AFTER_S:
-            time.sleep(min(1.0, STALE_AFTER_S - untouched))
-            if self.path.stat().st_mtime != mtime:
+        started = time.monotonic()  # this host's clock times the wait: the file's stamp may be in the future
+        while (waited := time.monotonic() - started) < wait_s:
+            time.sleep(min(1.0, wait_s - waited))
+            if self.path.lstat().st_mtime != mtime:
                 raise RunDirError(
                     f"run directory {self.path.parent} is in use by {_holder_text(holder)}: its lock file is kept "
                     f"fresh, so that run is alive (this filesystem's flocks do not reach across hosts); wait for it "
                     "to end or stop it, or choose another --out"
                 )
-            untouched = _untouched_s(self.path)
         self.stale = holder
-        self.stale_reason = (
-            f"{checked} and its host has not touched the lock file for {untouched:.0f} s (a live "
-            f"run touches it every {HEARTBEAT_S:.0f} s)"
-        )
+        if ahead > 1.0:
+            self.stale_reason = (
+                f"{checked} and its lock file, stamped {ahead:.0f} s in the future (that host's clock runs ahead "
+                f"of this one's), did not change for {waited:.0f} s (a live run touches it every {HEARTBEAT_S:.0f} s)"
+            )
+        else:
+            self.stale_reason = (
+                f"{checked} and its host has not touched the lock file for {untouched + waited:.0f} s (a live "
+                f"run touches it every {HEARTBEAT_S:.0f} s)"
+            )
 
     def _acquire_exclusive_file(self, me: dict[str, Any]) -> Self:
         """Fallback without flock: the lock file's existence is the lock; a dead holder on this host, or one that
         has not touched the file for STALE_AFTER_S, is stale."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._open_lock_file(os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
             holder = _read_holder(self.path)
             pid = int(holder.get("pid", 0) or 0)
@@ -183,8 +261,7 @@ class DirLock:
             self.path.unlink(missing_ok=True)
             return self._acquire_exclusive_file(me)
         os.write(fd, json.dumps(me).encode())
-        self._fd = fd
-        self._start_heartbeat()
+        self._hold(fd)
         return self
 
     def _start_heartbeat(self) -> None:
@@ -208,6 +285,14 @@ class DirLock:
         if self._beating is not None:  # stopped before the descriptor closes: it never touches a reused one
             self._stop_beating.set()
             self._beating.join()
-        self.path.unlink(missing_ok=True)  # before unlocking: a waiter then locks a fresh file, not this one
+        # before unlocking, so that a waiter locks a fresh file, not this one; only the file this lock holds, in the
+        # directory it locked: the path may name another run's lock by now (lost)
+        assert self._dir_fd is not None  # set with _fd
+        try:
+            if _identity(os.stat(LOCK, dir_fd=self._dir_fd, follow_symlinks=False)) == _identity(os.fstat(self._fd)):
+                os.unlink(LOCK, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
         os.close(self._fd)
-        self._fd = None
+        os.close(self._dir_fd)
+        self._fd = self._dir_fd = None

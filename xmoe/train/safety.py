@@ -14,7 +14,8 @@ Several ranks: ``check`` agrees on both flags with one tiny all-reduce (MAX of [
 the logging / checkpoint cadence only; one process checks the signal flag at every step (free). Between those
 steps the signal flag is also voted on every step without waiting: ``start_vote`` posts an asynchronous MAX
 all-reduce of one host int over a gloo group of its own, ``vote`` reads it one step later, so every rank stops at
-the step after the one a signal arrived in (not at the next logging step), with no GPU sync.
+the step after the one a signal arrived in (not at the next logging step), with no GPU sync. A run directory that
+rank 0 finds gone (``runlock.DirLock.lost``) travels the same way, as the stop code DIR_LOST.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+DIR_LOST = 1 << 10  # a stop code beyond every signal number: the run directory is no longer this run's
 SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
 
 
@@ -62,6 +64,7 @@ class RunGuard:
 
     def __init__(self, device: torch.device, nonfinite_skips: int = 0) -> None:
         self.received: int | None = None
+        self.dir_lost = False  # rank 0 found the run directory deleted, moved or replaced
         self.skips_allowed = nonfinite_skips
         self.skipped_in_row = 0
         self.skipped_total = 0
@@ -126,9 +129,17 @@ class RunGuard:
         """The skip policy has run out: more non-finite steps in a row than allowed."""
         return 0 < self.skips_allowed < self.skipped_in_row
 
+    def lose_directory(self) -> None:
+        """The run directory is gone: stop as for a signal, with the code DIR_LOST (which outranks signals)."""
+        self.dir_lost = True
+
+    def _stop_code(self) -> int:
+        return DIR_LOST if self.dir_lost else self.received or 0
+
     def check(self, world: int) -> tuple[int | None, int | None]:
-        """(signal to stop for, first non-finite step), agreed over ranks; call at the same steps on every rank."""
-        flags = torch.stack([torch.tensor(self.received or 0, device=self._first_bad.device), self._first_bad])
+        """(signal or DIR_LOST to stop for, first non-finite step), agreed over ranks; call at the same steps on
+        every rank."""
+        flags = torch.stack([torch.tensor(self._stop_code(), device=self._first_bad.device), self._first_bad])
         if world > 1 and dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signum, first_bad = (int(v) for v in flags.tolist())
@@ -136,14 +147,14 @@ class RunGuard:
 
     def signalled(self) -> bool:
         """The local flag, for one process (free to read at every step)."""
-        return self.received is not None
+        return self._stop_code() != 0
 
     def start_vote(self) -> None:
         """Several ranks: post this step's signal vote (MAX over ranks of the local flag) without waiting; every
         rank calls it once per step, after ``vote``."""
         if self._vote_group is None:
             return
-        self._vote_flag = torch.tensor([self.received or 0], dtype=torch.long)
+        self._vote_flag = torch.tensor([self._stop_code()], dtype=torch.long)
         self._vote_work = dist.all_reduce(self._vote_flag, op=dist.ReduceOp.MAX, group=self._vote_group, async_op=True)
 
     def vote(self) -> int | None:

@@ -371,6 +371,10 @@ class Trainer:
                 window = Window(self.device)
             elif val_loss is not None:
                 self.logger.log(self.step, val_loss=val_loss)
+            # rank 0 looks whether the run directory is still this run's before every save or log, and at most once
+            # a second in between (two stats); a lost one stops every rank, as a signal does
+            if self.lock is not None and self.lock.lost(now=ckpt_now or log_now):
+                guard.lose_directory()
             # stop flags: the signal vote posted one step ago (several ranks), and both flags agreed where the step
             # already synchronises (one process: a signal at any step)
             signum = guard.vote()
@@ -381,6 +385,8 @@ class Trainer:
                     self._stop_nonfinite(first_bad)  # before saving: a non-finite state is never checkpointed
             if not signum:
                 guard.start_vote()
+            if signum == safety.DIR_LOST:
+                self._stop_lost()
             if ckpt_now or (signum and t.ckpt_every):
                 saving = time.perf_counter()
                 self.save()
@@ -423,6 +429,35 @@ class Trainer:
         )
         self.report.finish(self.step, status=f"stopped: non-finite loss or gradient norm at step {first_bad}")
         raise safety.NonFiniteError(message)
+
+    def _stop_lost(self) -> None:
+        """The run directory was deleted, moved or replaced (rank 0's lock saw it): nothing more is written at its
+        path, which may be another run's by now; the run (metrics, summary, a checkpoint) goes to a new directory
+        beside it, and it stops."""
+        why, rescue = "", None
+        if self.rank == 0:
+            assert self.lock is not None  # rank 0 holds the lock: it is the one that saw the loss
+            why = self.lock.lost() or f"run directory {self.out_dir} changed"
+            rescue = rundir.rescue_dir(self.out_dir, self.step)
+        if dist.is_initialized():
+            box = [(why, rescue)]
+            dist.broadcast_object_list(box, src=0)
+            why, rescue = box[0]
+        noticed = f"{why} while this run trained (noticed at step {self.step})"
+        if rescue is None:
+            raise rundir.RunDirError(f"{noticed}; nothing could be saved: {self.out_dir.parent} is gone too")
+        self.out_dir = self.report.out_dir = rescue
+        self.logger.move_to(rescue)
+        if self.rank == 0 and self.run.init_from:
+            _keep_imported_files(self.run.init_from, rescue)
+        saved = self.run.train.ckpt_every > 0
+        if saved:
+            self.save()
+        self.report.finish(self.step, status=f"stopped at step {self.step}: {why}")
+        raise rundir.RunDirError(
+            f"{noticed}: its metrics{f' and a checkpoint of step {self.step}' if saved else ''} are saved in "
+            f"{rescue}" + (f"; continue it with --out {rescue} --resume" if saved else "")
+        )
 
     def _stop_signal(self, signum: int) -> None:
         name = safety.signal_name(signum)
