@@ -91,19 +91,36 @@ def _refuse_links(out_dir: Path) -> None:
         refuse_link(out_dir / name, "set-aside run" if name in (REPLACED, MOVING) else f"{name}")
 
 
-def rescue_dir(out_dir: Path, step: int) -> Path | None:
-    """A new directory beside ``out_dir`` for a run whose directory went while it trained
-    (``OUT.recovered-step_000123``), or None where none can be made (its parent went too)."""
-    name = f"{out_dir.name}.recovered-step_{step:06d}"
-    for suffix in ("", *(f"-{i}" for i in range(2, 100))):
-        try:
-            (path := out_dir.parent / f"{name}{suffix}").mkdir()
-        except FileExistsError:
-            continue
-        except OSError:
-            return None
-        return path
-    return None
+def rescue(lock: DirLock | None, out_dir: Path, step: int) -> tuple[str, Path | None]:
+    """Collective, after rank 0's ``lock`` found ``out_dir`` lost: (why, a new directory beside it for the run,
+    ``OUT.recovered-step_000123``, or None where none can be made: its parent went too), rank 0's on every rank."""
+    why, made = "", None
+    if lock is not None:
+        why = lock.lost() or f"run directory {out_dir} changed"
+        name = f"{out_dir.name}.recovered-step_{step:06d}"
+        for suffix in ("", *(f"-{i}" for i in range(2, 100))):
+            try:
+                (path := out_dir.parent / f"{name}{suffix}").mkdir()
+            except FileExistsError:
+                continue
+            except OSError:
+                break
+            made = path
+            break
+    if dist.is_initialized():
+        box = [(why, made)]
+        dist.broadcast_object_list(box, src=0)
+        why, made = box[0]
+    return why, made
+
+
+def rescue_text(why: str, made: Path | None, step: int, saved: bool) -> str:
+    """The line a run stopped by a lost directory ends with."""
+    noticed = f"{why} while this run trained (noticed at step {step})"
+    if made is None:
+        return f"{noticed}; nothing could be saved: its parent directory is gone too"
+    what = f"its metrics and a checkpoint of step {step} are" if saved else "its metrics are"
+    return f"{noticed}: {what} saved in {made}" + (f"; continue it with --out {made} --resume" if saved else "")
 
 
 def _present(out_dir: Path) -> list[str]:

@@ -43,30 +43,13 @@ from xmoe.train import checkpoint as ckpt
 from xmoe.train import checkpoint_dir, metrics, rundir, safety
 from xmoe.train.data import TokenLoader, build_dataset
 from xmoe.train.evaluate import evaluate, validation_split, validation_windows
+from xmoe.train.launch import init_distributed
 from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_groups
 from xmoe.train.report import Reporter, Window
 from xmoe.train.resume import fingerprint, resume_checkpoint
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
-
-
-def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the process group the launcher describes (if any); return (rank, world_size, device)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        raise ValueError(f"--device ({device!r}) must be auto, cpu or cuda")
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but torch sees no GPU; use --device cpu")
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, world, dev
 
 
 def _keep_imported_files(hf_dir: str, out: Path) -> None:
@@ -431,33 +414,19 @@ class Trainer:
         raise safety.NonFiniteError(message)
 
     def _stop_lost(self) -> None:
-        """The run directory was deleted, moved or replaced (rank 0's lock saw it): nothing more is written at its
-        path, which may be another run's by now; the run (metrics, summary, a checkpoint) goes to a new directory
-        beside it, and it stops."""
-        why, rescue = "", None
-        if self.rank == 0:
-            assert self.lock is not None  # rank 0 holds the lock: it is the one that saw the loss
-            why = self.lock.lost() or f"run directory {self.out_dir} changed"
-            rescue = rundir.rescue_dir(self.out_dir, self.step)
-        if dist.is_initialized():
-            box = [(why, rescue)]
-            dist.broadcast_object_list(box, src=0)
-            why, rescue = box[0]
-        noticed = f"{why} while this run trained (noticed at step {self.step})"
-        if rescue is None:
-            raise rundir.RunDirError(f"{noticed}; nothing could be saved: {self.out_dir.parent} is gone too")
-        self.out_dir = self.report.out_dir = rescue
-        self.logger.move_to(rescue)
-        if self.rank == 0 and self.run.init_from:
-            _keep_imported_files(self.run.init_from, rescue)
-        saved = self.run.train.ckpt_every > 0
-        if saved:
-            self.save()
-        self.report.finish(self.step, status=f"stopped at step {self.step}: {why}")
-        raise rundir.RunDirError(
-            f"{noticed}: its metrics{f' and a checkpoint of step {self.step}' if saved else ''} are saved in "
-            f"{rescue}" + (f"; continue it with --out {rescue} --resume" if saved else "")
-        )
+        """The run directory went (rank 0's lock saw it): nothing more is written at its path; the run's metrics,
+        summary and a checkpoint go to a new directory beside it (rundir.rescue), and it stops."""
+        why, rescue = rundir.rescue(self.lock, self.out_dir, self.step)  # collective
+        saved = bool(self.run.train.ckpt_every)
+        if rescue is not None:
+            self.out_dir = self.report.out_dir = rescue
+            self.logger.move_to(rescue)
+            if self.rank == 0 and self.run.init_from:
+                _keep_imported_files(self.run.init_from, rescue)
+            if saved:
+                self.save()
+            self.report.finish(self.step, status=f"stopped at step {self.step}: {why}")
+        raise rundir.RunDirError(rundir.rescue_text(why, rescue, self.step, saved))
 
     def _stop_signal(self, signum: int) -> None:
         name = safety.signal_name(signum)
