@@ -14,6 +14,7 @@ PACKAGE = ROOT / "xmoe"
 # Bottom first. Each entry names a module or a package (all its modules); "xmoe" is the package's own __init__.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("xmoe._version", "xmoe.checks", "xmoe.model_config", "xmoe.config", "xmoe.log"),
+    ("xmoe.data",),
     ("xmoe.kernels",),
     ("xmoe.dispatch",),
     ("xmoe.moe",),
@@ -179,9 +180,9 @@ def test_checker_catches_upward_and_lazy_imports():
         "xmoe.dispatch.local": "from ..moe import layer\n",
     }
     assert upward_imports(fake) == [
-        "xmoe.model.counting (layer 4) imports xmoe.train.metrics (layer 7)",
-        "xmoe.train.checkpoint (layer 7) imports xmoe (layer 8)",
-        "xmoe.dispatch.local (layer 2) imports xmoe.moe.layer (layer 3)",
+        "xmoe.model.counting (layer 5) imports xmoe.train.metrics (layer 8)",
+        "xmoe.train.checkpoint (layer 8) imports xmoe (layer 9)",
+        "xmoe.dispatch.local (layer 3) imports xmoe.moe.layer (layer 4)",
     ]
 
 

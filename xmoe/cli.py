@@ -1,4 +1,4 @@
-"""The `xmoe` command: `xmoe train`, `xmoe bench`, `xmoe plan`, `xmoe export | eval | generate`.
+"""The `xmoe` command: `xmoe train`, `xmoe data`, `xmoe bench`, `xmoe plan`, `xmoe export | eval | generate`.
 
 Exit codes: 0 success; 2 a user error (one line ``xmoe <command>: error: ...``; ``--debug`` shows the
 traceback); 3 training stopped on a non-finite loss or gradient norm; 128 + signum when a signal stopped a
@@ -24,6 +24,7 @@ EXAMPLES = """examples:
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from xmoe import __version__
     from xmoe import bench_cli as bench
+    from xmoe.data import cli as data_cli
     from xmoe.plan import cli as plan_cli
     from xmoe.train import cli as train_cli
 
@@ -35,10 +36,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     parser.add_argument("--version", action="version", version=f"xmoe {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="{train,bench,plan,export,eval,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,data,bench,plan,export,eval,generate}")
     subs = {}
     for name, module, help_text in (
         ("train", train_cli, "train a model (default: the tiny preset on the embedded corpus)"),
+        ("data", data_cli, "prepare corpora into token shards; what a prepared set holds"),
         ("bench", bench, "time one MoE layer, padding-free vs the padded baseline"),
         ("plan", plan_cli, "memory and communication models (no GPU needed)"),
     ):
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command is None:
         parser.print_usage(sys.stderr)
         print(
-            "xmoe: error: choose a command: train, bench, plan, export, eval or generate (xmoe --help explains them)",
+            "xmoe: error: choose a command: train, data, bench, plan, export, eval or generate (xmoe --help explains "
+            "them)",
             file=sys.stderr,
         )
         sys.exit(2)
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             from xmoe.train import cli as train_cli
 
             train_cli.run(args)
+        elif args.command == "data":
+            from xmoe.data import cli as data_cli
+
+            data_cli.run(args)
         elif args.command == "bench":
             from xmoe import bench
 
