@@ -4,8 +4,10 @@ Legend: B batch, S new positions, L cached + new positions, H hidden, N query he
 D query/key head dim, Dv value head dim, R rotary features, Cq / Ckv q / kv latent ranks.
 
 Every variant keeps the output projection named ``wo`` (init's depth scaling and the TP plan rely on it) and
-takes ``forward(x_BSH, cos_SR2, sin_SR2, cache=None)``: the rotary tables already sliced to the positions of
-x, and, while generating, the ``KVCache`` that holds the keys and values of the earlier positions.
+takes ``forward(x_BSH, cos_SR2, sin_SR2, cache=None, docs=None)``: the rotary tables already sliced to the positions
+of x ((S, R/2), or (B, 1, S, R/2) when each row's positions restart at its documents), while generating the
+``KVCache`` that holds the keys and values of the earlier positions, and with document masking the batch's
+``Documents`` (xmoe/model/documents.py: each position attends only within its own document).
 
 Rotary layout: feature pairs (j, j + R/2) turn together (``layers.apply_rotary``, Hugging Face's rotate_half).
 Checkpoints whose rotary features are interleaved pairs (2j, 2j+1), as DeepSeek-V3's, are permuted on import
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xmoe.config import ModelConfig
+from xmoe.model.documents import Documents, document_attention
 from xmoe.model.layers import RMSNorm, apply_rotary
 
 
@@ -46,13 +49,19 @@ class KVCache:
 
 
 def causal_attention(
-    q_BNSD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor, scale: float | None = None
+    q_BNSD: torch.Tensor,
+    k_BGLD: torch.Tensor,
+    v_BGLD: torch.Tensor,
+    scale: float | None = None,
+    docs: Documents | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible positions (scale None: 1/sqrt(D)); the S queries are the last S of
-    the L keys.
+    the L keys; with ``docs`` (L = S) only those of the query's own document.
 
     Key/value heads are repeated to the query heads (head n reads kv head n // (N/G), as Hugging Face's repeat_kv).
     """
+    if docs is not None:
+        return document_attention(q_BNSD, k_BGLD, v_BGLD, docs, scale)
     num_heads, num_kv = q_BNSD.shape[1], k_BGLD.shape[1]
     if num_kv != num_heads:
         k_BGLD = k_BGLD.repeat_interleave(num_heads // num_kv, dim=1)
@@ -89,7 +98,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_width, cfg.norm_eps)
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, cache: KVCache | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SD2: torch.Tensor,
+        sin_SD2: torch.Tensor,
+        cache: KVCache | None = None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         q, k, v = self.wq(x_BSH), self.wk(x_BSH), self.wv(x_BSH)
@@ -105,7 +119,7 @@ class Attention(nn.Module):
         k_BGSD = apply_rotary(k_BGSD, cos_SD2, sin_SD2)
         if cache is not None:
             k_BGSD, v_BGSD = cache.update(self.layer_id, k_BGSD, v_BGSD)
-        out_BNSD = causal_attention(q_BNSD, k_BGSD, v_BGSD)
+        out_BNSD = causal_attention(q_BNSD, k_BGSD, v_BGSD, docs=docs)
         return self.wo(out_BNSD.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -115,8 +129,8 @@ class LatentAttention(nn.Module):
     1. q = wq_b(q_norm(wq_a x)) (or wq x without a q latent), split per head into D_nope and R features
     2. [c_kv, k_rope] = wkv_a x; c_kv (Ckv) is RMS-normalised, k_rope (R) is one rotary key shared by all heads
     3. [k_nope, v] = wkv_b c_kv per head; k = [k_nope, k_rope], q = [q_nope, rotary(q_rope)]
-    4. causal attention with scale 1/sqrt(D_nope + R) (times YaRN's mscale^2, ``cfg.softmax_scale``), then wo
-       over the N*Dv outputs
+    4. causal (or document-masked) attention with scale 1/sqrt(D_nope + R) (times YaRN's mscale^2,
+       ``cfg.softmax_scale``), then wo over the N*Dv outputs
     The cache stores the expanded keys and values (simple; caching the latent would be smaller).
     """
 
@@ -140,7 +154,12 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(n * self.v_dim, h, bias=False)
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SR2: torch.Tensor, sin_SR2: torch.Tensor, cache: KVCache | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SR2: torch.Tensor,
+        sin_SR2: torch.Tensor,
+        cache: KVCache | None = None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         q = self.wq_b(self.q_norm(self.wq_a(x_BSH))) if hasattr(self, "wq_b") else self.wq(x_BSH)
@@ -154,7 +173,7 @@ class LatentAttention(nn.Module):
         k_BNSD = torch.cat((k_nope, k_rope_B1SR.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         if cache is not None:
             k_BNSD, v_BNSDv = cache.update(self.layer_id, k_BNSD, v_BNSDv)
-        out_BNSDv = causal_attention(q_BNSD, k_BNSD, v_BNSDv.contiguous(), self.scale)
+        out_BNSDv = causal_attention(q_BNSD, k_BNSD, v_BNSDv.contiguous(), self.scale, docs)
         return self.wo(out_BNSDv.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 from xmoe.config import ModelConfig
 from xmoe.model import init as param_init
 from xmoe.model.attention import KVCache, make_attention
+from xmoe.model.documents import Documents
 from xmoe.model.layers import RMSNorm, apply_rotary, rope_tables  # noqa: F401  (apply_rotary: re-exported)
 from xmoe.model.loss import IGNORE_INDEX, chunk_cross_entropy, chunked_head_loss
 from xmoe.moe.experts import SwiGLU
@@ -70,28 +71,44 @@ class Block(nn.Module):
         self.recompute = "none"
 
     def attn_branch(
-        self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, cache: KVCache | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SD2: torch.Tensor,
+        sin_SD2: torch.Tensor,
+        cache: KVCache | None = None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
-        if cache is None:
-            return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
-        return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2, cache=cache)
+        if cache is not None:
+            return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2, cache=cache)
+        if docs is not None:
+            return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2, docs=docs)
+        return x_BSH + self.attn(self.attn_norm(x_BSH), cos_SD2, sin_SD2)
 
     def ffn_branch(self, x_BSH: torch.Tensor) -> torch.Tensor:
         return x_BSH + self.ffn(self.ffn_norm(x_BSH))
 
-    def _both(self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor) -> torch.Tensor:
-        return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2))
+    def _both(
+        self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, docs: Documents | None = None
+    ) -> torch.Tensor:
+        return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2, docs=docs))
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SD2: torch.Tensor, sin_SD2: torch.Tensor, cache: KVCache | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SD2: torch.Tensor,
+        sin_SD2: torch.Tensor,
+        cache: KVCache | None = None,
+        docs: Documents | None = None,
     ) -> torch.Tensor:
+        """``cos_SD2``, ``sin_SD2``: the rotary tables of the positions of x, (S, D/2), or (B, 1, S, D/2) with
+        ``docs`` (the batch's documents: attention stays inside each, xmoe/model/documents.py)."""
         if cache is not None:
             return self.ffn_branch(self.attn_branch(x_BSH, cos_SD2, sin_SD2, cache))
         if self.recompute == "none" or not torch.is_grad_enabled():
-            return self._both(x_BSH, cos_SD2, sin_SD2)
+            return self._both(x_BSH, cos_SD2, sin_SD2, docs)
         if self.recompute == "full":
-            return checkpoint(self._both, x_BSH, cos_SD2, sin_SD2, use_reentrant=False)
-        x_BSH = self.attn_branch(x_BSH, cos_SD2, sin_SD2)
+            return checkpoint(self._both, x_BSH, cos_SD2, sin_SD2, docs, use_reentrant=False)
+        x_BSH = self.attn_branch(x_BSH, cos_SD2, sin_SD2, docs=docs)
         if self.is_moe:  # "moe": only the MoE branch's activations are dropped and rebuilt
             return checkpoint(self.ffn_branch, x_BSH, use_reentrant=False)
         return self.ffn_branch(x_BSH)
@@ -180,10 +197,18 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        tokens_BS: torch.Tensor,
+        targets_BS: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        *,
+        segments_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits, or the loss with ``targets_BS``. With ``cache`` (generation) the tokens continue the cached
-        positions: their keys and values are appended to it and its position advances."""
+        positions: their keys and values are appended to it and its position advances. With ``segments_BS`` (int32,
+        the tokens' shape: each position's document index in its row, 0-based, non-decreasing) attention stays
+        inside each document and rotary positions restart at each (xmoe/model/documents.py); a row then computes
+        what its documents would compute as rows of their own."""
         if tokens_BS.ndim != 2 or tokens_BS.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"tokens must be an integer tensor of shape (batch, seq); got {tuple(tokens_BS.shape)} "
@@ -199,10 +224,26 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"targets shape {tuple(targets_BS.shape)} must equal tokens shape {tuple(tokens_BS.shape)}"
             )
-        cos_SD2, sin_SD2 = self.rope_cos[start : start + S], self.rope_sin[start : start + S]
+        docs = None
+        if segments_BS is None:
+            cos_SD2, sin_SD2 = self.rope_cos[start : start + S], self.rope_sin[start : start + S]
+        else:
+            if cache is not None:
+                raise ValueError(
+                    "segments cannot be combined with a KV cache: generation continues one document per row, whose "
+                    "positions start at 0; pass segments_BS=None"
+                )
+            docs = Documents.build(segments_BS, tokens_BS)
+            # per row: (B, 1, S, D/2), broadcast over the heads
+            cos_SD2, sin_SD2 = self.rope_cos[docs.positions_BS][:, None], self.rope_sin[docs.positions_BS][:, None]
         h_BSH = self.embed(tokens_BS)
         for block in self.layers:
-            h_BSH = block(h_BSH, cos_SD2, sin_SD2) if cache is None else block(h_BSH, cos_SD2, sin_SD2, cache)
+            if cache is not None:
+                h_BSH = block(h_BSH, cos_SD2, sin_SD2, cache)
+            elif docs is not None:
+                h_BSH = block(h_BSH, cos_SD2, sin_SD2, docs=docs)
+            else:
+                h_BSH = block(h_BSH, cos_SD2, sin_SD2)
         if cache is not None:
             cache.pos += S
         h_BSH = self.norm(h_BSH)
