@@ -1,0 +1,272 @@
+"""The emulated multi-node cluster (benchmarks/emulated_cluster.py): argument checks and the torchrun command
+without privileges; with root, a 2 x 2 training run across two shaped namespaces, a failing node, the link's
+measured rate, Ctrl-C and the cleanup of a killed run, each leaving the host's namespaces, links and queue
+disciplines exactly as they were (skipped with the reason where network namespaces cannot be made)."""
+
+import ipaddress
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import emulated_net  # noqa: E402  (after the path above)
+from benchmarks.emulated_cluster import EmulatedCluster, main  # noqa: E402
+from benchmarks.emulated_launch import node_env, torchrun_argv, torchrun_target  # noqa: E402
+from benchmarks.emulated_net import Layout, NetError, have_net_admin, pick_subnet, setup_commands  # noqa: E402
+
+TOOL = str(ROOT / "benchmarks" / "emulated_cluster.py")
+NAME = re.compile(rf"^{emulated_net.PREFIX}-(\d+)-")
+
+
+def _layout(nodes=2, latency_ms=0.0):
+    return Layout(4242, nodes, pick_subnet([]), 200_000_000, latency_ms)
+
+
+@pytest.fixture
+def net():
+    ok, reason = have_net_admin()
+    if not ok:
+        pytest.skip(reason)
+
+
+def _host_state(mine=()):
+    """The root namespace's links and queue disciplines, and the namespace list without other runs' clusters
+    (another test process may build its own meanwhile); ``mine``: owner pids whose namespaces count."""
+    mine = {os.getpid(), *mine}
+
+    def out(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.splitlines()
+
+    netns = [l for l in out("ip", "netns", "list") if not (NAME.match(l) and int(NAME.match(l)[1]) not in mine)]
+    return netns, out("ip", "-o", "link", "show"), out("tc", "qdisc", "show")
+
+
+def _marked_pids(marker):
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+# --- no privileges needed ---------------------------------------------------------------------------------------
+
+
+def test_command_maps_to_torchrun():
+    assert torchrun_target(["xmoe", "train", "--ep", "4"]) == ["-m", "xmoe", "train", "--ep", "4"]
+    assert torchrun_target(["-m", "pkg.mod", "-x"]) == ["-m", "pkg.mod", "-x"]
+    assert torchrun_target(["benchmarks/b.py", "--n", "2"]) == ["benchmarks/b.py", "--n", "2"]
+    assert torchrun_target(["python", "-c", "pass"]) == ["--no-python", "python", "-c", "pass"]
+    assert torchrun_target(["--no-python", "sh", "-c", "true"]) == ["--no-python", "sh", "-c", "true"]
+    for bad, says in (([], "after --"), (["-m"], "module name"), (["--steps", "3"], "--steps")):
+        with pytest.raises(ValueError, match=says):
+            torchrun_target(bad)
+
+
+def test_torchrun_line_and_environment_of_a_node():
+    layout = _layout(nodes=3)
+    argv = torchrun_argv(layout, 2, 4, "rid", ["-m", "xmoe", "train"])
+    opts = dict(zip(argv[3:-3:2], argv[4:-3:2], strict=True))
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"] and argv[-3:] == ["-m", "xmoe", "train"]
+    assert opts == {
+        "--nnodes": "3",
+        "--node-rank": "2",
+        "--nproc-per-node": "4",
+        "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": f"{layout.node_addr(0)}:29400",
+        "--rdzv-id": "rid",
+        "--rdzv-conf": "is_host=0",
+        "--local-addr": layout.node_addr(2),
+        "--max-restarts": "0",
+    }
+    assert "is_host=1" in torchrun_argv(layout, 0, 4, "rid", ["x.py"])
+    # c10d ranks agents by their addresses as strings: node order must survive that
+    addrs = [layout.node_addr(i) for i in range(64)]
+    assert sorted(addrs) == addrs and len(set(addrs)) == 64
+    assert all(ipaddress.ip_address(a) in layout.subnet for a in addrs)
+
+    base = {"RANK": "3", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x", "PATH": "/bin"}
+    env = node_env(base, layout, 1, 2, {"XMOE_X": "1"})
+    assert env["GLOO_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "xemu1" == layout.node_if(1)
+    assert (env["XMOE_EMU_NODE"], env["XMOE_EMU_NODES"], env["XMOE_X"], env["PATH"]) == ("1", "3", "1", "/bin")
+    assert not {"RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 6))
+    assert node_env({"OMP_NUM_THREADS": "3"}, layout, 0, 2, {})["OMP_NUM_THREADS"] == "3"
+
+
+def test_subnet_avoids_the_hosts_routes():
+    assert str(pick_subnet(["default via 192.0.2.1 dev eth0", "192.0.2.0/24 dev eth0"])) == "10.213.0.0/24"
+    assert str(pick_subnet(["10.213.0.0/24 dev x", "unreachable 10.213.10.7"])) == "10.213.20.0/24"
+    assert str(pick_subnet(["10.0.0.0/8 dev x"])) == "172.31.200.0/24"
+
+
+def test_setup_touches_only_its_own_namespaces():
+    layout = _layout(latency_ms=0.5)
+    cmds = setup_commands(layout)
+    own = set(layout.namespaces())
+    for cmd in cmds:
+        assert cmd[1] == "-n" and cmd[2] in own, cmd  # never the root namespace
+    # each node's link shaped at both ends (its egress, its switch port's), the delay split between them
+    shaped = {(c[2], c[6]) for c in cmds if "tbf" in c}
+    ends = {(layout.node_ns(i), f"xemu{i}") for i in range(2)} | {(layout.switch_ns, f"xemu-p{i}") for i in range(2)}
+    assert shaped == ends and len([c for c in cmds if "tbf" in c]) == 4
+    assert all(c[c.index("rate") + 1] == "200000000bit" for c in cmds if "tbf" in c)
+    assert {c[c.index("delay") + 1] for c in cmds if "netem" in c} == {"250us"}
+    assert not [c for c in setup_commands(_layout()) if "netem" in c]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--nodes", "0", "--", "true"], "--nodes 0"),
+        (["--inter-gbit", "0", "--", "true"], "--inter-gbit 0"),
+        (["--inter-gbit", "nan", "--", "true"], "--inter-gbit nan"),
+        (["--inter-latency-ms", "-1", "--", "true"], "--inter-latency-ms -1"),
+        (["--ranks-per-node", "0", "--", "true"], "--ranks-per-node 0"),
+        (["--timeout", "0", "--", "true"], "--timeout 0"),
+        (["--nodes", "2"], "give the command to run after --"),
+        (["--", "-m"], "module name"),
+        (["--nodes", "1", "--measure"], "--measure needs --nodes 2"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and says in err[-1] and err[-1].startswith("emulated_cluster.py: error:")
+
+
+def test_dry_run_prints_the_plan_without_privileges(capsys):
+    assert main(["--dry-run", "--nodes", "2", "--ranks-per-node", "2", "--", "xmoe", "train", "--ep", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    runs = [l for l in lines if l.startswith("ip netns exec")]
+    assert len(runs) == 2 and all("--nproc-per-node 2 " in l and l.endswith("-m xmoe train --ep 4") for l in runs)
+    assert "-n1 " in runs[1] and "--node-rank 1" in runs[1]
+    assert sum(l.startswith("ip netns add") for l in lines) == 3  # switch + 2 nodes
+
+
+def test_without_privileges_it_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(emulated_net, "_has_capability", lambda bit: False)
+    ok, reason = have_net_admin()
+    assert not ok and "root" in reason and "\n" not in reason
+    assert main(["--nodes", "2", "--", "true"]) == 2
+    assert capsys.readouterr().err.strip() == f"emulated_cluster.py: {reason}"
+    with pytest.raises(NetError, match="root"):
+        EmulatedCluster(nodes=2).start()
+
+
+# --- with root: namespaces ----------------------------------------------------------------------------------------
+
+
+def test_two_nodes_of_two_ranks_train_and_leave_nothing(net, tmp_path):
+    before = _host_state()
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    train = ["xmoe", "train", "--preset", "tiny", "--ep", "4", "--steps", "3", "--batch-size", "8", "--seq-len", "64"]
+    train += ["--ckpt-every", "0", "--log-every", "1", "--out", str(tmp_path / "run")]
+    with EmulatedCluster(nodes=2, inter_gbit=1.0) as cluster:
+        result = cluster.run(train, ranks_per_node=2, env=env, timeout=300, out=tmp_path / "logs")
+        link = [cluster.link_bytes(i) for i in range(2)]
+        assert set(cluster.layout.namespaces()) <= set(emulated_net.list_namespaces())
+    logs = "\n".join(n.log.read_text()[-3000:] for n in result.nodes)
+    assert result.returncode == 0 and [n.status for n in result.nodes] == ["ok", "ok"], logs
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    assert "4 process(es)" in result.nodes[0].log.read_text() + result.nodes[1].log.read_text()
+    # the expert all-to-all crossed each node's shaped link both ways (ranks of one node never use it)
+    assert all(sent > 100_000 and received > 100_000 for sent, received in link), link
+    assert _host_state() == before
+
+
+def test_a_failing_node_fails_the_run_and_leaves_nothing(net, tmp_path):
+    before = _host_state()
+    exit_on_node_1 = "import os, sys; sys.exit(3 if os.environ['XMOE_EMU_NODE'] == '1' else 0)"
+    with EmulatedCluster(nodes=2, inter_gbit=1.0) as cluster:
+        result = cluster.run(["python", "-c", exit_on_node_1], out=tmp_path, timeout=120, fail_grace_s=1.0)
+    node0, node1 = result.nodes
+    assert node1.status == "failed" and node1.returncode == result.returncode != 0
+    assert re.search(r"exitcode\s*:\s*3", node1.log.read_text()), node1.log.read_text()[-2000:]
+    assert node0.status in ("ok", "stopped")  # its agent may wait at torchrun's exit barrier until stopped
+    assert _host_state() == before
+
+
+def test_measured_rate_follows_the_shaped_rate(net):
+    with EmulatedCluster(nodes=2, inter_gbit=0.2) as cluster:
+        with pytest.raises(NetError, match="exists already"):  # and the first one is left as it was
+            EmulatedCluster(nodes=3).start()
+        link = cluster.measure_link(0, 1, nbytes=4 << 20)
+    # payload rate: TCP/IP and Ethernet headers take ~4.5% of the shaped frames
+    assert 0.5 * 200e6 < link.rate_bit < 1.1 * 200e6, link.describe()
+    assert 0 < link.rtt_min_ms <= link.rtt_ms < 50
+
+
+def test_latency_needs_netem_or_is_refused_in_one_line(net):
+    before = _host_state()
+    cluster = EmulatedCluster(nodes=2, inter_gbit=1.0, inter_latency_ms=5.0)
+    try:
+        with cluster:
+            link = cluster.measure_link(0, 1, nbytes=1 << 20, pings=5)
+        assert 9.5 < link.rtt_ms < 20, link.describe()  # 5 ms each way
+    except NetError as e:
+        assert "netem" in str(e) and "--inter-latency-ms 0" in str(e) and "\n" not in str(e)
+    assert _host_state() == before
+
+
+def test_ctrl_c_stops_every_node_and_removes_everything(net, tmp_path):
+    marker = f"emu-{uuid.uuid4().hex}"
+    cmd = [sys.executable, TOOL, "--nodes", "2", "--out", str(tmp_path), "--"]
+    cmd += ["python", "-c", f"import time; time.sleep(120)  # {marker}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    before = _host_state()  # taken without the child's namespaces (not yet its own)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_marked_pids(marker)) < 4 and time.monotonic() < deadline:  # 2 torchruns + their 2 workers
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        assert len(_marked_pids(marker)) >= 4
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in out and "SIGINT" in err
+    assert _marked_pids(marker) == []
+    assert _host_state(mine=[proc.pid]) == before
+
+
+def test_cleanup_removes_what_a_killed_run_left(net):
+    before = _host_state()
+    marker = f"emu-{uuid.uuid4().hex}"
+    code = (
+        "import subprocess, sys, time\n"
+        "from benchmarks.emulated_cluster import EmulatedCluster\n"
+        "c = EmulatedCluster(nodes=2).start()\n"
+        f"subprocess.Popen(['ip', 'netns', 'exec', c.namespace(0), 'sh', '-c', 'sleep 300; : {marker}'])\n"
+        "print('up', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "up"
+        time.sleep(0.2)
+        owner.kill()  # no cleanup can run: its namespaces and the process inside stay behind
+        owner.wait()
+        left = emulated_net.leftovers().get(owner.pid, [])
+        assert len(left) == 3 and _marked_pids(marker)
+        done = subprocess.run([sys.executable, TOOL, "--cleanup"], capture_output=True, text=True, timeout=60)
+    finally:
+        owner.kill()
+    assert done.returncode == 0 and f"removed 3 namespace(s) of pid {owner.pid}" in done.stdout, done.stdout
+    assert _marked_pids(marker) == []
+    assert _host_state(mine=[owner.pid]) == before
