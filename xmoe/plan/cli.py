@@ -123,6 +123,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     com.add_argument("--tokens-per-gpu", type=int, help="tokens each GPU routes (default: the preset's seq)")
     com.add_argument("--mc-tokens", type=int, default=4096, help="Monte Carlo tokens per source GPU (default 4096)")
     com.add_argument("--seed", type=int, default=0, help="seed of the sampled routing (default 0)")
+    add_step_arguments(com)
+
+
+def add_step_arguments(com: argparse.ArgumentParser) -> None:
+    """`plan comm`'s step-time model (step_time.py): the compute, the techniques, the emulated cluster's links."""
+    step = com.add_argument_group("step time (overlap, FP8 dispatch, node-limited routing; docs/planning.md)")
+    step.add_argument(
+        "--node-inter-bw",
+        type=float,
+        help="GB/s across nodes per node, shared by its --gpus-per-node GPUs (instead of --inter-bw; e.g. 0.125 "
+        "for a node linked at 1 Gbit/s)",
+    )
+    step.add_argument(
+        "--compute-ms",
+        type=float,
+        help="measured compute of one step, no communication (`xmoe plan memory --measure` prints it; default: the "
+        "model's FLOPs at --tflops)",
+    )
+    step.add_argument(
+        "--layer-compute-ms", type=float, help="measured compute of one layer per micro-batch instead (x layers)"
+    )
+    step.add_argument(
+        "--experts-ms",
+        type=float,
+        help="measured forward of one layer call's routed experts (backward taken as 2x; default: FLOPs at --tflops)",
+    )
+    step.add_argument(
+        "--tflops",
+        type=float,
+        default=400.0,
+        help="throughput assumed where nothing was measured (default 400: bf16 expert GEMMs on one H100)",
+    )
+    step.add_argument(
+        "--recompute",
+        choices=("none", "moe", "full"),
+        default="none",
+        help="activation recompute: moe and full run each MoE forward, its all-to-alls included, again in backward",
+    )
+    step.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (default 1)")
+    step.add_argument("--ep-chunks", type=int, default=2, help="chunks of ep_overlap 'chunks' (default 2)")
+    step.add_argument(
+        "--chunk-overhead-rows",
+        type=float,
+        default=300.0,
+        help="chunking's cost: rows each local expert's GEMM costs extra per chunk (default 300, from one H100)",
+    )
+    step.add_argument(
+        "--max-nodes-per-token",
+        default="4",
+        help="node limits M to compare with none, comma-separated (default 4; 0: none only)",
+    )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -141,13 +192,24 @@ def _check_args(args: argparse.Namespace) -> None:
         "layers",
         "accumulation",
         "steps",
+        "micro_batches",
     )
     for name in counts:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({value}) must be >= 1")
-    positive = ("gpu_mem", "capacity_factor", "intra_bw", "inter_bw")
-    at_least = {"imbalance": 1.0, "reserve": 0.0, "intra_lat": 0.0, "inter_lat": 0.0}
+    positive = (
+        "gpu_mem",
+        "capacity_factor",
+        "intra_bw",
+        "inter_bw",
+        "node_inter_bw",
+        "compute_ms",
+        "layer_compute_ms",
+        "experts_ms",
+        "tflops",
+    )
+    at_least = {"imbalance": 1.0, "reserve": 0.0, "intra_lat": 0.0, "inter_lat": 0.0, "chunk_overhead_rows": 0.0}
     for name in positive:
         value = getattr(args, name, None)
         if value is not None and not (value > 0 and math.isfinite(value)):
@@ -156,6 +218,10 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not (value >= low and math.isfinite(value)):
             raise ValueError(f"--{name.replace('_', '-')} ({value}) must be a finite number >= {low:g}")
+    if getattr(args, "ep_chunks", 2) < 2:
+        raise ValueError(f"--ep-chunks ({args.ep_chunks}) must be >= 2")
+    if getattr(args, "compute_ms", None) is not None and getattr(args, "layer_compute_ms", None) is not None:
+        raise ValueError("give --compute-ms (per step) or --layer-compute-ms (per layer), not both")
     if getattr(args, "seed", 0) < 0:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
     if args.gpus > MAX_GPUS:

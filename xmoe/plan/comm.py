@@ -17,6 +17,9 @@ experts is hit by a token with probability 1 - C(E-m, K) / C(E, K) (hypergeometr
 T * sum over nodes (or GPUs) of that probability. Skewed or recorded routing is estimated by Monte Carlo
 (k distinct experts per token drawn with the per-expert probabilities; seeded), using ``count_rows``.
 
+Node-limited routing (``max_nodes_per_token`` M: each token's experts on at most M nodes) is counted by Monte Carlo
+of the router's rule (node_limit.py). step_time.py turns these rows into a step time with overlap and FP8 dispatch.
+
 Time (per GPU, microseconds): stage = latency + bytes / bandwidth, bandwidths per GPU (the inter-node one is
 the GPU's share of its node's NICs). Flat: intra- and inter-node transfers of the one collective overlap:
 max(intra, inter). RBD: stage 1 sends pilots over the network while the source's own-node rows go over the
@@ -38,6 +41,7 @@ import numpy as np
 from xmoe.config import ModelConfig
 from xmoe.dispatch.base import experts_per_rank
 from xmoe.parallel.dims import node_of, rank_grid
+from xmoe.plan.node_limit import experts_by_node, sample_node_limited
 
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 SKEW_EXPONENT = 1.0  # "skewed" routing: expert popularity ~ 1 / rank^SKEW_EXPONENT (Zipf)
@@ -227,6 +231,7 @@ class CommEstimate:
     rows: RowCounts  # per source GPU, averaged over the EP group's ranks
     method: str  # "closed form" or "monte carlo (N tokens x M sources, seed S)"
     network: Network
+    max_nodes_per_token: int = 0  # node-limited routing's M (0: off; also 0 when M >= group_nodes: no effect)
 
     def nbytes(self, rows: float) -> float:
         return rows * self.hidden * self.bytes_per_elem
@@ -263,13 +268,15 @@ def estimate_comm(
     mc_tokens: int = 4096,
     mc_sources: int = 8,
     seed: int = 0,
+    max_nodes_per_token: int = 0,
 ) -> CommEstimate:
     """Per-GPU rows, bytes and time of one dispatch of ``cfg``'s MoE layer on ``gpus`` GPUs.
 
     ep defaults to min(E, gpus / tp). ``routing``: 'uniform', 'skewed', a .json histogram path, or per-expert
     probabilities. method "auto" uses the closed form for uniform routing, Monte Carlo otherwise; "mc" forces
     Monte Carlo (``mc_tokens`` tokens from each of up to ``mc_sources`` evenly spaced ranks of the group,
-    scaled to ``tokens_per_gpu``).
+    scaled to ``tokens_per_gpu``). ``max_nodes_per_token`` M > 0: node-limited routing (node_limit.py; Monte
+    Carlo of the router's rule with ``cfg.moe.score_func``) where the group spans more than M nodes.
     """
     moe = cfg.moe
     E, K = moe.num_experts, moe.top_k
@@ -279,18 +286,29 @@ def estimate_comm(
     e2r, r2n, group = ep_layout(E, gpus, ep, gpus_per_node, placement, tp)
     if method not in ("auto", "mc"):
         raise ValueError(f"method ({method!r}) must be 'auto' or 'mc'")
-    if probs is None and method == "auto":
+    group_nodes = len({int(r2n[r]) for r in group})
+    nodes_NE = experts_by_node(e2r, r2n, max_nodes_per_token, K) if max_nodes_per_token else None
+    limit = max_nodes_per_token if nodes_NE is not None and max_nodes_per_token < group_nodes else 0
+    if limit:  # the rule binds: expected rows by Monte Carlo of it
+
+        def draw(rng: np.random.Generator) -> np.ndarray:
+            assert nodes_NE is not None
+            return sample_node_limited(probs, nodes_NE, K, limit, mc_tokens, rng, moe.score_func)
+
+    else:
+
+        def draw(rng: np.random.Generator) -> np.ndarray:
+            return sample_routing(probs, E, K, mc_tokens, rng)
+
+    if probs is None and method == "auto" and not limit:
         rows = RowCounts.mean([expected_rows_uniform(E, K, e2r, r2n, s, tokens) for s in group])
         how = "closed form"
     else:
         rng = np.random.default_rng(seed)
         sources = group[:: max(1, len(group) // mc_sources)][:mc_sources]
-        rows = RowCounts.mean(
-            [count_rows(sample_routing(probs, E, K, mc_tokens, rng), e2r, r2n, s) for s in sources]
-        ).scaled(tokens / mc_tokens)
+        rows = RowCounts.mean([count_rows(draw(rng), e2r, r2n, s) for s in sources]).scaled(tokens / mc_tokens)
         how = f"monte carlo ({mc_tokens} tokens x {len(sources)} sources, seed {seed})"
-    group_nodes = len({int(r2n[r]) for r in group})
-    return CommEstimate(gpus, ep, group_nodes, cfg.hidden_size, bytes_per_elem, rows, how, network)
+    return CommEstimate(gpus, ep, group_nodes, cfg.hidden_size, bytes_per_elem, rows, how, network, limit)
 
 
 def scaling_table(cfg: ModelConfig, gpu_counts: Sequence[int] = GPU_COUNTS, **kwargs) -> list[CommEstimate]:

@@ -258,9 +258,11 @@ def _terms(parts: dict[str, float], scale: float) -> str:
 def run_comm(cfg, args) -> str:
     from xmoe.plan import comm
 
-    net = comm.Network(args.intra_bw, args.inter_bw, args.intra_lat, args.inter_lat)
-    if min(args.intra_bw, args.inter_bw) <= 0 or min(args.intra_lat, args.inter_lat) < 0:
+    inter_bw = args.inter_bw if args.node_inter_bw is None else args.node_inter_bw / args.gpus_per_node
+    net = comm.Network(args.intra_bw, inter_bw, args.intra_lat, args.inter_lat)
+    if min(args.intra_bw, inter_bw) <= 0 or min(args.intra_lat, args.inter_lat) < 0:
         raise ValueError("bandwidths must be > 0 and latencies >= 0")
+    limits = _node_limits(args.max_nodes_per_token)
     if args.tp > args.gpus_per_node:
         raise ValueError(f"--tp ({args.tp}) must be <= --gpus-per-node ({args.gpus_per_node})")
     probs = comm.routing_probs(args.routing, cfg.moe.num_experts, cfg.moe.top_k, args.seed)
@@ -282,7 +284,8 @@ def run_comm(cfg, args) -> str:
         f"(EP group on {est.group_nodes} node{'s' if est.group_nodes > 1 else ''}, {args.placement}), "
         f"{r.tokens:.0f} tokens per GPU, top-{moe.top_k} of {moe.num_experts} experts, H {cfg.hidden_size} bf16",
         f"routing {args.routing} ({est.method}); per GPU: intra {net.intra_bw:g} GB/s + {net.intra_lat:g} us, "
-        f"inter {net.inter_bw:g} GB/s + {net.inter_lat:g} us",
+        f"inter {net.inter_bw:g} GB/s + {net.inter_lat:g} us"
+        + ("" if args.node_inter_bw is None else f" (the node's {args.node_inter_bw:g} GB/s over its GPUs)"),
         f"rows one GPU sends per dispatch{'':<9}{'flat':>12}{'RBD':>12}",
         f"  kept on the GPU (no transfer){'':<10}{r.flat_local:>12.0f}{r.flat_local:>12.0f}",
         f"  intra-node, own node{'':<19}{r.flat_intra:>12.0f}{r.flat_intra:>12.0f}",
@@ -300,6 +303,7 @@ def run_comm(cfg, args) -> str:
             f"RBD {mc.rows.rbd_inter:.0f}, replicas {mc.rows.rbd_replicas:.0f}, "
             f"R {mc.rows.redundancy_rate:.3f}"
         )
+    lines += _step_lines(cfg, args, est, common, limits)
     lines += [
         "",
         f"scaling (ep = {args.ep or 'min(E, gpus / tp)'}, {args.placement}, same tokens per GPU):",
@@ -324,3 +328,53 @@ def run_comm(cfg, args) -> str:
         label = str(gpus[0]) if len(gpus) == 1 else f"{gpus[0]}-{gpus[-1]}"
         lines.append(f"{label:>9}{row}" + ("  <-" if args.gpus in gpus else ""))
     return "\n".join(lines)
+
+
+def _node_limits(text: str) -> list[int]:
+    """--max-nodes-per-token's comma-separated list of M (0: none), checked."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--max-nodes-per-token ({text!r}) must be integers, comma-separated (e.g. 4 or 1,2,4)"
+        ) from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"--max-nodes-per-token ({text}) must be >= 0 (0: no limit)")
+    return sorted(set(values) - {0})
+
+
+def _step_lines(cfg, args, est, common: dict, limits: list[int]) -> list[str]:
+    """The step time with and without each technique (plan.step_table), compute measured or estimated."""
+    from xmoe.plan import comm, step_table, step_time
+
+    layers_ms = args.layer_compute_ms
+    compute = step_time.compute_model(
+        cfg,
+        int(est.rows.tokens),
+        ep=est.ep,
+        compute_ms=args.compute_ms if layers_ms is None else layers_ms * cfg.num_layers * args.micro_batches,
+        experts_ms=args.experts_ms,
+        tflops=args.tflops,
+        recompute=args.recompute,
+        micro_batches=args.micro_batches,
+        chunk_overhead_rows=args.chunk_overhead_rows,
+    )
+    estimates = {0: est}
+    for limit in limits:
+        limited = comm.estimate_comm(cfg, args.gpus, ep=args.ep, max_nodes_per_token=limit, **common)
+        if limited.max_nodes_per_token:  # M < the group's nodes: the rule binds
+            estimates[limit] = limited
+    lines = step_table.step_lines(estimates, compute, args.ep_chunks, cfg.moe.top_k, est.rows.tokens)
+    unbound = [m for m in limits if m not in estimates]
+    if unbound:
+        lines.append(f"node limit M={unbound} not shown: the EP group spans only {est.group_nodes} node(s)")
+    for limit, e in estimates.items():
+        if limit:
+            r = e.rows
+            lines.append(
+                f"node limit M={limit} ({e.method}): {r.token_nodes / r.tokens:.2f} nodes per token (none: "
+                f"{est.rows.token_nodes / est.rows.tokens:.2f}); inter-node rows per dispatch flat "
+                f"{r.flat_inter:.0f}, RBD {r.rbd_inter:.0f} (none: {est.rows.rbd_inter:.0f}), replicas "
+                f"{r.rbd_replicas:.0f}"
+            )
+    return lines
