@@ -27,6 +27,7 @@ EXAMPLES = """examples:
   xmoe plan memory --preset small --layers 2 --seq 256 --micro-batch 1 --gpus 64 --ep 16 --tp 1 --measure --json
   xmoe plan memory --preset small --layers 2 --gpus 8 --ep 8 --measure --wgrad triton   # under a kernel choice
   xmoe plan comm --preset large --gpus 256 --inter-bw 50
+  xmoe plan comm --preset large --gpus 256 --inter-bw 25 --compute-ms 1110 --max-nodes-per-token 2,4   # step time
 """
 
 
