@@ -237,6 +237,23 @@ def test_more_bandwidth_is_never_slower() -> None:
         assert times == sorted(times, reverse=True), tech
 
 
+def test_overlap_never_slower_than_off_but_for_chunking_cost() -> None:
+    cfg = get_preset("tiny")  # shared experts too
+    for lat in (0.0, 50.0):
+        net = comm.Network(intra_bw=1.0, inter_bw=0.05, intra_lat=lat, inter_lat=lat)
+        est = comm.estimate_comm(cfg, 8, gpus_per_node=2, ep=8, tokens_per_gpu=4096, network=net)
+        for r0 in (0.0, 300.0):
+            compute = step_time.compute_model(cfg, 4096, ep=8, tflops=0.05, chunk_overhead_rows=r0, recompute="moe")
+            for dispatcher in step_time.DISPATCHERS:
+                for dtype in step_time.DISPATCH_DTYPES:
+                    off = step_time.predict_step(est, compute, Techniques(dispatcher, "off", 2, dtype), top_k=4)
+                    for mode, n in (("shared", 2), ("chunks", 2), ("chunks", 3), ("chunks", 8)):
+                        p = step_time.predict_step(est, compute, Techniques(dispatcher, mode, n, dtype), top_k=4)
+                        if mode == "shared" or (lat == 0 and r0 == 0):
+                            assert p.step_ms <= off.step_ms + 1e-9
+                        assert p.network_ms >= off.network_ms - 1e-9  # splitting never sends less
+
+
 def test_shared_experts_overlap() -> None:
     # tiny has 2 shared experts: "shared" hides them behind the all-to-all; without shared experts it is "off"
     cfg = get_preset("tiny")
