@@ -109,7 +109,7 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             named = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's message names the refused global
-            what = f"of type {named.group(1)}" if named else "outside torch's weights-only allow-list"
+            what = f"of type {named[1]}" if named else "outside torch's weights-only allow-list"
             raise _refusal(self.ckpt / "*.distcp", f"a Python object {what} as {read_item.dest_index.fqn}") from None
         # hand the value on as a fresh blob of what was read, so DCP's own placement (its flattening of nested
         # state) applies unchanged; it unpickles only what the restricted reader just accepted
