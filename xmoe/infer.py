@@ -66,11 +66,12 @@ def load_source(source: str, step: int | None = None, device: str = "cpu", *, co
     if not path.exists():
         raise missing(path, "source", "pass an xmoe run directory or a Hugging Face directory")
     if (path / "config.json").is_file():
-        from xmoe.hf.checkpoint import read_model_config
+        from xmoe.hf.checkpoint import check_sizes, read_model_config
 
         if step is not None:
             raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
         hf, cfg = read_model_config(path)
+        check_sizes(path, hf, cfg)  # before anything is allocated
         model = build_model(cfg, device, init_from=str(path)).model
         model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
         tokenizer = path / RUN_TOKENIZER
@@ -254,7 +255,7 @@ def run_export(args: argparse.Namespace) -> Path:
             max_shard_bytes=int(args.max_shard_gb * 2**30),
         )
         if tokenizer is not None:
-            shutil.copy(tokenizer, staged / RUN_TOKENIZER)
+            shutil.copyfile(tokenizer, staged / RUN_TOKENIZER)  # its mode from the umask, as the model files
         _move_into(staged, out)
     finally:
         shutil.rmtree(staged, ignore_errors=True)

@@ -19,11 +19,10 @@ import json
 import os
 import re
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from xmoe.checks import missing
@@ -38,28 +37,15 @@ from xmoe.hf.families import (
     model_config_from_hf,
     tensor_names,
 )
+from xmoe.hf.shards import INDEX_FILE, SINGLE_FILE, check_sizes, open_shard, read_json, weight_map
 from xmoe.model.init import local_box
 from xmoe.model.transformer import Transformer
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "check_sizes", "read_json"]  # re-exported: readers import them from here
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 RUN_HF_CONFIG = "hf_config.json"  # in a run directory: the config.json it was imported from (export reuses it)
 RUN_TOKENIZER = "tokenizer.json"  # in a run or HF directory: the tokenizer text goes through
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def read_json(file: Path, fix: str) -> dict:
-    """A JSON object from ``file``; ValueError naming the file and ``fix`` when it is not one."""
-    try:
-        value = json.loads(file.read_text())
-    except UnicodeDecodeError:
-        raise ValueError(f"{file} is not text (not UTF-8); {fix}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); {fix}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{file} holds a JSON {type(value).__name__}, not an object; {fix}")
-    return value
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -92,31 +78,6 @@ def _numeric(text: str) -> bool:
     return True
 
 
-@contextmanager
-def _open_shard(file: Path):
-    """safe_open, with errors that name the shard (a truncated or zeroed file fails in its header)."""
-    try:
-        handle = safe_open(file, framework="pt", device="cpu")
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file} is not a readable safetensors file ({e}); download or export it again") from None
-    with handle as f:
-        yield f
-
-
-def _weight_map(path: Path) -> dict[str, str]:
-    """HF tensor name -> the shard file holding it."""
-    if (path / INDEX_FILE).is_file():
-        fix = "download or export the model again"
-        weight_map = read_json(path / INDEX_FILE, fix).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{path / INDEX_FILE} has no weight_map of tensor names to shard files; {fix}")
-        return weight_map
-    if (path / SINGLE_FILE).is_file():
-        with _open_shard(path / SINGLE_FILE) as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
-    raise FileNotFoundError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-
-
 def _beyond_model(name: str, num_layers: int) -> bool:
     """Tensors of layers past num_hidden_layers: DeepSeek-V3's multi-token-prediction modules, unused here."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
@@ -140,20 +101,18 @@ def load_weights(
             skipped.add(theirs)
         else:
             wanted[theirs] = (ours, matrix)
-    weight_map = _weight_map(path)
-    missing = [name for name in wanted if name not in weight_map]
+    weights = weight_map(path)
+    missing = [name for name in wanted if name not in weights]
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors the {family} config implies are missing, e.g. {missing[:3]}")
-    unexpected = [
-        n for n in weight_map if n not in wanted and n not in skipped and not _beyond_model(n, cfg.num_layers)
-    ]
+    unexpected = [n for n in weights if n not in wanted and n not in skipped and not _beyond_model(n, cfg.num_layers)]
     if unexpected:
         raise ValueError(f"{path}: tensors xmoe has no place for (unsupported options?), e.g. {unexpected[:3]}")
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in wanted:
-        by_file[weight_map[name]].append(name)
+        by_file[weights[name]].append(name)
     for file in sorted(by_file):
-        with _open_shard(path / file) as f:
+        with open_shard(path / file) as f:
             for name in by_file[file]:
                 ours, matrix = wanted[name]
                 rows = mla_rope_rows(cfg, ours) if deinterleave and matrix is None else None
@@ -207,6 +166,7 @@ def load_pretrained(
     max_position_embeddings). The imported config.json stays on the model as ``model.hf_config``.
     """
     hf, cfg = read_model_config(path, max_seq_len)
+    check_sizes(path, hf, cfg)  # before anything is allocated: sizes the weights do not hold are refused
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device=device)
@@ -217,6 +177,21 @@ def load_pretrained(
             p.data = p.data.to(dtype)
     model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
     return model.eval()
+
+
+def _follow_umask(files: list[Path]) -> None:
+    """safetensors writes its files 0600 whatever the umask; give them the mode every other file gets."""
+    umask = None
+    try:  # read, not set: setting it, even back, races with other threads creating files meanwhile
+        status = Path("/proc/self/status").read_text()
+        umask = next(int(line.split()[1], 8) for line in status.splitlines() if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    if umask is None:
+        umask = os.umask(0o077)  # the strictest mode meanwhile
+        os.umask(umask)
+    for file in files:
+        os.chmod(file, 0o666 & ~umask)
 
 
 def _hf_tensors(model: Transformer, family: str):
@@ -292,6 +267,7 @@ def save_pretrained(
             pending, current = {}, file_of[name]
         pending[name] = tensor.to("cpu", out_dtype).contiguous()
     save_file(pending, str(path / current), metadata={"format": "pt"})
+    _follow_umask([path / f for f in files])
     if len(shards) > 1:  # a reader prefers the index: drop a single file an earlier save left
         (path / SINGLE_FILE).unlink(missing_ok=True)
         index = {"metadata": {"total_size": total}, "weight_map": file_of}

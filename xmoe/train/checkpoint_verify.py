@@ -1,12 +1,15 @@
 """Whether a checkpoint's files check out: the sizes and crc32 a save records of what it wrote, meta.json read
 and checked, every file against its record (once, split over the ranks), and the newest checkpoint that passes.
 Nothing here builds or loads a model: a resume picks and checks its checkpoint before anything is built.
+The files meta.json names are plain files of the checkpoint directory: a name with a path is refused before any
+file is looked at, and a recorded file that is a link is refused unread, so no file elsewhere is read or sized.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import warnings
 import zlib
 from pathlib import Path
@@ -32,7 +35,7 @@ _CHUNK = 8 << 20  # crc32 read size: large enough that Python overhead is neglig
 
 def _crc32(path: Path) -> str:
     crc = 0
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
@@ -76,18 +79,34 @@ def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {ckpt} has a missing or corrupt {META} ({type(e).__name__}: {e}). {_suggest_previous(ckpt)}"
         ) from e
+    for name in meta["files"]:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..") or "\0" in name:
+            raise CheckpointError(
+                f"checkpoint {ckpt}'s {META} names {name!r}, which is not a file name in the checkpoint's directory "
+                f"(a name with a path reaches outside it). {_suggest_previous(ckpt)}"
+            )
     return meta
+
+
+def _problem(path: Path, want: dict[str, Any]) -> str:
+    """What is wrong with recorded file ``path`` beside its record's size ("" if nothing), looked at without
+    following a link."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return f"{path.name} is missing"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path.name} is a symbolic link (a checkpoint's files are its own)"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path.name} is not a plain file"
+    if st.st_size != want.get("size"):
+        return f"{path.name} has {st.st_size} bytes, expected {want.get('size')} (truncated?)"
+    return ""
 
 
 def _check_sizes(ckpt: Path, meta: dict[str, Any]) -> None:
     """Every recorded file present at its recorded size (cheap: no reads); CheckpointError otherwise."""
-    problems = []
-    for name, want in sorted(meta["files"].items()):
-        path = ckpt / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != want.get("size"):
-            problems.append(f"{name} has {path.stat().st_size} bytes, expected {want.get('size')} (truncated?)")
+    problems = [p for name, want in sorted(meta["files"].items()) if (p := _problem(ckpt / name, want))]
     if problems:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}. {_suggest_previous(ckpt)}")
 
@@ -100,11 +119,8 @@ def _verify_files(ckpt: Path, meta: dict[str, Any], checksums: bool) -> None:
     for i, name in enumerate(names):
         want = meta["files"][name]
         path = ckpt / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != want.get("size"):
-            size = path.stat().st_size
-            problems.append(f"{name} has {size} bytes, expected {want.get('size')} (truncated?)")
+        if problem := _problem(path, want):
+            problems.append(problem)
         elif checksums and "crc32" in want and i % world == rank and _crc32(path) != want["crc32"]:
             problems.append(f"{name} fails its crc32 check (content corrupted)")
     problems = sorted({p for part in _all_gather(problems) for p in part})

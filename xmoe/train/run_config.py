@@ -148,9 +148,10 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     file = _load_file(args.config) if args.config else {}
     preset, init_from = _start(args, file)
     if init_from:
-        from xmoe.hf.checkpoint import read_model_config
+        from xmoe.hf.checkpoint import check_sizes, read_model_config
 
         hf, model = read_model_config(init_from)
+        check_sizes(init_from, hf, model)  # sizes the weights do not hold, before anything is allocated
     else:
         model = get_preset(preset)
     imported = model
