@@ -77,7 +77,7 @@ def instrumented(trainer, marks: Marks, drawn: dict | None):
     loader's draws are served from while it is not None (filled beforehand by ``draw_ahead``)."""
     import xmoe.train.trainer as trainer_mod
     from xmoe.moe.step import MoEStep
-    from xmoe.train.data import TokenLoader
+    from xmoe.train.loader import TokenLoader
 
     def after(fn, name):
         def call(*a, **k):

@@ -32,7 +32,7 @@ def main() -> None:
     from xmoe.parallel.regions import apply_recompute
     from xmoe.plan.trainer_memory import estimate_trainer_memory
     from xmoe.train.cli import build_run_config
-    from xmoe.train.data import TokenLoader
+    from xmoe.train.loader import TokenLoader
     from xmoe.train.trainer import Trainer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

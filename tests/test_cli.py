@@ -194,6 +194,8 @@ def test_a_config_file_describes_a_whole_run(tmp_path):
         "path": "markov",
         "val_path": "markov",
         "tokenizer": "bytes",
+        "documents": "concat",
+        "eos_id": None,
         "vocab_size": 256,
         "name": config["data"]["name"],
     } and config["data"]["name"].startswith("markov(")

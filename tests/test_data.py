@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from xmoe.train.data import TokenLoader, build_dataset, load_tokens, tokenize_file
+from xmoe.train.data import build_dataset, load_tokens, tokenize_file
+from xmoe.train.loader import TokenLoader
 from xmoe.train.markov import MarkovSource
 
 
@@ -156,7 +157,7 @@ def test_resume_gives_the_same_next_batches(spec):
 def test_batches_drawn_ahead_equal_batches_drawn_one_at_a_time(spec, world_size, monkeypatch):
     """The loader draws PREFETCH_ROWS rows per dataset call; its batches equal those of a loader that draws one
     batch per call (across epochs, per rank, after a state loaded in the middle of what was drawn ahead)."""
-    import xmoe.train.data as data
+    import xmoe.train.loader as data
 
     ds = build_dataset(spec, seq_len=16, seed=3)  # npy: 18 windows, so the batches cross epochs
     calls = []

@@ -18,7 +18,8 @@ from hf_models import FAMILIES, VOCAB, load_reference, rel_err, saved_reference
 
 from xmoe.cli import main
 from xmoe.infer import load_source
-from xmoe.train.data import TokenLoader, build_dataset
+from xmoe.train.data import build_dataset
+from xmoe.train.loader import TokenLoader
 
 SEQ, BATCH = 16, 4
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.host_lead import Marks, draw_ahead, instrumented, summarise  # noqa: E402
-from xmoe.train.data import TokenLoader, build_dataset  # noqa: E402
+from xmoe.train.data import build_dataset  # noqa: E402
+from xmoe.train.loader import TokenLoader  # noqa: E402
 
 
 def test_summarise_against_direct_arithmetic():

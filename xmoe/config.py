@@ -192,25 +192,33 @@ def kernel_config(args: argparse.Namespace) -> KernelConfig:
 
 @dataclass
 class DataConfig:
-    """What a run trains on: ``path``, "markov[:opt=value,...]" (the synthetic source) or a .npy / .bin / .txt file;
-    ``val_path``, validation data of the same kinds (None: train.val_fraction of ``path``, or none); ``tokenizer``,
-    for .txt files: "bytes" or a tokenizers JSON file."""
+    """What a run trains on: ``path``, "markov[:opt=value,...]" (the synthetic source), a .npy / .bin / .txt file,
+    a prepared set (`xmoe data prepare`) or a weighted mixture of files and sets ("0.7:data/web,0.3:data/code",
+    docs/data.md); ``val_path``, validation data of the same kinds, a mixture evaluated source by source (None:
+    train.val_fraction of ``path``, or none); ``tokenizer``, for .txt files: "bytes" or a tokenizers JSON file;
+    ``documents``: "concat" (windows run across documents) or "mask" (each batch says where documents start; the
+    model attends within a document and restarts its positions there); ``eos_id``: the end-of-document token of
+    token and text files, for "mask" (prepared sets record theirs)."""
 
     path: str = "markov"
     val_path: str | None = None
     tokenizer: str = "bytes"
+    documents: Literal["concat", "mask"] = "concat"
+    eos_id: int | None = None
     section: ClassVar[str] = "data"
 
     def __post_init__(self) -> None:
         check_types(self)
         for name, fix in (
-            ("path", "'markov' or a .npy / .bin / .txt file"),
+            ("path", "'markov', a .npy / .bin / .txt file, a prepared set or a mixture"),
             ("val_path", "a file, 'markov' or null"),
             ("tokenizer", "'bytes' or a tokenizers JSON file"),
         ):
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ValueError(f"data.{name} ({value!r}) is empty; name {fix}")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise ValueError(f"data.eos_id ({self.eos_id}) must be a token id >= 0, or null")
 
 
 @dataclass

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from xmoe.checks import missing
 from xmoe.train.markov import MarkovSource
@@ -34,17 +34,37 @@ MAX_TEXT_BYTES = 256 * 2**20  # text is tokenized in memory (~4-8 bytes per toke
 _SCAN_CHUNK = 2**24  # tokens per chunk when checking a memory-mapped file's range
 
 
+class Draw(NamedTuple):
+    """Rows of a dataset: ``tokens_NS1`` (N, seq_len + 1) int64; ``starts_NS1`` bool, True where a document starts
+    (None unless asked for); ``sources_N`` int64, the mixture source of each row (None for one source)."""
+
+    tokens_NS1: np.ndarray
+    starts_NS1: np.ndarray | None = None
+    sources_N: np.ndarray | None = None
+
+
+def eos_starts(tokens_NS1: np.ndarray, eos_id: int) -> np.ndarray:
+    """Where documents start in rows of a stream that ends each document with ``eos_id``: after every such token."""
+    starts_NS1 = np.zeros(tokens_NS1.shape, dtype=bool)
+    starts_NS1[:, 1:] = tokens_NS1[:, :-1] == eos_id
+    return starts_NS1
+
+
 class TokenDataset:
     """Samples of ``seq_len + 1`` tokens at positions of a seeded order.
 
     ``epoch_size`` is the number of samples per epoch, None for an endless stream. ``vocab_size`` is the
     vocabulary a model needs: the one given to ``build_dataset`` (checked against the data), else the
     smallest that fits. The entropy fields (nats/token) are exact for generated sources, None for real data.
+    ``eos_id``: the end-of-document token, where documents start (None: no documents known).
+    ``source_names``: the sources whose rows it mixes (one, its own name, unless it is a mixture).
     """
 
     def __init__(self, name: str, seq_len: int, vocab_size: int, seed: int, epoch_size: int | None) -> None:
         self.name, self.seq_len, self.vocab_size = name, seq_len, vocab_size
         self.seed, self.epoch_size = seed, epoch_size
+        self.eos_id: int | None = None
+        self.source_names = [name]
         self.entropy_rate: float | None = None
         self.unigram_entropy: float | None = None
         self.bigram_entropy: float | None = None
@@ -53,6 +73,19 @@ class TokenDataset:
     def samples(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         """(N, seq_len + 1) int64: the samples at ``positions`` of epoch ``epoch``'s order."""
         raise NotImplementedError
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether ``draw`` can say where documents start."""
+        return self.eos_id is not None
+
+    def draw(self, epoch: int, positions: np.ndarray, documents: bool = False) -> Draw:
+        """The samples at ``positions`` of epoch ``epoch``'s order and, with ``documents``, where documents start."""
+        tokens_NS1 = self.samples(epoch, positions)
+        if not documents:
+            return Draw(tokens_NS1)
+        assert self.eos_id is not None  # the loader checks has_documents first
+        return Draw(tokens_NS1, eos_starts(tokens_NS1, self.eos_id))
 
     def describe(self) -> str:
         """One line for the training log."""
@@ -78,6 +111,10 @@ class MarkovDataset(TokenDataset):
 
     def samples(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         return self.source.sample(self.seed, positions, self.seq_len + 1)
+
+    @property
+    def has_documents(self) -> bool:
+        return False  # one endless chain
 
 
 class TokenArrayDataset(TokenDataset):
@@ -360,86 +397,3 @@ def build_dataset(
     tokens = load_tokens(spec, dtype, vocab_size)
     top = _check_range(tokens, vocab_size, repr(spec))
     return TokenArrayDataset(tokens, spec, seq_len, vocab_size or top + 1, seed)
-
-
-PREFETCH_ROWS = 256  # TokenLoader draws this many of a rank's rows (whole batches, at least one) per call
-
-
-class TokenLoader:
-    """Deterministic, resumable batches of a ``TokenDataset`` for one data-parallel rank.
-
-    Step s covers global positions [s * B, (s + 1) * B) of the dataset's order (B = global_batch_size; a
-    batch that runs off the end of an epoch continues into the next). Rank r takes the contiguous slice
-    [r * B / world_size, (r + 1) * B / world_size), so concatenating the ranks' batches in rank order gives
-    the one-process batch. Pass the data-parallel rank and degree: peers that share a model replica's data
-    (tensor-parallel, for example) pass the same rank. The state is the number of samples consumed.
-    """
-
-    def __init__(self, dataset: TokenDataset, global_batch_size: int, rank: int = 0, world_size: int = 1) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
-        if global_batch_size < 1 or global_batch_size % world_size:
-            raise ValueError(
-                f"global_batch_size ({global_batch_size}) must be a positive multiple of world_size ({world_size})"
-            )
-        self.dataset, self.global_batch_size = dataset, global_batch_size
-        self.rank, self.world_size = rank, world_size
-        self.local_batch_size = global_batch_size // world_size
-        self.samples_seen = 0  # global: summed over ranks
-        # Batches drawn ahead in one call: a dataset's cost is mostly per call (the markov source walks its
-        # positions once for all the rows it is given: benchmarks/results/markov_draw_cpu.md), and a step waits
-        # for its batch. (the samples_seen the batches left start at, [local batches]).
-        self._ahead: tuple[int, list[np.ndarray]] = (0, [])
-
-    @property
-    def epoch(self) -> int:
-        """Current epoch (always 0 for an endless stream)."""
-        return 0 if self.dataset.epoch_size is None else self.samples_seen // self.dataset.epoch_size
-
-    def __iter__(self) -> TokenLoader:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs_BS, targets_BS) int64 CPU tensors with B = local_batch_size; targets are inputs shifted
-        one token left."""
-        start, ahead = self._ahead
-        if not ahead or start != self.samples_seen:  # none left, or the state was set since they were drawn
-            steps, pos_B = self._draw_positions(self.samples_seen)
-            ahead = list(np.split(self._draw(pos_B), steps))
-        tokens_BS1 = ahead.pop(0)
-        self.samples_seen += self.global_batch_size
-        self._ahead = (self.samples_seen, ahead)
-        batch_BS1 = torch.from_numpy(tokens_BS1)
-        return batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
-
-    def _draw_positions(self, samples_seen: int) -> tuple[int, np.ndarray]:
-        """(batches, this rank's positions) of the one dataset call that starts at ``samples_seen``: PREFETCH_ROWS
-        rows in whole batches, at least one."""
-        steps = max(1, PREFETCH_ROWS // self.local_batch_size)
-        return steps, np.concatenate([self._positions(samples_seen + j * self.global_batch_size) for j in range(steps)])
-
-    def _positions(self, samples_seen: int) -> np.ndarray:
-        """This rank's positions in the dataset's order for the batch that starts at ``samples_seen``."""
-        first = samples_seen + self.rank * self.local_batch_size
-        return np.arange(first, first + self.local_batch_size)
-
-    def _draw(self, pos_B: np.ndarray) -> np.ndarray:
-        """The samples at increasing positions pos_B (a batch runs from one epoch into the next)."""
-        size = self.dataset.epoch_size
-        if size is None:
-            return self.dataset.samples(0, pos_B)
-        epoch_B, index_B = np.divmod(pos_B, size)
-        return np.concatenate([self.dataset.samples(int(e), index_B[epoch_B == e]) for e in np.unique(epoch_B)])
-
-    def state_dict(self) -> dict:
-        return {"samples_seen": self.samples_seen, "seed": self.dataset.seed, "epoch_size": self.dataset.epoch_size}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue after ``state``; the global batch size and world size may differ from the saving run."""
-        for key in ("seed", "epoch_size"):
-            if state[key] != getattr(self.dataset, key):
-                raise ValueError(
-                    f"loader state has {key}={state[key]} but the dataset has "
-                    f"{getattr(self.dataset, key)}; resume with the same data and seed"
-                )
-        self.samples_seen = int(state["samples_seen"])

@@ -18,7 +18,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from xmoe.train.data import MarkovDataset, TokenArrayDataset, TokenDataset, build_dataset
+from xmoe.model.loss import IGNORE_INDEX
+from xmoe.train.data import Draw, MarkovDataset, TokenArrayDataset, TokenDataset, eos_starts
+from xmoe.train.loader import make_batch
+from xmoe.train.mixture import MixtureDataset, PreparedDataset, open_data
 
 
 def windows_of(tokens: np.ndarray, seq_len: int, max_windows: int = 0) -> np.ndarray:
@@ -44,7 +47,10 @@ def validation_split(dataset: TokenDataset, fraction: float, max_windows: int) -
         count = max_windows or 64
         return dataset, dataset.source.sample(dataset.seed + 1_000_003, np.arange(count), S + 1)
     if not isinstance(dataset, TokenArrayDataset):
-        raise ValueError(f"val_fraction needs a token dataset, not {type(dataset).__name__}")
+        raise ValueError(
+            f"val_fraction holds out the end of one token or text file, and {dataset.name} is not one; prepare "
+            "validation data of its own and pass it with --val-data"
+        )
     cut = int(len(dataset.tokens) * (1 - fraction))
     if cut < S + 1:
         raise ValueError(
@@ -52,18 +58,58 @@ def validation_split(dataset: TokenDataset, fraction: float, max_windows: int) -
             f"{dataset.name} for training, fewer than seq_len + 1 = {S + 1}; lower val_fraction"
         )
     train = TokenArrayDataset(dataset.tokens[:cut], dataset.name, S, dataset.vocab_size, dataset.seed)
+    train.eos_id = dataset.eos_id
     return train, windows_of(dataset.tokens[cut:], S, max_windows)
+
+
+def fixed_windows(dataset: TokenDataset, max_windows: int, seed: int = 0, documents: bool = False) -> Draw:
+    """The evaluation windows of one dataset (the module docstring's; 'markov' draws with its own sample seed) and,
+    with ``documents``, where documents start in them."""
+    S = dataset.seq_len
+    if isinstance(dataset, MarkovDataset):
+        return Draw(dataset.source.sample(seed + 1_000_003, np.arange(max_windows or 64), S + 1))
+    if isinstance(dataset, PreparedDataset):
+        count = min(dataset.epoch_size, max_windows or dataset.epoch_size)
+        length = S + 1
+        tokens = np.stack([dataset.prepared.read(i * S, length) for i in range(count)])
+        starts = np.stack([dataset.prepared.document_starts(i * S, length) for i in range(count)])
+        return Draw(tokens, starts if documents else None)
+    assert isinstance(dataset, TokenArrayDataset)  # open_data makes one of these, or a mixture of them
+    tokens = windows_of(dataset.tokens, S, max_windows)
+    if not documents:
+        return Draw(tokens)
+    assert dataset.eos_id is not None  # the trainer's loader refused documents without boundaries
+    return Draw(tokens, eos_starts(tokens, dataset.eos_id))
+
+
+def validation_sets(
+    spec: str,
+    seq_len: int,
+    vocab_size: int | None,
+    max_windows: int,
+    seed: int = 0,
+    tokenizer: str = "bytes",
+    *,
+    eos_id: int | None = None,
+    documents: bool = False,
+) -> dict[str, tuple[float, Draw]]:
+    """{source name: (weight, windows)} of a validation spec: one entry named "" for one dataset, one per source
+    (up to ``max_windows`` windows each) for a mixture."""
+    dataset = open_data(spec, seq_len, vocab_size, seed, tokenizer=tokenizer, eos_id=eos_id)
+    if isinstance(dataset, MixtureDataset):
+        parts = zip(dataset.source_names, dataset.weights, dataset.sources, strict=True)
+        return {name: (float(w), fixed_windows(ds, max_windows, seed, documents)) for name, w, ds in parts}
+    return {"": (1.0, fixed_windows(dataset, max_windows, seed, documents))}
 
 
 def validation_windows(
     spec: str, seq_len: int, vocab_size: int, max_windows: int, seed: int = 0, tokenizer: str = "bytes"
 ) -> np.ndarray:
-    """Windows of a validation data spec (a file, or 'markov...' with its own sample seed)."""
-    dataset = build_dataset(spec, seq_len, vocab_size, seed, tokenizer=tokenizer)
-    if isinstance(dataset, MarkovDataset):
-        return dataset.source.sample(seed + 1_000_003, np.arange(max_windows or 64), seq_len + 1)
-    assert isinstance(dataset, TokenArrayDataset)  # build_dataset makes one of the two
-    return windows_of(dataset.tokens, seq_len, max_windows)
+    """Windows of a validation data spec (a file, a prepared set, or 'markov...' with its own sample seed)."""
+    sets = validation_sets(spec, seq_len, vocab_size, max_windows, seed, tokenizer)
+    if len(sets) > 1:
+        raise ValueError(f"{spec!r} is a mixture; evaluate its sources one at a time")
+    return sets[""][1].tokens_NS1
 
 
 @torch.no_grad()
@@ -75,9 +121,12 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     autocast: bool = False,
+    starts_NS1: np.ndarray | None = None,
 ) -> dict[str, float]:
     """Mean next-token loss (nats) over the windows, with the token count; ``model(inputs, targets)`` must return
-    the mean loss. Collective when torch.distributed is initialised: every rank calls it."""
+    the mean loss over targets != IGNORE_INDEX. ``starts_NS1``: where documents start (documents "mask": the model
+    gets ``segments_BS`` and no target crosses into the next document). Collective when torch.distributed is
+    initialised: every rank calls it."""
     if batch_size < 1:
         raise ValueError(f"batch_size ({batch_size}) must be >= 1")
     per_rank = len(windows_NS1) // world_size
@@ -86,16 +135,21 @@ def evaluate(
             f"{len(windows_NS1)} evaluation windows cannot be split over {world_size} ranks; evaluate more data"
         )
     mine = windows_NS1[rank * per_rank : (rank + 1) * per_rank]
+    my_starts = None if starts_NS1 is None else starts_NS1[rank * per_rank : (rank + 1) * per_rank]
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, tokens
     try:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             for start in range(0, per_rank, batch_size):
-                batch = torch.from_numpy(mine[start : start + batch_size]).to(device)
-                loss = model(batch[:, :-1], batch[:, 1:])
-                count = batch[:, 1:].numel()
-                sums += torch.stack([loss.double() * count, torch.tensor(count, dtype=torch.float64, device=device)])
+                rows = slice(start, start + batch_size)
+                starts = None if my_starts is None else my_starts[rows]
+                batch = make_batch(Draw(mine[rows], starts), starts is not None)
+                targets = batch[1].to(device)
+                kwargs = {} if batch.segments_BS is None else {"segments_BS": batch.segments_BS.to(device)}
+                loss = model(batch[0].to(device), targets, **kwargs)
+                count = (targets != IGNORE_INDEX).sum().double()  # a tensor: no host synchronisation
+                sums += torch.stack([loss.double() * count, count])
     finally:
         model.train(was_training)
     if dist.is_initialized():

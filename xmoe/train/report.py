@@ -128,18 +128,25 @@ class Reporter:
         grad_norm: torch.Tensor,
         lr: float,
         window: Window,
-        val_loss: float | None = None,
+        val: dict[str, float] | None = None,
+        sources_M2: torch.Tensor | None = None,
     ) -> None:
-        """One record for the window ending at ``step`` (every rank calls it: the values are all-reduced)."""
+        """One record for the window ending at ``step`` (every rank calls it: the values are all-reduced). ``val``:
+        the validation losses (``Trainer._validate``); ``sources_M2``: a mixture's (nats, tokens) per source over the
+        window (source_loss.SourceLosses), logged as loss/SOURCE."""
         # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows and, when
         # there are MoE layers, the tokens per expert summed over layers (float64: counts stay exact)
         values = torch.stack([loss.double(), aux.double(), grad_norm.double(), window.rows.double()])
+        if sources_M2 is not None:
+            values = torch.cat([values, sources_M2.flatten().to(values.device)])
         if window.load_LE is not None:
             values = torch.cat([values, window.load_LE.sum(0).double()])
         if dist.is_initialized():
             dist.all_reduce(values)
             values[:3] /= self.world
-        loss_v, aux_v, gnorm_v, rows_v, *load_v = values.tolist()  # the one host sync of a logging step
+        loss_v, aux_v, gnorm_v, rows_v, *rest = values.tolist()  # the one host sync of a logging step
+        per_source = rest[: 0 if sources_M2 is None else sources_M2.numel()]
+        load_v = rest[len(per_source) :]
         # the clock is read after that sync: the window's GPU work has finished, none of it spills uncounted
         # into the next window (no other host sync in a step lets the host run ahead by up to the launch queue)
         seconds = time.perf_counter() - window.start
@@ -163,9 +170,9 @@ class Reporter:
         record.update(comm_metrics(window.traffic, window.steps))
         if window.load_LE is not None:
             record["imbalance"] = metrics.load_imbalance(torch.tensor(load_v))
-        if val_loss is not None:
-            record["val_loss"] = val_loss
-        self.logger.log(step, **record)
+        for name, nats, tokens in zip(self.dataset.source_names, per_source[::2], per_source[1::2], strict=False):
+            record[f"loss/{name}"] = nats / tokens if tokens else None
+        self.logger.log(step, **record, **(val or {}))
 
     def finish(self, step: int, status: str | None = None) -> dict:
         """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from xmoe.train.checkpoint_dir import LATEST
 from xmoe.train.checkpoint_verify import find_latest, read_meta, verify_checkpoint
+from xmoe.train.mixture import MixtureDataset, PreparedDataset
 
 log = logging.getLogger(__name__)
 
@@ -48,17 +49,28 @@ def _file_fingerprint(path: str) -> dict[str, Any]:
     return {"size": os.path.getsize(path), "crc32": f"{crc:08x}"}
 
 
+def _identity(spec: str, dataset: Any) -> dict[str, Any]:
+    """What identifies one dataset's content: a prepared set's manifest hash and counts (the manifest holds every
+    source's SHA-256 and every shard's crc32, so nothing of the set is read again); a file's size and crc32; for
+    a mixture, each source's by name with its weight."""
+    if isinstance(dataset, MixtureDataset):
+        parts = zip(dataset.source_names, dataset.weights, dataset.sources, strict=True)
+        return {"mixture": {n: {"weight": float(w), **_identity(s.name, s)} for n, w, s in parts}}
+    if isinstance(dataset, PreparedDataset):
+        return dataset.prepared.fingerprint()
+    return _file_fingerprint(spec) if os.path.isfile(spec) else {}
+
+
 def fingerprint(data_spec: str, dataset: Any) -> dict[str, Any]:
-    """Collective when torch.distributed is initialised (rank 0 reads the file, the others receive its result).
-    What identifies the training data: the dataset's name (markov options included), its vocabulary and, for a
-    file, its size and the crc32 of its whole content."""
+    """Collective when torch.distributed is initialised (rank 0 reads the files, the others receive its result).
+    What identifies the training data: the dataset's name (markov options and mixture weights included), its
+    vocabulary and its content (``_identity``)."""
     info: dict[str, Any] = {"name": dataset.name, "vocab_size": dataset.vocab_size}
-    if os.path.isfile(data_spec):
-        parts = [_file_fingerprint(data_spec) if not dist.is_initialized() or dist.get_rank() == 0 else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(parts, src=0)
-        assert parts[0] is not None  # rank 0's, on every rank
-        info.update(parts[0])
+    parts = [_identity(data_spec, dataset) if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(parts, src=0)
+    assert parts[0] is not None  # rank 0's, on every rank
+    info.update(parts[0])
     return info
 
 

@@ -19,6 +19,7 @@ from xmoe.moe.casts import CastCache
 from xmoe.moe.step import MoEStep
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import clip_grad_norm_, total_grad_norm
+from xmoe.train.source_loss import SourceLosses
 
 
 def forward_backward(
@@ -30,11 +31,13 @@ def forward_backward(
     autocast: bool,
     detach_casts: bool,
     cache: CastCache | None = None,
+    source_losses: SourceLosses | None = None,
 ) -> tuple[torch.Tensor, MoEStep]:
     """Forward and backward of ``accum`` micro-batches drawn from ``batches`` through ``wrapped`` (the model, or
     what wraps it); returns the mean loss (a device tensor) and the step's MoEStep, closed, for its finish() after
     the optimizer step. ``detach_casts``: the experts' one-process gradient path; ``cache``: the copies the last
-    optimizer step wrote (both MoEStep's)."""
+    optimizer step wrote (both MoEStep's). A batch (``loader.Batch``) that carries ``segments_BS`` (documents
+    "mask") passes it to the model; one that carries ``sources_B`` adds its rows' losses to ``source_losses``."""
     loss_sum = torch.zeros((), device=device)
     # one autocast region and one MoEStep for all micro-batches of the step: the weights do not change within it,
     # so each routed expert is cast once per step (and each dense weight used eagerly once, by autocast's cache;
@@ -44,13 +47,21 @@ def forward_backward(
     )
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), moe:
         for micro in range(accum):
-            inputs, targets = next(batches)
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
+            batch = next(batches)
+            inputs = batch[0].to(device, non_blocking=True)
+            targets = batch[1].to(device, non_blocking=True)
+            segments = getattr(batch, "segments_BS", None)
+            sources = getattr(batch, "sources_B", None)
+            kwargs = {} if segments is None else {"segments_BS": segments.to(device, non_blocking=True)}
             no_sync = micro < accum - 1 and hasattr(wrapped, "no_sync")
+            watch = (
+                source_losses.watching(model, targets, sources)
+                if source_losses is not None and sources is not None
+                else contextlib.nullcontext()
+            )
             # no_sync: DDP's method, which nn.Module's __getattr__ types as Tensor | Module
-            with wrapped.no_sync() if no_sync else contextlib.nullcontext():  # type: ignore[operator]
-                loss = wrapped(inputs, targets)
+            with wrapped.no_sync() if no_sync else contextlib.nullcontext(), watch:  # type: ignore[operator]
+                loss = wrapped(inputs, targets, **kwargs)
                 (loss / accum).backward()
             loss_sum += loss.detach()
             moe.end_micro_batch()

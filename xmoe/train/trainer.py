@@ -41,12 +41,11 @@ from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import checkpoint_dir, metrics, rundir, safety
-from xmoe.train.data import TokenLoader, build_dataset
-from xmoe.train.evaluate import evaluate, validation_split, validation_windows
 from xmoe.train.launch import init_distributed
 from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_groups
 from xmoe.train.report import Reporter, Window
-from xmoe.train.resume import fingerprint, resume_checkpoint
+from xmoe.train.resume import resume_checkpoint
+from xmoe.train.run_data import load_run_data, validate
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
@@ -175,26 +174,11 @@ class Trainer:
 
     def _load_data(self, run: RunConfig) -> None:
         """The training data, its fingerprint (stored in checkpoints; a resume must match it), the validation
-        windows and the loader (one loader step = one micro-batch on every data-parallel rank)."""
-        t, data = run.train, run.data
-        self.dataset = dataset = build_dataset(
-            data.path, seq_len=t.seq_len, vocab_size=run.model.vocab_size, seed=t.seed, tokenizer=data.tokenizer
-        )
-        self.data_info = fingerprint(data.path, dataset)
-        self.val_windows = None
-        if data.val_path is not None and t.val_fraction > 0:
-            raise ValueError(
-                f"data.val_path ({data.val_path}) and val_fraction ({t.val_fraction}) both choose "
-                "validation data; pass one of them"
-            )
-        if data.val_path is not None:
-            self.val_windows = validation_windows(
-                data.val_path, t.seq_len, run.model.vocab_size, t.val_windows, t.seed, data.tokenizer
-            )
-        elif t.val_fraction > 0:
-            dataset, self.val_windows = validation_split(dataset, t.val_fraction, t.val_windows)
-            self.dataset = dataset
-        self.loader = TokenLoader(dataset, self.micro_batch * self.dp_size, rank=self.dp_rank, world_size=self.dp_size)
+        windows, the loader (one loader step = one micro-batch on every data-parallel rank) and, for a mixture,
+        the per-source loss counters (run_data.py)."""
+        data = load_run_data(run, self.micro_batch, self.dp_rank, self.dp_size, self.device)
+        self.dataset, self.data_info, self.val_sets = data.dataset, data.info, data.val_sets
+        self.loader, self.source_losses = data.loader, data.source_losses
 
     def _data_parallel_coords(self) -> tuple[int, int]:
         """This rank's index among the ranks that see different data, and how many there are."""
@@ -206,17 +190,11 @@ class Trainer:
         # expert-parallel ranks see different tokens too: data is sharded over dp x ep
         return self.dims.coord("dp") * par.ep + self.dims.coord("ep"), par.dp * par.ep
 
-    def _validate(self) -> float:
-        assert self.val_windows is not None  # called only when the run has validation data
-        return evaluate(
-            self.wrapped,
-            self.val_windows,
-            self.micro_batch,
-            self.device,
-            self.dp_rank,
-            self.dp_size,
-            autocast=self.autocast,
-        )["loss"]
+    def _validate(self) -> dict[str, float]:
+        assert self.val_sets is not None  # called only when the run has validation data
+        return validate(
+            self.wrapped, self.val_sets, self.micro_batch, self.device, self.dp_rank, self.dp_size, self.autocast
+        )
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -284,6 +262,7 @@ class Trainer:
             self.autocast,
             detach_casts=self.world == 1,
             cache=self.casts,
+            source_losses=self.source_losses,
         )
 
     def accumulation_steps(self) -> int:
@@ -336,12 +315,10 @@ class Trainer:
             loss, stats, grad_norm, lr = self.train_step(accum, guard)
             window.add(stats)
 
-            val_loss = None
-            if self.val_windows is not None and (
-                self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0)
-            ):
+            val = None
+            if self.val_sets is not None and (self.step == t.steps or (t.eval_every and self.step % t.eval_every == 0)):
                 evaluating = time.perf_counter()
-                val_loss = self._validate()
+                val = self._validate()
                 window.exclude(evaluating)  # evaluation time is not training time
             log_now = self.step % t.log_every == 0 or self.step == t.steps
             # a save due inside a run of skipped non-finite steps waits for the first good step: those states are
@@ -349,11 +326,12 @@ class Trainer:
             due = due or (bool(t.ckpt_every) and self.step % t.ckpt_every == 0)
             ckpt_now = bool(t.ckpt_every) and (self.step == t.steps or (due and not guard.skipped_in_row))
             if log_now:
-                self.report.log_window(self.step, loss, stats.aux, grad_norm, lr, window, val_loss)
+                sources = self.source_losses.take() if self.source_losses is not None else None
+                self.report.log_window(self.step, loss, stats.aux, grad_norm, lr, window, val, sources)
                 self._wrote_output()
                 window = Window(self.device)
-            elif val_loss is not None:
-                self.logger.log(self.step, val_loss=val_loss)
+            elif val is not None:
+                self.logger.log(self.step, **val)
             # rank 0 looks whether the run directory is still this run's before every save or log, and at most once
             # a second in between (two stats); a lost one stops every rank, as a signal does
             if self.lock is not None and self.lock.lost(now=ckpt_now or log_now):
