@@ -156,6 +156,12 @@ def test_killed_prepare_resumes_to_the_same_output(tmp_path):
     assert whole_files == part_files
     for name in whole_files:
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "part" / name).read_bytes(), name
+    # with several workers, one dying is one line, and the next run finishes the set
+    two = [*args[:-1], "2", "--out", str(tmp_path / "two")]
+    died = _prepare_cli(*two, env={FAULT_ENV: "3"})
+    assert died.returncode == 2 and "a worker process died" in died.stderr and "\n" not in died.stderr.strip()
+    assert _prepare_cli(*two).returncode == 0
+    assert (tmp_path / "two" / "manifest.json").read_bytes() == (tmp_path / "whole" / "manifest.json").read_bytes()
     # other options into the same directory are refused, not mixed in
     other = _prepare_cli(*args[:-2], "--out", str(tmp_path / "part"), "--field", "body")
     assert other.returncode == 2 and "holds a prepare of other inputs or options (field" in other.stderr

@@ -21,6 +21,7 @@ import json
 import os
 import zlib
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
@@ -79,6 +80,7 @@ class _ShardWriter:
         """Append documents (each then the end-of-document token); empty ones are skipped and counted."""
         pieces: list[np.ndarray] = []
         eos = np.array([self.spec.eos_id], dtype=np.int64)
+        at = self.tokens  # where the next document starts in the shard
         for ids, where in zip(ids_list, wheres, strict=True):
             if len(ids) == 0:
                 self.skipped += 1
@@ -89,8 +91,9 @@ class _ShardWriter:
                     f"{path}, {locate(path, where)}: token id {top} is beyond the vocabulary ({self.spec.vocab_size}) "
                     f"of tokenizer {self.spec.spec}; use a tokenizer whose ids fit its model's vocab_size"
                 )
-            self.starts.append(self.tokens + sum(len(p) for p in pieces))
+            self.starts.append(at)
             pieces += [ids, eos]
+            at += len(ids) + 1
         if pieces:
             data = np.concatenate(pieces).astype(self.dtype).tobytes()
             self.file.write(data)
@@ -253,9 +256,18 @@ def _run(todo: list[Task], spec: TokenizerSpec, field: str, out: Path, workers: 
     set_tokenizer_threads(workers)
     with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as pool:
         futures = [pool.submit(run_task, task, spec, field, str(out)) for task in todo]
-        for future in futures:
-            done.append(future.result())
-            bar.update(done[-1]["tokens"])
+        try:
+            for future in futures:
+                done.append(future.result())
+                bar.update(done[-1]["tokens"])
+        except BrokenProcessPool:
+            raise ValueError(
+                f"a worker process died (killed, or out of memory); run the same command again to continue: the "
+                f"{len(done)} shard(s) finished in order so far, and any others finished, are kept"
+            ) from None
+        finally:  # on an error, stop at once: tasks not started are dropped, running ones finish
+            for future in futures:
+                future.cancel()
     return done
 
 
