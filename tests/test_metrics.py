@@ -114,6 +114,7 @@ def test_forward_macs_by_hand():
         "shared_experts": 10 * 2 * 1 * 3 * 8 * 6,
         "routed_experts": 30 * 3 * 8 * 6,
         "lm_head": 10 * 11 * 8,
+        "mtp_proj": 0,
     }
 
 

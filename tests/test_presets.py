@@ -74,6 +74,7 @@ def test_count_params_by_hand_for_tiny() -> None:
         "router": 3 * 16 * 128,
         "norms": 9 * 128,
         "head": 256 * 128,
+        "mtp": 0,
     }
     assert c3.active_by_part["routed_experts"] == 3 * 4 * 3 * 128 * 64
     assert c2.total_by_part["routed_experts"] == 3 * 16 * 2 * 128 * 64

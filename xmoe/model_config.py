@@ -151,6 +151,10 @@ class ModelConfig:
              ``qk_nope_head_dim`` features without positions and ``qk_rope_head_dim`` rotary features (the rotary
              key shared by all heads), values ``v_head_dim`` wide. The latents are RMS-normalised with
              ``latent_norm_eps``.
+
+    Multi-token prediction (DeepSeek-V3; xmoe/model/mtp.py): ``mtp_depth`` D sequential modules after the model,
+    module d predicting the token d + 1 positions ahead, each one block of the model's last layer's kind, sharing
+    the embedding and the output head; their mean loss enters training with weight ``mtp_loss_weight``. 0: none.
     """
 
     vocab_size: int
@@ -184,6 +188,8 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 0.0
     rope_mscale_all_dim: float = 0.0
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
     section: ClassVar[str] = "model"
 
     def __post_init__(self) -> None:
@@ -211,6 +217,10 @@ class ModelConfig:
         if self.ffn_hidden_size == 0:
             self.ffn_hidden_size = 256 * math.ceil(8 * self.hidden_size / 3 / 256)
         positive("ffn_hidden_size", self.ffn_hidden_size)
+        if self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth ({self.mtp_depth}) must be >= 0 (0: no multi-token prediction)")
+        if not (self.mtp_loss_weight >= 0 and math.isfinite(self.mtp_loss_weight)):
+            raise ValueError(f"mtp_loss_weight ({self.mtp_loss_weight}) must be a finite number >= 0")
 
     def _check_mha(self) -> None:
         for name in ("num_kv_heads", "attn_head_dim"):
@@ -278,6 +288,11 @@ class ModelConfig:
         if self.rope_scaling == "yarn" and self.attention == "mla" and self.rope_mscale_all_dim:
             return self.head_dim**-0.5 * yarn_mscale(self.rope_factor, self.rope_mscale_all_dim) ** 2
         return None
+
+    @property
+    def mtp_moe(self) -> bool:
+        """Whether the multi-token-prediction blocks are MoE blocks: they take the kind of the model's last layer."""
+        return self.num_layers > self.first_k_dense
 
     @property
     def rope_dim(self) -> int:

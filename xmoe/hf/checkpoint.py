@@ -16,6 +16,7 @@ plus ``model.safetensors.index.json`` (weight_map and total_size), as transforme
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections import defaultdict
@@ -27,16 +28,8 @@ from safetensors.torch import save_file
 
 from xmoe.checks import missing
 from xmoe.config import ModelConfig
-from xmoe.hf.families import (
-    DEEPSEEK,
-    SCORE_BIAS_FAMILIES,
-    expert_index,
-    fitting_family,
-    hf_config_from_model,
-    mla_rope_rows,
-    model_config_from_hf,
-    tensor_names,
-)
+from xmoe.hf.families import DEEPSEEK, SCORE_BIAS_FAMILIES, fitting_family, hf_config_from_model, model_config_from_hf
+from xmoe.hf.names import SHARED_COPY, expert_index, mla_rope_rows, tensor_names
 from xmoe.hf.shards import INDEX_FILE, SINGLE_FILE, check_sizes, open_shard, read_json, weight_map
 from xmoe.model.init import local_box
 from xmoe.model.transformer import Transformer
@@ -45,6 +38,7 @@ __all__ = ["INDEX_FILE", "SINGLE_FILE", "check_sizes", "read_json"]  # re-export
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 RUN_HF_CONFIG = "hf_config.json"  # in a run directory: the config.json it was imported from (export reuses it)
 RUN_TOKENIZER = "tokenizer.json"  # in a run or HF directory: the tokenizer text goes through
+log = logging.getLogger(__name__)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -56,10 +50,13 @@ def read_config(path: str | os.PathLike) -> dict:
 
 
 def read_model_config(path: str | os.PathLike, max_seq_len: int | None = None) -> tuple[dict, ModelConfig]:
-    """(config.json, the ModelConfig it describes) of a Hugging Face directory; errors name the file."""
+    """(config.json, the ModelConfig it describes) of a Hugging Face directory; errors name the file. The
+    multi-token-prediction modules are those the checkpoint holds (transformers writes num_nextn_predict_layers 1
+    into DeepSeek-V3 configs whose weights have none)."""
     hf = read_config(path)
+    held = _mtp_modules_held(Path(path), hf)  # outside the try: a damaged weight map is named as itself
     try:
-        return hf, model_config_from_hf(hf, max_seq_len)
+        return hf, model_config_from_hf(hf, max_seq_len, held)
     except KeyError as e:
         raise ValueError(
             f"{Path(path) / 'config.json'} lacks the field {e} that a {hf.get('model_type')} config needs"
@@ -68,6 +65,32 @@ def read_model_config(path: str | os.PathLike, max_seq_len: int | None = None) -
         quoted = [f"{k}: {v!r}" for k, v in hf.items() if isinstance(v, str) and _numeric(v)]
         why = f"numbers written as strings ({', '.join(quoted)}); write them without quotes" if quoted else str(e)
         raise ValueError(f"{Path(path) / 'config.json'}: {why}") from None
+
+
+def _mtp_modules_held(path: Path, hf: dict) -> int | None:
+    """The multi-token-prediction modules of a DeepSeek-V3 checkpoint (layers num_hidden_layers + d holding an
+    eh_proj, d = 0, 1, ...), when its config declares some and its weights are there (else None: the config's)."""
+    declared = hf.get("num_nextn_predict_layers") or 0
+    if hf.get("model_type") != "deepseek_v3" or not isinstance(declared, int) or declared <= 0:
+        return None
+    try:
+        names = weight_map(path)
+    except FileNotFoundError:
+        return None
+    layers = hf.get("num_hidden_layers", 0)
+    held = 0
+    while held < declared and f"model.layers.{layers + held}.eh_proj.weight" in names:
+        held += 1
+    if held < declared:  # common: transformers saves DeepSeek-V3 models without them, declaring one
+        log.debug(
+            "%s: config.json declares %d multi-token-prediction module(s) (num_nextn_predict_layers), the weights "
+            "hold %d: importing %d",
+            path,
+            declared,
+            held,
+            held,
+        )
+    return held
 
 
 def _numeric(text: str) -> bool:
@@ -79,7 +102,8 @@ def _numeric(text: str) -> bool:
 
 
 def _beyond_model(name: str, num_layers: int) -> bool:
-    """Tensors of layers past num_hidden_layers: DeepSeek-V3's multi-token-prediction modules, unused here."""
+    """Tensors of layers past num_hidden_layers: DeepSeek-V3's multi-token-prediction modules, unused when the model
+    has none (or fewer)."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
     return match is not None and int(match.group(1)) >= num_layers
 
@@ -97,11 +121,15 @@ def load_weights(
     wanted: dict[str, tuple[str, str | None]] = {}  # HF name -> (our name, expert matrix or None)
     skipped: set[str] = set()
     for ours, theirs, matrix in tensor_names(cfg, family):
-        if matrix is not None and experts is not None and expert_index(theirs) not in experts:
+        if matrix == SHARED_COPY or (
+            matrix is not None and experts is not None and expert_index(theirs) not in experts
+        ):
             skipped.add(theirs)
         else:
             wanted[theirs] = (ours, matrix)
     weights = weight_map(path)
+    for d in _absent_mtp_modules(cfg, wanted, weights, path):
+        wanted = {theirs: v for theirs, v in wanted.items() if not v[0].startswith(f"mtp.{d}.")}
     missing = [name for name in wanted if name not in weights]
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors the {family} config implies are missing, e.g. {missing[:3]}")
@@ -122,6 +150,21 @@ def load_weights(
                     raise ValueError(
                         f"{path / file}: tensor {name} is unreadable ({e}); download or export the model again"
                     ) from None
+
+
+def _absent_mtp_modules(cfg: ModelConfig, wanted: dict, weight_map: dict, path: Path) -> list[int]:
+    """The multi-token-prediction modules of ``cfg`` the checkpoint holds no tensor of: they keep their initial
+    values (adding prediction modules to a model that has none), with a warning."""
+    absent = []
+    for d in range(cfg.mtp_depth):
+        names = [theirs for theirs, (ours, _) in wanted.items() if ours.startswith(f"mtp.{d}.")]
+        if not any(name in weight_map for name in names):
+            absent.append(d)
+    if absent:
+        log.warning(
+            "%s holds no multi-token-prediction module %s: left at initial values", path, ", ".join(map(str, absent))
+        )
+    return absent
 
 
 def _read_into(f, name: str, target: torch.Tensor, is_expert: bool, rope_rows: torch.Tensor | None, path: Path) -> None:
@@ -200,7 +243,9 @@ def _hf_tensors(model: Transformer, family: str):
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for ours, theirs, matrix in tensor_names(cfg, family):
         tensor = targets[ours].detach()
-        if matrix is not None:
+        if matrix == SHARED_COPY:  # the embedding or head again, as the published layout stores it for each MTP
+            tensor = tensor.clone()  # module: safetensors refuses tensors that share memory
+        elif matrix is not None:
             tensor = tensor[expert_index(theirs)].T
         elif family in DEEPSEEK and (rows := mla_rope_rows(cfg, ours)) is not None:
             tensor = tensor[torch.argsort(rows)]  # halves -> interleaved, the published layout

@@ -1,4 +1,4 @@
-"""Hugging Face model families: their config.json <-> xmoe's ModelConfig, and their tensor names.
+"""Hugging Face model families: their config.json <-> xmoe's ModelConfig (their tensor names: names.py).
 
 # E experts, H hidden, F expert ffn, R rotary features
 
@@ -22,10 +22,7 @@ that are not a prefix-free run...) is refused with a ValueError naming it: an im
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from xmoe.config import ModelConfig, MoEConfig
 from xmoe.model_config import QKNorm
@@ -117,8 +114,10 @@ def _check_common(hf: dict, family: str) -> None:
             raise _refuse(family, field, value, why)
 
 
-def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfig:
-    """xmoe ModelConfig of a Hugging Face config.json (a dict)."""
+def model_config_from_hf(hf: dict, max_seq_len: int | None = None, mtp_depth: int | None = None) -> ModelConfig:
+    """xmoe ModelConfig of a Hugging Face config.json (a dict). ``mtp_depth``: the multi-token-prediction modules
+    to build (None: deepseek_v3's ``num_nextn_predict_layers``; checkpoint.read_model_config gives the number the
+    checkpoint holds)."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported; supported families: {', '.join(FAMILIES)}")
@@ -173,6 +172,7 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
             qk_rope_head_dim=hf["qk_rope_head_dim"],
             v_head_dim=hf["v_head_dim"],
             latent_norm_eps=1e-6,
+            mtp_depth=(hf.get("num_nextn_predict_layers") or 0 if mtp_depth is None else mtp_depth) if v3 else 0,
             **common,
         )
     # the three softmax families
@@ -248,6 +248,10 @@ def _problems(cfg: ModelConfig, family: str) -> list[str]:
         problems.append(f"qk_norm={cfg.qk_norm!r} (the family needs {want_qk_norm!r})")
     if cfg.qkv_bias and family != "qwen2_moe":
         problems.append("qkv_bias=True (the family has no attention biases)")
+    if cfg.mtp_depth and family != "deepseek_v3":
+        problems.append(f"mtp_depth={cfg.mtp_depth} (only deepseek_v3 stores multi-token-prediction modules)")
+    if cfg.mtp_depth and not cfg.mtp_moe:
+        problems.append("mtp_depth with every layer dense (DeepSeek-V3's prediction modules are MoE layers)")
     if family == "deepseek_v3":
         if moe.score_func != "sigmoid" or moe.num_shared_experts == 0:
             problems.append("moe.score_func must be 'sigmoid' with num_shared_experts >= 1")
@@ -332,7 +336,7 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: dict | None = None
                 topk_group=moe.topk_groups if moe.num_expert_groups > 1 else None,
             )
         else:
-            out.setdefault("num_nextn_predict_layers", 0)
+            out["num_nextn_predict_layers"] = cfg.mtp_depth
         return out
     out.update(head_dim=cfg.head_dim)
     if family == "mixtral":
@@ -357,82 +361,3 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: dict | None = None
             decoder_sparse_step=1,
         )
     return out
-
-
-# ------------------------------------------------------------------------------------------ tensor names
-
-
-def _deinterleave(rope: int) -> torch.Tensor:
-    """Row order that turns interleaved rotary pairs (2j, 2j+1) into half-split pairs (j, j + R/2)."""
-    return torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
-
-
-def mla_rope_rows(cfg: ModelConfig, name: str) -> torch.Tensor | None:
-    """For an MLA projection whose output rows hold rotary features, the row permutation interleaved -> halves
-    (None for other tensors). q: per head [nope | rope]; wkv_a: [latent | rope]."""
-    perm_R = _deinterleave(cfg.qk_rope_head_dim)
-    if name.endswith(("attn.wq.weight", "attn.wq_b.weight")):
-        qk = cfg.head_dim
-        rows = torch.arange(cfg.num_heads * qk).view(cfg.num_heads, qk)
-        rows[:, cfg.qk_nope_head_dim :] = rows[:, cfg.qk_nope_head_dim :][:, perm_R]
-        return rows.reshape(-1)
-    if name.endswith("attn.wkv_a.weight"):
-        rows = torch.arange(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        rows[cfg.kv_lora_rank :] = rows[cfg.kv_lora_rank :][perm_R]
-        return rows
-    return None
-
-
-def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, str | None]]:
-    """(xmoe parameter name, Hugging Face name, expert weight) for every tensor of ``family``.
-
-    Expert stacks appear once per expert: the HF name holds that expert's index and the third item names the
-    xmoe stack's matrix ("w1", "w3", "w2"); HF stores each expert matrix transposed (out, in)."""
-    yield "embed.weight", "model.embed_tokens.weight", None
-    yield "norm.weight", "model.norm.weight", None
-    if not cfg.tie_embeddings:
-        yield "head.weight", "lm_head.weight", None
-    mixtral = family == "mixtral"
-    for i in range(cfg.num_layers):
-        x, h = f"layers.{i}.", f"model.layers.{i}."
-        yield x + "attn_norm.weight", h + "input_layernorm.weight", None
-        yield x + "ffn_norm.weight", h + "post_attention_layernorm.weight", None
-        if cfg.attention == "mla":
-            attn = {"wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
-            attn.update(
-                {"wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj"}
-                if cfg.q_lora_rank
-                else {"wq": "q_proj"}
-            )
-        else:
-            attn = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
-            if cfg.qk_norm != "none":
-                attn.update(q_norm="q_norm", k_norm="k_norm")
-        for ours, theirs in attn.items():
-            yield f"{x}attn.{ours}.weight", f"{h}self_attn.{theirs}.weight", None
-        if cfg.qkv_bias:
-            for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj")):
-                yield f"{x}attn.{ours}.bias", f"{h}self_attn.{theirs}.bias", None
-        ffn = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-        if i < cfg.first_k_dense:
-            for ours, theirs in ffn.items():
-                yield f"{x}ffn.{ours}.weight", f"{h}mlp.{theirs}.weight", None
-            continue
-        moe = h + ("block_sparse_moe." if mixtral else "mlp.")
-        yield x + "ffn.router.weight", moe + "gate.weight", None
-        if family in SCORE_BIAS_FAMILIES:
-            yield x + "ffn.router.expert_bias", moe + "gate.e_score_correction_bias", None
-        for e in range(cfg.moe.num_experts):
-            for ours, theirs in ffn.items():
-                yield x + f"ffn.experts.{ours}", moe + f"experts.{e}." + (ours if mixtral else theirs) + ".weight", ours
-        if cfg.moe.num_shared_experts:
-            shared = "shared_expert" if family == "qwen2_moe" else "shared_experts"
-            for ours, theirs in ffn.items():
-                yield f"{x}ffn.shared_experts.{ours}.weight", f"{moe}{shared}.{theirs}.weight", None
-        if cfg.moe.shared_expert_gate:
-            yield x + "ffn.shared_gate.weight", moe + "shared_expert_gate.weight", None
-
-
-def expert_index(hf_name: str) -> int:
-    """The expert number in a per-expert HF tensor name (``...experts.{e}.<matrix>.weight``)."""
-    return int(hf_name.split("experts.")[1].split(".")[0])

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from xmoe.config import ModelConfig
-from xmoe.hf.families import tensor_names
+from xmoe.hf.names import SHARED_COPY, tensor_names
 from xmoe.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -136,7 +136,8 @@ def check_sizes(path: str | os.PathLike, hf: dict, cfg: ModelConfig) -> None:
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for ours, theirs, matrix in tensor_names(cfg, hf["model_type"]):
         shape = tuple(targets[ours].shape)
-        want = (shape[2], shape[1]) if matrix is not None else shape  # one expert, stored (out, in)
+        expert = matrix is not None and matrix != SHARED_COPY
+        want = (shape[2], shape[1]) if expert else shape  # one expert, stored (out, in)
         have = shapes.get(theirs)
         if have is not None and have != want:  # a missing tensor is named by the reader, which knows what it needs
             raise _refuse(path, _fields(hf, set(want) - set(have)), f"the weights' {theirs} is {have}, not {want}")

@@ -10,6 +10,9 @@ Parameter parts (per-layer quantities times the number of layers they occur in; 
   router          n_moe * E*H
   norms           (2*L + 1) * H
   head            V*H, or 0 when tied to the embedding
+  mtp             D * (2*H*H + 3*H): each multi-token-prediction module's projection and three norms; its block
+                  counts as one more layer of the last layer's kind in the parts above (L -> L + D), and the
+                  embedding and head are shared
 ``expert_matrices`` m applies to every FFN: 3 = SwiGLU (w1, w3, w2), what xmoe builds, and then the total
 equals ``Transformer(cfg).num_params()`` exactly; 2 = GELU (up, down), the X-MoE paper's convention.
 
@@ -28,12 +31,12 @@ forward-sized products); recomputation is not counted, so this is model FLOPs, n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xmoe.config import ModelConfig
 from xmoe.model.flops import FlopDims, attention_matrix_params, forward_macs, paper_train_flops
 
-PARTS = ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "head")
+PARTS = ("embedding", "attention", "dense_ffn", "routed_experts", "shared_experts", "router", "norms", "head", "mtp")
 
 
 @dataclass(frozen=True)
@@ -88,21 +91,28 @@ def _attention_norm_params(cfg: ModelConfig) -> int:
 def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
     """Exact parameter count of ``cfg`` with ``expert_matrices`` matrices per FFN (see module docstring)."""
     _check_matrices(expert_matrices)
-    H, V, L, m, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, expert_matrices, cfg.moe
-    n_moe = L - cfg.first_k_dense
+    H, V, m, moe, D = cfg.hidden_size, cfg.vocab_size, expert_matrices, cfg.moe, cfg.mtp_depth
+    L = cfg.num_layers + D  # blocks: the multi-token-prediction blocks are of the last layer's kind
+    n_moe = cfg.num_layers - cfg.first_k_dense + (D if cfg.mtp_moe else 0)
     expert = m * H * moe.ffn_hidden_size
     total = {
         "embedding": V * H,
         "attention": L * (attention_matrix_params(cfg) + _attention_norm_params(cfg)),
-        "dense_ffn": cfg.first_k_dense * m * H * cfg.ffn_hidden_size,
+        "dense_ffn": (L - n_moe) * m * H * cfg.ffn_hidden_size,
         "routed_experts": n_moe * moe.num_experts * expert,
         "shared_experts": n_moe * (m * H * moe.shared_width + H * moe.shared_expert_gate),
         "router": n_moe * moe.num_experts * H,
         "norms": (2 * L + 1) * H,
         "head": 0 if cfg.tie_embeddings else V * H,
+        "mtp": D * (2 * H * H + 3 * H),
     }
     active = dict(total, routed_experts=n_moe * moe.top_k * expert)
     return ParamCount(total, active)
+
+
+def block_kinds(cfg: ModelConfig) -> list[bool]:
+    """Whether each block is an MoE block, in forward order: the layers, then the multi-token-prediction blocks."""
+    return [i >= cfg.first_k_dense for i in range(cfg.num_layers)] + [cfg.mtp_moe] * cfg.mtp_depth
 
 
 def paper_params(cfg: ModelConfig) -> tuple[float, float]:
@@ -139,6 +149,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, expert_matrices: int = 3) ->
             "shared_experts": per_token("shared_experts") * ffn_scale,
             "router": per_token("router"),
             "head": per_token("lm_head"),
+            "mtp": per_token("mtp_proj"),
         }
     )
 
@@ -187,6 +198,16 @@ def describe(cfg: ModelConfig, seq_len: int, global_batch: int) -> str:
         f"{'total':<16}{_human(swiglu.total):>10}{_human(swiglu.active):>10}"
         f"{_human(gelu.total):>10}{_human(gelu.active):>10}{_human(flops.forward, 'G'):>14}"
     )
+    if cfg.mtp_depth:
+        bare = replace(cfg, mtp_depth=0)
+        extra, extra_flops = (
+            swiglu.total - count_params(bare).total,
+            flops.forward - flops_per_token(bare, seq_len).forward,
+        )
+        lines.append(
+            f"multi-token prediction: {cfg.mtp_depth} module(s), {_human(extra)} params, "
+            f"{_human(extra_flops, 'G')} fwd FLOP/tok (in the rows above; mtp: their projections and norms)"
+        )
     paper_total, paper_active = paper_params(cfg)
     lines += [
         "",

@@ -22,6 +22,9 @@ counted (model FLOPs, the MFU convention).
     shared experts         T * L_moe * n_s * 3 H F                 n_s F: MoEConfig.shared_ffn_hidden_size when set
     routed experts         N * 3 H F                               N excludes dropped slots; dropless N = T L_moe K
     LM head                T * V H                                 the embedding lookup is free
+    multi-token prediction D modules (model.mtp_depth; xmoe/model/mtp.py), each over all T tokens: its block
+                           counts as one more layer of its kind in every line above (L -> L + D, and L_moe or
+                           L_dense + D), the head D more times, and its projection T * D * 2 H^2
     training FLOPs = 2 * 3 * MACs
 
 (b) the paper's formula, kept only to compare with its reported numbers:
@@ -62,6 +65,8 @@ class FlopDims:
     attn_proj_params: int = 0  # one layer's attention matrix parameters (0: from heads; MLA sets it)
     shared_ffn_size: int = 0  # total shared-expert width (0: num_shared_experts * expert_ffn_size)
     v_head_dim: int = 0  # value head dim (0: head_dim)
+    mtp_depth: int = 0  # multi-token-prediction modules: one block each (MoE when mtp_moe), a 2H x H projection
+    mtp_moe: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_moe_layers <= self.num_layers:
@@ -90,6 +95,8 @@ class FlopDims:
             num_kv_heads=model.kv_heads,
             attn_proj_params=attention_matrix_params(model) if model.attention == "mla" else 0,
             v_head_dim=model.v_head_dim if model.attention == "mla" else 0,
+            mtp_depth=model.mtp_depth,
+            mtp_moe=model.mtp_moe,
         )
 
 
@@ -107,21 +114,21 @@ def attention_matrix_params(model: ModelConfig) -> int:
 def forward_macs(d: FlopDims, num_sequences: int, routed_rows: int | None = None) -> dict[str, int]:
     """Forward multiply-accumulates of one step by component, formula (a) above. Integers, exact."""
     H, s, n = d.hidden_size, d.seq_len, num_sequences * d.seq_len
-    num_dense = d.num_layers - d.num_moe_layers
+    # the multi-token-prediction blocks are layers too, of the last layer's kind
+    blocks = d.num_layers + d.mtp_depth
+    num_moe = d.num_moe_layers + (d.mtp_depth if d.mtp_moe else 0)
+    num_dense = blocks - num_moe
     if routed_rows is None:  # dropless: every token reaches its k experts in every MoE layer
-        routed_rows = n * d.num_moe_layers * d.top_k
+        routed_rows = n * num_moe * d.top_k
     return {
-        "attn_proj": n * d.num_layers * (d.attn_proj_params or H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)),
-        "attn_scores": d.num_layers * num_sequences * d.num_heads * (d.head_dim + d.v_head_dim) * (s * (s + 1) // 2),
+        "attn_proj": n * blocks * (d.attn_proj_params or H * d.head_dim * (2 * d.num_heads + 2 * d.num_kv_heads)),
+        "attn_scores": blocks * num_sequences * d.num_heads * (d.head_dim + d.v_head_dim) * (s * (s + 1) // 2),
         "dense_ffn": n * num_dense * 3 * H * d.dense_ffn_size,
-        "router": n * d.num_moe_layers * H * d.num_experts,
-        "shared_experts": n
-        * d.num_moe_layers
-        * 3
-        * H
-        * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
+        "router": n * num_moe * H * d.num_experts,
+        "shared_experts": n * num_moe * 3 * H * (d.shared_ffn_size or d.num_shared_experts * d.expert_ffn_size),
         "routed_experts": routed_rows * 3 * H * d.expert_ffn_size,
-        "lm_head": n * d.vocab_size * H,
+        "lm_head": n * (1 + d.mtp_depth) * d.vocab_size * H,
+        "mtp_proj": n * d.mtp_depth * 2 * H * H,
     }
 
 

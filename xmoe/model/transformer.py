@@ -14,6 +14,9 @@ Layout (parameter names are part of the contract the parallel/ and checkpoint co
                                                shared_experts.{w1,w3,w2}.weight (n_shared * F wide)
   norm.weight                                  (H,)
   head.weight                                  (V, H)      the same Parameter as embed.weight when tied
+  mtp.{d}.{enorm,hnorm,norm}.weight            (H,)        multi-token prediction, d < mtp_depth
+  mtp.{d}.eh_proj.weight                       (H, 2H)     (xmoe/model/mtp.py); mtp.{d}.block.* is one block as
+                                                           layers.{i}.* above, of the last layer's kind
 
 Initialisation (``Transformer.init_weights``; the constructor calls it, so it also overrides the MoELayer's
 own init so that every weight follows one rule, depth scaling included):
@@ -44,6 +47,7 @@ from xmoe.model.attention import KVCache, make_attention
 from xmoe.model.documents import Documents
 from xmoe.model.layers import RMSNorm, apply_rotary, rope_tables  # noqa: F401  (apply_rotary: re-exported)
 from xmoe.model.loss import IGNORE_INDEX, chunk_cross_entropy, chunked_head_loss
+from xmoe.model.mtp import MTPModule, depth_targets, shift_left
 from xmoe.moe.experts import SwiGLU
 from xmoe.moe.layer import MoELayer, moe_layers
 
@@ -58,9 +62,9 @@ class Block(nn.Module):
     ``cache`` (generation: no gradients) the block runs plainly.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, moe: bool | None = None) -> None:
         super().__init__()
-        self.is_moe = layer_id >= cfg.first_k_dense
+        self.is_moe = layer_id >= cfg.first_k_dense if moe is None else moe
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = make_attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -119,7 +123,8 @@ class Transformer(nn.Module):
 
     ``forward(tokens)`` returns logits (B, S, V) in the activation dtype; ``forward(tokens, targets)`` returns
     the mean fp32 cross-entropy over targets != -100 (auxiliary MoE losses are already attached to the graph
-    by each MoELayer, so ``loss.backward()`` trains the routers too).
+    by each MoELayer, so ``loss.backward()`` trains the routers too; in training mode, so is the weighted
+    multi-token-prediction loss of ``cfg.mtp_depth`` > 0, whose value ``take_mtp_loss`` gives: xmoe/model/mtp.py).
 
     ``loss_chunk_tokens``: when B*S exceeds it, the head and cross-entropy run over token chunks of this size, so
     only one chunk's (chunk, V) logits and their gradient ever exist (S=4096, B=4, V=50304 would otherwise hold
@@ -147,6 +152,11 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.mtp = nn.ModuleList(
+            MTPModule(cfg, Block(cfg, cfg.num_layers + d, moe=cfg.mtp_moe)) for d in range(cfg.mtp_depth)
+        )
+        self._mtp_sum: torch.Tensor | None = None  # the MTP losses of the training forwards not yet taken
+        self._mtp_count = 0
         # Non-persistent: derived from the config, so checkpoints stay free of them and a meta-device build
         # recomputes them in init_weights().
         cos_SD2, sin_SD2 = rope_tables(cfg.max_seq_len, cfg.rope_dim, cfg.rope_theta, self.embed.weight.device, cfg)
@@ -236,7 +246,7 @@ class Transformer(nn.Module):
             docs = Documents.build(segments_BS, tokens_BS)
             # per row: (B, 1, S, D/2), broadcast over the heads
             cos_SD2, sin_SD2 = self.rope_cos[docs.positions_BS][:, None], self.rope_sin[docs.positions_BS][:, None]
-        h_BSH = self.embed(tokens_BS)
+        h_BSH = embedded_BSH = self.embed(tokens_BS)
         for block in self.layers:
             if cache is not None:
                 h_BSH = block(h_BSH, cos_SD2, sin_SD2, cache)
@@ -249,7 +259,34 @@ class Transformer(nn.Module):
         h_BSH = self.norm(h_BSH)
         if targets_BS is None:
             return self.head(h_BSH)
-        return self._loss(h_BSH.flatten(0, 1), targets_BS.flatten())
+        loss = self._loss(h_BSH.flatten(0, 1), targets_BS.flatten())
+        if len(self.mtp) and self.training:
+            loss = loss + self._mtp_gradient(h_BSH, embedded_BSH, targets_BS, segments_BS, cos_SD2, sin_SD2, docs)
+        return loss
+
+    def _mtp_gradient(self, h_BSH, embedded_BSH, targets_BS, segments_BS, cos_SD2, sin_SD2, docs) -> torch.Tensor:
+        """mtp_loss_weight / D * sum_d L_d (xmoe/model/mtp.py) as a zero that carries its gradient; the mean of the
+        L_d is kept for ``take_mtp_loss``."""
+        total = torch.zeros((), device=h_BSH.device)
+        for d, module in enumerate(self.mtp, 1):
+            h_BSH = module(h_BSH, shift_left(embedded_BSH, d), cos_SD2, sin_SD2, docs)
+            targets_T = depth_targets(targets_BS, d, segments_BS).flatten()
+            total = total + self._loss(h_BSH.flatten(0, 1), targets_T)
+        mean = total / len(self.mtp)
+        kept = mean.detach()
+        self._mtp_sum = kept if self._mtp_sum is None else self._mtp_sum + kept
+        self._mtp_count += 1
+        weighted = self.cfg.mtp_loss_weight * mean
+        return weighted - weighted.detach()
+
+    def take_mtp_loss(self) -> torch.Tensor | None:
+        """The mean over depths of the MTP losses L_d, averaged over the training forwards since the last call (a
+        device tensor, no host sync), or None when none ran; the count restarts."""
+        if self._mtp_sum is None:
+            return None
+        mean = self._mtp_sum / self._mtp_count
+        self._mtp_sum, self._mtp_count = None, 0
+        return mean
 
     def _loss(self, h_TH: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
         num_valid = (targets_T != IGNORE_INDEX).sum().clamp(min=1)  # a tensor: no host synchronisation

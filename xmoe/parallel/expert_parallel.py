@@ -133,14 +133,15 @@ def apply_expert_parallel(
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """EP (``shard_experts``) then FSDP2 with the right mesh per parameter group; returns the model (now an
-    FSDPModule). FSDP units: each routed-experts module ("dp"; sharded on dim 1 when its experts do not split over
-    dp), each ``model.layers[i]`` if the model has ``layers`` ("dp_ep"), the root ("dp_ep"). ``param_dtype``: the
-    compute dtype of the units' gathered weights (``mixed_precision_policies``), or None for fp32 throughout.
+        FSDPModule). FSDP units: each routed-experts module ("dp"; sharded on dim 1 when its experts do not split over
+        dp), each ``model.layers[i]`` if the model has ``layers`` and each ``model.mtp[d]`` (multi-token prediction)
+    ("dp_ep"), the root ("dp_ep"). ``param_dtype``: the
+        compute dtype of the units' gathered weights (``mixed_precision_policies``), or None for fp32 throughout.
 
-    Works on a model built on the meta device (nothing is allocated; ``to_empty`` then allocates only the shards).
-    With tp > 1 call it after tensor parallelism and SSMB (xmoe/parallel/tensor.py, ssmb.py): TP weights then
-    become 2-D ("dp_ep", "tp") DTensors, and SSMB has already arranged the "tp" reduction of the replicated
-    MoE parameters (experts included); nothing here depends on tp.
+        Works on a model built on the meta device (nothing is allocated; ``to_empty`` then allocates only the shards).
+        With tp > 1 call it after tensor parallelism and SSMB (xmoe/parallel/tensor.py, ssmb.py): TP weights then
+        become 2-D ("dp_ep", "tp") DTensors, and SSMB has already arranged the "tp" reduction of the replicated
+        MoE parameters (experts included); nothing here depends on tp.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -161,7 +162,8 @@ def apply_expert_parallel(
     tied = embed is not None and head is not None and head.weight is embed.weight
     if fp32 and embed is not None and not tied:
         fully_shard(embed, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **fp32)
-    for block in getattr(model, "layers", []):
+    # each block a unit, and each multi-token-prediction module (its block, projection and norms)
+    for block in [*getattr(model, "layers", []), *getattr(model, "mtp", [])]:
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard_after_forward, **cast)
     # the root's parameters (final norm, head; the embedding when tied) are used last in forward, first in
     # backward: keeping them unsharded after forward saves one all-gather per step. A tied embedding keeps the root

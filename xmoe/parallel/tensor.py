@@ -8,11 +8,12 @@
               wo           RowwiseParallel: the matching input columns; the partial outputs are all-reduced
   dense FFN   w1, w3       ColwiseParallel: F_d/tp columns of the hidden layer
               w2           RowwiseParallel: all-reduce of the partial outputs
-Everything else stays replicated over TP: embedding, norms, LM head and the MoE blocks (``ssmb.py`` shards the MoE
-blocks' tokens instead). The residual stream between those modules is a plain tensor, identical on every TP rank, and
-so is its gradient: a colwise projection's input gradient is a partial sum over the heads (or F columns), which
-ColwiseParallel all-reduces in backward. Replicated parameters computed on replicated activations therefore get
-identical gradients on all TP peers and need no reduction over "tp".
+The multi-token-prediction blocks (xmoe/model/mtp.py) are split as the layers' are; their modules' projection and
+norms stay replicated. Everything else stays replicated over TP: embedding, norms, LM head and the MoE blocks
+(``ssmb.py`` shards the MoE blocks' tokens instead). The residual stream between those modules is a plain tensor,
+identical on every TP rank, and so is its gradient: a colwise projection's input gradient is a partial sum over the
+heads (or F columns), which ColwiseParallel all-reduces in backward. Replicated parameters computed on replicated
+activations therefore get identical gradients on all TP peers and need no reduction over "tp".
 
 Collectives per layer (bytes each rank sends, ring algorithm): forward one all-reduce of the attention output and one
 of the dense FFN output, 2*b*T*H*(tp-1)/tp each; backward the same two, on the input gradients. Without sequence
@@ -45,7 +46,7 @@ DCP saves and reloads them under any other TP degree or into one plain process, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
@@ -148,8 +149,17 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, *, sequence_para
     if cfg is None or not hasattr(model, "layers"):
         raise ValueError("apply_tensor_parallel expects an xmoe Transformer (with .cfg and .layers)")
     check_tensor_parallel(cfg, dims.tp)
+    if sequence_parallel and cfg.mtp_depth:
+        raise ValueError(
+            f"sequence parallelism does not run multi-token prediction (model.mtp_depth={cfg.mtp_depth}): its modules "
+            "read every position's hidden state and the embeddings of later positions; drop sequence_parallel or "
+            "set model.mtp_depth=0"
+        )
     mesh = tp_mesh(dims)
-    for block in model.layers:  # type: ignore[union-attr]  # the Blocks' ModuleList, typed Tensor | Module here
+    # the layers' blocks, then the multi-token-prediction modules' (their projection stays replicated, as the head)
+    layers = cast(nn.ModuleList, model.layers)
+    blocks = [*layers, *(module.block for module in getattr(model, "mtp", []))]
+    for block in blocks:
         if isinstance(block.attn.wq.weight, DTensor):
             raise ValueError("the model's attention weights are already DTensors: apply tensor parallelism once")
         kinds = dict(ATTENTION_PLAN)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xmoe.config import ModelConfig, ParallelConfig
-from xmoe.model.counting import count_params
+from xmoe.model.counting import block_kinds, count_params
 from xmoe.plan.terms import (
     ADAM_BYTES,
     GRAD_BYTES,
@@ -18,6 +18,7 @@ from xmoe.plan.terms import (
     _keeps,
     _LayerActivations,
     activation_bytes,
+    mtp_activations,
     norm_activations,
 )
 
@@ -81,23 +82,25 @@ class _Units:
 def _fsdp_units(cfg: ModelConfig, par: ParallelConfig, precision: str) -> _Units:
     """The FSDP2 units of one rank (expert_parallel.apply_expert_parallel), from the one parameter count."""
     parts = count_params(cfg, expert_matrices=3).total_by_part
-    H, V, L, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, cfg.moe
-    n_moe = L - cfg.first_k_dense
+    H, V, moe, kinds = cfg.hidden_size, cfg.vocab_size, cfg.moe, block_kinds(cfg)
+    n_moe = sum(kinds)
     gpu, b = precision == "bf16", activation_bytes(precision)
     dense_group = par.dp * par.ep
-    attention = parts["attention"] / L / par.tp + 2 * H  # TP-split projections (+ q/k norms), the two norms
+    attention = parts["attention"] / len(kinds) / par.tp + 2 * H  # TP-split projections (+ q/k norms), two norms
     shared = parts["shared_experts"] / n_moe if n_moe else 0.0
     router = moe.num_experts * H
     layers = []
-    for i in range(L):
-        if i < cfg.first_k_dense:
+    for i, is_moe in enumerate(kinds):
+        # a multi-token-prediction module is one unit with its block: its projection and norms join the block's
+        own = attention + (parts["mtp"] / cfg.mtp_depth if i >= cfg.num_layers else 0.0)
+        if not is_moe:
             layers.append(
-                _LayerUnits(_Unit(attention + 3 * H * cfg.ffn_hidden_size / par.tp, dense_group, b), None, None, 0.0)
+                _LayerUnits(_Unit(own + 3 * H * cfg.ffn_hidden_size / par.tp, dense_group, b), None, None, 0.0)
             )
             continue
         experts = _Unit(3 * (moe.num_experts // par.ep) * H * moe.ffn_hidden_size, par.dp, b)
         in_block = 0 if gpu else router
-        block = _Unit(attention + shared + in_block, dense_group, b)
+        block = _Unit(own + shared + in_block, dense_group, b)
         layers.append(
             _LayerUnits(block, experts, _Unit(router, dense_group, 4) if gpu else None, H + shared + in_block)
         )
@@ -121,7 +124,7 @@ def _fsdp_moments(
 ) -> list[tuple[str, dict[str, float]]]:
     """Every moment of one FSDP2 training step that can hold its peak, as (label, bytes by term): the loss, each
     layer's FFN and attention branches in backward order, the end of backward, the optimizer step."""
-    H, V, L, moe = cfg.hidden_size, cfg.vocab_size, cfg.num_layers, cfg.moe
+    H, V, L, moe = cfg.hidden_size, cfg.vocab_size, len(units.layers), cfg.moe
     b, T, tp = activation_bytes(precision), acts.tokens, par.tp
     P = sum(u.shard for u in units.all())
     base = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P}
@@ -136,6 +139,12 @@ def _fsdp_moments(
         _keeps(recompute, attn_b, moe_b if layer.experts else dense_b, residual, layer.experts is not None)
         for layer in units.layers
     ]
+    # a multi-token-prediction module keeps its norms' and projection's activations beside its block's, until its
+    # attention branch's backward is done (never recomputed)
+    mtp = mtp_activations(T, H, b)
+    for i in range(cfg.num_layers, L):
+        kept, ffn_regen, ffn_done, attn_regen, attn_done = plans[i]
+        plans[i] = (kept + mtp, ffn_regen, ffn_done, attn_regen, attn_done + mtp)
     tail = norm_activations(T, H) + b * T * H  # the final norm, the head's input
     left = sum(plan[0] for plan in plans)
     root, head_grad = units.root.weights, units.root.width * units.head
@@ -143,12 +152,14 @@ def _fsdp_moments(
     # then the head's weight gradient beside the logits' (with several chunks, added into the earlier chunks')
     chunk = min(T, LOSS_CHUNK_TOKENS)
     more = float(T > chunk)
+    # each multi-token-prediction depth's loss holds its own head gradient from forward to the losses' backward
+    held = cfg.mtp_depth * more * head_grad
     first = units.layers[-1].block.weights  # the root's backward prefetches the last block
     at(
         "loss backward",
         gathered=root,
         prefetch=first,
-        grads=more * head_grad,
+        grads=more * head_grad + held,
         activations=left + tail,
         transient=12 * chunk * V,
     )
@@ -156,7 +167,7 @@ def _fsdp_moments(
         "head gradient",
         gathered=root,
         prefetch=first,
-        grads=(1 + more) * head_grad,
+        grads=(1 + more) * head_grad + held,
         activations=left + tail,
         transient=b * chunk * V,
     )

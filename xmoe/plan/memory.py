@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig, Placement
 from xmoe.dispatch.base import experts_per_rank
-from xmoe.model.counting import count_params
+from xmoe.model.counting import block_kinds, count_params
 from xmoe.parallel.dims import ParallelDims
 from xmoe.plan.fsdp_memory import _fsdp_moments, _fsdp_units, _Unit, _Units
 from xmoe.plan.terms import (
@@ -212,7 +212,8 @@ def estimate_memory(
     T = micro_batch * seq_len
     T_moe = T // tp if ssmb and tp > 1 else T
     autocast = precision == "bf16"
-    n_moe, n_dense = cfg.num_layers - cfg.first_k_dense, cfg.first_k_dense
+    n_moe = sum(block_kinds(cfg))  # the multi-token-prediction blocks included
+    n_dense = len(block_kinds(cfg)) - n_moe
     attn = attention_activations(T, cfg.hidden_size, cfg.num_heads, tp, b, autocast)
     moe_act = (
         moe_activations(
@@ -304,7 +305,7 @@ def _traffic(
         out["fsdp_dense"] = sum(sent(u) for u in units.all()) - out["fsdp_experts"]
     elif world > 1:  # DDP
         out["ddp"] = 2 * GRAD_BYTES * count_params(cfg).total * (world - 1) / world
-    n_moe = cfg.num_layers - cfg.first_k_dense
+    n_moe = sum(block_kinds(cfg))
     # dispatch + combine, forward and backward; (ep-1)/ep of the rows leave the GPU
     out["all_to_all"] = 4 * n_moe * rows * cfg.hidden_size * activation_bytes(precision) * (ep - 1) / ep
     return out

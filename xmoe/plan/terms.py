@@ -54,6 +54,13 @@ def dense_ffn_activations(T: int, H: int, F: int, tp: int, b: int = 2, autocast:
     }
 
 
+def mtp_activations(T: int, H: int, b: int = 2) -> float:
+    """Bytes one multi-token-prediction module saves besides its block (xmoe/model/mtp.py): its three eager RMSNorms
+    (enorm, hnorm, and the final one), eh_proj's input (2H wide, in the compute dtype) and the head's input (or, with
+    the loss in chunks, h's gradient in the compute dtype, which model/loss.py holds instead: the same bytes)."""
+    return 3 * norm_activations(T, H) + b * T * 2 * H + b * T * H
+
+
 def capacity(moe: MoEConfig, num_tokens: int, capacity_factor: float | None = None) -> int:
     """Slots per expert for ``num_tokens`` tokens: MoEConfig.capacity with ``capacity_factor`` (None: the
     config's own factor; dropless when both are None, where the padded baseline uses C = T)."""

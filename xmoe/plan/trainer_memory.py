@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
-from xmoe.model.counting import count_params
+from xmoe.model.counting import block_kinds, count_params
 from xmoe.model.flops import attention_matrix_params
 from xmoe.plan.terms import (
     ADAM_BYTES,
@@ -22,6 +22,7 @@ from xmoe.plan.terms import (
     attention_activations,
     dense_ffn_activations,
     moe_activations,
+    mtp_activations,
     norm_activations,
 )
 
@@ -44,7 +45,8 @@ class TrainerMemory:
 def block_activations(
     cfg: ModelConfig, T: int, i: int, *, compiled: bool = True, fused: bool = True, b: int = 2
 ) -> tuple[float, float]:
-    """(attention branch, FFN branch) bytes block ``i`` of `xmoe train`'s model saves for T tokens, autocast bf16.
+    """(attention branch, FFN branch) bytes block ``i`` of `xmoe train`'s model saves for T tokens, autocast bf16
+    (blocks in forward order, the multi-token-prediction blocks last: counting.block_kinds).
 
     Each branch keeps its fp32 residual input (RMSNorm's backward reads it) and the bf16 weight copies autocast
     made for its matmuls; compiled regions keep RMSNorm's fp32 1/rms only beyond that (the compiler rebuilds the
@@ -54,7 +56,7 @@ def block_activations(
     norm = 4 * T if compiled else norm_activations(T, H)
     attn = dict(attention_activations(T, H, cfg.num_heads, 1, b), norm=norm)
     attn_bytes = sum(attn.values()) + b * attention_matrix_params(cfg) + 4 * T * H
-    if i < cfg.first_k_dense:
+    if not block_kinds(cfg)[i]:
         ffn = dict(dense_ffn_activations(T, H, cfg.ffn_hidden_size, 1, b), norm=norm)
         return attn_bytes, sum(ffn.values()) + b * 3 * H * cfg.ffn_hidden_size + 4 * T * H
     ffn = dict(moe_activations(moe, T, kernel="triton" if fused else "torch", b=b), norm=norm)
@@ -65,13 +67,18 @@ def block_activations(
 
 
 def _block_weights(cfg: ModelConfig, parts: dict[str, int]) -> list[float]:
-    """Parameters of each block, from the one parameter count (attention variants, shared-expert widths included)."""
-    L, H = cfg.num_layers, cfg.hidden_size
-    n_moe, n_dense = L - cfg.first_k_dense, cfg.first_k_dense
-    attn_w = parts["attention"] / L + 2 * H  # + the block's two RMSNorm weights
+    """Parameters of each block, from the one parameter count (attention variants, shared-expert widths included);
+    a multi-token-prediction block with its module's projection and norms."""
+    kinds, H = block_kinds(cfg), cfg.hidden_size
+    n_moe = sum(kinds)
+    attn_w = parts["attention"] / len(kinds) + 2 * H  # + the block's two RMSNorm weights
     moe_w = (parts["routed_experts"] + parts["router"] + parts["shared_experts"]) / max(1, n_moe)
-    dense_w = parts["dense_ffn"] / max(1, n_dense)
-    return [attn_w + (moe_w if i >= cfg.first_k_dense else dense_w) for i in range(L)]
+    dense_w = parts["dense_ffn"] / max(1, len(kinds) - n_moe)
+    mtp_w = parts["mtp"] / max(1, cfg.mtp_depth)
+    return [
+        attn_w + (moe_w if is_moe else dense_w) + (mtp_w if i >= cfg.num_layers else 0.0)
+        for i, is_moe in enumerate(kinds)
+    ]
 
 
 def _backward_walk(
@@ -134,8 +141,9 @@ def estimate_trainer_memory(
     states = 12 * total_params + 2 * parts["routed_experts"]
     # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
     blocks: list[tuple[float, float, float, float]] = []
+    kinds = block_kinds(cfg)
     for i, weights in enumerate(_block_weights(cfg, parts)):
-        is_moe = i >= cfg.first_k_dense
+        is_moe = kinds[i]
         attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
         saved: float
         regen: float
@@ -145,15 +153,19 @@ def estimate_trainer_memory(
             saved, regen = attn + 4 * T * H, ffn
         else:
             saved, regen = attn + ffn, 0.0
+        if i >= cfg.num_layers:  # a multi-token-prediction module's own norms and projection are never recomputed
+            saved += mtp_activations(T, H, b)
         blocks.append((saved, regen, 4 * weights, b * weights))
     accumulating = accumulation > 1
-    start_grads = 4 * total_params if accumulating else 4 * (parts["head"] or parts["embedding"])
+    head = parts["head"] or parts["embedding"]
+    start_grads = 4 * total_params if accumulating else 4 * head
     # the final norm's input, and the head's input (or, with the loss in chunks, h's gradient in the compute dtype,
     # which model/loss.py holds instead: the same bytes)
     tail = 4 * T * H + b * T * H
     # one chunk's bf16 logits, fp32 softmax and gradients (made at the end of the forward, model/loss.py, beside
-    # what the backward starts with: the same sum)
-    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V
+    # what the backward starts with: the same sum), and the fp32 head gradient each multi-token-prediction depth's
+    # loss made in its forward, until the losses' backward adds them into the head's
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V + 4 * head * cfg.mtp_depth
     return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)
 
 
@@ -168,14 +180,15 @@ def _fp32_replica(cfg: ModelConfig, acts: _LayerActivations, recompute: str, ker
     weights = _block_weights(cfg, parts)
     attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
     blocks = []
-    for i in range(L):
-        is_moe = i >= cfg.first_k_dense
+    for i, is_moe in enumerate(block_kinds(cfg)):
         kept, regen, *_ = _keeps(recompute, attn_b, moe_b if is_moe else dense_b, residual, is_moe)
+        kept += mtp_activations(T, H, b) if i >= L else 0.0
         transient = residual + (rows_grad if is_moe else 2 * b * T * cfg.ffn_hidden_size)
         blocks.append((kept, regen, GRAD_BYTES * weights[i], transient))
     tail = norm_activations(T, H) + b * T * H
     head = parts["head"] or parts["embedding"]
-    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * head, tail, 12 * min(T, LOSS_CHUNK_TOKENS) * V)
+    loss = 12 * min(T, LOSS_CHUNK_TOKENS) * V + GRAD_BYTES * head * cfg.mtp_depth  # as estimate_trainer_memory
+    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * head, tail, loss)
 
 
 def _replica_peak(
@@ -209,5 +222,6 @@ def _replica_peak(
         "transient": m.working,
     }
     step = states | {"grads": GRAD_BYTES * P, "adam_step": _adam_step(cfg, par, precision, sharded=False)}
-    where = f"backward, {m.blocks_done} of {cfg.num_layers} blocks done" if m.blocks_done else "loss backward"
+    blocks = cfg.num_layers + cfg.mtp_depth
+    where = f"backward, {m.blocks_done} of {blocks} blocks done" if m.blocks_done else "loss backward"
     return max((where, backward), ("optimizer step", step), key=lambda moment: sum(moment[1].values()))

@@ -98,6 +98,7 @@ def _si(x: float) -> str:
 _FORMATS = {
     "loss": lambda v: f"loss {v:.3f}",
     "aux_loss": lambda v: f"aux {v:.3f}",
+    "mtp_loss": lambda v: f"mtp {v:.3f}",
     "lr": lambda v: f"lr {v:.1e}",
     "grad_norm": lambda v: f"gnorm {v:.2f}",
     "tokens_per_s": lambda v: f"{_si(v)} tok/s",

@@ -130,13 +130,17 @@ class Reporter:
         window: Window,
         val: dict[str, float] | None = None,
         sources_M2: torch.Tensor | None = None,
+        mtp_loss: torch.Tensor | None = None,
     ) -> None:
         """One record for the window ending at ``step`` (every rank calls it: the values are all-reduced). ``val``:
         the validation losses (``Trainer._validate``); ``sources_M2``: a mixture's (nats, tokens) per source over the
-        window (source_loss.SourceLosses), logged as loss/SOURCE."""
-        # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows and, when
-        # there are MoE layers, the tokens per expert summed over layers (float64: counts stay exact)
+        window (source_loss.SourceLosses), logged as loss/SOURCE; ``mtp_loss``: the window's multi-token-prediction
+        loss (Transformer.take_mtp_loss), logged as mtp_loss."""
+        # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows, the MTP loss
+        # and, when there are MoE layers, the tokens per expert summed over layers (float64: counts stay exact)
         values = torch.stack([loss.double(), aux.double(), grad_norm.double(), window.rows.double()])
+        if mtp_loss is not None:
+            values = torch.cat([values, mtp_loss.double().reshape(1).to(values.device)])
         if sources_M2 is not None:
             values = torch.cat([values, sources_M2.flatten().to(values.device)])
         if window.load_LE is not None:
@@ -144,7 +148,10 @@ class Reporter:
         if dist.is_initialized():
             dist.all_reduce(values)
             values[:3] /= self.world
+            if mtp_loss is not None:
+                values[4] /= self.world
         loss_v, aux_v, gnorm_v, rows_v, *rest = values.tolist()  # the one host sync of a logging step
+        mtp_v = rest.pop(0) if mtp_loss is not None else None
         per_source = rest[: 0 if sources_M2 is None else sources_M2.numel()]
         load_v = rest[len(per_source) :]
         # the clock is read after that sync: the window's GPU work has finished, none of it spills uncounted
@@ -172,6 +179,8 @@ class Reporter:
             record["imbalance"] = metrics.load_imbalance(torch.tensor(load_v))
         for name, nats, tokens in zip(self.dataset.source_names, per_source[::2], per_source[1::2], strict=False):
             record[f"loss/{name}"] = nats / tokens if tokens else None
+        if mtp_v is not None:
+            record["mtp_loss"] = mtp_v
         self.logger.log(step, **record, **(val or {}))
 
     def finish(self, step: int, status: str | None = None) -> dict:

@@ -327,7 +327,8 @@ class Trainer:
             ckpt_now = bool(t.ckpt_every) and (self.step == t.steps or (due and not guard.skipped_in_row))
             if log_now:
                 sources = self.source_losses.take() if self.source_losses is not None else None
-                self.report.log_window(self.step, loss, stats.aux, grad_norm, lr, window, val, sources)
+                mtp = self.model.take_mtp_loss()
+                self.report.log_window(self.step, loss, stats.aux, grad_norm, lr, window, val, sources, mtp)
                 self._wrote_output()
                 window = Window(self.device)
             elif val is not None:
