@@ -303,7 +303,10 @@ def test_second_signal_aborts_at_once():
         "with RunGuard(torch.device('cpu')) as guard:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(0.2)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"  # the same one passed on by a launcher: one request
+        "    time.sleep(0.2)\n"
         "    print('first recorded', guard.received, flush=True)\n"
+        "    time.sleep(1.0)\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(5)\n"
         "    print('still running')\n"

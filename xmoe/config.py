@@ -35,6 +35,8 @@ class ParallelConfig:
 
     ``placement``: "ep_first" packs an EP group into consecutive ranks (inside a node when it fits);
     "dp_first" strides it across nodes. ``gpus_per_node`` = None reads LOCAL_WORLD_SIZE from the launcher.
+    ``timeout``: seconds a collective waits for the slowest rank before the run fails (every process group's
+    timeout; torch's default is 30 minutes, which a frozen rank makes the others wait in silence).
     """
 
     dp: int = 1
@@ -43,6 +45,7 @@ class ParallelConfig:
     gpus_per_node: int | None = None
     placement: Placement = "ep_first"
     sequence_parallel: bool = False  # with tp > 1: norms on 1/tp of the positions (Megatron-style SP)
+    timeout: float = 1800.0
     section: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
@@ -51,6 +54,7 @@ class ParallelConfig:
             positive(name, getattr(self, name))
         if self.gpus_per_node is not None:
             positive("gpus_per_node", self.gpus_per_node)
+        positive("timeout", self.timeout)
         if self.placement not in ("ep_first", "dp_first"):
             raise ValueError(f"placement ({self.placement!r}) must be 'ep_first' or 'dp_first'")
         if self.sequence_parallel and self.tp == 1:

@@ -28,6 +28,7 @@ Everything above ``build_mesh`` is pure and is tested without a process group.
 
 from __future__ import annotations
 
+import datetime
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class ParallelDims:
     node_size: int
     placement: str
     rank: int = 0
+    timeout_s: float | None = None  # every group's collective timeout (None: torch's default)
     grid: torch.Tensor = field(init=False, repr=False)
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)  # once built
     dense_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)  # ("dp_ep", "tp")
@@ -127,7 +129,7 @@ class ParallelDims:
             or _env_int("SLURM_NTASKS_PER_NODE")
             or world_size
         )
-        dims = cls(cfg.dp, cfg.ep, cfg.tp, world_size, node_size, cfg.placement, rank)
+        dims = cls(cfg.dp, cfg.ep, cfg.tp, world_size, node_size, cfg.placement, rank, cfg.timeout)
         if num_experts is not None:
             dims.check_experts(num_experts)
         return dims
@@ -218,6 +220,10 @@ class ParallelDims:
                 assert bool((grid.diff(dim=dim) > 0).all()), f"mesh axis {dim} is not ascending: {grid.tolist()}"
         self.mesh = DeviceMesh(device_type, self.grid, mesh_dim_names=AXES)
         self.dense_mesh = DeviceMesh(device_type, dense_grid, mesh_dim_names=(DENSE_AXIS, "tp"))
+        if self.timeout_s is not None:  # DeviceMesh makes its groups with the backend's default timeout
+            for mesh in (self.mesh, self.dense_mesh):
+                for group in mesh.get_all_groups():
+                    set_timeout(group, self.timeout_s)
         return self
 
     def submesh(self, axis: str):
@@ -230,6 +236,17 @@ class ParallelDims:
 
     def group(self, axis: str) -> torch.distributed.ProcessGroup:
         return self.submesh(axis).get_group()
+
+
+def set_timeout(group: torch.distributed.ProcessGroup, seconds: float) -> None:
+    """Make ``group``'s collectives time out after ``seconds`` (gloo and NCCL; older torch: the private setter)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    if hasattr(group, "set_timeout"):
+        group.set_timeout(timeout)
+    else:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timeout, group)
 
 
 def _check_axis(axis: str) -> str:

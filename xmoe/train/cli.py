@@ -60,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus-per-node", type=int, help="node size for placement (default: LOCAL_WORLD_SIZE)")
     p.add_argument("--placement", choices=["ep_first", "dp_first"], help="EP group layout over nodes")
     p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a collective waits for the slowest rank before the run fails (parallel.timeout; default "
+        "1800); a rank silent for a quarter of it, at most 60 s, is named",
+    )
+    p.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)",

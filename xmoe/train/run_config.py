@@ -220,6 +220,7 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         "gpus_per_node": args.gpus_per_node,
         "placement": args.placement,
         "sequence_parallel": args.sequence_parallel or None,
+        "timeout": args.timeout,
     }
     par_values.update({k: v for k, v in flags.items() if v is not None})
     parallel = _apply(ParallelConfig(), "parallel", par_values)  # validates ep and tp before dp divides by them

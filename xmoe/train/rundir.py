@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -205,6 +206,23 @@ def _check_resumable(out_dir: Path, found: list[str]) -> None:
         )
 
 
+def _mark_resumed(out_dir: Path) -> None:
+    """summary.json's status says "resumed" (the old one kept as previous_status) until this run writes its own: a
+    run that then crashes is not taken for the one stopped by a signal before it (what a requeue script reads)."""
+    from xmoe.train.checkpoint_dir import _write_text
+
+    path = out_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(summary, dict):
+        previous = summary.get("status", "finished")
+        summary["status"] = f"resumed at {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, running (pid {os.getpid()})"
+        summary["previous_status"] = previous
+        _write_text(path, json.dumps(summary, indent=1) + "\n")
+
+
 def _start_new(out_dir: Path, lock: RunLock, overwrite: bool) -> list[str]:
     """A fresh start: refuse a directory holding a run unless ``overwrite``; set aside whatever outputs are there."""
     found = _present(out_dir)
@@ -254,6 +272,7 @@ def _prepare(out_dir: Path, resume: bool, overwrite: bool) -> tuple[RunLock, lis
             notes.append(settled)
         if resume and _holds_run(out_dir):
             _check_resumable(out_dir, _present(out_dir))
+            _mark_resumed(out_dir)
         else:  # a resume with nothing to resume is a fresh start (a requeue loop's first run)
             notes += _start_new(out_dir, lock, overwrite)
         from xmoe.train.checkpoint_dir import remove_leftovers

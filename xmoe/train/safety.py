@@ -15,15 +15,26 @@ the logging / checkpoint cadence only; one process checks the signal flag at eve
 steps the signal flag is also voted on every step without waiting: ``start_vote`` posts an asynchronous MAX
 all-reduce of one host int over a gloo group of its own, ``vote`` reads it one step later, so every rank stops at
 the step after the one a signal arrived in (not at the next logging step), with no GPU sync. A run directory that
-rank 0 finds gone (``runlock.DirLock.lost``) travels the same way, as the stop code DIR_LOST.
+rank 0 finds gone (``runlock.DirLock.lost``) travels the same way, as the stop code DIR_LOST; so does, under
+torchrun, the launcher's exit (PARENT_GONE: a rank whose parent process changed was orphaned by a killed launcher,
+and stops with a checkpoint rather than train on holding the run's lock).
+
+Under a launcher: the same signal again within DUPLICATE_S of the first is the same request (a scheduler signals
+every process of a job, torchrun then passes it on to its ranks), not the second signal that ends a rank at once;
+and a rank that stopped on a signal ignores further ones while it exits, so the launcher's closing signal, sent
+when the first rank exits, does not turn its exit code 128 + signum into death by that signal. With several ranks
+the guard also starts the watchdog (``watchdog.py``) that names a silent rank, and makes its vote group with the
+run's collective timeout.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -34,6 +45,8 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 DIR_LOST = 1 << 10  # a stop code beyond every signal number: the run directory is no longer this run's
+PARENT_GONE = 1 << 9  # under torchrun: the launcher exited (below DIR_LOST, above every signal, in the MAX vote)
+DUPLICATE_S = 1.0  # the same signal again within this many seconds is the same request passed on by a launcher
 SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None)
 
 
@@ -49,10 +62,12 @@ class RunStopped(Exception):
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
         self.signum = signum
-        self.exit_code = 128 + signum
+        self.exit_code = 128 + (signal.SIGHUP if signum == PARENT_GONE else signum)  # a launcher's exit: a hangup
 
 
 def signal_name(signum: int) -> str:
+    if signum == PARENT_GONE:
+        return "its launcher's exit"
     try:
         return signal.Signals(signum).name
     except ValueError:
@@ -62,9 +77,14 @@ def signal_name(signum: int) -> str:
 class RunGuard:
     """Context manager: installs the stop-signal handlers (main thread only) and tracks non-finite steps."""
 
-    def __init__(self, device: torch.device, nonfinite_skips: int = 0) -> None:
+    def __init__(self, device: torch.device, nonfinite_skips: int = 0, timeout_s: float | None = None) -> None:
         self.received: int | None = None
+        self._received_at = 0.0
         self.dir_lost = False  # rank 0 found the run directory deleted, moved or replaced
+        self.timeout_s = timeout_s  # several ranks: the vote group's collective timeout, and the watchdog's
+        self._parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # torchrun's agent
+        self.parent_gone = False
+        self._watchdog: Any = None
         self.skips_allowed = nonfinite_skips
         self.skipped_in_row = 0
         self.skipped_total = 0
@@ -79,26 +99,39 @@ class RunGuard:
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         if dist.is_initialized() and dist.get_world_size() > 1:  # every rank enters the guard: a collective call
-            self._vote_group = dist.new_group(backend="gloo")  # its own group: never queued behind training traffic
+            timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
+            # its own group: never queued behind training traffic
+            self._vote_group = dist.new_group(backend="gloo", timeout=timeout)
+            if self.timeout_s is not None:
+                from xmoe.train.watchdog import Watchdog
+
+                self._watchdog = Watchdog(dist.get_rank(), dist.get_world_size(), self.timeout_s).start()
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self._vote_work is not None and exc_type is None:
             self._vote_work.wait()  # every rank posted it: finish it before the process group goes
         self._vote_work = None
+        exiting = self._vote_group is not None and exc_type is not None and issubclass(exc_type, RunStopped)
         if self._vote_group is not None:
             dist.destroy_process_group(self._vote_group)
         self._vote_group = None
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # a rank of several that stopped is on its way out: the launcher's closing signal must not end it
+            # by that signal (module docstring)
+            signal.signal(signum, signal.SIG_IGN if exiting else handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is not None:  # the second signal: no more waiting for a step boundary
+            if signum == self.received and time.monotonic() - self._received_at < DUPLICATE_S:
+                return  # the first one again, passed on by a launcher
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.received = signum
+        self.received, self._received_at = signum, time.monotonic()
 
     # ----------------------------------------------------------------------------------------- non-finite
 
@@ -134,7 +167,9 @@ class RunGuard:
         self.dir_lost = True
 
     def _stop_code(self) -> int:
-        return DIR_LOST if self.dir_lost else self.received or 0
+        if self._parent is not None and not self.parent_gone and os.getppid() != self._parent:
+            self.parent_gone = True  # orphaned: torchrun's agent was killed
+        return DIR_LOST if self.dir_lost else PARENT_GONE if self.parent_gone else self.received or 0
 
     def check(self, world: int) -> tuple[int | None, int | None]:
         """(signal or DIR_LOST to stop for, first non-finite step), agreed over ranks; call at the same steps on
@@ -160,6 +195,8 @@ class RunGuard:
     def vote(self) -> int | None:
         """The signal any rank had received when the previous step's vote was posted (the same on every rank),
         or None; the vote has had a whole step to finish, so waiting for it costs nothing in practice."""
+        if self._watchdog is not None:
+            self._watchdog.stepped()
         if self._vote_work is None:
             return None
         self._vote_work.wait()

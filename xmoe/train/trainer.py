@@ -81,7 +81,7 @@ class Trainer:
         refused unless ``allow_changes``. ``overwrite``: replace a run already in ``out_dir`` (else that is an
         error)."""
         self.run, self.out_dir = run, Path(out_dir)
-        self.rank, self.world, self.device = init_distributed(device)
+        self.rank, self.world, self.device = init_distributed(device, run.parallel.timeout)
         resume = resume or resume_from is not None
         self.lock = rundir.open_run_dir(self.out_dir, rank=self.rank, resume=resume, overwrite=overwrite)
         try:
@@ -300,7 +300,8 @@ class Trainer:
         """Run to ``train.steps``; raises safety.RunStopped after a stop signal (a checkpoint saved first) and
         safety.NonFiniteError on a NaN / inf loss or gradient norm (nothing saved after it)."""
         try:
-            with safety.RunGuard(self.device, self.run.train.nonfinite_skips) as guard, self.kernels.applied():
+            guard = safety.RunGuard(self.device, self.run.train.nonfinite_skips, self.run.parallel.timeout)
+            with guard, self.kernels.applied():
                 return self._train(guard)
         finally:
             self.close()
