@@ -283,3 +283,12 @@ def _ep_body(rank: int, world_size: int) -> None:
 
 def test_prediction_modules_under_expert_parallelism_and_fsdp_equal_one_process() -> None:
     run_distributed(_ep_body, 2)
+
+
+def test_plan_memory_takes_the_depth() -> None:
+    import argparse
+
+    from xmoe.plan.cli import model_config
+
+    args = argparse.Namespace(preset="tiny", layers=2, mtp_depth=2)
+    assert (model_config(args).mtp_depth, model_config(args).num_layers) == (2, 2)

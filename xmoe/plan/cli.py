@@ -80,6 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     mem.add_argument("--layers", type=int, help="the preset with this many layers (a shortened model)")
     mem.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=0,
+        help="multi-token-prediction modules (model.mtp_depth; default 0): each one more block, its projection "
+        "and its loss head",
+    )
+    mem.add_argument(
         "--accumulation", type=int, default=1, help="with --trainer: micro-batches per optimizer step (default 1)"
     )
     mem.add_argument("--eager", action="store_true", help="with --trainer: compiled regions off (--compile off)")
@@ -248,12 +255,14 @@ def _gpu_memory_gib() -> tuple[float, str]:
 
 
 def model_config(args: argparse.Namespace):
-    """The preset of ``--preset``, shortened to ``--layers`` when given."""
+    """The preset of ``--preset``, shortened to ``--layers`` when given, with ``--mtp-depth`` prediction modules."""
     from dataclasses import replace
 
     cfg = get_preset(args.preset)
     if getattr(args, "layers", None) is not None:
         cfg = replace(cfg, num_layers=args.layers, first_k_dense=min(cfg.first_k_dense, args.layers))
+    if getattr(args, "mtp_depth", 0):
+        cfg = replace(cfg, mtp_depth=args.mtp_depth)  # ModelConfig refuses a negative depth by name
     return cfg
 
 
