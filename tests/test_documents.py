@@ -298,3 +298,31 @@ def _tp_body(rank: int, world_size: int, sequence_parallel: bool) -> None:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp_ssmb", "sequence_parallel"])
 def test_documents_under_tensor_parallelism_equal_one_process(sequence_parallel: bool) -> None:
     run_distributed(_tp_body, 2, sequence_parallel)
+
+
+def test_the_flex_path_runs_inside_compiled_regions(monkeypatch) -> None:
+    # The GPU path on the CPU, forward only (FlexAttention has no CPU backward): Documents with a block mask, the
+    # compiled flex_attention traced into each compiled attention region, a new batch's mask without a recompile
+    import warnings
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from xmoe.model import documents
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Transformer(_cfg("gqa")).eval()
+    tokens = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(7))
+    batches = (_segments(DOC_LENGTHS), _segments([[2, 15], [9, 8], [1, 1, 1, 14]]))
+    with torch.no_grad():
+        want = [model(tokens, segments_BS=s) for s in batches]
+        monkeypatch.setattr(documents, "uses_flex", lambda device: True)
+        counter = CompileCounterWithBackend("eager")
+        for block in regions.blocks(model):
+            block.attn_branch = torch.compile(block.attn_branch, fullgraph=True, backend=counter)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+            got = [model(tokens, segments_BS=s) for s in batches]
+    assert Documents.build(batches[0], tokens).block_mask is not None
+    assert all(_rel(g, w) < 1e-6 for g, w in zip(got, want, strict=True))
+    assert counter.frame_count == 1
