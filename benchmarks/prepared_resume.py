@@ -70,11 +70,14 @@ def main() -> None:
         m = prepare([str(work / "corpus.jsonl")], work / "set", workers=args.workers, progress=False)
         prepare_s = time.perf_counter() - start
         full_s = _train(work / "full", work / "set", args.steps, args.train_args)
+        _train(work / "again", work / "set", args.steps, args.train_args)  # control: is the device deterministic?
         killed_s = _train(work / "part", work / "set", args.steps, args.train_args, kill_at=kill_at)
         reached = max(_losses(work / "part"), default=0)
         resumed_s = _train(work / "part", work / "set", args.steps, [*args.train_args, "--resume"])
-        full, part = _losses(work / "full"), _losses(work / "part")
+        full, part, again = _losses(work / "full"), _losses(work / "part"), _losses(work / "again")
     equal = sorted(full) == sorted(part) == list(range(1, args.steps + 1)) and all(full[s] == part[s] for s in full)
+    first_diff = min((s for s in full if part.get(s) != full[s]), default=None)
+    control_diff = min((s for s in full if again.get(s) != full[s]), default=None)
     row = {
         "corpus_MiB": args.mb,
         "tokens_M": m["tokens"] / 1e6,
@@ -84,6 +87,8 @@ def main() -> None:
         "steps": args.steps,
         "killed_after_step": reached,
         "losses_equal_bitwise": equal,
+        "first_differing_step": first_diff,
+        "uninterrupted_twice_first_differing_step": control_diff,
         "max_abs_diff": max(abs(full[s] - part.get(s, float("nan"))) for s in full),
         "train_s": full_s,
         "killed_plus_resumed_s": killed_s + resumed_s,
