@@ -89,6 +89,18 @@ def _message(exc: BaseException) -> str:
     return " ".join(text.split())  # one line, however the message was built
 
 
+def _plan_model(args: argparse.Namespace):
+    """The model `xmoe plan` plans when --config, --init-from or --set defines it, built as `xmoe train` builds
+    its own (xmoe/train/run_config.py); None for a plain --preset (the planner takes the preset itself)."""
+    if not (args.config or args.init_from or args.set):
+        return None
+    from xmoe.train.run_config import model_of
+
+    # the plan's default preset is small (a config file without a preset key gets train's default, tiny)
+    preset = args.preset or (None if args.config or args.init_from else "small")
+    return model_of(preset, args.config, args.init_from, args.set)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser, _subs = _parser()
     args = parser.parse_args(argv)
@@ -116,14 +128,16 @@ def main(argv: list[str] | None = None) -> None:
             from xmoe import bench
 
             bench.run(args)
-        elif args.command == "plan" and getattr(args, "measure", False):
-            from xmoe.train import simulate  # one rank trained for a few steps: the training layer's work
-
-            print(simulate.run(args))
         elif args.command == "plan":
             from xmoe.plan import cli as plan_cli
 
-            plan_cli.run(args)
+            base = _plan_model(args)
+            if getattr(args, "measure", False):
+                from xmoe.train import simulate  # one rank trained for a few steps: the training layer's work
+
+                print(simulate.run(args, base))
+            else:
+                plan_cli.run(args, base)
         else:
             from xmoe import infer
 
@@ -147,5 +161,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(exc.exit_code)
         if isinstance(exc, _user_error_types()):
             print(f"xmoe {args.command}: error: {_message(exc)}", file=sys.stderr)
+            sys.exit(2)
+        from xmoe.train import oom
+
+        if oom.is_out_of_memory(exc):  # outside a training loop, whose own line names the step and checkpoint
+            print(f"xmoe {args.command}: error: {oom.one_line(exc)}", file=sys.stderr)
             sys.exit(2)
         raise

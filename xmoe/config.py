@@ -27,6 +27,8 @@ Placement = Literal["ep_first", "dp_first"]
 OPTIMIZERS = ("auto", "torch", "triton")  # train.optimizer: xmoe/train/optim.py's build_optimizer
 RECOMPUTE_MODES = ("none", "moe", "full")  # cheapest first: the planner's search prefers them in this order
 COMPILE_MODES = ("auto", "on", "off")
+# `xmoe train --fit`: the memory pre-flight (xmoe/train/preflight.py) refuses, adapts the run, or is skipped
+FIT_MODES = ("check", "auto", "off")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,11 +54,19 @@ def _run_checkpoint(run_dir: Path, step: int | None) -> Path:
     return matches[0]
 
 
-def load_source(source: str, step: int | None = None, device: str = "cpu", *, compute: bool = True):
+def load_source(
+    source: str,
+    step: int | None = None,
+    device: str = "cpu",
+    *,
+    compute: bool = True,
+    check: Callable[[ModelConfig], None] | None = None,
+):
     """(model in eval mode, tokenizer path or None, imported HF config or None, the kernels section to run it
     under: KernelConfig) of a SOURCE (``compute``: for a forward on ``device``, not only its weights).
     A run that is still training may prune the checkpoint being read: it is pinned while read (and picked again if
-    it went first)."""
+    it went first). ``check``: called with the model's config before anything is allocated (the memory
+    pre-flight)."""
     from xmoe.config import KernelConfig
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
     from xmoe.parallel.build import build_model
@@ -72,6 +81,8 @@ def load_source(source: str, step: int | None = None, device: str = "cpu", *, co
             raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
         hf, cfg = read_model_config(path)
         check_sizes(path, hf, cfg)  # before anything is allocated
+        if check is not None:
+            check(cfg)
         model = build_model(cfg, device, init_from=str(path)).model
         model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
         tokenizer = path / RUN_TOKENIZER
@@ -86,7 +97,7 @@ def load_source(source: str, step: int | None = None, device: str = "cpu", *, co
 
     def read(found: Path):  # the kernels section from the meta.json of the checkpoint whose weights are read
         meta = read_meta(found)
-        model, note = _run_model(found, meta, device)
+        model, note = _run_model(found, meta, device, check)
         kernels = recorded_config(meta["config"])
         if kernels.wgrad == "fp8" and model.cfg.moe.fp8 != "experts":  # FP8 experts set aside on this device
             kernels = replace(kernels, wgrad="auto")  # no weight gradient runs here; "fp8" needs FP8 experts
@@ -115,7 +126,7 @@ def _kernels(model, kernels, num_tokens: int, device: str):
     return resolve_layer(model.cfg.moe, kernels, num_tokens, torch.device(device), torch.float32)
 
 
-def _run_model(found: Path, meta: dict, device: str):
+def _run_model(found: Path, meta: dict, device: str, check: Callable[[ModelConfig], None] | None = None):
     """(the model of run checkpoint ``found``, built from the config of its ``meta`` (meta.json's), a note for the
     user or None): FP8 experts that cannot run on ``device`` are set aside, and the note says so."""
     from xmoe.parallel.build import build_model
@@ -138,6 +149,8 @@ def _run_model(found: Path, meta: dict, device: str):
                 f"{device} ({refusal.rsplit(': ', 1)[0]}); its experts run unquantised, so results can differ "
                 "slightly from a run on a GPU with FP8 matrix instructions"
             )
+    if check is not None:
+        check(cfg)
     model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
     load_checkpoint(found, model, restore_rng=False, restore_extra=False)
     return model, note
@@ -157,6 +170,29 @@ def _decode(ids: list[int], tokenizer: str | None) -> str:
     from xmoe.train.data import load_tokenizer
 
     return load_tokenizer(tokenizer)[0].decode(ids)
+
+
+def _add_fit_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fit",
+        choices=("check", "off"),
+        default="check",
+        help="memory pre-flight before the model is built: check (default: refuse a model and input predicted "
+        "not to fit the device's free memory), off",
+    )
+
+
+def _memory_check(args: argparse.Namespace, tokens: int, cache_tokens: int, what: str):
+    """load_source's check: the memory pre-flight (xmoe/train/preflight.py) of a forward over ``tokens`` tokens
+    with a KV cache of ``cache_tokens``; ``what`` names the flags that set them."""
+    import torch
+
+    from xmoe.train.preflight import check_inference
+
+    def check(cfg: ModelConfig) -> None:
+        check_inference(cfg, tokens, torch.device(args.device), args.fit, cache_tokens=cache_tokens, what=what)
+
+    return check
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -274,6 +310,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward")
     p.add_argument("--max-windows", type=int, default=0, help="evaluate at most this many windows (0: all)")
     p.add_argument("--device", default="cpu")
+    _add_fit_argument(p)
 
 
 def run_eval(args: argparse.Namespace) -> dict:
@@ -288,7 +325,10 @@ def run_eval(args: argparse.Namespace) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     if args.max_windows < 0:
         raise ValueError(f"--max-windows ({args.max_windows}) must be >= 0 (0: every window)")
-    model, tokenizer, _, kernels = load_source(args.source, args.step, args.device)
+    tokens = args.batch_size * args.seq_len
+    model, tokenizer, _, kernels = load_source(
+        args.source, args.step, args.device, check=_memory_check(args, tokens, 0, "--batch-size or --seq-len")
+    )
     if args.seq_len > model.cfg.max_seq_len:
         raise ValueError(f"--seq-len ({args.seq_len}) exceeds the model's max_seq_len ({model.cfg.max_seq_len})")
     text = args.data.endswith(".txt")
@@ -325,6 +365,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step", type=int, help="run checkpoint step (default: the latest)")
     p.add_argument("--ids", action="store_true", help="print the generated token ids instead of text")
     p.add_argument("--device", default="cpu")
+    _add_fit_argument(p)
 
 
 def run_generate(args: argparse.Namespace) -> list[int]:
@@ -338,7 +379,14 @@ def run_generate(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--seed ({args.seed}) must be in [0, 2**63)")
     if args.prompt is not None and not args.prompt:
         raise ValueError("--prompt is empty; give at least one character of text (or token ids with --prompt-ids)")
-    model, tokenizer, hf, kernels = load_source(args.source, args.step, args.device)
+    # the prompt's tokens, at most its bytes before it is tokenised: the prefill's forward and the cache to fill
+    prompt_tokens = (
+        len(args.prompt_ids.split(",")) if args.prompt_ids is not None else len((args.prompt or "").encode())
+    )
+    check = _memory_check(
+        args, prompt_tokens, prompt_tokens + max(args.max_new_tokens, 0), "the prompt or --max-new-tokens"
+    )
+    model, tokenizer, hf, kernels = load_source(args.source, args.step, args.device, check=check)
     if args.prompt_ids is not None:
         try:
             ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

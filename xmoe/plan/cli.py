@@ -11,13 +11,16 @@ import math
 
 from xmoe.config import RECOMPUTE_MODES, ModelConfig, add_kernel_arguments
 from xmoe.model.presets import PRESETS, get_preset
-from xmoe.plan.tables import GIB, run_comm, run_memory, run_trainer_memory
+from xmoe.plan.tables import GIB, model_name, run_comm, run_memory, run_trainer_memory
 from xmoe.plan.tables import rank_layouts as rank_layouts  # re-exported beside prepare_memory, which it follows
 
 # The models (and, through them, torch) are imported when a plan runs: `xmoe --help` stays quick.
 ASSUMED_GPU_MEM = 64.0  # GiB: an MI250X GCD, when no GPU is visible and --gpu-mem is not given
 MAX_GPUS = 2**20  # the layouts are built rank by rank: a (dp, ep, tp) grid of this many ranks is 8 MiB
 MAX_MC_TOKENS = 2**18  # tokens x experts float64 draws per source: 512 MiB for 256 experts
+MAX_LAYERS = 1024  # the memory model walks every layer of every layout it tries: ~6 s of CPU at 1024 layers
+# --measure builds the simulated rank's DeviceMesh, which visits every rank of the world: 8 s at 65536 ranks
+MAX_MEASURE_GPUS = 2**16
 
 EXAMPLES = """examples:
   xmoe plan memory --preset medium --gpus 64            # search layouts that fit this machine's GPUs
@@ -26,9 +29,28 @@ EXAMPLES = """examples:
   xmoe plan memory --preset medium --gpus 256 --gpu-mem 64 --measure      # run rank 0 of the proposed layout here
   xmoe plan memory --preset small --layers 2 --seq 256 --micro-batch 1 --gpus 64 --ep 16 --tp 1 --measure --json
   xmoe plan memory --preset small --layers 2 --gpus 8 --ep 8 --measure --wgrad triton   # under a kernel choice
+  xmoe plan memory --config my_model.toml --gpus 16 --gpu-mem 80   # your own model (or --init-from HF_DIR, --set)
   xmoe plan comm --preset large --gpus 256 --inter-bw 50
   xmoe plan comm --preset large --gpus 256 --inter-bw 25 --compute-ms 1110 --max-nodes-per-token 2,4   # step time
 """
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What defines the model, as `xmoe train` takes it (xmoe/train/run_config.py builds it)."""
+    p.add_argument(
+        "--preset", help=f"one of {', '.join(PRESETS)} (default small, unless --config or --init-from names the model)"
+    )
+    p.add_argument("--config", help="a run's JSON or TOML file (`xmoe train --config`): its model and moe sections")
+    p.add_argument(
+        "--init-from", metavar="HF_DIR", help="a Hugging Face model directory: its config.json (no weights are read)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one model or moe field, e.g. --set moe.top_k=2 (repeatable)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    mem.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
+    _add_model_arguments(mem)
     mem.add_argument("--gpus", type=int, default=8, help="world size (default 8)")
     mem.add_argument(
         "--gpu-mem",
@@ -110,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    com.add_argument("--preset", default="small", help=f"one of {', '.join(PRESETS)} (default small)")
+    _add_model_arguments(com)
     com.add_argument("--gpus", type=int, default=64, help="world size (default 64)")
     com.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     com.add_argument("--ep", type=int, help="expert-parallel degree (default min(E, gpus / tp))")
@@ -234,6 +256,15 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
     if args.gpus > MAX_GPUS:
         raise ValueError(f"--gpus ({args.gpus}) must be <= {MAX_GPUS}: the planner lays out every rank")
+    if getattr(args, "measure", False) and args.gpus > MAX_MEASURE_GPUS:
+        raise ValueError(
+            f"--gpus ({args.gpus}) must be <= {MAX_MEASURE_GPUS} with --measure: the simulated rank's device mesh "
+            f"holds every rank of the world (the plan alone takes up to {MAX_GPUS})"
+        )
+    if (getattr(args, "layers", None) or 0) > MAX_LAYERS:
+        raise ValueError(
+            f"--layers ({args.layers}) must be <= {MAX_LAYERS}: the planner walks every layer of every layout it tries"
+        )
     if getattr(args, "mc_tokens", 0) > MAX_MC_TOKENS:
         raise ValueError(
             f"--mc-tokens ({args.mc_tokens}) must be <= {MAX_MC_TOKENS} (it draws tokens x experts "
@@ -254,11 +285,12 @@ def _gpu_memory_gib() -> tuple[float, str]:
     )
 
 
-def model_config(args: argparse.Namespace):
-    """The preset of ``--preset``, shortened to ``--layers`` when given, with ``--mtp-depth`` prediction modules."""
+def model_config(args: argparse.Namespace, base: ModelConfig | None = None) -> ModelConfig:
+    """``base`` (the model of --config / --init-from / --set, built by the caller as `xmoe train` builds it), else
+    the preset of ``--preset``; shortened to ``--layers`` when given, with ``--mtp-depth`` prediction modules."""
     from dataclasses import replace
 
-    cfg = get_preset(args.preset)
+    cfg = base if base is not None else get_preset(args.preset or "small")
     if getattr(args, "layers", None) is not None:
         cfg = replace(cfg, num_layers=args.layers, first_k_dense=min(cfg.first_k_dense, args.layers))
     if getattr(args, "mtp_depth", 0):
@@ -266,21 +298,28 @@ def model_config(args: argparse.Namespace):
     return cfg
 
 
-def prepare_memory(args: argparse.Namespace) -> tuple[ModelConfig, str | None]:
+def prepare_memory(args: argparse.Namespace, base: ModelConfig | None = None) -> tuple[ModelConfig, str | None]:
     """Checked arguments of `plan memory`: (the model config, a line saying which GPU memory was assumed or None);
-    ``args.gpu_mem`` is filled in."""
+    ``args.gpu_mem`` is filled in. ``base``: as model_config's."""
     _check_args(args)
     note = None
     if args.gpu_mem is None:
         args.gpu_mem, note = _gpu_memory_gib()
-    return model_config(args), note
+    cfg = model_config(args, base)
+    if cfg.num_layers > MAX_LAYERS:
+        raise ValueError(
+            f"{model_name(args)} has {cfg.num_layers} layers; `xmoe plan memory` takes at most {MAX_LAYERS} (it walks "
+            "every layer of every layout it tries): plan a shortened model with --layers"
+        )
+    return cfg, note
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, base: ModelConfig | None = None) -> None:
+    """The command; ``base``: the model of --config / --init-from / --set (model_config)."""
     if args.plan_command == "memory":
-        cfg, note = prepare_memory(args)
+        cfg, note = prepare_memory(args, base)
         text = run_trainer_memory(cfg, args) if args.trainer else run_memory(cfg, args)
         print(text if note is None else text.replace("\n", f"\n{note}\n", 1))
     else:
         _check_args(args)
-        print(run_comm(model_config(args), args))
+        print(run_comm(model_config(args, base), args))

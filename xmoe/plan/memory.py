@@ -198,9 +198,12 @@ def estimate_memory(
     precision: str = "bf16",
     reserve_gib: float = 2.0,
     name: str = "",
+    accumulation: int = 1,
 ) -> MemoryBreakdown:
     """The per-GPU peak memory of training ``cfg`` under ``parallel`` in ``precision`` ("bf16": a GPU run, "fp32":
-    a CPU run); the module docstring gives the model."""
+    a CPU run); the module docstring gives the model. ``accumulation``: micro-batches per optimizer step, whose
+    gradients a replica (one process, DDP) holds throughout the last one's backward (FSDP2 layouts: not modelled,
+    their moments are those of one micro-batch)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE_MODES}")
     if imbalance < 1.0:
@@ -249,7 +252,9 @@ def estimate_memory(
         dense_params = sum(u.shard for u in units.all()) - expert_params
     else:
         wrapper = "DDP" if parallel.world_size > 1 else "none"
-        label, terms = _replica_peak(cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel)
+        label, terms = _replica_peak(
+            cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel, accumulation
+        )
         routed = count_params(cfg).total_by_part["routed_experts"]
         expert_params, dense_params = routed, count_params(cfg).total - routed
     fields = dict.fromkeys(set(TERMS.values()), 0.0)

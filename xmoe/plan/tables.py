@@ -33,7 +33,7 @@ def rank_layouts(cfg, args, **extra) -> list:
         imbalance=args.imbalance,
         kernel=args.kernel or "triton",
         reserve_gib=args.reserve,
-        name=args.preset,
+        name=model_name(args),
         **extra,
     )
     return memory.search_layouts(
@@ -67,7 +67,7 @@ def run_memory(cfg, args) -> str:
         if v is None
     ]
     lines = [
-        f"xmoe plan memory: {args.preset} on {args.gpus} GPUs ({args.gpus_per_node} per node), "
+        f"xmoe plan memory: {model_name(args)} on {args.gpus} GPUs ({args.gpus_per_node} per node), "
         f"{args.gpu_mem:g} GiB each",
         _model_line(cfg),
     ]
@@ -112,7 +112,7 @@ def run_trainer_memory(cfg, args) -> str:
         [args.micro_batch] if args.micro_batch else [2**i for i in range(int(math.log2(args.max_micro_batch)) + 1)]
     )
     lines = [
-        f"xmoe plan memory --trainer: {args.preset} with {cfg.num_layers} layers, seq {seq}, one GPU of "
+        f"xmoe plan memory --trainer: {model_name(args)} with {cfg.num_layers} layers, seq {seq}, one GPU of "
         f"{args.gpu_mem:g} GiB, {args.accumulation} micro-batch(es) per step, compiled regions "
         f"{'off' if args.eager else 'on'}",
         _model_line(cfg),
@@ -138,6 +138,11 @@ def run_trainer_memory(cfg, args) -> str:
         "of backward (docs/training-speed.md compares these with measured peaks)"
     )
     return "\n".join(lines)
+
+
+def model_name(args) -> str:
+    """The model's name in a table's first line: the preset, the config file or the Hugging Face directory."""
+    return getattr(args, "preset", None) or getattr(args, "init_from", None) or getattr(args, "config", None) or "small"
 
 
 def _model_line(cfg) -> str:
@@ -280,7 +285,7 @@ def run_comm(cfg, args) -> str:
     r, moe = est.rows, cfg.moe
     mb = lambda rows: f"{est.nbytes(rows) / 1e6:.1f} MB"  # noqa: E731
     lines = [
-        f"xmoe plan comm: {args.preset}, {args.gpus} GPUs ({args.gpus_per_node} per node), ep {est.ep} "
+        f"xmoe plan comm: {model_name(args)}, {args.gpus} GPUs ({args.gpus_per_node} per node), ep {est.ep} "
         f"(EP group on {est.group_nodes} node{'s' if est.group_nodes > 1 else ''}, {args.placement}), "
         f"{r.tokens:.0f} tokens per GPU, top-{moe.top_k} of {moe.num_experts} experts, H {cfg.hidden_size} bf16",
         f"routing {args.routing} ({est.method}); per GPU: intra {net.intra_bw:g} GB/s + {net.intra_lat:g} us, "

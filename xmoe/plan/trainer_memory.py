@@ -169,9 +169,12 @@ def estimate_trainer_memory(
     return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)
 
 
-def _fp32_replica(cfg: ModelConfig, acts: _LayerActivations, recompute: str, kernel: str) -> TrainerMemory:
+def _fp32_replica(
+    cfg: ModelConfig, acts: _LayerActivations, recompute: str, kernel: str, accumulation: int = 1
+) -> TrainerMemory:
     """estimate_trainer_memory's walk for an fp32 eager replica (the trainer on a CPU): no casts, fp32 gradients
-    made directly, and each block's activation gradients (as in _fsdp_moments) as its transient."""
+    made directly, and each block's activation gradients (as in _fsdp_moments) as its transient; with
+    ``accumulation`` > 1 every gradient exists throughout the last micro-batch's backward."""
     H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     T, b, moe = acts.tokens, 4, cfg.moe
     parts = count_params(cfg, expert_matrices=3).total_by_part
@@ -188,7 +191,9 @@ def _fp32_replica(cfg: ModelConfig, acts: _LayerActivations, recompute: str, ker
     tail = norm_activations(T, H) + b * T * H
     head = parts["head"] or parts["embedding"]
     loss = 12 * min(T, LOSS_CHUNK_TOKENS) * V + GRAD_BYTES * head * cfg.mtp_depth  # as estimate_trainer_memory
-    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * head, tail, loss)
+    accumulating = accumulation > 1
+    start = sum(parts.values()) if accumulating else head
+    return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * start, tail, loss, accumulating)
 
 
 def _replica_peak(
@@ -200,19 +205,25 @@ def _replica_peak(
     recompute: str,
     precision: str,
     kernel: str,
+    accumulation: int = 1,
 ) -> tuple[str, dict[str, float]]:
     """The peak of a whole replica: the trainer on one process, or a DDP rank (the same plus DDP's fp32 gradient
     buckets, as large as the gradients): the larger of backward's and the optimizer step's. bf16:
     estimate_trainer_memory (compiled regions, as the trainer runs them with ep = tp = 1 on a GPU); fp32: the same
-    backward walk over the eager fp32 blocks."""
+    backward walk over the eager fp32 blocks. ``accumulation``: micro-batches per optimizer step."""
     parts = count_params(cfg, expert_matrices=3).total_by_part
     P = sum(parts.values())
     if precision == "bf16":
         m = estimate_trainer_memory(
-            cfg, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute, fused=kernel == "triton"
+            cfg,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            recompute=recompute,
+            accumulation=accumulation,
+            fused=kernel == "triton",
         )
     else:
-        m = _fp32_replica(cfg, acts, recompute, kernel)
+        m = _fp32_replica(cfg, acts, recompute, kernel, accumulation)
     buckets = GRAD_BYTES * P if par.world_size > 1 else 0.0
     states = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P, "buckets": buckets}
     backward = states | {

@@ -1,14 +1,13 @@
-"""The arguments of `xmoe train` (flags and their help) and the command that runs them: the checks of this
-machine's device and memory, then a dry run's counts or the Trainer. How the arguments become a RunConfig, and
-their precedence: run_config.py.
+"""The arguments of `xmoe train` (flags and their help) and the command that runs them: the check of this
+machine's device, then a dry run's counts or the Trainer (whose set-up checks the memory: preflight.py). How the
+arguments become a RunConfig, and their precedence: run_config.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
-from xmoe.config import COMPILE_MODES, OPTIMIZERS, RECOMPUTE_MODES, RunConfig, add_kernel_arguments
+from xmoe.config import COMPILE_MODES, FIT_MODES, OPTIMIZERS, RECOMPUTE_MODES, add_kernel_arguments
 from xmoe.train.run_config import PAPER, TINY, build_run_config
 
 EXAMPLES = """examples:
@@ -117,6 +116,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto (GPU if present, default), cpu or cuda")
     p.add_argument(
+        "--fit",
+        choices=FIT_MODES,
+        default="check",
+        help="memory pre-flight before the model is built: check (default: refuse a run the planner predicts "
+        "will not fit the free memory, naming changes that fit), auto (apply the cheapest such change: a smaller "
+        "micro-batch or recompute), off",
+    )
+    p.add_argument(
         "--config",
         help="JSON or TOML file describing the run: config sections (model, moe, train, "
         "parallel, kernels, data) and the keys preset and init_from",
@@ -168,30 +175,9 @@ def check_device(device: str, flag: str = "--device") -> str:
     return device
 
 
-def _check_fits(run_cfg: RunConfig, device: str) -> None:
-    """Refuse a model whose fp32 weights alone, split evenly over every rank, exceed one machine's memory (host and
-    one GPU): building it could only fail, after minutes or by the kernel's OOM killer."""
-    import torch
-
-    from xmoe.model.counting import count_params
-
-    model, world = run_cfg.model, run_cfg.parallel.world_size
-    params = count_params(model).total
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if device.startswith("cuda"):
-        memory += torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if 4 * params / world > memory:
-        raise ValueError(
-            f"the model has {params:.3g} parameters ({4 * params / world / 2**30:.3g} GiB of fp32 weights per rank "
-            f"over {world} rank(s), 16 bytes per parameter to train), more than this machine's "
-            f"{memory / 2**30:.0f} GiB of memory; lower moe.num_experts ({model.moe.num_experts}), "
-            f"model.num_layers ({model.num_layers}) or hidden sizes (`xmoe plan memory` predicts what fits)"
-        )
-
-
 def run(args: argparse.Namespace) -> dict | None:
     run_cfg = build_run_config(args)
-    device = check_device(args.device)
+    check_device(args.device)
     if args.dry_run:
         from xmoe.model.counting import describe
 
@@ -199,7 +185,6 @@ def run(args: argparse.Namespace) -> dict | None:
 
         print(describe(run_cfg.model, run_cfg.train.seq_len, run_cfg.train.global_batch_size))
         return None
-    _check_fits(run_cfg, device)
     from xmoe.train.trainer import Trainer
 
     trainer = Trainer(
@@ -210,5 +195,6 @@ def run(args: argparse.Namespace) -> dict | None:
         overwrite=args.overwrite,
         resume_from=args.resume_from,
         allow_changes=args.allow_changes,
+        fit=args.fit,
     )
     return trainer.train()

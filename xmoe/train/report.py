@@ -72,7 +72,8 @@ class Reporter:
     """The run's words: ``announce`` at the start, ``log_window`` at each logging step, ``finish`` at the end.
     ``dataset``: the training data (its ``name``, ``vocab_size`` and, for the synthetic source, ``loss_floor`` and
     ``unigram_entropy``); ``preset``: the preset the model came from ("" for none); ``kernels``: the run's kernel
-    choices as resolved on its device (xmoe.kernels.choice), named in the header and recorded in the summary."""
+    choices as resolved on its device (xmoe.kernels.choice), named in the header and recorded in the summary;
+    ``memory``: the memory pre-flight's line for the header."""
 
     def __init__(
         self,
@@ -87,8 +88,10 @@ class Reporter:
         preset: str,
         kernels: Any,
         optimizer: str = "",
+        memory: str | None = None,
     ):
         self.run, self.out_dir, self.logger = run, out_dir, logger
+        self.memory = memory  # the pre-flight's line (xmoe.train.preflight), None when it did not run
         self.rank, self.world, self.device = rank, world, device
         self.dataset, self.preset, self.kernels = dataset, preset, kernels
         self.optimizer = optimizer
@@ -109,6 +112,8 @@ class Reporter:
             + (f", {self.optimizer}" if self.optimizer else ""),
             self.kernels.describe(),
         ]
+        if self.memory:
+            lines.append(self.memory)
         floor = getattr(self.dataset, "loss_floor", None)
         if floor is not None:
             lines.append(

@@ -141,7 +141,9 @@ def _start(args: argparse.Namespace, file: dict[str, Any]) -> tuple[str, str | N
     return ("" if init_from else chosen.get("preset", ("tiny",))[0]), init_from
 
 
-def build_run_config(args: argparse.Namespace) -> RunConfig:
+def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> RunConfig:
+    """The RunConfig of `xmoe train`'s arguments (the module docstring). ``read_weights=False``: an init_from
+    directory's config.json alone is read, its weights' sizes not checked (`xmoe plan`, which trains nothing)."""
     from xmoe.model.presets import get_preset
 
     _check_flags(args)
@@ -151,7 +153,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         from xmoe.hf.checkpoint import check_sizes, read_model_config
 
         hf, model = read_model_config(init_from)
-        check_sizes(init_from, hf, model)  # sizes the weights do not hold, before anything is allocated
+        if read_weights:
+            check_sizes(init_from, hf, model)  # sizes the weights do not hold, before anything is allocated
     else:
         model = get_preset(preset)
     imported = model
@@ -285,3 +288,33 @@ def _imported_tokenizer(hf_dir: str) -> str:
 
     tokenizer = Path(hf_dir) / RUN_TOKENIZER
     return str(tokenizer) if tokenizer.is_file() else "bytes"
+
+
+def model_of(preset: str | None, config: str | None, init_from: str | None, sets: list[str]) -> ModelConfig:
+    """The model a run of these choices would train, built as build_run_config builds it (`xmoe plan` takes the
+    same four: a preset, a config file, a Hugging Face directory, whose config.json alone is read, and --set
+    overrides); an imported architecture may be changed without --allow-changes, as nothing is trained. Settings
+    outside the model and moe sections are ignored, and a --set of one is said so."""
+    args = _Unset(preset=preset, config=config, init_from=init_from, set=list(sets), allow_changes=bool(init_from))
+    args.out = "plan"  # a name for _check_flags: no run directory is made
+    for item in sets:
+        section = item.partition("=")[0].partition(".")[0]
+        if section in SECTIONS and section not in ("model", "moe"):
+            log.warning(f"xmoe: --set {item} does not change the model; only model and moe settings are read here")
+    quiet = logging.getLogger(__name__)
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # build_run_config's notes are about training the import, not planning it
+    try:
+        return build_run_config(args, read_weights=False).model
+    finally:
+        quiet.setLevel(level)
+
+
+class _Unset(argparse.Namespace):
+    """model_of's arguments: every flag of `xmoe train` not set here reads None, not given (the preset's, the
+    file's or --set's value stands), whatever flags `xmoe train` gains."""
+
+    def __getattr__(self, name: str) -> None:  # called only for attributes never set
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None

@@ -231,11 +231,12 @@ def measure_rank(
 # ------------------------------------------------------------------------------------------------ the command
 
 
-def run(args) -> str:
+def run(args, base: ModelConfig | None = None) -> str:
     """`xmoe plan memory ... --measure`: the planner's proposed layout (or the one given), rank ``--rank`` of it
-    measured here; returns the table to print, or with ``--json`` one JSON object."""
+    measured here; returns the table to print, or with ``--json`` one JSON object. ``base``: the model of --config,
+    --init-from or --set (xmoe.plan.cli.model_config), built here with that layout's shards."""
     from xmoe.plan.cli import prepare_memory
-    from xmoe.plan.tables import rank_layouts
+    from xmoe.plan.tables import model_name, rank_layouts
 
     if args.trainer:
         raise ValueError(
@@ -248,7 +249,7 @@ def run(args) -> str:
         )
     if not 0 <= args.rank < args.gpus:
         raise ValueError(f"--rank ({args.rank}) must be in [0, --gpus={args.gpus})")
-    cfg, note = prepare_memory(args)
+    cfg, note = prepare_memory(args, base)
     device = _device(args.device)
     if args.kernel is None:
         args.kernel = "triton" if device.type == "cuda" else "torch"
@@ -258,7 +259,7 @@ def run(args) -> str:
     kernel_backend: KernelBackend = "auto" if args.kernel == "triton" and device.type == "cuda" else "torch"
     cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, kernel_backend=kernel_backend))
     header = (
-        f"xmoe plan memory --measure: {args.preset}, {cfg.num_layers} layers, rank {args.rank} of tp "
+        f"xmoe plan memory --measure: {model_name(args)}, {cfg.num_layers} layers, rank {args.rank} of tp "
         f"{best.parallel.tp} x ep {best.parallel.ep} x dp {best.parallel.dp} ({args.gpus} GPUs), micro-batch "
         f"{best.micro_batch} x seq {best.seq_len}, recompute {best.recompute}, on {device}"
     )
@@ -278,7 +279,7 @@ def run(args) -> str:
         kernels=kernel_config(args),
     )
     result = m.as_dict() | {
-        "preset": args.preset,
+        "preset": model_name(args),
         "planned_peak_bytes": int(best.peak),
         "planned_peak_at": best.peak_at,
         "planned_reserve_bytes": int(best.reserve),

@@ -5,7 +5,8 @@ Order of set-up (fixed, so every rank does the same thing):
   2. parallel dims -> one DeviceMesh (xmoe.parallel.dims); the one other group is the run guard's, for the
      stop-signal vote (xmoe.train.safety)
   3. data loader (``run.data``, sharded over data-parallel ranks); the checkpoint to resume, checked against this
-     run's model, data and schedule from its meta.json before anything large is built
+     run's model, data and schedule from its meta.json before anything large is built; then the memory pre-flight
+     (xmoe.train.preflight: the planner's peak against the device's free memory; ``fit``)
   4. the model through xmoe.parallel.build: on the meta device, parallelism applied from outside in a fixed order
      (TP (attention, dense FFN) -> SSMB -> EP + FSDP2 over the data-parallel ranks; pure data parallelism,
      ep = tp = 1, uses DDP), then only this rank's shards allocated and initialised from the seed (the same global
@@ -29,6 +30,7 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,8 +42,9 @@ from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import checkpoint_dir, metrics, rundir, safety
+from xmoe.train import checkpoint_dir, metrics, oom, preflight, rundir, safety
 from xmoe.train.launch import init_distributed
+from xmoe.train.loader import TokenLoader
 from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_groups
 from xmoe.train.report import Reporter, Window
 from xmoe.train.resume import resume_checkpoint
@@ -74,12 +77,13 @@ class Trainer:
         overwrite: bool = False,
         resume_from: str | None = None,
         allow_changes: bool = False,
+        fit: str = "off",
     ):
         """Train ``run`` (its model, schedule, layout, data and starting point) into ``out_dir``; the arguments
         are this invocation's. ``resume``: continue from the newest verified checkpoint in ``out_dir``
         (``resume_from``: from that checkpoint directory); a checkpoint whose model, data or schedule differ is
         refused unless ``allow_changes``. ``overwrite``: replace a run already in ``out_dir`` (else that is an
-        error)."""
+        error). ``fit``: the memory pre-flight's mode, "check", "auto" or "off" (preflight.check_run)."""
         self.run, self.out_dir = run, Path(out_dir)
         self.rank, self.world, self.device = init_distributed(device, run.parallel.timeout)
         resume = resume or resume_from is not None
@@ -87,7 +91,7 @@ class Trainer:
         try:
             if run.init_from and self.rank == 0:  # under the lock: a second trainer cannot interleave its copies
                 _keep_imported_files(run.init_from, self.out_dir)
-            self._setup(run, resume, resume_from, allow_changes)
+            self._setup(run, resume, resume_from, allow_changes, fit)
         except BaseException:
             self.close()
             raise
@@ -104,7 +108,7 @@ class Trainer:
             self.lock.release()
             self.lock = None
 
-    def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool) -> None:
+    def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool, fit: str) -> None:
         par = run.parallel
         if par.world_size != self.world:
             raise ValueError(
@@ -125,7 +129,11 @@ class Trainer:
         self._load_data(run)
         # 2. what a resume continues, checked against this run before anything large is built
         found = self._checkpoint_to_resume(resume_from, allow_changes) if resume else None
-        # 3. the model: built on the meta device, parallelised from outside, then only this rank's shards allocated
+        # 3. the memory it needs, against what the device has free (after the resume check: a checkpoint of another
+        # model is refused for that, not for the size of this one); --fit auto may change the micro-batch or recompute
+        run = self._preflight(run, fit)
+        t = run.train
+        # 4. the model: built on the meta device, parallelised from outside, then only this rank's shards allocated
         # and initialised (layout-independent values from the seed, or init_from's weights); recompute and compiled
         # regions on the blocks
         torch.manual_seed(t.seed)
@@ -170,6 +178,7 @@ class Trainer:
             preset=run.preset,
             kernels=self.kernels,
             optimizer=describe_optimizer(self.optimizer),
+            memory=self.memory_line,
         )
 
     def _load_data(self, run: RunConfig) -> None:
@@ -179,6 +188,17 @@ class Trainer:
         data = load_run_data(run, self.micro_batch, self.dp_rank, self.dp_size, self.device)
         self.dataset, self.data_info, self.val_sets = data.dataset, data.info, data.val_sets
         self.loader, self.source_losses = data.loader, data.source_losses
+
+    def _preflight(self, run: RunConfig, mode: str) -> RunConfig:
+        """The memory pre-flight (preflight.check_run): the run to train, --fit auto's change applied."""
+        fitted, self.memory_line, self.planned = preflight.check_run(run, self.device, mode, warn=self.rank == 0)
+        if fitted is not run:
+            self.run = run = fitted
+            self.local_batch, self.micro_batch, _ = run.batch_layout()
+            self.loader = TokenLoader(  # the same sequences in the same order, in smaller micro-batches
+                self.dataset, self.micro_batch * self.dp_size, self.dp_rank, self.dp_size, run.data.documents
+            )
+        return run
 
     def _data_parallel_coords(self) -> tuple[int, int]:
         """This rank's index among the ranks that see different data, and how many there are."""
@@ -303,6 +323,10 @@ class Trainer:
             guard = safety.RunGuard(self.device, self.run.train.nonfinite_skips, self.run.parallel.timeout)
             with guard, self.kernels.applied():
                 return self._train(guard)
+        except (RuntimeError, MemoryError) as exc:
+            if not oom.is_out_of_memory(exc):
+                raise
+            self._stop_out_of_memory(exc)
         finally:
             self.close()
 
@@ -407,6 +431,13 @@ class Trainer:
                 self.save()
             self.report.finish(self.step, status=f"stopped at step {self.step}: {why}")
         raise rundir.RunDirError(rundir.rescue_text(why, rescue, self.step, saved))
+
+    def _stop_out_of_memory(self, exc: BaseException) -> NoReturn:
+        """One line naming the step, phase and last checkpoint (oom.stop_message); nothing is saved after it."""
+        phase = oom.release(exc, self.device, self.optimizer)
+        last = self._last_good_checkpoint(self.step + 1)
+        self.report.finish(self.step, status=f"stopped: out of memory at step {self.step} ({phase})")
+        raise ValueError(oom.stop_message(self.run, self.device, self.step, phase, self.planned, last)) from exc
 
     def _stop_signal(self, signum: int) -> None:
         name = safety.signal_name(signum)
