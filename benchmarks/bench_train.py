@@ -8,7 +8,9 @@ preset shape (hidden 2048, 64 experts of width 1408, top-6, seq 2048). The numbe
 (xmoe's FLOP formula over the tokens actually routed, MFU against the device's bf16 peak), averaged over the
 logged windows after the first (which holds compilation and warm-up); the peak memory is the trainer's
 torch.cuda.max_memory_allocated. "dense" is the model of equal active FLOPs: every layer a dense SwiGLU of width
-top_k x 1408 = 8448. Writes bench_train.json / .md into --out. Skips without a GPU.
+top_k x 1408 = 8448. A case the memory pre-flight predicts will not fit this GPU runs with `--fit auto`'s change
+(a smaller micro-batch, the global batch kept; the row's "fit" says so). Writes bench_train.json / .md into --out.
+Skips without a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import RESULTS_ENV, environment, markdown_table, run_xmoe_train, write_results
+from benchmarks.harness import (
+    RESULTS_ENV,
+    environment,
+    fit_auto_change,
+    markdown_table,
+    run_xmoe_train_output,
+    write_results,
+)
 
 DENSE = ["--set", "model.first_k_dense={layers}", "--set", "model.ffn_hidden_size=8448"]
 
@@ -73,7 +82,7 @@ CASES = {
 def run_case(name: str, args: argparse.Namespace) -> dict:
     case = CASES[name]
     extra = [e.format(layers=case["layers"]) for e in case["extra"]]
-    records, command, wall, error = run_xmoe_train(
+    records, command, wall, error, output = run_xmoe_train_output(
         "--preset",
         "small",
         "--set",
@@ -90,13 +99,17 @@ def run_case(name: str, args: argparse.Namespace) -> dict:
         str(max(1, args.steps // 3)),
         "--ckpt-every",
         "0",
+        "--fit",
+        "auto",  # a case larger than this GPU runs at the micro-batch (or recompute) the planner finds fits
         *extra,
     )
+    change = fit_auto_change(output)
     row = {
         "case": name,
         "layers": case["layers"],
         "batch": case["batch"],
-        "micro": case["micro"],
+        "micro": int(change.get("micro_batch_size", case["micro"])),
+        "fit": " ".join(f"{k}={v}" for k, v in change.items()),
         "command": command,
         "wall_s": wall,
     }
@@ -143,6 +156,7 @@ def main() -> None:
         "layers",
         "batch",
         "micro",
+        "fit",
         "tokens_per_s",
         "tflops",
         "mfu_pct",
@@ -159,7 +173,7 @@ def main() -> None:
         environment(),
         "xmoe train on one GPU, small preset shape, seq 2048",
         notes="Per row: the command in bench_train.json; tflops: xmoe's formula; averages over the logged "
-        "windows after the first.",
+        "windows after the first; fit: what `--fit auto` changed for the case to fit this GPU (micro: the one run).",
     )
     print(markdown_table(rows, columns))
 

@@ -23,6 +23,10 @@ inside each 128-deep step and fp32 against float64), against the exact float64 l
 the FP8 error itself is printed beside the bf16 path's), bitwise deterministic; on the medium shape once more per
 round of FP8 tile candidates.
 
+Sizes: a model case whose estimated memory (case_bytes) exceeds what the GPU has free runs with fewer experts (E
+halved until it fits, H, F and K kept), and says so; one that cannot fit at any E >= K is skipped, said too. On an
+80 GB card the FP8 large_model case runs at E = 16.
+
 Tiles: the checks run with autotuning off, so with the heuristic's tiles (on an H200 candidate 0 of every kernel
 in xmoe/kernels/tiles.py). On the three model shapes the fused path then runs once more per further round of
 candidates (round r forces candidate r of every kernel), so that every candidate autotuning may pick, the
@@ -56,9 +60,49 @@ CASES = {
     "medium_model": (1024, 5120, 1536, 32, 6, None, "uniform"),  # the medium preset's H, F, K; E cut the same way
 }
 MODEL_CASES = ("small_model", "medium_model", "large_model")
+# bytes a check holds at its peak per element of one E x H x F weight stack (the three stacks and every copy of them):
+# the bf16 check ~100 (the float64 reference, see large_model); the FP8 check adds the float64 emulation's copies:
+# more than 178 (its large_model ran out of memory on an 80 GB card) and at most 300 (it passed on a 141 GB one)
+BYTES_PER_EXPERT_WEIGHT = {"bf16": 100, "fp8": 200}
+POISON_BYTES = 1 << 30  # _poison's NaN block, cached by the allocator
+FREE_FRACTION = 0.9  # of the free memory a case is sized for: the allocator's rounding and the rest of the process
 # the fused backward's weight gradients: the Triton kernels and the Hopper path (torch._grouped_mm over gathered
 # rows; where H or F is not a multiple of 8 it falls back to Triton, so those cases check Triton twice)
 WGRAD_ENGINES = ("triton", "grouped_mm")
+
+
+def case_bytes(T, H, Fd, E, K, kind):
+    """Bytes a check of ``kind`` ("bf16", "fp8") on this case is estimated to hold at its peak: its expert weight
+    stacks (BYTES_PER_EXPERT_WEIGHT) and, per routed row, a float64 copy of every H- and F-wide tensor the
+    reference keeps, for the output and its gradient."""
+    return BYTES_PER_EXPERT_WEIGHT[kind] * E * H * Fd + 8 * 2 * T * K * (3 * H + 3 * Fd)
+
+
+def fit_case(name, case, free_bytes, kind):
+    """(the case as it can run in ``free_bytes`` of GPU memory, or None; what changed, "" for nothing): a model
+    case's experts halved (E stays >= K) until case_bytes fits FREE_FRACTION of the memory left beside the poison
+    block; the other cases are small and run as they are."""
+    T, H, Fd, E, K, capacity, routing = case
+    budget = FREE_FRACTION * (free_bytes - POISON_BYTES)
+    if name not in MODEL_CASES or case_bytes(T, H, Fd, E, K, kind) <= budget:
+        return case, ""
+    smaller = E
+    while smaller // 2 >= K and case_bytes(T, H, Fd, smaller, K, kind) > budget:
+        smaller //= 2
+    need = f"~{case_bytes(T, H, Fd, E, K, kind) / 2**30:.0f} GiB at E={E}"
+    if case_bytes(T, H, Fd, smaller, K, kind) > budget:
+        return None, f"skipped: needs {need}, more than this GPU's {free_bytes / 2**30:.1f} GiB free at any E >= {K}"
+    return (T, H, Fd, smaller, K, capacity, routing), (
+        f"E {E} -> {smaller} to fit this GPU's {free_bytes / 2**30:.1f} GiB free (it needs {need})"
+    )
+
+
+def _sized(name, kind):
+    """fit_case on this GPU's free memory now, the change printed."""
+    case, change = fit_case(name, CASES[name], torch.cuda.mem_get_info()[0], kind)
+    if change:
+        print(f"     {kind} {name}: {change}", flush=True)
+    return case
 
 
 def tile_rounds():
@@ -343,9 +387,13 @@ def main_fp8() -> tuple[bool, dict]:
     print(f"{'ok  ' if all_ok else 'FAIL'} fp8 quantisers ({fmt}) vs float64, mismatching elements: {mismatches}")
     report = {"format": fmt, "quantizers": mismatches, "cases": []}
     for name in FP8_CASES:
+        case = _sized(name, "fp8")
+        if case is None:
+            report["cases"].append({"case": name, "skipped": "does not fit this GPU"})
+            continue
         try:
             with tiles.use_options(autotune=False):
-                ok, info = check_fp8_case(name, *CASES[name], fmt)
+                ok, info = check_fp8_case(name, *case, fmt)
         except Exception as exc:
             ok, info = False, {"case": name, "error": f"{type(exc).__name__}: {exc}"}
         all_ok &= ok
@@ -405,7 +453,11 @@ def main(argv=None) -> int:
 
     all_ok, report = True, []
     start = time.perf_counter()
-    for name, case in ({} if args.fp8_only else CASES).items():
+    for name in () if args.fp8_only else CASES:
+        case = _sized(name, "bf16")
+        if case is None:
+            report.append({"case": name, "skipped": "does not fit this GPU"})
+            continue
         try:
             with tiles.use_options(autotune=False):  # checks need no tuning; tile rounds cover the candidates
                 ok, info = check_case(name, *case)

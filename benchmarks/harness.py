@@ -178,12 +178,14 @@ def collective_time_ms(
 
 def parse_trainer_args(parser, argv: Sequence[str]):
     """`xmoe train`'s flags on ``parser`` plus ``--layers`` (default 8), parsed with the single-GPU benchmarks'
-    defaults (small preset shape, seq 2048, no checkpoints); the layer count goes in ahead of the user's --set."""
+    defaults (small preset shape, seq 2048, no checkpoints, ``--fit auto``: a batch larger than this GPU holds is
+    run in the micro-batches the memory pre-flight finds fit, for the benchmarks that pass ``fit`` to their
+    Trainer); the layer count goes in ahead of the user's --set."""
     from xmoe.train.cli import add_arguments
 
     add_arguments(parser)
     parser.add_argument("--layers", type=int, default=8, help="layers of the small preset shape (default 8)")
-    args = parser.parse_args(["--preset", "small", "--seq-len", "2048", "--ckpt-every", "0", *argv])
+    args = parser.parse_args(["--preset", "small", "--seq-len", "2048", "--ckpt-every", "0", "--fit", "auto", *argv])
     args.set = [f"model.num_layers={args.layers}", *args.set]
     return args
 
@@ -192,6 +194,12 @@ def run_xmoe_train(*args: str) -> tuple[list[dict] | None, str, float, str]:
     """`xmoe train ARGS --out <temporary directory>` as its own process (fresh allocator, no checkpoint left behind).
     Returns (metrics.jsonl records or None on failure, the command with RUN_DIR for the directory, wall seconds,
     the error output's tail)."""
+    records, command, wall, error, _ = run_xmoe_train_output(*args)
+    return records, command, wall, error
+
+
+def run_xmoe_train_output(*args: str) -> tuple[list[dict] | None, str, float, str, str]:
+    """run_xmoe_train, and the run's standard output (its header, with the memory pre-flight's line) last."""
     import subprocess
     import tempfile
     import time
@@ -203,9 +211,24 @@ def run_xmoe_train(*args: str) -> tuple[list[dict] | None, str, float, str]:
         wall = time.perf_counter() - start
         command = " ".join(["python"] + cmd[1:]).replace(out, "RUN_DIR")
         if proc.returncode:
-            return None, command, wall, (proc.stderr or proc.stdout)[-1500:]
+            return None, command, wall, (proc.stderr or proc.stdout)[-1500:], proc.stdout
         records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
-    return records, command, wall, ""
+    return records, command, wall, "", proc.stdout
+
+
+def fit_auto_change(header: str) -> dict[str, str]:
+    """What `xmoe train --fit auto` changed, from its header's memory line ("... with --fit auto's
+    --micro-batch-size 4 --recompute moe (as given: ...)"): {"micro_batch_size": "4", "recompute": "moe"}, or {}
+    where it changed nothing."""
+    import re
+
+    found = re.search(r"with --fit auto's (.*?) \(as given", header)
+    if not found:
+        return {}
+    flags = found.group(1).split()
+    return {
+        flag.removeprefix("--").replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2], strict=True)
+    }
 
 
 def _trace(prof) -> tuple[list[dict], list[dict]]:

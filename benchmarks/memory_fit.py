@@ -1,12 +1,19 @@
 """Peak GPU memory of `xmoe train` per recompute mode and micro-batch, beside `xmoe plan memory`'s prediction.
 
     python benchmarks/memory_fit.py --layers 8 --micro-batches 8 16 32 64 --out results/
+    python benchmarks/memory_fit.py --preflight --results results/          # the pre-flight at 2, 4 and 8 layers
 
 Builds the trainer once (small preset shape, seq 2048, compiled regions as on any GPU by default), runs one real
 optimizer step per (recompute mode, micro-batch) with that micro-batch as the whole per-rank batch, and reads
 torch.cuda.max_memory_allocated over the step; a micro-batch that does not fit is reported as such. Each row also
 holds the planner's estimate for the same layout (xmoe.plan.trainer_memory.estimate_trainer_memory) and their ratio.
-Writes memory_fit.json / .md into --out. Skips without a GPU.
+Writes memory_fit.json / .md into --out. Skips without a GPU; the first micro-batch must fit (else: skipped, said).
+
+--preflight: `xmoe train --preset small --set model.num_layers=N --fit auto` (the paper presets' batch of 8 sequences
+of 2048 tokens, 3 steps) as its own process for each N of --preflight-layers (default 2 4 8), its peak
+(torch.cuda.max_memory_allocated, the trainer's metrics) beside the memory pre-flight's prediction for the run as it
+ran (xmoe.plan.fit.predict_train_peak, with the micro-batch or recompute --fit auto chose on this GPU); the target is
+within 5%. Writes memory_fit_preflight.json / .md.
 """
 
 from __future__ import annotations
@@ -39,9 +46,14 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--modes", nargs="+", default=list(RECOMPUTE_MODES))
     p.add_argument("--results", help="directory for memory_fit.json / .md")
+    p.add_argument("--preflight", action="store_true", help="compare the pre-flight's prediction with `xmoe train`")
+    p.add_argument("--preflight-layers", type=int, nargs="+", default=[2, 4, 8], help="with --preflight")
     args = parse_trainer_args(p, sys.argv[1:])
     if not torch.cuda.is_available():
         print("memory_fit: skipped, no CUDA GPU")
+        return
+    if args.preflight:
+        preflight(args.preflight_layers, args.results)
         return
     first = min(args.micro_batches)
     args.batch_size, args.micro_batch_size, args.steps = first, first, 1000
@@ -50,7 +62,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
         trainer = Trainer(run, out, device="cuda")
         stack.enter_context(trainer.kernels.applied())  # the run's kernels section, as Trainer.train applies it
-        trainer.train_step(trainer.accumulation_steps())  # optimizer state exists from here on, as in training
+        try:
+            trainer.train_step(trainer.accumulation_steps())  # optimizer state exists from here on, as in training
+        except torch.OutOfMemoryError:
+            print(f"memory_fit: skipped, micro-batch {first} does not fit this GPU at {args.layers} layers")
+            return
         for mode in args.modes:
             apply_recompute(trainer.model, mode)
             for mb in sorted(args.micro_batches):
@@ -110,6 +126,65 @@ def main() -> None:
                 f"{r.get('step_s', 0):.2f} |"
             )
         (folder / "memory_fit.md").write_text("\n".join(lines) + "\n")
+
+
+def preflight_argv(layers: int) -> list[str]:
+    """`xmoe train`'s flags of a --preflight run: the small shape at ``layers`` layers as a user would start it."""
+    return ["--preset", "small", "--set", f"model.num_layers={layers}", "--steps", "3", "--log-every", "1"] + [
+        "--ckpt-every",
+        "0",
+        "--fit",
+        "auto",
+    ]
+
+
+def predicted_as_run(argv: list[str], header: str) -> float:
+    """The pre-flight's prediction (bytes) for the run ``argv`` as it ran: with the change --fit auto made, which
+    its ``header`` (standard output) names."""
+    from benchmarks.harness import fit_auto_change
+    from xmoe.plan.fit import predict_train_peak
+    from xmoe.train.cli import add_arguments, build_run_config
+
+    change = fit_auto_change(header)
+    flags = [x for key, value in change.items() for x in (f"--{key.replace('_', '-')}", value)]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return predict_train_peak(build_run_config(parser.parse_args([*argv, *flags])), "cuda")
+
+
+def preflight(layers_list: list[int], results: str | None) -> None:
+    from benchmarks.harness import environment, fit_auto_change, markdown_table, run_xmoe_train_output, write_results
+
+    rows = []
+    for layers in layers_list:
+        argv = preflight_argv(layers)
+        records, command, wall, error, output = run_xmoe_train_output(*argv)
+        row = {"layers": layers, "fit": " ".join(f"{k}={v}" for k, v in fit_auto_change(output).items())}
+        row["command"] = command
+        row["predicted_gib"] = predicted_as_run(argv, output) / GIB
+        if records is None:
+            rows.append(row | {"error": error.strip().splitlines()[-1] if error.strip() else "failed"})
+        else:
+            row["measured_gib"] = max(r["mem_bytes"] for r in records) / GIB
+            rows.append(row | {"predicted_over_measured": row["predicted_gib"] / row["measured_gib"], "wall_s": wall})
+        print(json.dumps(rows[-1]), flush=True)
+    columns = ["layers", "fit", "measured_gib", "predicted_gib", "predicted_over_measured", "wall_s", "error"]
+    if results:
+        import os
+
+        from benchmarks.harness import RESULTS_ENV
+
+        os.environ[RESULTS_ENV] = results
+        write_results(
+            "memory_fit_preflight",
+            rows,
+            columns,
+            environment(),
+            "xmoe train's memory pre-flight against its measured peak, small shape, batch 8 x seq 2048",
+            notes="The rows' commands are in memory_fit_preflight.json; predicted: xmoe.plan.fit.predict_train_peak "
+            "of the run as --fit auto left it (a refusal is the pre-flight's own line).",
+        )
+    print(markdown_table(rows, columns))
 
 
 if __name__ == "__main__":
