@@ -220,7 +220,9 @@ class ParallelDims:
                 assert bool((grid.diff(dim=dim) > 0).all()), f"mesh axis {dim} is not ascending: {grid.tolist()}"
         self.mesh = DeviceMesh(device_type, self.grid, mesh_dim_names=AXES)
         self.dense_mesh = DeviceMesh(device_type, dense_grid, mesh_dim_names=(DENSE_AXIS, "tp"))
-        if self.timeout_s is not None:  # DeviceMesh makes its groups with the backend's default timeout
+        # DeviceMesh makes its groups with the backend's default timeout; the simulated rank's fake backend has none to
+        # set (and no peer to wait for)
+        if self.timeout_s is not None and torch.distributed.get_backend() != "fake":
             for mesh in (self.mesh, self.dense_mesh):
                 for group in mesh.get_all_groups():
                     set_timeout(group, self.timeout_s)
