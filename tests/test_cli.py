@@ -159,7 +159,9 @@ def test_the_run_data_and_preset_come_from_the_file_then_set_then_flags(tmp_path
     cfg = tmp_path / "run.toml"
     cfg.write_text('preset = "small"\n[data]\npath = "a.npy"\nval_path = "v.npy"\n')
     run = build_run_config(_args("--config", str(cfg)))
-    assert (run.preset, run.data.path, run.data.val_path, run.data.tokenizer) == ("small", "a.npy", "v.npy", "bytes")
+    # paths in the file are the file's: beside it
+    assert (run.preset, run.data.path, run.data.val_path) == ("small", str(tmp_path / "a.npy"), str(tmp_path / "v.npy"))
+    assert run.data.tokenizer == "bytes"
     assert run.model == get_preset("small") and run.init_from is None
     run = build_run_config(_args("--config", str(cfg), "--set", "data.path=b.npy", "--set", "data.tokenizer=t.json"))
     assert (run.data.path, run.data.tokenizer) == ("b.npy", "t.json")

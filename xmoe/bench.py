@@ -184,23 +184,42 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def check_fits(shape: str, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse a token count whose activations alone exceed the device's memory: the input, the routed rows and
-    their two SwiGLU halves, T x (H + K (H + 2F)) elements, a lower bound of what one call holds."""
+def memory_need(shape: str, num_tokens: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the layer's expert and router weights with their gradients, a lower bound of one call's activations:
+    the input, the routed rows and their two SwiGLU halves, T x (H + K (H + 2F)) elements)."""
+    hidden, ffn, experts, top_k = layer_shape(shape)
+    weights = 2 * experts * (3 * hidden * ffn + hidden) * dtype.itemsize
+    return weights, num_tokens * (hidden + top_k * (hidden + 2 * ffn)) * dtype.itemsize
+
+
+def device_memory(device: torch.device) -> int:
+    """The memory a layer can have on ``device``: the GPU's, else the host's."""
     import os
 
-    hidden, ffn, _, top_k = layer_shape(shape)
-    need = num_tokens * (hidden + top_k * (hidden + 2 * ffn)) * dtype.itemsize
     if device.type == "cuda":
-        have = torch.cuda.get_device_properties(device).total_memory
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(shape: str, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse a layer whose weights, gradients and one call's activations exceed the device's memory, before
+    anything is allocated (it could only end in the allocator's error or the kernel's OOM killer), naming a shape
+    that fits or telling to lower --tokens."""
+    weights, acts = memory_need(shape, num_tokens, dtype)
+    have = device_memory(device)
+    if weights + acts <= have:
+        return
+    if weights < have:
+        fix = "lower --tokens"
     else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ValueError(
-            f"--tokens ({num_tokens}) needs at least {need / 2**30:.3g} GiB for one call of the {shape} "
-            f"layer's activations, more than this {device.type} device's {have / 2**30:.0f} GiB; lower "
-            "--tokens"
-        )
+        fitting = [(s, sum(memory_need(s, num_tokens, dtype))) for s in LAYER_SHAPES]
+        smaller = [(s, need) for s, need in fitting if need <= have]
+        fix = f"try --shape {smaller[-1][0]} ({smaller[-1][1] / 2**30:.3g} GiB)" if smaller else "lower --tokens"
+    raise ValueError(
+        f"--shape {shape} with --tokens ({num_tokens}) needs at least {(weights + acts) / 2**30:.3g} GiB ("
+        f"{weights / 2**30:.3g} GiB of weights and their gradients, {acts / 2**30:.3g} GiB of one call's "
+        f"activations), more than this {device.type} device's {have / 2**30:.0f} GiB; {fix}"
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -1,12 +1,15 @@
 """Checks of values that configs and commands share: a config field's value against its annotation, a positive
-finite number, a path that leads nowhere. Each raises (or returns) an error naming the value and the fix."""
+finite number, a path that leads nowhere, a write that found the disk full. Each raises (or returns) an error
+naming the value and the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
 import os
+import shutil
 import types
 import typing
 from typing import Literal
@@ -26,6 +29,54 @@ def missing(path: str | os.PathLike[str], what: str, fix: str = "") -> FileNotFo
                 "exist; point at the file itself"
             )
     return FileNotFoundError(f"{what} {str(path)!r} not found" + (f"; {fix}" if fix else ""))
+
+
+class DiskFullError(OSError):
+    """A write that failed for want of space (ENOSPC, EDQUOT): its text names the file and the free space."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC / EDQUOT anywhere in the exception's chain, or in its text (safetensors reports a Rust I/O error)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(seen) for words in ("No space left on device", "Disk quota exceeded", "StorageFull")):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def free_space(path: str | os.PathLike[str]) -> str:
+    """The free space of the filesystem ``path`` is (or would be) on, in words."""
+    where = os.path.abspath(path)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        return f"{shutil.disk_usage(where).free / 2**20:.0f} MiB free on its filesystem"
+    except OSError:
+        return "free space unknown"
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str]):
+    """Around a write of ``path``: a full disk, however the writer reports it, becomes a DiskFullError naming the
+    file and the free space; other errors pass unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        raise DiskFullError(
+            errno.ENOSPC, f"disk full writing {path} ({free_space(path)}); free some space or write elsewhere"
+        ) from e
 
 
 def positive(name: str, value: int | float) -> None:

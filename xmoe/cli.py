@@ -81,6 +81,10 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def _message(exc: BaseException) -> str:
+    from xmoe.checks import DiskFullError
+
+    if isinstance(exc, DiskFullError):  # names the file and the free space itself
+        return str(exc)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"disk full: {exc}"
     text = str(exc) or type(exc).__name__

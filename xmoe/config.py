@@ -190,6 +190,15 @@ def add_kernel_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
     )
 
 
+def check_fp8_wgrad(moe: MoEConfig, kernels: KernelConfig) -> None:
+    """FP8 weight gradients exist only for FP8 experts: refused otherwise, naming both settings and the fix."""
+    if kernels.wgrad == "fp8" and moe.fp8 != "experts":
+        raise ValueError(
+            "kernels.wgrad='fp8' computes the FP8 experts' weight gradients in FP8 and needs moe.fp8='experts' "
+            "(--fp8 experts); with bf16 experts set kernels.wgrad to auto, triton or grouped_mm (--wgrad)"
+        )
+
+
 def kernel_config(args: argparse.Namespace) -> KernelConfig:
     """The kernels section of a command without a run config: its --wgrad and --autotune over the environment's
     defaults."""
@@ -245,6 +254,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        check_fp8_wgrad(self.model.moe, self.kernels)
 
     def batch_layout(self) -> tuple[int, int, int]:
         """(sequences per data-parallel rank per step, per micro-batch, micro-batches per step). Data is sharded over

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from xmoe.checks import missing
+from xmoe.checks import missing, writing
 from xmoe.config import ModelConfig, MoEConfig
 
 # torch and the checkpoint readers are imported inside the commands: `xmoe --help` builds these parsers without them
@@ -291,7 +291,8 @@ def run_export(args: argparse.Namespace) -> Path:
             max_shard_bytes=int(args.max_shard_gb * 2**30),
         )
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, staged / RUN_TOKENIZER)  # its mode from the umask, as the model files
+            with writing(staged / RUN_TOKENIZER):
+                shutil.copyfile(tokenizer, staged / RUN_TOKENIZER)  # its mode from the umask, as the model files
         _move_into(staged, out)
     finally:
         shutil.rmtree(staged, ignore_errors=True)
@@ -401,6 +402,10 @@ def run_generate(args: argparse.Namespace) -> list[int]:
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.cfg.vocab_size})")
     eos = args.eos_id
+    if eos is not None and not 0 <= eos < model.cfg.vocab_size:
+        raise ValueError(
+            f"--eos-id ({eos}) is outside the vocabulary [0, {model.cfg.vocab_size}); no token could end it"
+        )
     if eos is None and hf is not None and isinstance(hf.get("eos_token_id"), int):
         eos = hf["eos_token_id"]
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)

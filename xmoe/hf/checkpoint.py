@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from xmoe.checks import missing
+from xmoe.checks import missing, writing
 from xmoe.config import ModelConfig
 from xmoe.hf.families import DEEPSEEK, SCORE_BIAS_FAMILIES, fitting_family, hf_config_from_model, model_config_from_hf
 from xmoe.hf.names import SHARED_COPY, expert_index, mla_rope_rows, tensor_names
@@ -222,6 +222,12 @@ def load_pretrained(
     return model.eval()
 
 
+def _save_shard(tensors: dict[str, torch.Tensor], file: Path) -> None:
+    """One safetensors shard; a full disk (which safetensors reports as its own error) named with the free space."""
+    with writing(file):
+        save_file(tensors, str(file), metadata={"format": "pt"})
+
+
 def _follow_umask(files: list[Path]) -> None:
     """safetensors writes its files 0600 whatever the umask; give them the mode every other file gets."""
     umask = None
@@ -308,16 +314,18 @@ def save_pretrained(
     current = files[0]
     for name, tensor in _hf_tensors(model, family):
         if file_of[name] != current:
-            save_file(pending, str(path / current), metadata={"format": "pt"})
+            _save_shard(pending, path / current)
             pending, current = {}, file_of[name]
         pending[name] = tensor.to("cpu", out_dtype).contiguous()
-    save_file(pending, str(path / current), metadata={"format": "pt"})
+    _save_shard(pending, path / current)
     _follow_umask([path / f for f in files])
     if len(shards) > 1:  # a reader prefers the index: drop a single file an earlier save left
         (path / SINGLE_FILE).unlink(missing_ok=True)
         index = {"metadata": {"total_size": total}, "weight_map": file_of}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        with writing(path / INDEX_FILE):
+            (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     else:
         (path / INDEX_FILE).unlink(missing_ok=True)
-    (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    with writing(path / "config.json"):
+        (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return path

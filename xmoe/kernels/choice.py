@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from xmoe.config import KernelConfig, MoEConfig, RunConfig
+from xmoe.config import KernelConfig, MoEConfig, RunConfig, check_fp8_wgrad
 from xmoe.kernels import resolve_backend, tiles, triton_available
 
 
@@ -78,11 +78,7 @@ def resolve_layer(
     ranks) that routes ``num_tokens`` tokens on a rank, its rows in ``dtype``. The "auto" weight-gradient engine
     decides per launch by the rows an expert gets; this is its decision for the rows a rank routes on average
     (one rank: exactly, when dropless)."""
-    if cfg.wgrad == "fp8" and moe.fp8 != "experts":
-        raise ValueError(
-            "kernels.wgrad='fp8' computes the FP8 experts' weight gradients in FP8 and needs moe.fp8='experts' "
-            "(--fp8 experts); with bf16 experts set kernels.wgrad to auto, triton or grouped_mm (--wgrad)"
-        )
+    check_fp8_wgrad(moe, cfg)
     if moe.fp8 == "experts":  # refused here, before a trainer builds anything, not at the first forward
         refusal = fp8_refusal(device)
         if refusal:

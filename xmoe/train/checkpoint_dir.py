@@ -130,14 +130,19 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _write_text(path: Path, text: str) -> None:
-    """Write via a temp file + fsync + os.replace so a reader sees the old or the new content only."""
+def _write_text(path: Path, text: str | bytes) -> None:
+    """Write via a temp file + fsync + os.replace so a reader sees the old or the new content only (a failed write,
+    a full disk say, leaves no temp file behind)."""
     tmp = path.with_name(f"{path.name}{_TMP}{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 

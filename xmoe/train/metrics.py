@@ -6,6 +6,7 @@ them beside ``mfu``. Per-GPU throughput: pass the global token and row counts of
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
+from xmoe.checks import writing
 from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
 from xmoe.train.checkpoint_dir import _write_text  # the one atomic file write (temp file, fsync, rename)
 
@@ -240,7 +242,8 @@ class MetricsLogger:
             self.records = [r for r in self._read() if r["step"] <= resume_step]
             if self.records:
                 self._offset = float(self.records[-1].get("elapsed_s", 0.0))
-        _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        with writing(self.path):
+            _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._first_new = len(self.records)
         self._file = open(self.path, "a")
         # the bar is created at the first log, after the trainer's header lines (created here, it would draw
@@ -268,7 +271,8 @@ class MetricsLogger:
             if handle is not None:
                 handle.close()
         self._tb = None
-        _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        with writing(self.path):
+            _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._file = open(self.path, "a")
 
     def _read(self) -> list[dict[str, Any]]:
@@ -289,8 +293,9 @@ class MetricsLogger:
         record["elapsed_s"] = round(self._offset + time.perf_counter() - self._t0, 3)
         self.records.append(record)
         assert self._file is not None  # opened with the logger when active
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with writing(self.path):  # a full disk: one line naming the file and the space left
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         line = format_progress(step, self.total_steps, record)
         if self._want_bar and self._bar is None:
             from tqdm import tqdm
@@ -358,8 +363,10 @@ class MetricsLogger:
         given = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
         lines = {k: v for k, v in given.items() if v is not None}
         summary.update(info or {})
-        _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
-        self._plot(losses, lines, title or str(self.out_dir), val)
+        with writing(self.out_dir / "summary.json"):
+            _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
+        with writing(self.out_dir / "loss.png"):
+            self._plot(losses, lines, title or str(self.out_dir), val)
         self._emit(summary_text(summary))
         return summary
 
@@ -404,4 +411,6 @@ class MetricsLogger:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(self.out_dir / "loss.png", dpi=110)
+        image = io.BytesIO()  # drawn in memory, then written as the other outputs are (temp file and rename)
+        fig.savefig(image, format="png", dpi=110)
+        _write_text(self.out_dir / "loss.png", image.getvalue())

@@ -61,7 +61,9 @@ def _parse_value(text: str) -> Any:
 
 
 def _load_file(path: str) -> dict[str, Any]:
-    """The config file's sections (tables of fields) and top-level keys (TOP_LEVEL, strings)."""
+    """The config file's sections (tables of fields) and top-level keys (TOP_LEVEL, strings); the paths it names
+    (``init_from``, ``data.path``, ``val_path``, ``tokenizer``) relative to the file's directory, as a file that
+    names its data beside it means wherever it is run from. A UTF-8 byte-order mark is read as such."""
     file = Path(path)
     if file.is_dir():
         raise ValueError(f"config file {file} is a directory; pass a .json or .toml file")
@@ -70,7 +72,7 @@ def _load_file(path: str) -> dict[str, Any]:
     if file.suffix not in (".toml", ".json"):
         raise ValueError(f"config file {file} must end in .json or .toml")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (some Windows editors write one) is skipped
         if file.suffix == ".toml":
             import tomllib
 
@@ -99,7 +101,47 @@ def _load_file(path: str) -> dict[str, Any]:
             raise ValueError(
                 f"config file {file}: section {name} must be a table of fields (e.g. [{name}] in TOML), not {values!r}"
             )
+    if isinstance(data.get("init_from"), str):
+        data["init_from"] = _from_file(data["init_from"], file.parent)
+    if isinstance(data.get("data"), dict):
+        for key in ("path", "val_path", "tokenizer"):
+            if isinstance(data["data"].get(key), str):
+                data["data"][key] = _from_file(data["data"][key], file.parent)
     return data
+
+
+def _from_file(spec: str, base: Path) -> str:
+    """A path a config file names, joined to the file's directory ``base`` when relative; the synthetic source,
+    "bytes" and absolute paths as given, each source of a mixture ("0.7:web,0.3:code") alike."""
+    from xmoe.train.mixture import parse_mixture
+
+    if spec == "bytes" or spec.split(":")[0] == "markov" or os.path.isabs(spec) or not spec.strip():
+        return spec
+    if parse_mixture(spec) is None:
+        return str(base / spec)
+    items = [item.strip().partition(":") for item in spec.split(",")]
+    return ",".join(f"{weight}:{_from_file(source, base)}" for weight, _, source in items)
+
+
+def _check_val_data(data: DataConfig) -> None:
+    """Refuse validation data that is the training data (a file or set of both; "markov" draws held-out samples)."""
+    from xmoe.train.mixture import parse_mixture
+
+    if data.val_path is None:
+        return
+
+    def sources(spec: str) -> list[str]:
+        mixture = parse_mixture(spec)
+        return [spec] if mixture is None else [source for _, source in mixture]
+
+    for val in sources(data.val_path):
+        for path in sources(data.path):
+            if os.path.exists(val) and os.path.exists(path) and os.path.samefile(val, path):
+                raise ValueError(
+                    f"the validation data (--val-data / data.val_path: {data.val_path}) is the training data "
+                    f"(--data / data.path: {data.path}), whose loss on tokens it trains on says nothing of held-out "
+                    "text; pass other data, or --val-fraction to hold out part of --data"
+                )
 
 
 def _apply(obj: Any, section: str, values: dict[str, Any]) -> Any:
@@ -214,6 +256,7 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
     default_train = TrainConfig(lr=1e-4) if init_from else _default_train(preset, model)
     train = _apply(default_train, "train", sections["train"])
     data = _apply(DataConfig(), "data", sections["data"])
+    _check_val_data(data)
 
     par_values = dict(sections["parallel"])
     flags = {
