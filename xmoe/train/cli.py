@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run directory: metrics, checkpoints, plot (default runs/default); one run at a time",
     )
     p.add_argument(
-        "--data", help="'markov' (embedded synthetic corpus, default), or a .npy / .bin / .txt file (data.path)"
+        "--data",
+        help="'markov' (embedded synthetic corpus, default), a .npy / .bin / .txt file, a prepared set (xmoe data "
+        "prepare) or a mixture '0.7:data/web,0.3:data/code' (data.path)",
     )
     again = p.add_mutually_exclusive_group()
     again.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint in --out")
@@ -142,7 +144,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "config file's init_from)",
     )
     p.add_argument(
-        "--val-data", help="validation data (.txt / .npy / .bin / markov; data.val_path); else --val-fraction of --data"
+        "--val-data",
+        help="validation data (.txt / .npy / .bin / markov, a prepared set, or a mixture evaluated source by source; "
+        "data.val_path); else --val-fraction of --data",
     )
     p.add_argument("--val-fraction", type=float, help="hold out this fraction of --data for validation")
     p.add_argument("--eval-every", type=int, help="validation loss every N steps (and at the end)")

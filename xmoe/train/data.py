@@ -363,12 +363,16 @@ def build_dataset(
         return MarkovDataset(source, name, seq_len, vocab_size or source.vocab, seed)
     ext = os.path.splitext(spec)[1].lower()
     if os.path.isdir(spec):
-        raise ValueError(f"data file {spec!r} is a directory; pass a .npy/.bin/.txt file or 'markov'")
+        raise ValueError(
+            f"data file {spec!r} is a directory but not a prepared set; pass a .npy/.bin/.txt file, a directory that "
+            "`xmoe data prepare` wrote, or 'markov'"
+        )
     if not os.path.isfile(spec):
         raise missing(
             spec,
             "data file",
-            "pass an existing .npy/.bin/.txt path or 'markov[:opt=value,...]' for the built-in source",
+            "pass an existing .npy/.bin/.txt path, a prepared set's directory, or 'markov[:opt=value,...]' for the "
+            "built-in source",
         )
     if dtype is not None and ext != ".bin":
         warnings.warn(f"dtype ({dtype!r}) only applies to .bin files; ignored for {spec!r}", stacklevel=2)
