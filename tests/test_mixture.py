@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train import train
+from test_train import torchrun, train
 
 from xmoe.data.prepare import prepare
 from xmoe.data.prepared import PreparedSet
@@ -177,3 +177,17 @@ def test_train_refuses_what_it_cannot_do(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train(tmp_path / "r2", "--steps", "1", "--set", "data.documents=mask")
     assert "needs to know where documents start" in capsys.readouterr().err
+
+
+def test_data_parallel_mixture_logs_the_same_per_source_losses(tmp_path):
+    """Two gloo ranks each hold half of every batch; their per-source sums are added over the ranks at each log."""
+    web, code = _prepared(tmp_path, "web"), _prepared(tmp_path, "code")
+    args = ["--steps", "3", "--log-every", "1", "--ckpt-every", "100", "--data", f"0.6:{web},0.4:{code}"]
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    train(single, *args)
+    torchrun(2, dp, "--dp", "2", *args)
+    a, b = _records(single), _records(dp)
+    for step in (1, 2, 3):
+        for key in ("loss", "loss/web", "loss/code"):
+            # same global batch: only reduction order and the per-rank balance loss differ
+            assert abs(a[step][key] - b[step][key]) < 2e-3 * abs(a[step][key]), (step, key, a[step], b[step])
