@@ -17,14 +17,14 @@ from xmoe.train.loader import TokenLoader
 from xmoe.train.mixture import BLOCK, MixtureDataset, PreparedDataset, apportion, open_data, permute
 
 
-def _prepared(d: Path, kind: str, docs: int = 300) -> str:
+def _prepared(d: Path, kind: str, docs: int = 300, seed: int = 0) -> str:
     """A prepared set of ``docs`` byte-level documents: "web" (words) or "code" (short functions)."""
-    rng = np.random.default_rng(0 if kind == "web" else 1)
+    rng = np.random.default_rng([seed, kind == "web"])
     words = "the a of and to in is was for on with as by at from".split()
     if kind == "web":
         texts = [" ".join(rng.choice(words, size=rng.integers(5, 60))) for _ in range(docs)]
     else:
-        texts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(docs)]
+        texts = [f"def f{i}(x):\n    return x * {i + seed}\n" for i in range(docs)]
     d.mkdir(parents=True, exist_ok=True)
     (d / f"{kind}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     prepare([str(d / f"{kind}.jsonl")], d / kind, shard_bytes=4096, progress=False)  # several shards
@@ -146,7 +146,15 @@ def _records(out: Path) -> dict[int, dict]:
 
 def test_mixture_training_resumes_bitwise_and_logs_each_source(tmp_path, capsys):
     web, code = _prepared(tmp_path, "web"), _prepared(tmp_path, "code")
-    data = ["--data", f"0.7:{web},0.3:{code}", "--val-data", f"0.5:{web},0.5:{code}", "--eval-every", "2"]
+    held_out = [_prepared(tmp_path / "val", kind, docs=100, seed=1) for kind in ("web", "code")]
+    data = [
+        "--data",
+        f"0.7:{web},0.3:{code}",
+        "--val-data",
+        f"0.5:{held_out[0]},0.5:{held_out[1]}",
+        "--eval-every",
+        "2",
+    ]
     extra = [*data, "--set", "train.val_windows=4", "--log-every", "1", "--ckpt-every", "2"]
     full, part = tmp_path / "full", tmp_path / "part"
     train(full, "--steps", "4", *extra)
