@@ -24,6 +24,7 @@ from xmoe.model_config import yarn_mscale as yarn_mscale
 
 WgradEngine = Literal["auto", "triton", "grouped_mm", "fp8"]
 Placement = Literal["ep_first", "dp_first"]
+EpOverlap = Literal["auto", "off", "shared", "chunks"]
 OPTIMIZERS = ("auto", "torch", "triton")  # train.optimizer: xmoe/train/optim.py's build_optimizer
 RECOMPUTE_MODES = ("none", "moe", "full")  # cheapest first: the planner's search prefers them in this order
 COMPILE_MODES = ("auto", "on", "off")
@@ -39,6 +40,9 @@ class ParallelConfig:
     "dp_first" strides it across nodes. ``gpus_per_node`` = None reads LOCAL_WORLD_SIZE from the launcher.
     ``timeout``: seconds a collective waits for the slowest rank before the run fails (every process group's
     timeout; torch's default is 30 minutes, which a frozen rank makes the others wait in silence).
+    ``ep_overlap``: what overlaps the expert-parallel all-to-alls (xmoe/moe/routed.py): "off", "shared" (the shared
+    experts), "chunks" (``ep_chunks`` chunks of a layer's tokens pipelined against each other's expert GEMMs), or
+    "auto": the planner's choice for the run's layout (nothing to overlap with ep == 1).
     """
 
     dp: int = 1
@@ -48,6 +52,8 @@ class ParallelConfig:
     placement: Placement = "ep_first"
     sequence_parallel: bool = False  # with tp > 1: norms on 1/tp of the positions (Megatron-style SP)
     timeout: float = 1800.0
+    ep_overlap: EpOverlap = "auto"
+    ep_chunks: int = 2
     section: ClassVar[str] = "parallel"
 
     def __post_init__(self) -> None:
@@ -59,6 +65,9 @@ class ParallelConfig:
         positive("timeout", self.timeout)
         if self.placement not in ("ep_first", "dp_first"):
             raise ValueError(f"placement ({self.placement!r}) must be 'ep_first' or 'dp_first'")
+        if self.ep_overlap not in get_args(EpOverlap):
+            raise ValueError(f"ep_overlap ({self.ep_overlap!r}) must be one of {', '.join(get_args(EpOverlap))}")
+        positive("ep_chunks", self.ep_chunks)
         if self.sequence_parallel and self.tp == 1:
             warnings.warn("sequence_parallel does nothing with tp == 1", stacklevel=2)
 

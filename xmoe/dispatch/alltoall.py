@@ -6,30 +6,32 @@
 Experts are laid out contiguously: EP rank r owns global experts [r * E_local, (r + 1) * E_local). The plan's rows
 are sorted by global expert, hence already grouped by destination rank, so dispatch needs no local reordering:
 
+  exchange: 2. exchange per-expert counts: E ints out, P * E_local ints in  exchange_counts
+             3. copy the split sizes to the host: THE one host sync per layer call (all chunks of it at once)
   dispatch: 1. gather the N kept rows (expert-major, so rank-major)          ops.gather_rows
-            2. exchange per-expert counts: E ints out, P * E_local ints in    exchange_counts
-            3. copy the split sizes to the host: THE one host sync per layer  splits_to_host
-            4. ONE all_to_all_single of the rows, uneven splits               all_to_all_rows
+            4. ONE all_to_all_single of the rows, uneven splits, posted       post_rows ... wait_rows
             5. received rows are ordered (source rank, local expert); regroup them to (local expert, source rank)
                with one gather by an index computed on device (no per-expert split/cat)
-  combine:  the same steps backwards: inverse gather, reverse all-to-all, weighted per-token sum
+  combine:  the same steps backwards: inverse gather, reverse all-to-all (posted), weighted per-token sum
             (ops.combine_rows, deterministic: a fixed k order, no atomics)
 
 Autograd runs through every step (the all-to-all's backward is the reverse all-to-all). Combine needs no host
 sync: it reuses the splits of its dispatch. A rank that sends or receives nothing takes part in the collectives
-with empty buffers; nothing is padded.
+with empty buffers; nothing is padded. With an ``encoding`` (FP8 dispatch) the dispatched rows travel encoded;
+the combine and every gradient travel in the rows' dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from xmoe.dispatch.base import TrafficStats, experts_per_rank
-from xmoe.dispatch.comm import all_to_all_rows, exchange_counts, splits_to_host
+from xmoe.dispatch.base import PhasedDispatcher, TrafficStats, experts_per_rank
+from xmoe.dispatch.comm import Encoding, Exchange, exchange_counts, host_list, post_rows, wait_rows
 from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
 
@@ -51,9 +53,29 @@ class AllToAllStats(TrafficStats):
 
 
 @dataclass
-class _Ctx:
+class Route:
+    """One chunk's share of the count exchange: what its dispatch needs, known on the host after the one sync."""
+
+    recv_counts_PE: torch.Tensor  # rows rank p sends to this rank's local expert e (device)
     input_splits: list[int]  # rows this rank sends to each EP rank
     output_splits: list[int]  # rows this rank receives from each EP rank
+
+
+@dataclass
+class _Posted:
+    """A dispatch or combine whose all-to-all is in flight."""
+
+    link: torch.Tensor
+    exchange: Exchange
+    route: Route
+    plan: RoutingPlan | None = None  # combine: the plan and weights of the final per-token sum
+    weights_TK: torch.Tensor | None = None
+    row_bytes: int = 0
+
+
+@dataclass
+class _Ctx:
+    route: Route
     src_of_dst_M: torch.Tensor | None  # received-order row of each expert-major row; None: identity
     dst_of_src_M: torch.Tensor | None  # its inverse
     empty_rows_MH: torch.Tensor | None  # the dispatched (M, H) tensor when M == 0, else None
@@ -97,7 +119,7 @@ def regroup_indices(recv_counts_PE: torch.Tensor, num_rows: int) -> tuple[torch.
     return src_of_dst_M, dst_of_src_M
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(PhasedDispatcher):
     """Dispatcher for experts sharded over ``ep_group`` (see xmoe/dispatch/base.py for the interface)."""
 
     fuses_experts = False
@@ -109,38 +131,53 @@ class AllToAllDispatcher:
         self.num_local_experts = experts_per_rank(num_experts, self.num_ranks)
         self.num_experts = num_experts
         self.kernel_backend = kernel_backend
+        self.encoding: Encoding | None = None  # how dispatched rows travel (FP8 dispatch sets one)
         self.stats = AllToAllStats()
 
-    def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        if plan.num_experts != self.num_experts:
-            raise ValueError(
-                f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}"
-            )
-        ops = get_ops(self.kernel_backend, x_TH.device)
-        # 1. rows in expert order = destination-rank order
-        x_NH = ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
-        # 2.-3. counts out, counts in, then the layer's only host synchronisation (the split sizes)
-        send_counts_PE = plan.tokens_per_expert_E.view(self.num_ranks, self.num_local_experts)
-        recv_counts_PE = self.receive_counts(send_counts_PE)
-        input_splits, output_splits = splits_to_host(send_counts_PE, recv_counts_PE)
-        # 4. one uneven all-to-all
-        x_MH = all_to_all_rows(x_NH, output_splits, input_splits, self.group)
-        # 5. (source, expert) -> (expert, source); nothing to do with one rank or one local expert
-        src_of_dst_M = dst_of_src_M = None
-        if self.num_ranks > 1 and self.num_local_experts > 1:
-            src_of_dst_M, dst_of_src_M = regroup_indices(recv_counts_PE, x_MH.shape[0])
-            x_MH = _PermuteRows.apply(x_MH, src_of_dst_M, dst_of_src_M)
-        self._record(input_splits, output_splits, x_TH.shape[1] * x_TH.element_size())
-        ctx = _Ctx(input_splits, output_splits, src_of_dst_M, dst_of_src_M, x_MH if x_MH.shape[0] == 0 else None)
-        return x_MH, recv_counts_PE.sum(0), ctx
+    def exchange(self, plans: Sequence[RoutingPlan]) -> list[Route]:
+        """2.-3. every chunk's counts in ONE exchange, then the layer call's only host synchronisation."""
+        for plan in plans:
+            if plan.num_experts != self.num_experts:
+                raise ValueError(
+                    f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}"
+                )
+        num_ranks, num_local = self.num_ranks, self.num_local_experts
+        send_PE = torch.cat([p.tokens_per_expert_E.view(num_ranks, num_local) for p in plans], dim=1)
+        recv_PE = self.receive_counts(send_PE)
+        sums = [
+            send_PE.view(num_ranks, len(plans), num_local).sum(2),
+            recv_PE.view(num_ranks, len(plans), num_local).sum(2),
+        ]
+        host = host_list(torch.stack(sums).transpose(1, 2))  # (2, chunks, P) on the host: the one sync
+        return [
+            Route(recv_PE[:, i * num_local : (i + 1) * num_local], host[0][i], host[1][i]) for i in range(len(plans))
+        ]
 
     def receive_counts(self, send_counts_PE: torch.Tensor) -> torch.Tensor:
         """recv_counts_PE[p, e]: rows rank p sends to this rank's local expert e (one count exchange). A simulated
         rank, whose collectives move nothing, overrides it with the counts it assumes (xmoe/parallel/simulated.py)."""
         return exchange_counts(send_counts_PE, self.group)
 
-    def combine(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: _Ctx) -> torch.Tensor:
-        ops = get_ops(self.kernel_backend, y_MH.device)
+    def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: Route) -> _Posted:
+        ops = get_ops(self.kernel_backend, x_TH.device)
+        # 1. rows in expert order = destination-rank order; 4. ONE uneven all-to-all, posted
+        x_NH = ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
+        link, ex = post_rows(x_NH, route.output_splits, route.input_splits, self.group, self.encoding)
+        return _Posted(link, ex, route, row_bytes=_wire_row_bytes(x_NH, self.encoding))
+
+    def dispatch_end(self, posted: _Posted) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        route = posted.route
+        x_MH = wait_rows(posted.link, posted.exchange)
+        # 5. (source, expert) -> (expert, source); nothing to do with one rank or one local expert
+        src_of_dst_M = dst_of_src_M = None
+        if self.num_ranks > 1 and self.num_local_experts > 1:
+            src_of_dst_M, dst_of_src_M = regroup_indices(route.recv_counts_PE, x_MH.shape[0])
+            x_MH = _PermuteRows.apply(x_MH, src_of_dst_M, dst_of_src_M)
+        self._record(route.input_splits, route.output_splits, posted.row_bytes)
+        ctx = _Ctx(route, src_of_dst_M, dst_of_src_M, x_MH if x_MH.shape[0] == 0 else None)
+        return x_MH, route.recv_counts_PE.sum(0), ctx
+
+    def combine_begin(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: _Ctx) -> _Posted:
         if ctx.empty_rows_MH is not None and ctx.empty_rows_MH.requires_grad:
             # Experts given no rows may return an empty output detached from their empty input. The backward
             # would then skip the dispatch all-to-all on this rank while its peers enter it: a hang. Re-attach.
@@ -148,9 +185,17 @@ class AllToAllDispatcher:
         if ctx.dst_of_src_M is not None:
             y_MH = _PermuteRows.apply(y_MH, ctx.dst_of_src_M, ctx.src_of_dst_M)
         # the reverse exchange: what this rank received, it sends back; no new counts, no host sync
-        y_NH = all_to_all_rows(y_MH, ctx.input_splits, ctx.output_splits, self.group)
-        self.stats.bytes_sent += (sum(ctx.output_splits) - ctx.output_splits[self.ep_rank]) * _row_bytes(y_MH)
-        self.stats.bytes_received += (sum(ctx.input_splits) - ctx.input_splits[self.ep_rank]) * _row_bytes(y_MH)
+        route = ctx.route
+        link, ex = post_rows(y_MH, route.input_splits, route.output_splits, self.group)
+        self.stats.bytes_sent += (sum(route.output_splits) - route.output_splits[self.ep_rank]) * _row_bytes(y_MH)
+        self.stats.bytes_received += (sum(route.input_splits) - route.input_splits[self.ep_rank]) * _row_bytes(y_MH)
+        return _Posted(link, ex, route, plan, weights_TK)
+
+    def combine_end(self, posted: _Posted) -> torch.Tensor:
+        y_NH = wait_rows(posted.link, posted.exchange)
+        plan, weights_TK = posted.plan, posted.weights_TK
+        assert plan is not None and weights_TK is not None
+        ops = get_ops(self.kernel_backend, y_NH.device)
         return ops.combine_rows(y_NH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
 
     def _record(self, input_splits: list[int], output_splits: list[int], row_bytes: int) -> None:
@@ -162,6 +207,14 @@ class AllToAllDispatcher:
         self.stats.rows_received += received
         self.stats.bytes_sent += sent * row_bytes
         self.stats.bytes_received += received * row_bytes
+
+
+def _wire_row_bytes(x_NH: torch.Tensor, encoding: Encoding | None) -> int:
+    """Bytes one dispatched row takes on the wire (its encoding's payload, or the row itself)."""
+    if encoding is None:
+        return _row_bytes(x_NH)
+    probe = encoding.encode(x_NH[:1] if x_NH.shape[0] else x_NH.new_zeros(1, x_NH.shape[1]))
+    return _row_bytes(probe)
 
 
 def _row_bytes(rows_MH: torch.Tensor) -> int:

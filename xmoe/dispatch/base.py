@@ -10,7 +10,16 @@ Every dispatcher (local, all-to-all, hierarchical RBD, padded baseline) implemen
   combine(y_NH, weights_TK, plan, ctx) -> out_TH
       out[t] = sum_k weights[t, k] * (expert output of slot (t, k)), dropped slots contribute nothing.
 
-so that the MoE layer's forward stays:  rows = dispatch -> experts(rows) -> combine, and has two attributes:
+and the same in phases, so that work placed between a phase's begin and end overlaps its all-to-all (the MoE
+layer's composition, xmoe/moe/routed.py, does that; ``dispatch`` and ``combine`` are these phases back to back):
+
+  exchange(plans) -> routes            every chunk's counts in one exchange and ONE host sync (the layer call's)
+  dispatch_begin(x_TH, plan, route)    gather the rows, post the all-to-all
+  dispatch_end(posted) -> (x_NH, tokens_per_expert_local, ctx)
+  combine_begin(y_NH, weights_TK, plan, ctx)    post the reverse all-to-all
+  combine_end(posted) -> out_TH        the weighted per-token sum
+
+and two attributes:
 
   fuses_experts  True for a single-rank dispatcher whose layer may hand the tokens and the plan to the experts in
                  one call, which lets a kernel backend fuse gather -> experts -> combine (LocalDispatcher)
@@ -20,6 +29,7 @@ so that the MoE layer's forward stays:  rows = dispatch -> experts(rows) -> comb
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -34,9 +44,45 @@ class Dispatcher(Protocol):
     @property
     def stats(self) -> TrafficStats | None: ...  # read-only: each dispatcher's own TrafficStats subclass
 
+    def exchange(self, plans: Sequence[RoutingPlan]) -> list[Any]: ...
+
+    def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: Any) -> Any: ...
+
+    def dispatch_end(self, posted: Any) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+    def combine_begin(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> Any: ...
+
+    def combine_end(self, posted: Any) -> torch.Tensor: ...
+
     def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 
     def combine(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor: ...
+
+
+class PhasedDispatcher:
+    """``dispatch`` and ``combine`` as their phases back to back, for a dispatcher that implements the phases."""
+
+    def exchange(self, plans: Sequence[RoutingPlan]) -> list[Any]:
+        return [None] * len(plans)  # nothing to exchange: one rank, or the padded baseline's fixed splits
+
+    def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        (route,) = self.exchange([plan])
+        return self.dispatch_end(self.dispatch_begin(x_TH, plan, route))
+
+    def combine(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor:
+        return self.combine_end(self.combine_begin(y_NH, weights_TK, plan, ctx))
+
+    def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: Any) -> Any:
+        raise NotImplementedError
+
+    def dispatch_end(self, posted: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        raise NotImplementedError
+
+    def combine_begin(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> Any:
+        raise NotImplementedError
+
+    def combine_end(self, posted: Any) -> torch.Tensor:
+        raise NotImplementedError
 
 
 def experts_per_rank(num_experts: int, ep: int) -> int:

@@ -1,15 +1,35 @@
-"""Communication primitives for expert parallelism: an autograd-aware all-to-all of rows with uneven splits, and
-the exchange of per-expert row counts that sizes it.
+"""Communication primitives for expert parallelism: an autograd-aware all-to-all of rows with uneven splits, in
+one piece or posted and waited for in two (so that work placed between them overlaps the exchange), and the
+exchange of per-expert row counts that sizes it.
 
-# P ranks in the EP group, E_local experts per rank, H hidden, N rows sent, M rows received
+# P ranks in the EP group, E_local experts per rank, H hidden, N rows sent, M rows received, W payload width
 
 The all-to-all is its own autograd.Function around ``dist.all_to_all_single`` (rather than
 ``torch.distributed.nn.functional.all_to_all_single``) so that its backward is exactly the reverse exchange with
 the splits swapped, with the split lists held on the host and no extra synchronisation, and so that a group of
 one rank costs nothing (no copy, no collective).
+
+Posted exchanges (``post_rows`` ... ``wait_rows``). ``post_rows`` starts the all-to-all asynchronously
+(``async_op=True``: on GPUs it runs on the communication library's own stream and ``wait`` makes the compute
+stream wait for it, with no host synchronisation; on CPUs gloo's worker threads move the data while this one
+computes) and ``wait_rows`` finishes it. In backward the roles swap: ``wait_rows``' backward posts the reverse
+exchange of the gradient rows and ``post_rows``' backward waits for it. Autograd's engine runs the ready node with
+the highest sequence number first, i.e. nodes created later in forward run earlier in backward, so the work a
+forward places between a post and its wait runs in backward between the reverse post and its wait: an overlap in
+forward is one in backward too. Every rank must post its exchanges in the same order (forward and backward); the
+MoE layer's composition (xmoe/moe/routed.py) keeps one program order on all ranks.
+
+A payload may be encoded on the way (``Encoding``: FP8 dispatch sends e4m3 values with their scales, H + 4 H / 128
+bytes a row instead of 2 H); gradients always travel in the rows' own dtype (quantisation's gradient is taken as
+the identity).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,8 +89,14 @@ def exchange_counts(send_counts_PE: torch.Tensor, group: dist.ProcessGroup | Non
     if send_counts_PE.shape[0] == 1:
         return send_counts_PE
     recv_counts_PE = torch.empty_like(send_counts_PE)
-    dist.all_to_all_single(recv_counts_PE, send_counts_PE.contiguous(), group=group)
+    _timed(lambda: dist.all_to_all_single(recv_counts_PE, send_counts_PE.contiguous(), group=group))
     return recv_counts_PE
+
+
+def host_list(values: torch.Tensor) -> list[Any]:
+    """``values.tolist()``: the host synchronisation of an expert-parallel layer call (timed by WaitTimer: on CPUs
+    it also waits for the count exchange's peers)."""
+    return _timed(values.tolist)
 
 
 def splits_to_host(send_counts_PE: torch.Tensor, recv_counts_PE: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -81,5 +107,129 @@ def splits_to_host(send_counts_PE: torch.Tensor, recv_counts_PE: torch.Tensor) -
     dependent.
     """
     num_ranks = send_counts_PE.shape[0]
-    both = torch.cat([send_counts_PE.sum(1), recv_counts_PE.sum(1)]).tolist()
+    both = host_list(torch.cat([send_counts_PE.sum(1), recv_counts_PE.sum(1)]))
     return both[:num_ranks], both[num_ranks:]
+
+
+# --------------------------------------------------------------------------------------- posted exchanges
+
+
+class WaitTimer:
+    """Host time spent blocked in the expert-parallel exchanges of this process (the posted exchanges' waits, the
+    count exchange and its host sync): the exposed communication of a CPU (gloo) run. On GPUs a wait only makes
+    the compute stream wait, so the host time says nothing there; profile instead. Off unless ``enabled``."""
+
+    enabled = False
+    seconds = 0.0
+
+    @classmethod
+    def reset(cls) -> float:
+        spent, cls.seconds = cls.seconds, 0.0
+        return spent
+
+
+def _timed(fn: Callable[[], Any]) -> Any:
+    if not WaitTimer.enabled:
+        return fn()
+    start = time.perf_counter()
+    try:
+        return fn()
+    finally:
+        WaitTimer.seconds += time.perf_counter() - start
+
+
+@dataclass
+class Encoding:
+    """How rows travel: ``encode`` (N, H) rows -> (N, W) payload (any dtype), ``decode`` (M, W) payload -> (M, H)
+    rows, with anything else the receiver needs (FP8 values and scales) returned beside them."""
+
+    encode: Callable[[torch.Tensor], torch.Tensor]
+    decode: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]
+
+
+class Exchange:
+    """One posted all-to-all of rows and, in backward, its reverse: what ``post_rows`` and ``wait_rows`` share.
+    ``extra`` is what the encoding's decode returned beside the rows (None without an encoding)."""
+
+    def __init__(self, output_splits: list[int], input_splits: list[int], group, encoding: Encoding | None):
+        self.output_splits, self.input_splits, self.group, self.encoding = output_splits, input_splits, group, encoding
+        self.work: Any = None
+        self.sent: torch.Tensor | None = None  # kept alive until the exchange that reads it completes
+        self.received: torch.Tensor | None = None
+        self.extra: Any = None
+        self.rows_like: torch.Tensor | None = None  # dtype and width of the decoded rows
+
+    def post(self, payload: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> None:
+        if dist.get_world_size(self.group) == 1:  # nothing to move: the payload is what arrives
+            self.received, self.work = payload, None
+            return
+        self.sent = payload.contiguous()
+        self.received = payload.new_empty((sum(output_splits),) + tuple(payload.shape[1:]))
+        self.work = dist.all_to_all_single(
+            self.received, self.sent, output_splits, input_splits, group=self.group, async_op=True
+        )
+
+    def wait(self) -> torch.Tensor:
+        assert self.received is not None, "waited for an exchange that was not posted"
+        if self.work is not None:
+            _timed(self.work.wait)
+        received, self.received, self.work, self.sent = self.received, None, None, None
+        return received
+
+
+class _PostRows(torch.autograd.Function):
+    """Forward: post the exchange of x's rows; returns an empty link tensor carrying the autograd edge to
+    ``_WaitRows`` (the payload may not be a float tensor). Backward: wait for the gradient rows' reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x_NH, ex: Exchange):
+        ctx.ex = ex
+        payload = ex.encoding.encode(x_NH) if ex.encoding is not None else x_NH
+        ex.rows_like = x_NH.new_empty((0, x_NH.shape[1]))
+        ex.post(payload, ex.output_splits, ex.input_splits)
+        return x_NH.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _link):
+        return ctx.ex.wait(), None
+
+
+class _WaitRows(torch.autograd.Function):
+    """Forward: wait for the exchange and decode the received rows. Backward: post the reverse exchange of the
+    gradient rows (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, link, ex: Exchange):
+        ctx.ex = ex
+        received = ex.wait()
+        if ex.encoding is None:
+            return received
+        rows, ex.extra = ex.encoding.decode(received)
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_MH):
+        ex = ctx.ex
+        ex.post(grad_MH, ex.input_splits, ex.output_splits)
+        return grad_MH.new_empty(0), None
+
+
+def post_rows(
+    x_NH: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+    encoding: Encoding | None = None,
+) -> tuple[torch.Tensor, Exchange]:
+    """Post the uneven all-to-all of x's rows (rows [sum(input_splits[:p]), sum(input_splits[:p+1])) to rank p); the
+    returned (link, exchange) go to ``wait_rows``. Differentiable, the reverse exchange posted and waited for by
+    the pair's backward."""
+    if x_NH.shape[0] != sum(input_splits):
+        raise ValueError(f"x has {x_NH.shape[0]} rows but input_splits {input_splits} sum to {sum(input_splits)}")
+    ex = Exchange(output_splits, input_splits, group, encoding)
+    return _PostRows.apply(x_NH, ex), ex
+
+
+def wait_rows(link: torch.Tensor, ex: Exchange) -> torch.Tensor:
+    """The received (M, H) rows of a posted exchange, decoded (the encoding's extra output is ``ex.extra``)."""
+    return _WaitRows.apply(link, ex)

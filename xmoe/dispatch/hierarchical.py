@@ -43,12 +43,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xmoe.dispatch.base import experts_per_rank
-from xmoe.dispatch.comm import all_to_all_plain, all_to_all_rows, exchange_counts
+from xmoe.dispatch.base import PhasedDispatcher, experts_per_rank
+from xmoe.dispatch.comm import (
+    Exchange,
+    all_to_all_plain,
+    all_to_all_rows,
+    exchange_counts,
+    host_list,
+    post_rows,
+    wait_rows,
+)
 from xmoe.dispatch.rbd_plan import (
     Counts,
     DispatchContext,
     LocalRows,
+    PostedCombine,
+    PostedDispatch,
+    RBDRoute,
     RBDStats,
     Stage1,
     Stage2,
@@ -97,7 +108,7 @@ class _SendWeights(torch.autograd.Function):
         return grad_TK, None, None, *(None for _ in range(ctx.num_anchors))
 
 
-class HierarchicalDispatcher:
+class HierarchicalDispatcher(PhasedDispatcher):
     """RBD over ``ep_group`` (interface: xmoe/dispatch/base.py). ``node_of_rank[p]``: node label of EP rank p.
 
     ``stats`` accumulates :class:`RBDStats` over calls; ``last_stats`` holds the latest layer call's (dispatch +
@@ -145,26 +156,50 @@ class HierarchicalDispatcher:
             )
         return self._tables[device]
 
-    def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        if plan.num_experts != self.num_experts:
-            raise ValueError(
-                f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}"
-            )
+    def exchange(self, plans: Sequence[RoutingPlan]) -> list[RBDRoute]:
+        """1.-2. every chunk's units, then their counts in ONE exchange and ONE host sync (the layer call's)."""
+        prepared = []
+        for plan in plans:
+            if plan.num_experts != self.num_experts:
+                raise ValueError(
+                    f"plan routes to {plan.num_experts} experts but the dispatcher was built for {self.num_experts}"
+                )
+            units = self._units(plan, plan.token_ids_N.device)  # 1.
+            key1 = torch.where(units.unit_head_TK, units.rank_TK, self.num_ranks).view(-1)  # stage-1 destination
+            prepared.append((units, key1, self._send_counts(units, key1, plan)))
+        widths = [send_PC.shape[1] for _, _, send_PC in prepared]
+        recv_all = exchange_counts(torch.cat([send_PC for _, _, send_PC in prepared], dim=1), self.group)
+        recvs = recv_all.split(widths, dim=1)
+        values = [self._host_values(units, send, recv) for (units, _, send), recv in zip(prepared, recvs, strict=True)]
+        host = host_list(torch.cat(values))  # THE host sync of the layer call
+        size = values[0].numel()
+        return [
+            RBDRoute(units, key1, self._counts(host[i * size : (i + 1) * size], recv))
+            for i, ((units, key1, _), recv) in enumerate(zip(prepared, recvs, strict=True))
+        ]
+
+    def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: RBDRoute) -> PostedDispatch:
+        """3. stage 1 posted: pilots cross nodes, direct rows stay inside (their ids exchanged meanwhile)."""
         ops = get_ops(self.kernel_backend, x_TH.device)
-        units = self._units(plan, x_TH.device)  # 1.
-        key1 = torch.where(units.unit_head_TK, units.rank_TK, self.num_ranks).view(-1)  # stage-1 destination
-        counts = self._exchange_counts(units, key1, plan)  # 2.
-        x1, ids1, stage1 = self._stage1(x_TH, units, key1, counts.stage1, ops)  # 3.
+        link, ex, ids1, stage1 = self._stage1(x_TH, route.units, route.key1, route.counts.stage1, ops)
+        row_bytes = x_TH.shape[1] * x_TH.element_size() + 4 * route.units.ids_TK.shape[1]  # a row, its K int32 ids
+        return PostedDispatch(link, ex, route.counts, stage1, ids1, row_bytes)
+
+    def dispatch_end(self, posted: PostedDispatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """4.-5. stage 2 inside the node, then each GPU's rows expanded to its experts."""
+        ops = get_ops(self.kernel_backend, posted.link.device)
+        counts = posted.counts
+        x1 = wait_rows(posted.link, posted.exchange)
+        ids1 = posted.ids1
         anchors: tuple[torch.Tensor, ...]
         x_loc, ids_loc, anchors, stage2 = x1, ids1, (x1,), None
         if counts.stage2 is not None:  # 4.
             x2, ids2, stage2 = self._stage2(x1, ids1, counts.stage2, ops)
             x_loc, ids_loc, anchors = torch.cat([x1, x2]), torch.cat([ids1, ids2]), (x1, x2)
         x_NH, local = self._expand(x_loc, ids_loc, counts.num_rows, ops)  # 5.
-        row_bytes = x_TH.shape[1] * x_TH.element_size() + 4 * units.ids_TK.shape[1]  # a row and its K int32 ids
-        self._record(counts, row_bytes)
+        self._record(counts, posted.row_bytes)
         ctx = DispatchContext(
-            stage1=stage1,
+            stage1=posted.stage1,
             stage2=stage2,
             local=local,
             anchors=anchors,
@@ -186,9 +221,9 @@ class HierarchicalDispatcher:
             self.my_node,
         )
 
-    def _exchange_counts(self, units: SourceUnits, key1: torch.Tensor, plan: RoutingPlan) -> Counts:
-        """2. counts: flat per expert | stage-1 rows | stage-2 rows each pilot sends / receives, per node-local
-        rank; one equal-split exchange, then THE host sync of the layer."""
+    def _send_counts(self, units: SourceUnits, key1: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        """2. counts to send: flat per expert | stage-1 rows | stage-2 rows each pilot sends / receives, per
+        node-local rank: (P, E_local + 1 (+ 2Q))."""
         num_ranks, width, num_local = self.num_ranks, self.width, self.num_local_experts
         _, local_idx = self._device_tables(key1.device)
         parts = [plan.tokens_per_expert_E.view(num_ranks, num_local), count_ids(key1, num_ranks + 1)[:num_ranks, None]]
@@ -197,8 +232,11 @@ class HierarchicalDispatcher:
             for a, b in ((pilot, target), (target, pilot)):  # (pilot q, its peer r): to q, then to r
                 key = torch.where(units.replica_TK, a * width + local_idx[b], num_ranks * width).view(-1)
                 parts.append(count_ids(key, num_ranks * width + 1)[: num_ranks * width].view(num_ranks, width))
-        send_PC = torch.cat(parts, dim=1)
-        recv_PC = exchange_counts(send_PC, self.group)
+        return torch.cat(parts, dim=1)
+
+    def _host_values(self, units: SourceUnits, send_PC: torch.Tensor, recv_PC: torch.Tensor) -> torch.Tensor:
+        """What the host needs of one chunk's counts: every split size, the expanded-row count, the counters."""
+        num_local, width = self.num_local_experts, self.width
         tokens_per_expert_local = recv_PC[:, :num_local].sum(0)
         valid, own = units.valid_TK, units.own_TK
         mine = units.rank_TK == self.ep_rank
@@ -218,7 +256,11 @@ class HierarchicalDispatcher:
                 recv_PC[:, num_local + 1 : num_local + 1 + width].sum(0),
                 recv_PC[:, num_local + 1 + width :].sum(0),
             ]
-        host = torch.cat(host_parts + [scalars]).tolist()  # THE host sync of the layer
+        return torch.cat(host_parts + [scalars])
+
+    def _counts(self, host: list[int], recv_PC: torch.Tensor) -> Counts:
+        """One chunk's Counts from its host values (``_host_values``, read by the layer call's one sync)."""
+        num_ranks, width = self.num_ranks, self.width
         stage2 = None
         if self.two_stage:
             send2, recv2 = [0] * num_ranks, [0] * num_ranks
@@ -229,7 +271,7 @@ class HierarchicalDispatcher:
         return Counts(
             stage1=(host[:num_ranks], host[num_ranks : 2 * num_ranks]),
             stage2=stage2,
-            tokens_per_expert_local=tokens_per_expert_local,
+            tokens_per_expert_local=recv_PC[:, : self.num_local_experts].sum(0),
             num_rows=num_rows,
             slots=slots,
             token_nodes=token_nodes,
@@ -240,8 +282,9 @@ class HierarchicalDispatcher:
 
     def _stage1(
         self, x_TH: torch.Tensor, units: SourceUnits, key1: torch.Tensor, splits: tuple[list[int], list[int]], ops
-    ) -> tuple[torch.Tensor, torch.Tensor, Stage1]:
-        """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit."""
+    ) -> tuple[torch.Tensor, Exchange, torch.Tensor, Stage1]:
+        """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit; the rows
+        posted, their ids exchanged while the rows travel."""
         send, recv = splits
         num_tokens, top_k = units.ids_TK.shape
         unit_slot = rows_by_key(key1, sum(send))
@@ -250,10 +293,11 @@ class HierarchicalDispatcher:
         unit_of_slot = torch.where(units.valid_TK, table_src.gather(1, units.unit_head_k_TK), -1)
         in_unit = unit_of_slot[token_of_unit] == torch.arange(unit_slot.numel(), device=x_TH.device)[:, None]
         ids_send = torch.where(in_unit, units.ids_TK[token_of_unit], -1).to(torch.int32)
-        x1 = all_to_all_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group)
+        link, ex = post_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group)
         ids1 = all_to_all_plain(ids_send, recv, send, self.group).long()
         return (
-            x1,
+            link,
+            ex,
             ids1,
             Stage1(
                 splits=splits,
@@ -313,9 +357,9 @@ class HierarchicalDispatcher:
         x_NH = ops.gather_rows(x_MH, slot_ids // top_k, table_loc)
         return x_NH, LocalRows(token_ids_N=slot_ids // top_k, slot_ids_N=slot_ids, table_loc_MK=table_loc)
 
-    def combine(
+    def combine_begin(
         self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: DispatchContext
-    ) -> torch.Tensor:
+    ) -> PostedCombine:
         ops = get_ops(self.kernel_backend, y_NH.device)
         s1, s2, local = ctx.stage1, ctx.stage2, ctx.local
         if ctx.empty_rows_NH is not None and ctx.empty_rows_NH.requires_grad:
@@ -336,11 +380,17 @@ class HierarchicalDispatcher:
             owner = torch.cat([torch.arange(m1, device=y_NH.device), s2.rep_src_U2])
             slots = torch.cat([s2.own_slot_M1, s2.rep_slot_U2])
             node_MH = _sum_rows(ops, rows, owner, slots, s2.table_node_M1K)
-        # 8. one row per unit back to its source; a token's units summed in (node, expert) order
-        back_UH = all_to_all_rows(node_MH, s1.splits[0], s1.splits[1], self.group)
-        out_TH = _sum_rows(ops, back_UH, s1.token_of_unit_U, s1.unit_slot_U, s1.table_src_TK)
+        # 8. one row per unit back to its source, posted
+        link, ex = post_rows(node_MH, s1.splits[0], s1.splits[1], self.group)
         self._record_combine(ctx, y_NH.shape[1] * y_NH.element_size(), weights_TK.shape[1] * weights_TK.element_size())
-        return out_TH
+        return PostedCombine(link, ex, s1)
+
+    def combine_end(self, posted: PostedCombine) -> torch.Tensor:
+        """8. (continued) a token's units summed in (node, expert) order."""
+        s1 = posted.stage1
+        back_UH = wait_rows(posted.link, posted.exchange)
+        ops = get_ops(self.kernel_backend, back_UH.device)
+        return _sum_rows(ops, back_UH, s1.token_of_unit_U, s1.unit_slot_U, s1.table_src_TK)
 
     # ---- counters: host numbers only, from the one sync of dispatch ----------------------------------------
 

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from xmoe.dispatch.base import TrafficStats
+from xmoe.dispatch.base import PhasedDispatcher, TrafficStats
 from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
 
 
-class LocalDispatcher:
+class LocalDispatcher(PhasedDispatcher):
     """All experts live on this rank. dispatch is a row gather, combine a weighted per-token sum.
 
     ``fuses_experts``: the layer may skip dispatch / combine and call the experts on the tokens directly, so a
@@ -24,11 +24,17 @@ class LocalDispatcher:
     def __init__(self, kernel_backend: str = "auto"):
         self.kernel_backend = kernel_backend
 
-    def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: Any) -> Any:
         ops = get_ops(self.kernel_backend, x_TH.device)
-        x_NH = ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
-        return x_NH, plan.tokens_per_expert_E, None
+        return ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK), plan.tokens_per_expert_E
 
-    def combine(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> torch.Tensor:
+    def dispatch_end(self, posted: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        x_NH, counts_E = posted
+        return x_NH, counts_E, None
+
+    def combine_begin(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> Any:
         ops = get_ops(self.kernel_backend, y_NH.device)
         return ops.combine_rows(y_NH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
+
+    def combine_end(self, posted: Any) -> torch.Tensor:
+        return posted

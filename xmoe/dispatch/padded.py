@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from xmoe.dispatch.base import TrafficStats
+from xmoe.dispatch.base import PhasedDispatcher, TrafficStats
 from xmoe.dispatch.comm import all_to_all_rows
 from xmoe.dispatch.routing import RoutingPlan
 
 
-class PaddedDispatcher:
+class PaddedDispatcher(PhasedDispatcher):
+    """The baseline's phases run whole at their begin (its all-to-alls are not posted: a baseline)."""
+
     fuses_experts = False
     stats: TrafficStats | None = None  # the baseline counts no traffic
 
@@ -39,6 +41,18 @@ class PaddedDispatcher:
         # (token, expert, position) triples are unique per kept slot: plain index_put, no accumulation
         mask_TEC = mask_TEC.index_put((plan.token_ids_N, plan.expert_ids_N, pos_N), values_N)
         return mask_TEC
+
+    def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: Any) -> Any:
+        return self.dispatch(x_TH, plan)
+
+    def dispatch_end(self, posted: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return posted
+
+    def combine_begin(self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: Any) -> Any:
+        return self.combine(y_NH, weights_TK, plan, ctx)
+
+    def combine_end(self, posted: Any) -> torch.Tensor:
+        return posted
 
     def dispatch(self, x_TH: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, torch.Tensor, Any]:
         dispatch_TEC = self._masks(plan, None, x_TH.dtype)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from xmoe.dispatch.base import TrafficStats
+from xmoe.dispatch.comm import Exchange
 from xmoe.dispatch.rbd_units import SourceUnits
 
 
@@ -107,6 +108,36 @@ class DispatchContext:
     local: LocalRows
     anchors: tuple[torch.Tensor, ...]  # the dispatch all-to-alls' outputs (hierarchical.py's docstring)
     empty_rows_NH: torch.Tensor | None  # the dispatched tensor when this rank computes nothing
+
+
+@dataclass
+class RBDRoute:
+    """One chunk's units and its share of the count exchange."""
+
+    units: SourceUnits
+    key1: torch.Tensor  # each sorted slot's stage-1 destination (P where it sends nothing)
+    counts: Counts
+
+
+@dataclass
+class PostedDispatch:
+    """Stage 1 of a dispatch in flight (its ids already here)."""
+
+    link: torch.Tensor
+    exchange: Exchange
+    counts: Counts
+    stage1: Stage1
+    ids1: torch.Tensor
+    row_bytes: int
+
+
+@dataclass
+class PostedCombine:
+    """The last exchange of a combine (one row per unit back to its source) in flight."""
+
+    link: torch.Tensor
+    exchange: Exchange
+    stage1: Stage1
 
 
 # ---- counters: host numbers only, from the one sync of dispatch ---------------------------------------------

@@ -205,11 +205,20 @@ class SwiGLU(nn.Module):
             nn.init.normal_(lin.weight, std=self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x), x.dtype)
+
+    def up(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(w1 x) * w3 x: the first half, which the MoE layer may run while an all-to-all is in flight."""
         dtype = self.w1.weight.dtype
         if x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            return F.silu(self.w1(x)) * self.w3(x)
         # an input in another dtype (bf16 activations on fp32 weights, float64 in a test) computes in the weights'
-        # dtype and returns in its own, as the routed experts accept any floating input: the MoE block takes
-        # whatever dtype its caller uses (nn.Linear would refuse the mix)
+        # dtype and returns in its own (down's out_dtype), as the routed experts accept any floating input: the MoE
+        # block takes whatever dtype its caller uses (nn.Linear would refuse the mix)
         h = x.to(dtype)
-        return self.w2(F.silu(self.w1(h)) * self.w3(h)).to(x.dtype)
+        return F.silu(self.w1(h)) * self.w3(h)
+
+    def down(self, h: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """w2 h, in ``out_dtype`` (the input's dtype; None: h's)."""
+        y = self.w2(h)
+        return y if out_dtype is None or torch.is_autocast_enabled(h.device.type) else y.to(out_dtype)

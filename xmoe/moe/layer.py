@@ -14,13 +14,14 @@ from xmoe.config import MoEConfig
 from xmoe.dispatch.base import Dispatcher
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.padded import PaddedDispatcher
-from xmoe.dispatch.routing import build_plan
 from xmoe.moe.experts import RoutedExperts, SwiGLU
+from xmoe.moe.routed import OVERLAP_MODES, routed_and_shared
 from xmoe.moe.router import Router
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``out`` whose backward also sends gradient 1 into ``aux_loss``.
+    """Identity on ``out`` (the tokens the routed path takes) whose backward also sends gradient ``scale`` into
+    ``aux_loss``.
 
     This puts the auxiliary losses into the router's gradient as if the caller had added them to its loss,
     without the caller doing anything (and without a global list of losses).
@@ -86,9 +87,12 @@ class MoELayer(nn.Module):
         self.shared_experts = (
             SwiGLU(cfg.hidden_size, cfg.shared_width, cfg.init_std) if cfg.num_shared_experts > 0 else None
         )
-        if cfg.shared_expert_gate:  # Qwen2-MoE: a per-token sigmoid gate on the shared experts' output
-            self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # Qwen2-MoE: a per-token sigmoid gate on the shared experts' output
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         self.dispatcher: Dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
+        # what overlaps the expert-parallel all-to-alls (moe/routed.py); set with the parallel dispatcher from outside
+        self.overlap_mode = "off"
+        self.overlap_chunks = 2
         # the optimizer step this layer runs in (None: it computes alone, its aux losses with gradient 1)
         self.moe_step: LayerStep | None = None
         # True: forward raises on a NaN / inf input, naming the layer's input (a host sync per call, so off by
@@ -115,43 +119,44 @@ class MoELayer(nn.Module):
 
         # 1. route: fp32 scores, top-k ids and weights, balance losses
         route = self.router(x_TH, num_sequences)
-        # 2. padding-free plan: kept slots sorted by expert (capacity rule applied here)
-        capacity = cfg.capacity(x_TH.shape[0]) if cfg.capacity_factor is not None else None
-        plan = build_plan(route.expert_ids_TK, route.scores_TK, cfg.num_experts, capacity)
-        # 3. rows to their experts, grouped SwiGLU, weighted sum back per token. Under autocast the rows move
-        # and multiply in the autocast dtype: an fp32 residual stream would otherwise drag the grouped GEMMs
-        # (which autocast does not see) into fp32 (measured: docs/architecture.md, "Measured reasons").
-        if torch.is_autocast_enabled(x.device.type):
-            x_TH = x_TH.to(torch.get_autocast_dtype(x.device.type))
         step = self.moe_step
-        casts = step.casts if step is not None else None
-        if self.dispatcher.fuses_experts:  # one rank: the backend may fuse the three steps
-            out_TH = self.experts(x_TH, plan.tokens_per_expert_E, plan, route.weights_TK, casts=casts)
-        else:
-            x_NH, tokens_per_expert, ctx = self.dispatcher.dispatch(x_TH, plan)
-            y_NH = self.experts(x_NH, tokens_per_expert, casts=casts)
-            out_TH = self.dispatcher.combine(y_NH, route.weights_TK, plan, ctx)
-        # 4. shared experts see every token
-        if self.shared_experts is not None:
-            shared_TH = self.shared_experts(x_TH)
-            if self.cfg.shared_expert_gate:
-                shared_TH = torch.sigmoid(self.shared_gate(x_TH)) * shared_TH
-            out_TH = out_TH + shared_TH
-
         aux_total = route.aux_loss + route.z_loss
         if torch.is_grad_enabled() and aux_total.requires_grad:
-            # the step's scale: a trainer backpropagating loss / A over A micro-batches gives them 1 / A
+            # the step's scale: a trainer backpropagating loss / A over A micro-batches gives them 1 / A. Attached
+            # to the tokens the routed path takes, before it: under torch.compile a graph break inside that path
+            # (the torch backend's host-sized expert loop) ran what followed it without the losses' gradient
             scale = step.aux_loss_scale if step is not None else 1.0
-            out_TH = _AttachAuxLoss.apply(out_TH, aux_total, scale)
+            x_TH = _AttachAuxLoss.apply(x_TH, aux_total, scale)
+        # 2.-4. padding-free plan(s), rows to their experts, grouped SwiGLU, weighted sum back per token, and the
+        # shared experts (moe/routed.py: the one composition of these, and what overlaps what). Under autocast the
+        # rows move and multiply in the autocast dtype: an fp32 residual stream would otherwise drag the grouped
+        # GEMMs (which autocast does not see) into fp32 (measured: docs/architecture.md, "Measured reasons").
+        if torch.is_autocast_enabled(x.device.type):
+            x_TH = x_TH.to(torch.get_autocast_dtype(x.device.type))
+        out_TH, num_dropped = routed_and_shared(self, x_TH, route, step.casts if step is not None else None)
         self.last_stats = {
             "aux_loss": route.aux_loss.detach(),
             "z_loss": route.z_loss.detach(),
             "tokens_per_expert": route.counts_E,
-            "num_dropped": plan.num_dropped,
+            "num_dropped": num_dropped,
         }
         if step is not None:
             step.stats = self.last_stats
         return out_TH.view(x.shape)
+
+    def set_overlap(self, mode: str, chunks: int = 2) -> None:
+        """What overlaps the dispatcher's all-to-alls (moe/routed.py's docstring): "off", "shared" or "chunks"."""
+        if mode not in OVERLAP_MODES:
+            raise ValueError(f"ep_overlap ({mode!r}) must be one of {', '.join(OVERLAP_MODES)}")
+        if chunks < 1:
+            raise ValueError(f"ep_chunks ({chunks}) must be >= 1")
+        if mode == "chunks" and self.cfg.capacity_factor is not None:
+            raise ValueError(
+                "ep_overlap='chunks' routes each chunk of a layer's tokens by a plan of its own, so a capacity factor "
+                f"({self.cfg.capacity_factor}) would drop by chunk: use dropless routing (no capacity factor) or "
+                "ep_overlap='shared'"
+            )
+        self.overlap_mode, self.overlap_chunks = mode, chunks
 
     def extra_repr(self) -> str:
         cfg = self.cfg

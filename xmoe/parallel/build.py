@@ -50,10 +50,14 @@ def parallelize(
     ssmb: bool = True,
     fsdp: bool | None = None,
     param_dtype: torch.dtype | None = None,
+    ep_overlap: str = "off",
+    ep_chunks: int = 2,
 ) -> bool:
     """Step 2, in place, on meta (or real) tensors. ``fsdp``: None = FSDP2 when experts or heads are sharded (ep or
     tp > 1), True = also under pure data parallelism (ZeRO-3 replicas), False = never. ``param_dtype``: FSDP2's
-    compute dtype (bf16 on GPUs). Returns whether the materialised model is to be wrapped in DDP (step 5)."""
+    compute dtype (bf16 on GPUs). ``ep_overlap`` / ``ep_chunks``: what overlaps the expert-parallel all-to-alls
+    (moe/routed.py; "auto" is resolved by the caller). Returns whether the materialised model is to be wrapped in
+    DDP (step 5)."""
     if dims is None or dims.world_size == 1:
         return False
     if dims.tp > 1:
@@ -61,7 +65,7 @@ def parallelize(
         if ssmb:
             apply_ssmb(model, dims)  # with sequence parallelism, TP already installed the SSMB regions
     if fsdp or (fsdp is None and (dims.tp > 1 or dims.ep > 1)):
-        apply_expert_parallel(model, dims, param_dtype=param_dtype)
+        apply_expert_parallel(model, dims, param_dtype=param_dtype, ep_overlap=ep_overlap, ep_chunks=ep_chunks)
         return False
     return dims.tp == dims.ep == 1
 
@@ -80,6 +84,8 @@ def build_model(
     recompute: str = "none",
     compile: str = "off",
     loss_chunk_tokens: int = 4096,
+    ep_overlap: str = "off",
+    ep_chunks: int = 2,
 ) -> BuiltModel:
     """Steps 1-6 for ``cfg`` on ``device`` (``dims``: a built ParallelDims for several processes, else None).
 
@@ -88,7 +94,16 @@ def build_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens)
-    ddp = parallelize(model, dims, sequence_parallel=sequence_parallel, ssmb=ssmb, fsdp=fsdp, param_dtype=param_dtype)
+    ddp = parallelize(
+        model,
+        dims,
+        sequence_parallel=sequence_parallel,
+        ssmb=ssmb,
+        fsdp=fsdp,
+        param_dtype=param_dtype,
+        ep_overlap=ep_overlap,
+        ep_chunks=ep_chunks,
+    )
     model.to_empty(device=device)
     model.init_weights(seed=seed)
     if init_from is not None:

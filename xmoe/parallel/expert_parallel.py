@@ -53,8 +53,9 @@ def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernel_backend: str = "
     return HierarchicalDispatcher(dims.group("ep"), num_experts, nodes, kernel_backend)
 
 
-def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Step 1 only: slice every MoELayer's experts over "ep" (DTensor Shard(0)) and install the all-to-all dispatcher.
+def shard_experts(model: nn.Module, dims: ParallelDims, ep_overlap: str = "off", ep_chunks: int = 2) -> nn.Module:
+    """Step 1 only: slice every MoELayer's experts over "ep" (DTensor Shard(0)) and install the all-to-all dispatcher,
+    with what overlaps its all-to-alls (``ep_overlap``, ``ep_chunks``: moe/routed.py).
 
     Works on real or meta tensors (no communication: every rank slices the full weights it holds, so real ones must
     be identical on all ranks, e.g. from one seed; xmoe/parallel/build.py shards meta tensors and initialises each
@@ -85,6 +86,8 @@ def shard_experts(model: nn.Module, dims: ParallelDims) -> nn.Module:
             layer.dispatcher = PaddedAllToAllDispatcher(dims.group("ep"))
         else:
             layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend)
+        # the padded baseline moves its buffers whole (nothing of it overlaps, as in the systems it stands for)
+        layer.set_overlap("off" if cfg.dispatcher == "padded" else ep_overlap, ep_chunks)
         scale_weight_grads(layer.experts, 1.0 / dims.ep)
     return model
 
@@ -131,6 +134,8 @@ def apply_expert_parallel(
     *,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
+    ep_overlap: str = "off",
+    ep_chunks: int = 2,
 ) -> nn.Module:
     """EP (``shard_experts``) then FSDP2 with the right mesh per parameter group; returns the model (now an
         FSDPModule). FSDP units: each routed-experts module ("dp"; sharded on dim 1 when its experts do not split over
@@ -145,7 +150,7 @@ def apply_expert_parallel(
     """
     from torch.distributed.fsdp import fully_shard
 
-    shard_experts(model, dims)
+    shard_experts(model, dims, ep_overlap, ep_chunks)
     cast, fp32 = mixed_precision_policies(param_dtype)
     dp_mesh, dense_mesh = dims.submesh("dp"), dims.submesh(DENSE_AXIS)
     for layer in moe_layers(model):

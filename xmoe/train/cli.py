@@ -68,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "1800); a rank silent for a quarter of it, at most 60 s, is named",
     )
     p.add_argument(
+        "--ep-overlap",
+        choices=["auto", "off", "shared", "chunks"],
+        help="what hides the expert-parallel all-to-alls: shared experts, or chunks of tokens pipelined against "
+        "each other's expert GEMMs (default auto: the planner's choice for the layout)",
+    )
+    p.add_argument("--ep-chunks", type=int, help="with --ep-overlap chunks: chunks per layer call (default 2)")
+    p.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)",

@@ -109,7 +109,8 @@ class Reporter:
             f"data {self.run.data.path}: vocab {self.dataset.vocab_size}, seq {t.seq_len}, global batch "
             f"{t.global_batch_size} ({micro_batch} x {accum} micro-batches x {dp_size} ranks), "
             f"compiled regions {'on' if compiled else 'off'}, recompute {t.recompute}"
-            + (f", {self.optimizer}" if self.optimizer else ""),
+            + (f", {self.optimizer}" if self.optimizer else "")
+            + (f", expert-parallel overlap {self._overlap()}" if self.run.parallel.ep > 1 else ""),
             self.kernels.describe(),
         ]
         if self.memory:
@@ -124,6 +125,10 @@ class Reporter:
             lines.append(f"continuing from step {step} to {t.steps}")
         lines.append(f"writing to {self.out_dir}/ (Ctrl-C or SIGTERM: save a checkpoint and stop)")
         log.info("\n".join(lines))
+
+    def _overlap(self) -> str:
+        par = self.run.parallel
+        return f"chunks ({par.ep_chunks})" if par.ep_overlap == "chunks" else par.ep_overlap
 
     def log_window(
         self,

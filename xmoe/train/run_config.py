@@ -18,10 +18,19 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from xmoe.checks import missing
-from xmoe.config import DataConfig, KernelConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from xmoe.config import (
+    DataConfig,
+    EpOverlap,
+    KernelConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +276,8 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
         "placement": args.placement,
         "sequence_parallel": args.sequence_parallel or None,
         "timeout": args.timeout,
+        "ep_overlap": getattr(args, "ep_overlap", None),
+        "ep_chunks": getattr(args, "ep_chunks", None),
     }
     par_values.update({k: v for k, v in flags.items() if v is not None})
     parallel = _apply(ParallelConfig(), "parallel", par_values)  # validates ep and tp before dp divides by them
@@ -361,3 +372,35 @@ class _Unset(argparse.Namespace):
         if name.startswith("__"):
             raise AttributeError(name)
         return None
+
+
+def resolve_ep_overlap(run: RunConfig, device_type: str) -> RunConfig:
+    """``run`` with ``parallel.ep_overlap = "auto"`` replaced by the mode the planner predicts fastest for its layout
+    (xmoe/plan/step_time.py: "off" without expert parallelism; a more involved mode only where it saves over 1% of
+    the step). On a CPU the compute is timed at 0.05 TFLOP/s a process (one core's fp32 GEMMs), on a GPU at the
+    planner's default."""
+    par = run.parallel
+    if par.ep_overlap != "auto":
+        return run
+    from xmoe.plan.step_time import DEFAULT_TFLOPS, choose_ep_overlap  # imports torch: not at module level
+
+    t = run.train
+    _, micro_batch, micro_batches = run.batch_layout()
+    mode = choose_ep_overlap(
+        run.model,
+        gpus=par.world_size,
+        ep=par.ep,
+        gpus_per_node=par.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size)),
+        tp=par.tp,
+        placement=par.placement,
+        dispatcher=run.model.moe.dispatcher,
+        tokens_per_gpu=micro_batch * t.seq_len // par.tp,
+        chunks=par.ep_chunks,
+        tflops=DEFAULT_TFLOPS if device_type == "cuda" else CPU_TFLOPS,
+        recompute=t.recompute,
+        micro_batches=micro_batches,
+    )
+    return dataclasses.replace(run, parallel=dataclasses.replace(par, ep_overlap=cast(EpOverlap, mode)))
+
+
+CPU_TFLOPS = 0.05  # one 2-core machine's fp32 GEMMs on one thread (1024^3: 0.049 TFLOP/s)

@@ -48,6 +48,7 @@ from xmoe.train.loader import TokenLoader
 from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_groups
 from xmoe.train.report import Reporter, Window
 from xmoe.train.resume import resume_checkpoint
+from xmoe.train.run_config import resolve_ep_overlap
 from xmoe.train.run_data import load_run_data, validate
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
@@ -109,6 +110,7 @@ class Trainer:
             self.lock = None
 
     def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool, fit: str) -> None:
+        run = self.run = resolve_ep_overlap(run, self.device.type)
         par = run.parallel
         if par.world_size != self.world:
             raise ValueError(
@@ -147,6 +149,8 @@ class Trainer:
             param_dtype=torch.bfloat16 if self.autocast else None,
             recompute=t.recompute,
             compile=t.compile,
+            ep_overlap=par.ep_overlap,
+            ep_chunks=par.ep_chunks,
         )
         self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
         # the copies the optimizer writes for the next step: the experts' detached bf16 path (one process)
