@@ -174,7 +174,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         host = host_list(torch.cat(values))  # THE host sync of the layer call
         size = values[0].numel()
         return [
-            RBDRoute(units, key1, self._counts(host[i * size : (i + 1) * size], recv))
+            RBDRoute(units, key1, self._chunk_counts(host[i * size : (i + 1) * size], recv))
             for i, ((units, key1, _), recv) in enumerate(zip(prepared, recvs, strict=True))
         ]
 
@@ -258,7 +258,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
             ]
         return torch.cat(host_parts + [scalars])
 
-    def _counts(self, host: list[int], recv_PC: torch.Tensor) -> Counts:
+    def _chunk_counts(self, host: list[int], recv_PC: torch.Tensor) -> Counts:
         """One chunk's Counts from its host values (``_host_values``, read by the layer call's one sync)."""
         num_ranks, width = self.num_ranks, self.width
         stage2 = None

@@ -7,6 +7,7 @@ per-source loss counters, made from ``run.data`` and ``run.train``; and the vali
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,3 +87,15 @@ def validate(
         if name:
             values[f"val_loss/{name}"] = loss
     return {"val_loss": total, **values}
+
+
+def keep_imported_files(hf_dir: str, out: Path) -> None:
+    """Copy the imported config.json (export reuses its other fields) and tokenizer.json (text data, eval and
+    generate use it) into the run directory."""
+    import shutil
+
+    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
+
+    shutil.copy(Path(hf_dir) / "config.json", out / RUN_HF_CONFIG)
+    if (Path(hf_dir) / RUN_TOKENIZER).is_file():
+        shutil.copy(Path(hf_dir) / RUN_TOKENIZER, out / RUN_TOKENIZER)

@@ -16,10 +16,9 @@ Order of set-up (fixed, so every rank does the same thing):
      into the local shards
 Each step: gradient accumulation over micro-batches (bf16 autocast on GPUs, the routed experts' bf16 copies made
 once per step, on one GPU by the previous step's Triton AdamW), clip and AdamW step (the clip inside AdamW's own
-pass: xmoe.train.step), then the step's MoEStep
-finished (xmoe/moe/step.py: the auxiliary-loss-free bias update from loads summed over all ranks, so the bias stays
-identical everywhere), metrics every ``log_every`` steps (xmoe.train.report), the validation loss every
-``eval_every`` steps and at the end when there is validation data
+pass: xmoe.train.step), then the step's MoEStep finished (xmoe/moe/step.py: the auxiliary-loss-free bias update from
+loads summed over all ranks, so the bias stays identical everywhere), metrics every ``log_every`` steps
+(xmoe.train.report), the validation loss every ``eval_every`` steps and at the end when there is validation data
 (``xmoe.train.evaluate``), an atomic checkpoint every ``ckpt_every`` steps and at the end.
 """
 
@@ -49,22 +48,10 @@ from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_g
 from xmoe.train.report import Reporter, Window
 from xmoe.train.resume import resume_checkpoint
 from xmoe.train.run_config import resolve_ep_overlap
-from xmoe.train.run_data import load_run_data, validate
+from xmoe.train.run_data import keep_imported_files, load_run_data, validate
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
-
-
-def _keep_imported_files(hf_dir: str, out: Path) -> None:
-    """Copy the imported config.json (export reuses its other fields) and tokenizer.json (text data, eval and
-    generate use it) into the run directory."""
-    import shutil
-
-    from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER
-
-    shutil.copy(Path(hf_dir) / "config.json", out / RUN_HF_CONFIG)
-    if (Path(hf_dir) / RUN_TOKENIZER).is_file():
-        shutil.copy(Path(hf_dir) / RUN_TOKENIZER, out / RUN_TOKENIZER)
 
 
 class Trainer:
@@ -91,7 +78,7 @@ class Trainer:
         self.lock = rundir.open_run_dir(self.out_dir, rank=self.rank, resume=resume, overwrite=overwrite)
         try:
             if run.init_from and self.rank == 0:  # under the lock: a second trainer cannot interleave its copies
-                _keep_imported_files(run.init_from, self.out_dir)
+                keep_imported_files(run.init_from, self.out_dir)
             self._setup(run, resume, resume_from, allow_changes, fit)
         except BaseException:
             self.close()
@@ -110,7 +97,6 @@ class Trainer:
             self.lock = None
 
     def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool, fit: str) -> None:
-        run = self.run = resolve_ep_overlap(run, self.device.type)
         par = run.parallel
         if par.world_size != self.world:
             raise ValueError(
@@ -149,7 +135,7 @@ class Trainer:
             param_dtype=torch.bfloat16 if self.autocast else None,
             recompute=t.recompute,
             compile=t.compile,
-            ep_overlap=par.ep_overlap,
+            ep_overlap=run.parallel.ep_overlap,  # as resolved by the pre-flight
             ep_chunks=par.ep_chunks,
         )
         self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
@@ -194,7 +180,8 @@ class Trainer:
         self.loader, self.source_losses = data.loader, data.source_losses
 
     def _preflight(self, run: RunConfig, mode: str) -> RunConfig:
-        """The memory pre-flight (preflight.check_run): the run to train, --fit auto's change applied."""
+        """The memory pre-flight (preflight.check_run): the run to train, --fit auto's change applied; then what
+        overlaps the expert-parallel all-to-alls for the layout and batch it trains (``parallel.ep_overlap``)."""
         fitted, self.memory_line, self.planned = preflight.check_run(run, self.device, mode, warn=self.rank == 0)
         if fitted is not run:
             self.run = run = fitted
@@ -202,6 +189,7 @@ class Trainer:
             self.loader = TokenLoader(  # the same sequences in the same order, in smaller micro-batches
                 self.dataset, self.micro_batch * self.dp_size, self.dp_rank, self.dp_size, run.data.documents
             )
+        self.run = run = resolve_ep_overlap(run, self.device.type)
         return run
 
     def _data_parallel_coords(self) -> tuple[int, int]:
@@ -430,7 +418,7 @@ class Trainer:
             self.out_dir = self.report.out_dir = rescue
             self.logger.move_to(rescue)
             if self.rank == 0 and self.run.init_from:
-                _keep_imported_files(self.run.init_from, rescue)
+                keep_imported_files(self.run.init_from, rescue)
             if saved:
                 self.save()
             self.report.finish(self.step, status=f"stopped at step {self.step}: {why}")
