@@ -56,8 +56,9 @@ def test_an_end_token_outside_the_vocabulary_is_refused(tmp_path, capsys):
 
     saved_reference("mixtral", tmp_path)
     vocab = json.loads((tmp_path / "config.json").read_text())["vocab_size"]
-    err = one_line_error(capsys, ["generate", str(tmp_path), "--prompt-ids", "1", "--eos-id", str(vocab)], "generate")
-    assert f"--eos-id ({vocab}) is outside the vocabulary [0, {vocab})" in err, err
+    for eos in (vocab, -2):
+        err = one_line_error(capsys, ["generate", str(tmp_path), "--prompt-ids", "1", "--eos-id", str(eos)], "generate")
+        assert f"--eos-id ({eos}) is outside the vocabulary [0, {vocab})" in err and "-1 for no end token" in err, err
 
 
 def test_a_dry_run_refuses_fp8_weight_gradients_without_fp8_experts(tmp_path, capsys):

@@ -362,7 +362,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--eos-id", type=int, help="stop at this token (default: the HF config's eos_token_id)")
+    p.add_argument("--eos-id", type=int, help="stop at this token (default: the HF config's eos_token_id; -1: at none)")
     p.add_argument("--step", type=int, help="run checkpoint step (default: the latest)")
     p.add_argument("--ids", action="store_true", help="print the generated token ids instead of text")
     p.add_argument("--device", default="cpu")
@@ -402,9 +402,10 @@ def run_generate(args: argparse.Namespace) -> list[int]:
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.cfg.vocab_size})")
     eos = args.eos_id
-    if eos is not None and not 0 <= eos < model.cfg.vocab_size:
+    if eos is not None and not -1 <= eos < model.cfg.vocab_size:
         raise ValueError(
-            f"--eos-id ({eos}) is outside the vocabulary [0, {model.cfg.vocab_size}); no token could end it"
+            f"--eos-id ({eos}) is outside the vocabulary [0, {model.cfg.vocab_size}): no token could end the text; "
+            "pass -1 for no end token"
         )
     if eos is None and hf is not None and isinstance(hf.get("eos_token_id"), int):
         eos = hf["eos_token_id"]

@@ -132,11 +132,12 @@ def _from_file(spec: str, base: Path) -> str:
     return ",".join(f"{weight}:{_from_file(source, base)}" for weight, _, source in items)
 
 
-def _check_val_data(data: DataConfig) -> None:
-    """Refuse validation data that is the training data (a file or set of both; "markov" draws held-out samples)."""
+def _check_val_data(data: DataConfig, train: TrainConfig) -> None:
+    """Refuse validation data that is the training data (a file or set of both; "markov" draws held-out samples);
+    with val_fraction too, the refusal of two sources of validation data comes first (run_data.py)."""
     from xmoe.train.mixture import parse_mixture
 
-    if data.val_path is None:
+    if data.val_path is None or train.val_fraction > 0:
         return
 
     def sources(spec: str) -> list[str]:
@@ -265,7 +266,7 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
     default_train = TrainConfig(lr=1e-4) if init_from else _default_train(preset, model)
     train = _apply(default_train, "train", sections["train"])
     data = _apply(DataConfig(), "data", sections["data"])
-    _check_val_data(data)
+    _check_val_data(data, train)
 
     par_values = dict(sections["parallel"])
     flags = {
