@@ -178,15 +178,14 @@ def _mesh_timeout_body(rank: int, world_size: int):
     from xmoe.config import ParallelConfig
     from xmoe.parallel.dims import ParallelDims
 
-    dims = ParallelDims.from_config(ParallelConfig(ep=2, timeout=2.0), world_size).build_mesh("cpu")
-    for axis in ("ep", "dp_ep"):
-        if rank == 1:
-            time.sleep(6)  # silent past the 2 s timeout, well inside the harness's
-        else:
-            started = time.monotonic()
-            with pytest.raises(RuntimeError, match=r"[Tt]ime[d ]*out"):
-                dist.all_reduce(torch.ones(1), group=dims.group(axis))
-            assert time.monotonic() - started < 5, axis
+    dims = ParallelDims.from_config(ParallelConfig(ep=2, timeout=1.0), world_size).build_mesh("cpu")
+    if rank == 1:
+        time.sleep(4)  # silent past the 1 s timeout, well inside the harness's 60 s
+    else:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"[Tt]ime[d ]*out"):
+            dist.all_reduce(torch.ones(1), group=dims.group("ep"))
+        assert time.monotonic() - started < 3.5
 
 
 def test_the_mesh_groups_time_out_after_parallel_timeout():
