@@ -14,7 +14,7 @@ WORLD = 4
 MODES = [("off", 1), ("shared", 2), ("chunks", 2), ("chunks", 3)]
 
 
-def _layer(dispatcher: str, gate: bool):
+def _layer(dispatcher: str, gate: bool, dispatch_dtype: str = "bf16"):
     from xmoe.config import MoEConfig
     from xmoe.moe.layer import MoELayer
 
@@ -28,9 +28,18 @@ def _layer(dispatcher: str, gate: bool):
         aux_loss_coef=0.01,
         kernel_backend="torch",
         dispatcher=dispatcher,
+        dispatch_dtype=dispatch_dtype,
     )
     torch.manual_seed(0)
     return MoELayer(cfg).double()
+
+
+def _fake_quant(x):
+    """What FP8 dispatch makes of each routed row (quantised per row: a token's copies all alike), gradient straight
+    through."""
+    from xmoe.kernels.fp8_rows import dequantize_rows, quantize_rows
+
+    return x + (dequantize_rows(*quantize_rows(x.detach(), "e4m3fn"), x.dtype) - x).detach()
 
 
 def _inputs(rank: int, tokens: list[int]):
@@ -40,10 +49,14 @@ def _inputs(rank: int, tokens: list[int]):
     return x, g
 
 
-def _reference(dispatcher: str, gate: bool, tokens: list[int]):
+def _reference(dispatcher: str, gate: bool, tokens: list[int], dispatch_dtype: str = "bf16"):
     """One process, all experts: each rank's tokens through the layer, its loss's gradients, summed over ranks for
-    the experts (their owner receives every rank's rows), per rank for the replicated router and shared experts."""
+    the experts (their owner receives every rank's rows), per rank for the replicated router and shared experts.
+    With FP8 dispatch the routed experts take the rows quantised and dequantised, the router and shared experts not."""
     layer = _layer("pft", gate)
+    if dispatch_dtype == "fp8":
+        experts = layer.experts.forward
+        layer.experts.forward = lambda x, *args, **kwargs: experts(_fake_quant(x), *args, **kwargs)
     per_rank = []
     for r in range(WORLD):
         x, g = _inputs(r, tokens)
@@ -57,19 +70,19 @@ def _reference(dispatcher: str, gate: bool, tokens: list[int]):
     return per_rank, experts
 
 
-def _run(rank, world, dispatcher, gate, tokens, modes, results):
+def _run(rank, world, dispatcher, gate, tokens, modes, results, dispatch_dtype="bf16"):
     from xmoe.config import ParallelConfig
     from xmoe.parallel.dims import ParallelDims
     from xmoe.parallel.expert_parallel import shard_experts
 
     cfg = ParallelConfig(ep=WORLD, gpus_per_node=2)
     dims = ParallelDims.from_config(cfg, world, num_experts=E).build_mesh("cpu")
-    per_rank, experts = _reference(dispatcher, gate, tokens)
+    per_rank, experts = _reference(dispatcher, gate, tokens, dispatch_dtype)
     ref_out, ref_dx, ref_grads = per_rank[rank]
     tol = 1e-12 if dispatcher == "pft" else 1e-6  # RBD sums a row's partials across GPUs in fp32 (rbd.md)
     outs = {}
     for mode, chunks in modes:
-        layer = _layer(dispatcher, gate)
+        layer = _layer(dispatcher, gate, dispatch_dtype)
         shard_experts(torch.nn.Sequential(layer), dims, mode, chunks)
         x, g = _inputs(rank, tokens)
         x.requires_grad_(True)
@@ -82,8 +95,12 @@ def _run(rank, world, dispatcher, gate, tokens, modes, results):
             got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             want = experts.get(name, ref_grads[name])
             assert _rel(got, want) < tol, (mode, chunks, name, _rel(got, want))
+        stats = layer.dispatcher.stats
         if dispatcher == "rbd":
-            assert layer.dispatcher.stats.calls == (chunks if mode == "chunks" else 1)
+            assert stats.calls == (chunks if mode == "chunks" else 1)
+        elif dispatch_dtype == "fp8":  # a row on the wire: H values and one fp32 scale per 128 of them
+            combine = stats.rows_received * H * 8  # the combine sends back float64 rows
+            assert stats.bytes_sent == stats.rows_sent * (H + 4) + combine, stats
     for (mode, _chunks), out in outs.items():  # the shared experts' overlap moves no addition: bitwise
         if mode == "shared" and ("off", 1) in outs:
             assert torch.equal(out, outs[("off", 1)])
@@ -98,6 +115,12 @@ def _rel(a, b):
 @pytest.mark.parametrize("dispatcher", ["pft", "rbd"])
 def test_overlap_modes_equal_one_process(dispatcher):
     run_distributed(_run, WORLD, dispatcher, True, [11, 7, 13, 9], MODES, {}, timeout_s=120)
+
+
+@pytest.mark.parametrize("dispatcher", ["pft", "rbd"])
+def test_fp8_dispatch_equals_one_process_on_quantised_rows(dispatcher):
+    modes = [("off", 1), ("chunks", 2)]
+    run_distributed(_run, WORLD, dispatcher, False, [11, 7, 0, 9], modes, {}, "fp8", timeout_s=120)
 
 
 def test_empty_ranks_and_empty_chunks_take_part():

@@ -15,6 +15,7 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 KernelBackend = Literal["auto", "torch", "triton"]
 Fp8Mode = Literal["off", "experts"]
 DispatcherName = Literal["pft", "padded", "rbd"]
+DispatchDtype = Literal["bf16", "fp8"]
 AuxLossType = Literal["batch", "seq"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
@@ -55,6 +56,10 @@ class MoEConfig:
     capacity_factor: float | None = None
     kernel_backend: KernelBackend = "auto"
     dispatcher: DispatcherName = "pft"
+    # how dispatched rows travel between expert-parallel ranks: "bf16" (the activations as they are) or "fp8" (e4m3
+    # with 1 x 128 scales, quantised before the all-to-all; the combine and every gradient stay in the activations'
+    # dtype); xmoe/dispatch/fp8_dispatch.py
+    dispatch_dtype: DispatchDtype = "bf16"
     init_std: float = 0.02
     shared_ffn_hidden_size: int = 0  # shared experts' total width (0: num_shared_experts * ffn_hidden_size)
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w_gate) (Qwen2-MoE)
@@ -83,6 +88,13 @@ class MoEConfig:
             raise ValueError(f"dispatcher ({self.dispatcher!r}) must be 'pft', 'padded' or 'rbd'")
         if self.fp8 not in ("off", "experts"):
             raise ValueError(f"fp8 ({self.fp8!r}) must be 'off' or 'experts'")
+        if self.dispatch_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"dispatch_dtype ({self.dispatch_dtype!r}) must be 'bf16' or 'fp8'")
+        if self.dispatch_dtype == "fp8" and self.dispatcher == "padded":
+            raise ValueError(
+                "dispatch_dtype='fp8' quantises the padding-free rows; the padded baseline moves its capacity buffers "
+                "as they are: use dispatcher 'pft' or 'rbd', or dispatch_dtype='bf16'"
+            )
         if self.fp8 == "experts" and self.kernel_backend == "torch":
             raise ValueError(
                 "fp8='experts' runs xmoe's Triton FP8 kernels, which kernel_backend='torch' does not "

@@ -32,8 +32,10 @@ import torch.distributed as dist
 
 from xmoe.dispatch.base import PhasedDispatcher, TrafficStats, experts_per_rank
 from xmoe.dispatch.comm import Encoding, Exchange, exchange_counts, host_list, post_rows, wait_rows
+from xmoe.dispatch.fp8_dispatch import arrived_rows, fp8_encoding, wire_width
 from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
+from xmoe.kernels.fp8_rows import Fp8Rows
 
 
 @dataclass
@@ -131,8 +133,13 @@ class AllToAllDispatcher(PhasedDispatcher):
         self.num_local_experts = experts_per_rank(num_experts, self.num_ranks)
         self.num_experts = num_experts
         self.kernel_backend = kernel_backend
-        self.encoding: Encoding | None = None  # how dispatched rows travel (FP8 dispatch sets one)
+        self.encoding: Encoding | None = None  # how dispatched rows travel (use_fp8 sets one)
+        self.fp8_to_experts = False
         self.stats = AllToAllStats()
+
+    def use_fp8(self, to_experts: bool) -> None:
+        """Dispatch in FP8 (fp8_dispatch.py); ``to_experts``: FP8 experts, which take the rows as they arrive."""
+        self.encoding, self.fp8_to_experts = fp8_encoding(to_experts), to_experts
 
     def exchange(self, plans: Sequence[RoutingPlan]) -> list[Route]:
         """2.-3. every chunk's counts in ONE exchange, then the layer call's only host synchronisation."""
@@ -172,10 +179,17 @@ class AllToAllDispatcher(PhasedDispatcher):
         src_of_dst_M = dst_of_src_M = None
         if self.num_ranks > 1 and self.num_local_experts > 1:
             src_of_dst_M, dst_of_src_M = regroup_indices(route.recv_counts_PE, x_MH.shape[0])
-            x_MH = _PermuteRows.apply(x_MH, src_of_dst_M, dst_of_src_M)
+        rows: torch.Tensor | Fp8Rows
+        if self.fp8_to_experts:  # FP8 values, scales and a stand-in for the gradient, regrouped
+            rows = arrived_rows(x_MH, posted.exchange.extra, src_of_dst_M, dst_of_src_M)
+            x_MH = rows.stand_in
+        else:
+            if src_of_dst_M is not None:
+                x_MH = _PermuteRows.apply(x_MH, src_of_dst_M, dst_of_src_M)
+            rows = x_MH
         self._record(route.input_splits, route.output_splits, posted.row_bytes)
         ctx = _Ctx(route, src_of_dst_M, dst_of_src_M, x_MH if x_MH.shape[0] == 0 else None)
-        return x_MH, route.recv_counts_PE.sum(0), ctx
+        return rows, route.recv_counts_PE.sum(0), ctx  # type: ignore[return-value]
 
     def combine_begin(self, y_MH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: _Ctx) -> _Posted:
         if ctx.empty_rows_MH is not None and ctx.empty_rows_MH.requires_grad:
@@ -210,11 +224,8 @@ class AllToAllDispatcher(PhasedDispatcher):
 
 
 def _wire_row_bytes(x_NH: torch.Tensor, encoding: Encoding | None) -> int:
-    """Bytes one dispatched row takes on the wire (its encoding's payload, or the row itself)."""
-    if encoding is None:
-        return _row_bytes(x_NH)
-    probe = encoding.encode(x_NH[:1] if x_NH.shape[0] else x_NH.new_zeros(1, x_NH.shape[1]))
-    return _row_bytes(probe)
+    """Bytes one dispatched row takes on the wire (FP8's values and scales, or the row itself)."""
+    return _row_bytes(x_NH) if encoding is None else wire_width(x_NH.shape[1])
 
 
 def _row_bytes(rows_MH: torch.Tensor) -> int:

@@ -140,11 +140,11 @@ def _timed(fn: Callable[[], Any]) -> Any:
 
 @dataclass
 class Encoding:
-    """How rows travel: ``encode`` (N, H) rows -> (N, W) payload (any dtype), ``decode`` (M, W) payload -> (M, H)
-    rows, with anything else the receiver needs (FP8 values and scales) returned beside them."""
+    """How rows travel: ``encode`` (N, H) rows -> (N, W) payload (any dtype), ``decode`` ((M, W) payload, a (0, H)
+    tensor of the rows' dtype) -> (M, H) rows, with anything else the receiver needs (FP8 values and scales)."""
 
     encode: Callable[[torch.Tensor], torch.Tensor]
-    decode: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]
+    decode: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
 
 
 class Exchange:
@@ -204,7 +204,8 @@ class _WaitRows(torch.autograd.Function):
         received = ex.wait()
         if ex.encoding is None:
             return received
-        rows, ex.extra = ex.encoding.decode(received)
+        assert ex.rows_like is not None
+        rows, ex.extra = ex.encoding.decode(received, ex.rows_like)
         return rows
 
     @staticmethod

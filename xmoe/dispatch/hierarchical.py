@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from xmoe.dispatch.base import PhasedDispatcher, experts_per_rank
 from xmoe.dispatch.comm import (
+    Encoding,
     Exchange,
     all_to_all_plain,
     all_to_all_rows,
@@ -53,6 +54,7 @@ from xmoe.dispatch.comm import (
     post_rows,
     wait_rows,
 )
+from xmoe.dispatch.fp8_dispatch import fp8_encoding, wire_width
 from xmoe.dispatch.rbd_plan import (
     Counts,
     DispatchContext,
@@ -141,9 +143,15 @@ class HierarchicalDispatcher(PhasedDispatcher):
         # replicas exist only if some node holds two ranks AND some node is remote
         self.two_stage = len(labels) > 1 and self.width > 1
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.encoding: Encoding | None = None  # how stage 1's rows travel (use_fp8 sets one)
         self.stats = RBDStats()
         self.last_stats: dict[str, float] = {}
         self._last = RBDStats()
+
+    def use_fp8(self, to_experts: bool) -> None:
+        """Stage 1's rows (those that cross nodes) travel in FP8 (fp8_dispatch.py), dequantised on arrival: stage 2
+        forwards them inside the node in the activations' dtype, and the experts quantise their rows themselves."""
+        self.encoding = fp8_encoding(False)
 
     def _device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(node of each expert, node-local index of each rank) on ``device``, copied there once (a host-to-device
@@ -182,7 +190,8 @@ class HierarchicalDispatcher(PhasedDispatcher):
         """3. stage 1 posted: pilots cross nodes, direct rows stay inside (their ids exchanged meanwhile)."""
         ops = get_ops(self.kernel_backend, x_TH.device)
         link, ex, ids1, stage1 = self._stage1(x_TH, route.units, route.key1, route.counts.stage1, ops)
-        row_bytes = x_TH.shape[1] * x_TH.element_size() + 4 * route.units.ids_TK.shape[1]  # a row, its K int32 ids
+        width = x_TH.shape[1] * x_TH.element_size() if self.encoding is None else wire_width(x_TH.shape[1])
+        row_bytes = width + 4 * route.units.ids_TK.shape[1]  # a row, its K int32 ids
         return PostedDispatch(link, ex, route.counts, stage1, ids1, row_bytes)
 
     def dispatch_end(self, posted: PostedDispatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -293,7 +302,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         unit_of_slot = torch.where(units.valid_TK, table_src.gather(1, units.unit_head_k_TK), -1)
         in_unit = unit_of_slot[token_of_unit] == torch.arange(unit_slot.numel(), device=x_TH.device)[:, None]
         ids_send = torch.where(in_unit, units.ids_TK[token_of_unit], -1).to(torch.int32)
-        link, ex = post_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group)
+        link, ex = post_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group, self.encoding)
         ids1 = all_to_all_plain(ids_send, recv, send, self.group).long()
         return (
             link,

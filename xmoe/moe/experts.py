@@ -15,6 +15,7 @@ from torch import nn
 
 from xmoe.dispatch.routing import RoutingPlan
 from xmoe.kernels import get_ops
+from xmoe.kernels.fp8_rows import Fp8Rows
 
 if TYPE_CHECKING:
     from xmoe.moe.casts import CastCache
@@ -117,12 +118,15 @@ class RoutedExperts(nn.Module):
         weights_TK: torch.Tensor | None = None,
         casts: tuple | None = None,
     ) -> torch.Tensor:
-        """Rows (N, H) grouped by expert -> (N, H); or, with ``plan`` and ``weights_TK``, tokens (T, H) -> the
+        """Rows (N, H) grouped by expert -> (N, H) (FP8 experts also take ``Fp8Rows``, rows dispatched in FP8); or,
+        with ``plan`` and ``weights_TK``, tokens (T, H) -> the
         weighted sum of each token's expert outputs (T, H): gather, experts and combine in one backend op
         (fused by the Triton backend). Called as a module either way, so wrappers' hooks (FSDP) run. ``casts``:
         the optimizer step's weight copies (make_casts), else the weights are cast here."""
         if self.fp8:
             return self._forward_fp8(x, tokens_per_expert_E, plan, weights_TK, casts)
+        if isinstance(x, Fp8Rows):
+            raise ValueError("rows dispatched in FP8 reach bf16 experts dequantised; Fp8Rows are for FP8 experts")
         w1, w3, w2 = self.local_weights(x.dtype, casts)
         ops = get_ops(self.kernel_backend, x.device)
         if plan is not None:
@@ -136,7 +140,12 @@ class RoutedExperts(nn.Module):
     def _forward_fp8(self, x, tokens_per_expert_E, plan, weights_TK, casts):
         from xmoe.kernels.fp8_quant import fp8_format
 
-        fmt = fp8_format(x.device).name  # refuses devices without FP8 matrix instructions, naming the fix
+        fmt = fp8_format(x.q.device if isinstance(x, Fp8Rows) else x.device).name  # refuses devices without FP8
+        if isinstance(x, Fp8Rows):  # dispatched in FP8: the rows as they arrived, quantised once
+            from xmoe.kernels import fp8_experts
+
+            w1, w3, w2, qw = self.fp8_weights(fmt, casts)
+            return fp8_experts.grouped_swiglu_fp8(x, w1, w3, w2, tokens_per_expert_E, qw, fmt)
         if x.dim() != 2:
             raise ValueError(
                 "FP8 experts take rows (N, H) or tokens with a plan, not the padded baseline's "

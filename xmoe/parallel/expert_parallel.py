@@ -86,6 +86,8 @@ def shard_experts(model: nn.Module, dims: ParallelDims, ep_overlap: str = "off",
             layer.dispatcher = PaddedAllToAllDispatcher(dims.group("ep"))
         else:
             layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend)
+        if cfg.dispatch_dtype == "fp8" and not isinstance(layer.dispatcher, PaddedAllToAllDispatcher):
+            layer.dispatcher.use_fp8(to_experts=cfg.fp8 == "experts")  # FP8 experts take the rows as they arrive
         # the padded baseline moves its buffers whole (nothing of it overlaps, as in the systems it stands for)
         layer.set_overlap("off" if cfg.dispatcher == "padded" else ep_overlap, ep_chunks)
         scale_weight_grads(layer.experts, 1.0 / dims.ep)

@@ -80,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --tp: norms and the MoE block's entry work on 1/tp of the positions (no all-reduce)",
     )
     p.add_argument("--dispatcher", choices=["pft", "padded", "rbd"], help="token dispatcher (default pft)")
+    p.add_argument(
+        "--dispatch-dtype",
+        choices=["bf16", "fp8"],
+        help="expert parallelism: how routed rows travel to their experts (fp8: e4m3 with 1 x 128 scales, about half "
+        "the bytes of bf16; the combine stays bf16); default bf16",
+    )
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
     p.add_argument(
         "--fp8",

@@ -56,6 +56,7 @@ TRAINING_FIELDS = (
     "model.moe.capacity_factor",
     "model.moe.kernel_backend",
     "model.moe.dispatcher",
+    "model.moe.dispatch_dtype",
 )
 # the train section's defaults: tiny's, and the paper presets' (see _default_train); the flags' help names them
 TINY, PAPER = TrainConfig(), TrainConfig(lr=3e-4, global_batch_size=8, warmup_steps=100)
@@ -243,6 +244,7 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
         ("dispatcher", args.dispatcher),
         ("kernel_backend", args.kernel_backend),
         ("fp8", getattr(args, "fp8", None)),
+        ("dispatch_dtype", getattr(args, "dispatch_dtype", None)),
     ):
         if value is not None:
             sections["moe"][field] = value
@@ -288,6 +290,12 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
     from xmoe.dispatch.base import experts_per_rank  # imports torch: not at module level (xmoe --help)
 
     experts_per_rank(model.moe.num_experts, parallel.ep)  # the one home of that check; names the fix
+    if model.moe.dispatch_dtype == "fp8" and parallel.ep == 1:
+        warnings.warn(
+            "moe.dispatch_dtype 'fp8' changes how rows travel between expert-parallel ranks and does nothing with "
+            "ep == 1 (nothing travels); pass --ep > 1",
+            stacklevel=2,
+        )
     if model.moe.dispatcher == "rbd" and parallel.ep == 1:
         warnings.warn(
             "moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
@@ -395,6 +403,7 @@ def resolve_ep_overlap(run: RunConfig, device_type: str) -> RunConfig:
         tp=par.tp,
         placement=par.placement,
         dispatcher=run.model.moe.dispatcher,
+        dispatch_dtype=run.model.moe.dispatch_dtype,
         tokens_per_gpu=micro_batch * t.seq_len // par.tp,
         chunks=par.ep_chunks,
         tflops=DEFAULT_TFLOPS if device_type == "cuda" else CPU_TFLOPS,

@@ -1,0 +1,338 @@
+"""Expert parallelism across nodes on the emulated cluster: step time and exposed all-to-all time of a small MoE
+model trained at EP = every rank, for flat / RBD x overlap off / shared / chunks x dispatch bf16 / fp8 (x node limit
+where given), each beside the planner's prediction for the measured link and the compute measured with overlap off.
+
+    sudo python benchmarks/bench_ep_cluster.py --out benchmarks/results --nodes 2 4 --ranks-per-node 2 --inter-gbit 1
+
+Needs root (benchmarks/emulated_cluster.py). Each node count is one emulated cluster and one torchrun per node, in
+which every rank runs this script's rank mode over the whole grid (the model is built again for each case; the
+first steps of each are warm-up). The CPU ranks compute under bf16 autocast, so rows travel as on GPUs (2 bytes a
+value; FP8 dispatch 1 byte plus the scales). Measured per case: the step's wall time (the slowest rank; median of
+the timed steps) and the host time blocked in the expert-parallel exchanges (dispatch/comm.py's WaitTimer: the
+posted all-to-alls' waits, the count exchange and its host sync; the mean over ranks), which on CPUs is the
+communication no compute hid. The planner (xmoe/plan/step_time.py) predicts every case from the link rate measured
+before the run (shared by a node's ranks), the compute of the overlap-off case of the same dispatcher and dtype
+(its step minus its exposed time) and the routed and shared experts' forward times measured in it.
+Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODES = ("off", "shared", "chunks")
+DISPATCHERS = ("pft", "rbd")
+DTYPES = ("bf16", "fp8")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="benchmarks/results", help="folder of the results (default benchmarks/results)")
+    p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="node counts, one cluster each (default 2 4)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--inter-gbit", type=float, default=1.0, help="each node's link, Gbit/s each way (default 1)")
+    p.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
+    p.add_argument("--ffn", type=int, default=1024, help="routed expert width (default 1024)")
+    p.add_argument("--experts-per-rank", type=int, default=2, help="routed experts per rank (default 2)")
+    p.add_argument("--top-k", type=int, default=4, help="routed experts per token (default 4)")
+    p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
+    p.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per case (default 2)")
+    p.add_argument("--chunks", type=int, default=2, help="chunks of the 'chunks' overlap (default 2)")
+    p.add_argument("--node-limits", type=int, nargs="+", default=[0], help="max nodes per token to try (0: off)")
+    p.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=DISPATCHERS)
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per cluster run (default 1800)")
+    p.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)  # what torchrun runs on every rank
+    p.add_argument("--raw", help=argparse.SUPPRESS)
+    return p
+
+
+# ------------------------------------------------------------------------------------------------ rank mode
+
+
+def _cases(args) -> list[dict]:
+    grid = itertools.product(args.dispatchers, args.dtypes, args.node_limits, args.modes)
+    return [dict(dispatcher=d, dtype=t, node_limit=m, mode=o) for d, t, m, o in grid]
+
+
+def _model_config(args, world: int, case: dict):
+    from xmoe.config import ModelConfig, MoEConfig
+
+    extra = {"max_nodes_per_token": case["node_limit"]} if case["node_limit"] else {}
+    moe = MoEConfig(
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_experts=args.experts_per_rank * world,
+        top_k=args.top_k,
+        num_shared_experts=1,
+        kernel_backend="torch",
+        dispatcher=case["dispatcher"],
+        dispatch_dtype=case["dtype"],
+        **extra,
+    )
+    heads = max(1, args.hidden // 64)
+    return ModelConfig(
+        vocab_size=1024, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads, moe=moe, max_seq_len=args.seq
+    )
+
+
+def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from xmoe.dispatch.comm import WaitTimer
+    from xmoe.parallel.build import build_model
+
+    cfg = _model_config(args, world, case)
+    built = build_model(cfg, "cpu", dims, seed=0, ep_overlap=case["mode"], ep_chunks=args.chunks)
+    model = built.wrapped
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen)
+    timed = {"experts": 0.0, "shared": 0.0, "calls": 0}
+    layers = [m for m in built.model.modules() if type(m).__name__ == "MoELayer"]
+    _time_experts(layers, timed)
+    steps, exposed = [], []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        WaitTimer.enabled, _ = True, WaitTimer.reset()
+        timed.update(experts=0.0, shared=0.0, calls=0)
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        waited, WaitTimer.enabled = WaitTimer.reset(), False
+        if step >= args.warmup:
+            steps.append(elapsed)
+            exposed.append(waited)
+    # the slowest rank's step, the ranks' mean exposed time, this rank's traffic
+    per_rank = [None] * world
+    traffic = {}
+    for layer in layers:
+        stats = layer.dispatcher.stats
+        for k, v in (stats.as_dict() if stats is not None else {}).items():
+            traffic[k] = traffic.get(k, 0) + v
+    mine = dict(steps=steps, exposed=exposed, experts=timed["experts"], shared=timed["shared"], traffic=traffic)
+    dist.all_gather_object(per_rank, mine)
+    step_s = [max(r["steps"][i] for r in per_rank) for i in range(args.steps)]
+    return dict(
+        case,
+        step_ms=1e3 * statistics.median(step_s),
+        exposed_ms=1e3 * statistics.mean(statistics.median(r["exposed"]) for r in per_rank),
+        experts_fwd_ms=1e3 * statistics.mean(r["experts"] for r in per_rank) / max(1, args.layers),
+        shared_fwd_ms=1e3 * statistics.mean(r["shared"] for r in per_rank) / max(1, args.layers),
+        traffic={k: sum(r["traffic"].get(k, 0) for r in per_rank) / world for k in per_rank[0]["traffic"]},
+        loss=float(loss),
+    )
+
+
+def _time_experts(layers, timed: dict) -> None:
+    """Host time of the routed and shared experts' forward (the last step's: the hooks add into ``timed``)."""
+    for layer in layers:
+        for name, module in (("experts", layer.experts), ("shared", layer.shared_experts)):
+            if module is None:
+                continue
+
+            def pre(_module, _args, name=name):
+                timed[name + "_start"] = time.perf_counter()
+
+            def post(_module, _args, _out, name=name):
+                if timed.get(name + "_start") is not None:
+                    timed[name] += time.perf_counter() - timed.pop(name + "_start")
+
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post)
+
+
+def rank_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from xmoe.config import ParallelConfig
+    from xmoe.parallel.dims import ParallelDims
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    par = ParallelConfig(ep=world, gpus_per_node=local)
+    dims = ParallelDims.from_config(par, world, rank=rank, node_size=local).build_mesh("cpu")
+    results = []
+    for case in _cases(args):
+        row = _run_case(args, dims, world, rank, case)
+        if rank == 0:
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if rank == 0 and args.raw:
+        Path(args.raw).write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------- the planner's view
+
+
+def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms: float) -> None:
+    """Each row's predicted step (xmoe/plan/step_time.py) from the link and the overlap-off case's compute."""
+    from dataclasses import replace
+
+    from xmoe.plan.comm import Network, estimate_comm
+    from xmoe.plan.step_time import Techniques, compute_model, predict_step
+
+    world = nodes * args.ranks_per_node
+    # a node's link is shared by its ranks: each rank's share of it; inside a node, loopback (fast, unshaped)
+    network = Network(
+        intra_bw=20.0, inter_bw=link_bytes_s / 1e9 / args.ranks_per_node, intra_lat=50.0, inter_lat=1e3 * rtt_ms / 2
+    )
+    for row in rows:
+        base = next(
+            r
+            for r in rows
+            if r["mode"] == "off"
+            and r["dispatcher"] == row["dispatcher"]
+            and r["dtype"] == row["dtype"]
+            and r["node_limit"] == row["node_limit"]
+        )
+        cfg = _model_config(args, world, row)
+        tokens = args.batch * args.seq
+        est = estimate_comm(
+            cfg,
+            world,
+            gpus_per_node=args.ranks_per_node,
+            ep=world,
+            tokens_per_gpu=tokens,
+            network=network,
+            max_nodes_per_token=row["node_limit"],
+            mc_tokens=1024,
+            mc_sources=4,
+        )
+        est = replace(est, bytes_per_elem=2)
+        compute = compute_model(
+            cfg,
+            tokens,
+            ep=world,
+            compute_ms=base["step_ms"] - base["exposed_ms"],
+            experts_ms=base["experts_fwd_ms"],
+        )
+        tech = Techniques(row["dispatcher"], row["mode"], args.chunks, row["dtype"], est.max_nodes_per_token)
+        pred = predict_step(est, compute, tech, top_k=args.top_k)
+        row["predicted_ms"] = pred.step_ms
+        row["predicted_exposed_ms"] = pred.exposed_ms
+        row["error"] = row["step_ms"] / pred.step_ms - 1
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def launcher_main(args, argv: list[str]) -> int:
+    from benchmarks.emulated_cluster import EmulatedCluster, have_net_admin
+
+    ok, reason = have_net_admin()
+    if not ok:
+        print(f"bench_ep_cluster.py: {reason}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine=f"{platform.node()}: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}",
+        commit=_commit(),
+        command="python benchmarks/bench_ep_cluster.py " + " ".join(argv),
+        settings={k: v for k, v in vars(args).items() if k not in ("rank_mode", "raw")},
+        clusters=[],
+    )
+    for nodes in args.nodes:
+        with EmulatedCluster(nodes=nodes, inter_gbit=args.inter_gbit) as cluster:
+            link = cluster.measure_link(0, 1)
+            print(f"{nodes} nodes: {link.describe()}", flush=True)
+            raw = out / f"bench_ep_cluster_raw_{nodes}nodes.json"
+            command = [str(Path(__file__).resolve()), "--rank-mode", "--raw", str(raw.resolve()), *argv]
+            result = cluster.run(command, ranks_per_node=args.ranks_per_node, timeout=args.timeout)
+            if result.returncode != 0:
+                print(
+                    f"{nodes} nodes: the run failed (exit {result.returncode}); logs in {result.out}", file=sys.stderr
+                )
+                return 1
+        rows = json.loads(raw.read_text())
+        raw.unlink()
+        predictions(args, rows, nodes, link.rate_bit / 8, link.rtt_ms)
+        report["clusters"].append(dict(nodes=nodes, link=link.describe(), link_mbyte_s=link.mbyte_s, rows=rows))
+    (out / "bench_ep_cluster.json").write_text(json.dumps(report, indent=1))
+    (out / "bench_ep_cluster.md").write_text(_markdown(report))
+    print(_markdown(report))
+    return 0
+
+
+def _markdown(report: dict) -> str:
+    lines = [
+        "# Expert parallelism on the emulated cluster",
+        "",
+        f"{report['date']}, {report['machine']}, commit {report['commit']}",
+        f"`{report['command']}`",
+        "",
+    ]
+    for cluster in report["clusters"]:
+        rows = cluster["rows"]
+        lines += [
+            f"## {cluster['nodes']} nodes x {report['settings']['ranks_per_node']} ranks",
+            "",
+            cluster["link"],
+            "",
+        ]
+        lines += [
+            "| dispatcher | dispatch | node limit | overlap | step ms | exposed ms | predicted ms | error | vs today |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        today = next(
+            (r for r in rows if (r["dispatcher"], r["dtype"], r["node_limit"], r["mode"]) == ("pft", "bf16", 0, "off")),
+            None,
+        )
+        for r in rows:
+            speed = f"{today['step_ms'] / r['step_ms']:.2f}x" if today else ""
+            lines.append(
+                f"| {'flat' if r['dispatcher'] == 'pft' else 'RBD'} | {r['dtype']} | {r['node_limit'] or 'off'} | "
+                f"{r['mode']} | {r['step_ms']:.0f} | {r['exposed_ms']:.0f} | {r.get('predicted_ms', 0):.0f} | "
+                f"{100 * r.get('error', 0):+.0f}% | {speed} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.rank_mode:
+        rank_main(args)
+        return 0
+    return launcher_main(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
