@@ -286,7 +286,30 @@ def run(args, base: ModelConfig | None = None) -> str:
         "planned_by_kind": {k: int(v) for k, v in best.tracker_parts().items()},
         "ratio": m.measured_peak_bytes / best.peak,
     }
-    return json.dumps(result, indent=2) if args.json else header + "\n" + _table(result, note)
+    if args.json:
+        return json.dumps(result, indent=2)
+    steps = _step_lines(cfg, args, best, m.compute_ms_per_step) if best.parallel.ep > 1 else []
+    return "\n".join([header, _table(result, note), *steps])
+
+
+def _step_lines(cfg: ModelConfig, args, best, compute_ms: float) -> list[str]:
+    """The step time with the expert-parallel all-to-alls (xmoe/plan/step_table.py), from the compute just measured:
+    with and without each technique that hides or shrinks them, on `plan comm`'s default network."""
+    from xmoe.plan import comm, step_table, step_time
+
+    par = best.parallel
+    tokens = best.micro_batch * best.seq_len // par.tp
+    est = comm.estimate_comm(
+        cfg, args.gpus, gpus_per_node=args.gpus_per_node, ep=par.ep, tp=par.tp, tokens_per_gpu=tokens, mc_tokens=1024
+    )
+    compute = step_time.compute_model(cfg, tokens, ep=par.ep, compute_ms=compute_ms, recompute=best.recompute)
+    lines = step_table.step_lines({0: est}, compute, 2, cfg.moe.top_k, tokens)
+    net = est.network
+    lines.append(
+        f"network: plan comm's defaults ({net.intra_bw:g} GB/s per GPU inside a node, {net.inter_bw:g} across); "
+        "`xmoe plan comm ... --compute-ms` takes this compute with your network and node limits"
+    )
+    return lines
 
 
 def _device(name: str) -> torch.device:
