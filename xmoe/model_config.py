@@ -30,7 +30,8 @@ class MoEConfig:
       scores = softmax(logits) or sigmoid(logits), logits = x @ router.weight.T in fp32.
       Selection uses scores + expert_bias (the bias is the auxiliary-loss-free balancing state and only
       changes *which* experts are picked, never the weights). With num_expert_groups > 1 only experts in the
-      best ``topk_groups`` groups are eligible.
+      best ``topk_groups`` groups are eligible. With ``max_nodes_per_token`` M > 0 under expert parallelism, only
+      experts on the token's M best nodes are (xmoe/moe/node_limit.py).
       weights = selected scores, divided by their sum when norm_topk_prob, times routed_scaling_factor.
 
     Capacity: ``capacity_factor=None`` is dropless. Otherwise each expert keeps at most
@@ -60,6 +61,9 @@ class MoEConfig:
     # with 1 x 128 scales, quantised before the all-to-all; the combine and every gradient stay in the activations'
     # dtype); xmoe/dispatch/fp8_dispatch.py
     dispatch_dtype: DispatchDtype = "bf16"
+    # node-limited routing: each token's experts on at most this many nodes of its expert-parallel group as placed
+    # (docs/routing.md, "Node-limited routing"); 0: no limit. Applies under expert parallelism only
+    max_nodes_per_token: int = 0
     init_std: float = 0.02
     shared_ffn_hidden_size: int = 0  # shared experts' total width (0: num_shared_experts * ffn_hidden_size)
     shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(x @ w_gate) (Qwen2-MoE)
@@ -105,6 +109,8 @@ class MoEConfig:
                 "fp8='experts' has no FP8 path for the padded baseline's capacity buffers: use "
                 "dispatcher 'pft' or 'rbd', or fp8='off'"
             )
+        if self.max_nodes_per_token < 0:
+            raise ValueError(f"max_nodes_per_token ({self.max_nodes_per_token}) must be >= 0 (0: no node limit)")
         positive("num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
             raise ValueError(

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from xmoe.dispatch.base import PhasedDispatcher, TrafficStats, experts_per_rank
 from xmoe.dispatch.comm import Encoding, Exchange, exchange_counts, host_list, post_rows, wait_rows
 from xmoe.dispatch.fp8_dispatch import arrived_rows, fp8_encoding, wire_width
-from xmoe.dispatch.routing import RoutingPlan
+from xmoe.dispatch.routing import RoutingPlan, TokenNodes
 from xmoe.kernels import get_ops
 from xmoe.kernels.fp8_rows import Fp8Rows
 
@@ -43,7 +43,9 @@ class AllToAllStats(TrafficStats):
     """Traffic of the forward passes since the last reset (backward moves the same volume again, in reverse).
 
     rows_*: dispatch direction only; rows a rank sends to itself are ``rows_kept`` and count in neither sent nor
-    received. bytes_*: dispatch + combine payloads over the network (rows to self excluded).
+    received; ``rows_inter``: those of ``rows_sent`` that go to another node. bytes_*: dispatch + combine payloads
+    over the network (rows to self excluded). ``max_token_nodes``: the most nodes one token's rows went to (a
+    maximum, not a sum: base.py's ``add_counters``).
     """
 
     calls: int = 0
@@ -52,6 +54,8 @@ class AllToAllStats(TrafficStats):
     rows_kept: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    rows_inter: int = 0
+    max_token_nodes: int = 0
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Route:
     recv_counts_PE: torch.Tensor  # rows rank p sends to this rank's local expert e (device)
     input_splits: list[int]  # rows this rank sends to each EP rank
     output_splits: list[int]  # rows this rank receives from each EP rank
+    max_token_nodes: int = 0  # the most nodes one of the chunk's tokens sends rows to
 
 
 @dataclass
@@ -126,7 +131,14 @@ class AllToAllDispatcher(PhasedDispatcher):
 
     fuses_experts = False
 
-    def __init__(self, ep_group: dist.ProcessGroup | None, num_experts: int, kernel_backend: str = "auto"):
+    def __init__(
+        self,
+        ep_group: dist.ProcessGroup | None,
+        num_experts: int,
+        kernel_backend: str = "auto",
+        node_of_rank: Sequence[int] | None = None,
+    ):
+        """``node_of_rank[p]``: the node of EP rank p, for the inter-node counters (None: one node)."""
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
@@ -136,6 +148,8 @@ class AllToAllDispatcher(PhasedDispatcher):
         self.encoding: Encoding | None = None  # how dispatched rows travel (use_fp8 sets one)
         self.fp8_to_experts = False
         self.stats = AllToAllStats()
+        self.node_of_rank = node_of_rank
+        self.token_nodes = TokenNodes(node_of_rank or [0] * self.num_ranks, self.num_local_experts)
 
     def use_fp8(self, to_experts: bool) -> None:
         """Dispatch in FP8 (fp8_dispatch.py); ``to_experts``: FP8 experts, which take the rows as they arrive."""
@@ -155,9 +169,14 @@ class AllToAllDispatcher(PhasedDispatcher):
             send_PE.view(num_ranks, len(plans), num_local).sum(2),
             recv_PE.view(num_ranks, len(plans), num_local).sum(2),
         ]
-        host = host_list(torch.stack(sums).transpose(1, 2))  # (2, chunks, P) on the host: the one sync
+        # (2, chunks, P) split sizes, then each chunk's most nodes per token, on the host: the one sync
+        sizes = torch.stack(sums).transpose(1, 2).reshape(-1)
+        host = host_list(torch.cat([sizes, *self.token_nodes.most_of(plans)]))
+        splits = [host[i * num_ranks : (i + 1) * num_ranks] for i in range(2 * len(plans))]
+        most = host[sizes.numel() :] or [int(p.num_rows > 0) for p in plans]  # one node: 1 if the chunk sends any
         return [
-            Route(recv_PE[:, i * num_local : (i + 1) * num_local], host[0][i], host[1][i]) for i in range(len(plans))
+            Route(recv_PE[:, i * num_local : (i + 1) * num_local], splits[i], splits[len(plans) + i], most[i])
+            for i in range(len(plans))
         ]
 
     def receive_counts(self, send_counts_PE: torch.Tensor) -> torch.Tensor:
@@ -188,6 +207,8 @@ class AllToAllDispatcher(PhasedDispatcher):
                 x_MH = _PermuteRows.apply(x_MH, src_of_dst_M, dst_of_src_M)
             rows = x_MH
         self._record(route.input_splits, route.output_splits, posted.row_bytes)
+        self.stats.rows_inter += self.token_nodes.inter_rows(route.input_splits, self.ep_rank)
+        self.stats.max_token_nodes = max(self.stats.max_token_nodes, route.max_token_nodes)
         ctx = _Ctx(route, src_of_dst_M, dst_of_src_M, x_MH if x_MH.shape[0] == 0 else None)
         return rows, route.recv_counts_PE.sum(0), ctx  # type: ignore[return-value]
 

@@ -98,8 +98,9 @@ def experts_per_rank(num_experts: int, ep: int) -> int:
 
 @dataclass
 class TrafficStats:
-    """Base of a dispatcher's traffic counters: integer fields that count from zero, summed across calls.
-    ``as_dict`` adds the ``derived`` quantities (none here) to the fields, as Python numbers for a metrics log."""
+    """Base of a dispatcher's traffic counters: integer fields that count from zero, summed across calls, except
+    those named ``max_*``, which keep the largest value (``add_counters``). ``as_dict`` adds the ``derived``
+    quantities (none here) to the fields, as Python numbers for a metrics log."""
 
     def reset(self) -> None:
         for f in fields(self):
@@ -107,10 +108,22 @@ class TrafficStats:
 
     def add(self, other: TrafficStats) -> None:
         for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            setattr(self, f.name, combine_counter(f.name, getattr(self, f.name), getattr(other, f.name)))
 
     def derived(self) -> dict[str, float]:
         return {}
 
     def as_dict(self) -> dict[str, float]:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, **self.derived()}
+
+
+def combine_counter(name: str, a: int, b: int) -> int:
+    """Two values of counter ``name`` together: the larger for a ``max_*`` counter (the most nodes one token was
+    sent to stays a maximum over calls, layers and steps), else their sum."""
+    return max(a, b) if name.startswith("max_") else a + b
+
+
+def add_counters(into: dict[str, int], counters: dict[str, int]) -> None:
+    """``counters`` added into ``into``, key by key (``combine_counter``)."""
+    for key, value in counters.items():
+        into[key] = combine_counter(key, into[key], value) if key in into else value

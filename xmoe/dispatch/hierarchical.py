@@ -26,7 +26,7 @@ combine, the reverse, every sum in a fixed order (ops.combine_rows: k in order, 
 
 Collectives per layer call: forward 9 (counts; rows + ids in stages 1 and 2; weights in stages 1 and 2; partial
 sums back in stages 2 and 1), backward 6; with one stage 5 and 3 (flat: 3 and 2). Host syncs: ONE, in step 2
-(2P + 2Q + 6 ints: all split sizes, the expanded-row count, the counters); combine and backward reuse them. No
+(2P + 2Q + 7 ints: all split sizes, the expanded-row count, the counters); combine and backward reuse them. No
 (tokens x experts) structure: metadata is O(T K + M K) ints, deduplicated by sorting each token's K keys and
 marking run heads, which needs no host sync (torch.unique would).
 
@@ -249,10 +249,12 @@ class HierarchicalDispatcher(PhasedDispatcher):
         tokens_per_expert_local = recv_PC[:, :num_local].sum(0)
         valid, own = units.valid_TK, units.own_TK
         mine = units.rank_TK == self.ep_rank
+        nodes_T = units.node_head_TK.sum(1)
         scalars = torch.stack(
             [
                 valid.sum(),
-                units.node_head_TK.sum(),
+                nodes_T.sum(),
+                torch.cat([nodes_T, nodes_T.new_zeros(1)]).max(),  # the most nodes of one token (0: no tokens)
                 units.replica_TK.sum(),
                 (own & ~mine).sum(),
                 (valid & ~own).sum(),
@@ -276,7 +278,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
             for j, peer in enumerate(self.ranks_of_node[self.my_node]):
                 send2[peer], recv2[peer] = host[2 * num_ranks + j], host[2 * num_ranks + width + j]
             stage2 = (send2, recv2)
-        slots, token_nodes, caused, flat_intra, flat_inter, num_rows = host[-6:]
+        slots, token_nodes, most_nodes, caused, flat_intra, flat_inter, num_rows = host[-7:]
         return Counts(
             stage1=(host[:num_ranks], host[num_ranks : 2 * num_ranks]),
             stage2=stage2,
@@ -287,6 +289,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
             replicas_caused=caused,
             flat_rows_intra=flat_intra,
             flat_rows_inter=flat_inter,
+            max_token_nodes=most_nodes,
         )
 
     def _stage1(

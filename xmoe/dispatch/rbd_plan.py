@@ -34,6 +34,7 @@ class RBDStats(TrafficStats):
     flat_rows_inter: int = 0
     bytes_intra: int = 0
     bytes_inter: int = 0
+    max_token_nodes: int = 0  # the most nodes one token was sent to (a maximum: base.py's combine_counter)
 
     @property
     def rows_intra(self) -> int:
@@ -61,6 +62,7 @@ class Counts:
     replicas_caused: int
     flat_rows_intra: int
     flat_rows_inter: int
+    max_token_nodes: int
 
 
 @dataclass
@@ -167,6 +169,7 @@ def dispatch_stats(counts: Counts, node_of_rank: list[int], rank: int, row_bytes
         flat_rows_inter=counts.flat_rows_inter,
         bytes_intra=(direct + replica) * row_bytes,
         bytes_inter=inter * row_bytes,
+        max_token_nodes=counts.max_token_nodes,
     )
 
 

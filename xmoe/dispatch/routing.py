@@ -14,6 +14,7 @@ one device-to-host read of that count (``int(keep.sum())``), once per layer call
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +112,44 @@ def build_plan(
         num_dropped=num_dropped,
         capacity=capacity,
     )
+
+
+class TokenNodes:
+    """Which nodes a plan's tokens send rows to, for an EP group whose rank p lives on node ``node_of_rank[p]`` and
+    owns ``num_local`` contiguous experts: the counters of node-limited routing (docs/routing.md)."""
+
+    def __init__(self, node_of_rank: Sequence[int], num_local: int):
+        labels = sorted(set(node_of_rank))
+        self.node_of_rank = [labels.index(n) for n in node_of_rank]  # compact: nodes 0 .. num_nodes - 1
+        self.num_nodes = len(labels)
+        self.num_local = num_local
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def _node_of_expert(self, device: torch.device) -> torch.Tensor:
+        """(E,) node of each expert on ``device``, copied there once (a copy per call would cost a sync)."""
+        if device not in self._tables:
+            nodes = torch.tensor(self.node_of_rank, dtype=torch.long).repeat_interleave(self.num_local)
+            self._tables[device] = nodes.to(device)
+        return self._tables[device]
+
+    def most_of(self, plans: Sequence[RoutingPlan]) -> list[torch.Tensor]:
+        """Per plan, a 1-element int64 tensor on its device: the most distinct nodes any of its tokens sends kept
+        rows to (0 for a plan without rows), computed on the device for the caller's one host read; [] with one
+        node, where the answer is 1 for a plan with rows and 0 without (known on the host)."""
+        if self.num_nodes <= 1:
+            return []
+        out = []
+        for plan in plans:
+            device = plan.token_ids_N.device
+            node_of_E = self._node_of_expert(device)
+            # (token, node) pairs of the kept rows: a boolean table, written without accumulation
+            hits_TN = torch.zeros(plan.num_tokens, self.num_nodes, dtype=torch.bool, device=device)
+            hits_TN[plan.token_ids_N, node_of_E[plan.expert_ids_N]] = True
+            nodes_T = torch.cat([hits_TN.sum(1), torch.zeros(1, dtype=torch.long, device=device)])
+            out.append(nodes_T.max().reshape(1))
+        return out
+
+    def inter_rows(self, splits: Sequence[int], rank: int) -> int:
+        """Rows of a split list (rows to each EP rank) that ``rank`` sends to other nodes."""
+        mine = self.node_of_rank[rank]
+        return sum(s for p, s in enumerate(splits) if self.node_of_rank[p] != mine)

@@ -8,6 +8,8 @@ Formulas (all in fp32 whatever the activation dtype):
   choice = scores + expert_bias                     only for selection (auxiliary-loss-free balancing)
   group-limited: group score = max of the group's choice (softmax, as DeepSeek-V2) or the sum of its top-2
       (sigmoid, as DeepSeek-V3); experts outside the best ``topk_groups`` groups are not eligible
+  node-limited (``node_limit`` set from outside under expert parallelism, moe/node_limit.py): node score = the sum
+      of the node's top ceil(K / M) choice values; only experts of the M best nodes are eligible, before the groups
   ids = top-k of choice; weights = scores[ids] (/ their sum if norm_topk_prob) * routed_scaling_factor
 Losses:
   load balance   coef * E/(K*S) * sum_e count_e * mean_t p_e   per sequence ("seq", DeepSeek-V3's complementary
@@ -29,6 +31,7 @@ from torch import nn
 from xmoe.config import MoEConfig
 from xmoe.dispatch.routing import count_ids
 from xmoe.kernels import get_ops
+from xmoe.moe.node_limit import NodeLimit
 
 
 class RouterOutput(NamedTuple):
@@ -54,6 +57,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         # persistent: checkpoints (DCP) save and restore it with the weights
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        # node-limited routing's tables, installed with the expert-parallel layout (parallel/expert_parallel.py); an
+        # attribute, not a buffer: a checkpoint does not carry a layout (another one may load it)
+        self.node_limit: NodeLimit | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -61,6 +67,8 @@ class Router(nn.Module):
 
     def _select(self, choice_TE: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
+        if self.node_limit is not None:  # nodes first; groups (inside nodes) then choose among the eligible ones
+            choice_TE = self.node_limit.restrict(choice_TE)
         if cfg.num_expert_groups > 1:
             num_tokens = choice_TE.shape[0]
             grouped_TGe = choice_TE.view(num_tokens, cfg.num_expert_groups, -1)
@@ -82,9 +90,11 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
         # The Triton backend ("triton", or "auto" on a GPU) fuses scores, selection and weights in one kernel each
         # way (kernels/router_topk.py) within its limits (router_topk_supports); the torch path below is the
-        # reference and the fallback (its speed against the torch path: benchmarks/results/bench_router.md).
+        # reference and the fallback (its speed against the torch path: benchmarks/results/bench_router.md); the
+        # kernel has no node limit.
         ops = get_ops(cfg.kernel_backend, logits_TE.device)
-        if hasattr(ops, "router_topk") and ops.router_topk_supports(cfg.num_experts, cfg.top_k, cfg.num_expert_groups):
+        kernel = self.node_limit is None and hasattr(ops, "router_topk")
+        if kernel and ops.router_topk_supports(cfg.num_experts, cfg.top_k, cfg.num_expert_groups):
             weights_TK, ids_TK, scores_TK = ops.router_topk(
                 logits_TE, self.expert_bias, cfg.top_k, cfg.score_func, cfg.norm_topk_prob, cfg.routed_scaling_factor
             )

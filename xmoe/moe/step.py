@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xmoe.dispatch.base import add_counters
 from xmoe.moe.casts import CastCache
 from xmoe.moe.layer import LayerStep, MoELayer, moe_layers
 
@@ -47,7 +48,8 @@ class StepStats:
     aux: the auxiliary losses (balance + z, summed over layers), averaged over the micro-batches; rows: routed rows
     the experts computed (slots kept after capacity dropping), summed; load_LE: routed slots per expert per layer
     (int64, this rank's, before dropping), summed over the micro-batches, None without MoE layers; traffic: the
-    dispatchers' counters summed over layers (Python numbers; {} when no dispatcher counts)."""
+    dispatchers' counters summed over layers, ``max_*`` ones their maximum (Python numbers; {} when no dispatcher
+    counts)."""
 
     aux: torch.Tensor
     rows: torch.Tensor
@@ -148,8 +150,7 @@ class MoEStep:
             counters = layer.dispatcher.stats
             if counters is None:
                 continue
-            for key, value in dataclasses.asdict(counters).items():
-                totals[key] = totals.get(key, 0) + value
+            add_counters(totals, dataclasses.asdict(counters))
             counters.reset()
         return totals
 

@@ -6,7 +6,9 @@
   1. every MoELayer keeps only its EP rank's experts: ``experts.w1/w3/w2`` become DTensors of global shape
      (E, H, F) / (E, F, H) placed ``Shard(0)`` on the "ep" mesh axis (local slice: experts
      [e * E_local, (e + 1) * E_local) on the rank with EP coordinate e), and its dispatcher becomes an
-     ``AllToAllDispatcher`` over the "ep" group (``HierarchicalDispatcher``, RBD, when cfg.dispatcher == "rbd");
+     ``AllToAllDispatcher`` over the "ep" group (``HierarchicalDispatcher``, RBD, when cfg.dispatcher == "rbd"),
+     both told the node of each EP rank; with ``moe.max_nodes_per_token`` its router gets the node of each expert
+     (moe/node_limit.py);
   2. FSDP2 ``fully_shard`` of each routed-experts module over "dp" (the ranks that hold the same experts),
      of each transformer block and of the root over "dp_ep" (every rank: dense weights are replicated
      across EP ranks too); on GPUs in mixed precision (bf16 weights gathered, fp32 gradients reduced, the
@@ -41,6 +43,7 @@ from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher
 from xmoe.dispatch.padded import PaddedAllToAllDispatcher
 from xmoe.moe.layer import moe_layers
+from xmoe.moe.node_limit import node_limit
 from xmoe.parallel.dims import DENSE_AXIS, ParallelDims
 from xmoe.parallel.grads import scale_weight_grads
 
@@ -51,6 +54,23 @@ def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernel_backend: str = "
     """RBD over the "ep" group of a built ``ParallelDims``, nodes from its node size (launcher numbering)."""
     nodes = [dims.node_of(r) for r in dims.group_ranks("ep")]
     return HierarchicalDispatcher(dims.group("ep"), num_experts, nodes, kernel_backend)
+
+
+def ep_group_nodes(dims: ParallelDims) -> list[int]:
+    """The node (0, 1, ... in rank order) of each rank of an EP group, the same for every EP group of the world;
+    refused where the groups lie differently over the nodes, since a node limit would then route differently (or
+    refuse) on some ranks only. Every rank computes it from the layout alone, so all agree."""
+    groups = dims.grid.permute(0, 2, 1).reshape(-1, dims.ep) // dims.node_size  # each row: one EP group's nodes
+    # ranks grow along the "ep" axis (build_mesh checks it), so each row's nodes do too: number them 0, 1, ...
+    compact = torch.cat([torch.zeros_like(groups[:, :1]), (groups.diff(dim=1) != 0).long().cumsum(dim=1)], dim=1)
+    if not bool((compact == compact[0]).all()):
+        differ = compact[(compact != compact[0]).any(dim=1)][0].tolist()
+        raise ValueError(
+            f"moe.max_nodes_per_token: the expert-parallel groups lie differently over the nodes (node of each EP "
+            f"rank: {compact[0].tolist()} in one group, {differ} in another; ep * tp = {dims.ep * dims.tp}, node "
+            f"size {dims.node_size}); choose ep * tp dividing, or a multiple of, the node size"
+        )
+    return compact[0].tolist()
 
 
 def shard_experts(model: nn.Module, dims: ParallelDims, ep_overlap: str = "off", ep_chunks: int = 2) -> nn.Module:
@@ -67,9 +87,14 @@ def shard_experts(model: nn.Module, dims: ParallelDims, ep_overlap: str = "off",
     if dims.ep == 1 or not layers:
         return model
     ep_mesh, ep_rank = dims.submesh("ep"), dims.coord("ep")
+    nodes = [dims.node_of(r) for r in dims.group_ranks("ep")]
+    limited = any(layer.cfg.max_nodes_per_token for layer in layers)
+    limit_nodes = ep_group_nodes(dims) if limited else []
     for layer in layers:
         cfg = layer.cfg
         num_local = dims.check_experts(cfg.num_experts)
+        if limit_nodes:  # the expert -> node map: experts are contiguous per EP rank
+            layer.router.node_limit = node_limit(cfg, [limit_nodes[e // num_local] for e in range(cfg.num_experts)])
         rows = slice(ep_rank * num_local, (ep_rank + 1) * num_local)
         for name in EXPERT_WEIGHTS:
             full = getattr(layer.experts, name)
@@ -85,7 +110,7 @@ def shard_experts(model: nn.Module, dims: ParallelDims, ep_overlap: str = "off",
         elif cfg.dispatcher == "padded":  # the capacity-buffer baseline, DeepSpeed-MoE style
             layer.dispatcher = PaddedAllToAllDispatcher(dims.group("ep"))
         else:
-            layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend)
+            layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend, nodes)
         if cfg.dispatch_dtype == "fp8" and not isinstance(layer.dispatcher, PaddedAllToAllDispatcher):
             layer.dispatcher.use_fp8(to_experts=cfg.fp8 == "experts")  # FP8 experts take the rows as they arrive
         # the padded baseline moves its buffers whole (nothing of it overlaps, as in the systems it stands for)

@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="expert parallelism: how routed rows travel to their experts (fp8: e4m3 with 1 x 128 scales, about half "
         "the bytes of bf16; the combine stays bf16); default bf16",
     )
+    p.add_argument(
+        "--max-nodes-per-token",
+        type=int,
+        metavar="M",
+        help="node-limited routing under --ep: each token's experts on at most M nodes of its expert-parallel "
+        "group (moe.max_nodes_per_token; default 0, no limit)",
+    )
     p.add_argument("--kernel-backend", choices=["auto", "torch", "triton"], help="MoE kernels")
     p.add_argument(
         "--fp8",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from xmoe.config import RunConfig
+from xmoe.dispatch.base import add_counters
 from xmoe.moe.step import StepStats
 from xmoe.train import metrics
 
@@ -32,7 +33,7 @@ class Window:
     steps: int = 0
     rows: torch.Tensor = field(init=False)  # routed rows the experts computed, summed
     load_LE: torch.Tensor | None = None  # tokens per expert per layer, summed (None: no MoE layers)
-    traffic: dict[str, int] = field(default_factory=dict)  # the dispatchers' counters, summed
+    traffic: dict[str, int] = field(default_factory=dict)  # the dispatchers' counters, summed (max_*: their maximum)
 
     def __post_init__(self) -> None:
         self.rows = torch.zeros((), dtype=torch.long, device=self.device)
@@ -42,8 +43,7 @@ class Window:
         self.rows += stats.rows
         if stats.load_LE is not None:
             self.load_LE = stats.load_LE if self.load_LE is None else self.load_LE + stats.load_LE
-        for key, value in stats.traffic.items():
-            self.traffic[key] = self.traffic.get(key, 0) + value
+        add_counters(self.traffic, stats.traffic)
 
     def exclude(self, since: float) -> None:
         """The time from ``since`` until now (an evaluation, a checkpoint) is not training time."""
@@ -52,13 +52,17 @@ class Window:
 
 def comm_metrics(traffic: dict[str, int], steps: int) -> dict[str, float]:
     """This rank's dispatch traffic per step over a window (``traffic``: the dispatchers' counters summed over its
-    ``steps`` steps): MB sent over the network by the all-to-all dispatchers; for RBD also the inter-node rows
-    against what flat all-to-all would have sent, and the redundancy rate R."""
+    ``steps`` steps): MB sent over the network by the all-to-all dispatchers, the rows they sent to other nodes
+    (inter_node_rows: flat's rows, RBD's pilots) and the most nodes one of the rank's tokens was sent to in any
+    layer and step of the window (max_token_nodes, at most moe.max_nodes_per_token under a node limit); for RBD
+    also the inter-node rows against what flat all-to-all would have sent, and the redundancy rate R."""
     if not traffic:
         return {}
     sent = traffic.get("bytes_sent", traffic.get("bytes_intra", 0) + traffic.get("bytes_inter", 0))
     out = {"comm_mb_per_step": sent / steps / 2**20}
     if "rows_inter" in traffic:
+        out.update(inter_node_rows=traffic["rows_inter"] / steps, max_token_nodes=traffic["max_token_nodes"])
+    if "flat_rows_inter" in traffic:  # RBD's
         slots = traffic["slots"]
         out.update(
             rbd_inter_rows=traffic["rows_inter"] / steps,

@@ -57,6 +57,7 @@ TRAINING_FIELDS = (
     "model.moe.kernel_backend",
     "model.moe.dispatcher",
     "model.moe.dispatch_dtype",
+    "model.moe.max_nodes_per_token",
 )
 # the train section's defaults: tiny's, and the paper presets' (see _default_train); the flags' help names them
 TINY, PAPER = TrainConfig(), TrainConfig(lr=3e-4, global_batch_size=8, warmup_steps=100)
@@ -245,6 +246,7 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
         ("kernel_backend", args.kernel_backend),
         ("fp8", getattr(args, "fp8", None)),
         ("dispatch_dtype", getattr(args, "dispatch_dtype", None)),
+        ("max_nodes_per_token", getattr(args, "max_nodes_per_token", None)),
     ):
         if value is not None:
             sections["moe"][field] = value
@@ -300,6 +302,13 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
         warnings.warn(
             "moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
             "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1",
+            stacklevel=2,
+        )
+    if model.moe.max_nodes_per_token and parallel.ep == 1:
+        warnings.warn(
+            f"moe.max_nodes_per_token ({model.moe.max_nodes_per_token}) limits the nodes of an expert-parallel "
+            "group a token's experts live on and does nothing with ep == 1 (every expert on every rank); pass "
+            "--ep > 1",
             stacklevel=2,
         )
     kernels = _apply(KernelConfig(), "kernels", sections["kernels"])
@@ -404,6 +413,7 @@ def resolve_ep_overlap(run: RunConfig, device_type: str) -> RunConfig:
         placement=par.placement,
         dispatcher=run.model.moe.dispatcher,
         dispatch_dtype=run.model.moe.dispatch_dtype,
+        max_nodes_per_token=run.model.moe.max_nodes_per_token,
         tokens_per_gpu=micro_batch * t.seq_len // par.tp,
         chunks=par.ep_chunks,
         tflops=DEFAULT_TFLOPS if device_type == "cuda" else CPU_TFLOPS,
