@@ -93,6 +93,7 @@ RULE_CASES = [
 def test_router_matches_the_plain_loop(num_experts, nodes, top_k, max_nodes, extra):
     router, node_of = _router(num_experts, top_k, max_nodes, nodes, **extra)
     x_TH = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    assert set(router.state_dict()) == {"weight", "expert_bias"}  # the layout is not state: no checkpoint holds it
     out = router(x_TH)
     scores, choice = _reference_scores(router, x_TH)
     restricted = router.node_limit.restrict(choice.float())
