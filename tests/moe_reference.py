@@ -67,7 +67,7 @@ def reference_forward(params: dict, x: torch.Tensor, cfg, num_sequences: int = 1
 
     aux = torch.zeros((), dtype=torch.float64)
     if cfg.aux_loss_coef > 0:
-        groups = num_sequences if cfg.aux_loss_type == "seq" else 1
+        groups = num_sequences if cfg.balance_scope == "sequence" else 1
         seq_len = num_tokens // groups
         for b in range(groups):
             for e in range(num_experts):

@@ -375,5 +375,5 @@ def test_router_output_flattens_to_its_tensors() -> None:
     cfg = _config().moe
     out = Router(cfg)(torch.randn(5, cfg.hidden_size))
     leaves, _ = tree_flatten(out)
-    assert len(leaves) == 6 and all(isinstance(t, torch.Tensor) for t in leaves)
+    assert len(leaves) == 7 and all(isinstance(t, torch.Tensor) for t in leaves)
     assert out.weights_TK.requires_grad

@@ -14,7 +14,10 @@ from test_moe_layer import make_layer, rel_err
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)])
 def test_zero_tokens_with_aux_and_z_losses(shape):
     layer = make_layer(
-        aux_loss_coef=0.01, z_loss_coef=0.001, num_shared_experts=1, aux_loss_type="seq" if len(shape) == 3 else "batch"
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+        num_shared_experts=1,
+        balance_scope="sequence" if len(shape) == 3 else "micro_batch",
     )
     x = torch.zeros(shape, requires_grad=True)
     out = layer(x)

@@ -24,7 +24,7 @@ TOL = 1e-5  # relative to the reference's norm; fp32 with TP's different summati
 VOCAB, SEQ = 32, 8
 
 
-def _config(aux_loss_coef: float = 0.01):
+def _config(aux_loss_coef: float = 0.01, scope: str = "sequence"):
     from xmoe.config import ModelConfig, MoEConfig
 
     moe = MoEConfig(
@@ -34,7 +34,7 @@ def _config(aux_loss_coef: float = 0.01):
         top_k=3,
         num_shared_experts=1,
         aux_loss_coef=aux_loss_coef,
-        aux_loss_type="seq",
+        balance_scope=scope,
         z_loss_coef=1e-3,
         kernel_backend="torch",
     )
@@ -150,6 +150,36 @@ def _check_router_identical_after_steps(dims, cfg, batch: int, sequence_parallel
     assert all(torch.equal(peer, peers[0]) for peer in peers), f"TP peers' routers differ (rank {dims.rank})"
 
 
+def _check_masked_global_step(dims, batch: int, sequence_parallel: bool = False) -> None:
+    """Positions without a target, and the global balance scope, over the TP slices: the real-token mask is cut as the
+    tokens are and the balance loss takes every slice's counts, so every gradient is the one process's on the whole
+    micro-batch, whether the slices cut sequences or not. One data shard (the TP group is the world)."""
+    from xmoe.model.loss import IGNORE_INDEX
+    from xmoe.moe.step import MoEStep
+
+    cfg = _config(scope="global")
+    tokens = _batches(1, 1, batch)[0, 0]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[0, 1::3] = IGNORE_INDEX
+    targets[-1, -3:] = IGNORE_INDEX
+
+    def step(model) -> None:
+        with MoEStep(model, 1, torch.device("cpu")) as moe:
+            moe.set_real_tokens(targets != IGNORE_INDEX)
+            model(inputs, targets).backward()
+            moe.end_micro_batch()
+
+    # the reference runs on every rank with the same tokens: its global counts, summed over the ranks, have the
+    # one-process frequencies and mean tokens per rank
+    ref, model = _model(cfg), _parallel_model(cfg, dims, sequence_parallel)
+    step(ref)
+    step(model)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        err = rel_err(_full(p.grad), ref_params[name].grad)
+        assert err < TOL, (dims.rank, batch, sequence_parallel, name, err)
+
+
 def _saved_bytes(fn, module: torch.nn.Module) -> int:
     """Bytes of the distinct storages autograd saves while running ``fn()``, parameters' storages excluded.
 
@@ -211,6 +241,8 @@ def _tp_body(rank: int, world_size: int, tp: int, ep: int) -> None:
     _check_one_step(dims, _config(aux_loss_coef=0.0), batch=1, sequence_parallel=True)
     _check_router_identical_after_steps(dims, _config(aux_loss_coef=0.0), batch=2, sequence_parallel=True)
     if ep == 1:
+        for batch, sequence_parallel in ((tp, False), (1, False), (2, True)):
+            _check_masked_global_step(dims, batch, sequence_parallel)
         _check_memory(dims, cfg)
         model = _parallel_model(cfg, dims)
         with pytest.raises(ValueError, match=rf"over tp \({tp}\)"):

@@ -21,6 +21,7 @@ from typing import Any
 
 from xmoe.checks import missing, writing
 from xmoe.config import ModelConfig, MoEConfig
+from xmoe.model_config import upgrade_moe_fields
 
 # torch and the checkpoint readers are imported inside the commands: `xmoe --help` builds these parsers without them
 # what an export writes into a Hugging Face directory, and so what --overwrite removes from one
@@ -36,7 +37,7 @@ MODEL_FILES = (
 
 def model_config_from_dict(values: dict) -> ModelConfig:
     """A ModelConfig from its asdict() form (as a run's checkpoint meta.json stores it)."""
-    return ModelConfig(**{**values, "moe": MoEConfig(**values["moe"])})
+    return ModelConfig(**{**values, "moe": MoEConfig(**upgrade_moe_fields(values["moe"]))})
 
 
 def _run_checkpoint(run_dir: Path, step: int | None) -> Path:

@@ -16,10 +16,13 @@ KernelBackend = Literal["auto", "torch", "triton"]
 Fp8Mode = Literal["off", "experts"]
 DispatcherName = Literal["pft", "padded", "rbd"]
 DispatchDtype = Literal["bf16", "fp8"]
-AuxLossType = Literal["batch", "seq"]
+BalanceScope = Literal["sequence", "micro_batch", "global"]
 AttentionKind = Literal["mha", "mla"]
 QKNorm = Literal["none", "head", "proj"]
 RopeScaling = Literal["none", "yarn"]
+BALANCE_SCOPES = ("sequence", "micro_batch", "global")
+# aux_loss_type, balance_scope's older name, and its values
+_OLD_SCOPES = {"seq": "sequence", "batch": "micro_batch"}
 
 
 @dataclass
@@ -51,7 +54,9 @@ class MoEConfig:
     num_expert_groups: int = 1
     topk_groups: int = 1
     aux_loss_coef: float = 0.0
-    aux_loss_type: AuxLossType = "batch"
+    # what the balance loss balances over (docs/routing.md, "Scopes"): each sequence, each micro-batch of a rank, or
+    # every micro-batch of the optimizer step on every rank
+    balance_scope: BalanceScope = "global"
     z_loss_coef: float = 0.0
     bias_update_rate: float = 0.0
     capacity_factor: float | None = None
@@ -71,6 +76,8 @@ class MoEConfig:
     # on GPUs with FP8 matrix instructions (NVIDIA sm_89+, AMD gfx942 / gfx950); docs/kernels.md, "FP8 experts"
     fp8: Fp8Mode = "off"
     section: ClassVar[str] = "moe"
+    # fields of older versions: their new name (what a config that still names them is told)
+    renamed: ClassVar[dict[str, str]] = {"aux_loss_type": "balance_scope"}
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -84,8 +91,10 @@ class MoEConfig:
             raise ValueError(f"num_shared_experts ({self.num_shared_experts}) must be >= 0")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func ({self.score_func!r}) must be 'softmax' or 'sigmoid'")
-        if self.aux_loss_type not in ("batch", "seq"):
-            raise ValueError(f"aux_loss_type ({self.aux_loss_type!r}) must be 'batch' or 'seq'")
+        if self.balance_scope not in BALANCE_SCOPES:
+            raise ValueError(
+                f"balance_scope ({self.balance_scope!r}) must be one of {', '.join(map(repr, BALANCE_SCOPES))}"
+            )
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend ({self.kernel_backend!r}) must be 'auto', 'torch' or 'triton'")
         if self.dispatcher not in ("pft", "padded", "rbd"):
@@ -321,3 +330,13 @@ class ModelConfig:
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when not extending)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def upgrade_moe_fields(values: dict) -> dict:
+    """An MoEConfig's asdict() form as older versions stored it (a checkpoint's meta.json), in today's fields:
+    ``aux_loss_type`` "batch" / "seq" is ``balance_scope`` "micro_batch" / "sequence"."""
+    if "aux_loss_type" not in values:
+        return values
+    out = {k: v for k, v in values.items() if k != "aux_loss_type"}
+    out.setdefault("balance_scope", _OLD_SCOPES.get(values["aux_loss_type"], values["aux_loss_type"]))
+    return out

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from xmoe.config import MoEConfig
 from xmoe.dispatch.base import Dispatcher
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.padded import PaddedDispatcher
+from xmoe.moe.balance import GlobalCounts
 from xmoe.moe.experts import RoutedExperts, SwiGLU
 from xmoe.moe.routed import OVERLAP_MODES, routed_and_shared
 from xmoe.moe.router import Router
@@ -55,11 +57,16 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
 @dataclass
 class LayerStep:
     """What a layer exchanges with the optimizer step it runs in (xmoe/moe/step.py, which makes one per layer):
-    ``aux_loss_scale`` and ``casts`` it reads, ``stats`` it reports at each forward."""
+    ``aux_loss_scale``, ``casts``, ``real_tokens`` and ``global_counts`` it reads, ``stats`` it reports at each
+    forward."""
 
     aux_loss_scale: float
     casts: tuple | None = None  # RoutedExperts.make_casts' copies, for the experts' forward
     stats: dict[str, torch.Tensor] | None = None
+    # the micro-batch's real tokens: bool, one per position of the whole micro-batch (the model's (B, S) input) before
+    # any parallel wrapper shares its tokens out; None: every token is real
+    real_tokens: torch.Tensor | None = None
+    global_counts: GlobalCounts | None = None  # the "global" balance scope's counts over the step (moe/balance.py)
 
 
 class MoELayer(nn.Module):
@@ -67,9 +74,10 @@ class MoELayer(nn.Module):
 
     A 3-D input (B, S, H) is B sequences for the sequence-level balance loss. After each call
     ``last_stats`` holds detached tensors for logging (no host sync): aux_loss, z_loss, tokens_per_expert (routed
-    slots per global expert before dropping) and num_dropped; inside an optimizer step (``moe_step``, set by
-    xmoe/moe/step.py's MoEStep) the layer also reports them there, and takes the step's aux-loss scale and expert
-    weight casts from it.
+    slots per global expert before dropping), real_tokens_per_expert (those of the real tokens) and num_dropped;
+    inside an optimizer step (``moe_step``, set by
+    xmoe/moe/step.py's MoEStep) the layer also reports them there, and takes from it the step's aux-loss scale, expert
+    weight casts, real-token mask and the global balance scope's counts.
     """
 
     def __init__(self, cfg: MoEConfig, dispatcher: Dispatcher | None = None):
@@ -99,6 +107,10 @@ class MoELayer(nn.Module):
         # default). The trainer leaves it off: a non-finite input makes the loss non-finite, which the trainer
         # detects at no per-layer cost (xmoe/train/safety.py); turn it on to find which layer a NaN enters.
         self.check_finite = False
+        # which positions of the whole micro-batch this rank's forward sees, where a parallel wrapper shares the
+        # tokens out (SSMB: xmoe/parallel/ssmb.py installs it): maps a per-position tensor of the micro-batch to the
+        # positions of this layer's input, in its order; None: the input is the whole micro-batch
+        self.local_positions: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,10 +128,12 @@ class MoELayer(nn.Module):
             )
         num_sequences = x.shape[0] if x.dim() == 3 else 1
         x_TH = x.reshape(-1, cfg.hidden_size)
-
-        # 1. route: fp32 scores, top-k ids and weights, balance losses
-        route = self.router(x_TH, num_sequences)
         step = self.moe_step
+
+        # 1. route: fp32 scores, top-k ids and weights, balance losses over the real tokens
+        valid_T = self._real_tokens(step, x_TH.shape[0])
+        global_counts = step.global_counts if step is not None else None
+        route = self.router(x_TH, num_sequences, valid_T, global_counts)
         aux_total = route.aux_loss + route.z_loss
         if torch.is_grad_enabled() and aux_total.requires_grad:
             # the step's scale: a trainer backpropagating loss / A over A micro-batches gives them 1 / A. Attached
@@ -138,6 +152,7 @@ class MoELayer(nn.Module):
             "aux_loss": route.aux_loss.detach(),
             "z_loss": route.z_loss.detach(),
             "tokens_per_expert": route.counts_E,
+            "real_tokens_per_expert": route.real_counts_E,
             "num_dropped": num_dropped,
         }
         if step is not None:
@@ -157,6 +172,19 @@ class MoELayer(nn.Module):
                 "ep_overlap='shared'"
             )
         self.overlap_mode, self.overlap_chunks = mode, chunks
+
+    def _real_tokens(self, step: LayerStep | None, num_tokens: int) -> torch.Tensor | None:
+        """The step's real-token mark of this forward's ``num_tokens`` tokens (None: all are real)."""
+        if step is None or step.real_tokens is None:
+            return None
+        real = step.real_tokens if self.local_positions is None else self.local_positions(step.real_tokens)
+        valid_T = real.reshape(-1)
+        if valid_T.shape[0] != num_tokens:
+            raise ValueError(
+                f"the optimizer step's real-token mask covers {valid_T.shape[0]} positions but this MoE layer routes "
+                f"{num_tokens} tokens: pass MoEStep.set_real_tokens the targets' mask of the micro-batch being run"
+            )
+        return valid_T.to(torch.bool)
 
     def extra_repr(self) -> str:
         cfg = self.cfg

@@ -11,11 +11,12 @@ Formulas (all in fp32 whatever the activation dtype):
   node-limited (``node_limit`` set from outside under expert parallelism, moe/node_limit.py): node score = the sum
       of the node's top ceil(K / M) choice values; only experts of the M best nodes are eligible, before the groups
   ids = top-k of choice; weights = scores[ids] (/ their sum if norm_topk_prob) * routed_scaling_factor
-Losses:
-  load balance   coef * E/(K*S) * sum_e count_e * mean_t p_e   per sequence ("seq", DeepSeek-V3's complementary
-                 sequence-wise loss) or over the whole batch ("batch", S = T); p = scores, normalised per token
-                 when score_func is sigmoid. Equals coef when routing is perfectly uniform.
-  z-loss         coef * mean_t logsumexp(logits_t)^2
+Losses (over real tokens only, xmoe/moe/balance.py, which has the formulas):
+  load balance   coef * sum_e f_e * P_e, f_e = E/(K*n) * count_e and P_e = mean_t p_e over a group of n real tokens:
+                 each sequence ("sequence"), this forward ("micro_batch"), or, inside an optimizer step, the step's
+                 micro-batches on every rank ("global"); p = scores, normalised per token when score_func is sigmoid.
+                 Equals coef when routing is perfectly uniform.
+  z-loss         coef * mean over real tokens of logsumexp(logits_t)^2
 Aux-loss-free balancing: ``update_bias(load_E)`` moves each bias by rate * sign(mean - load), once per optimizer
 step from the step's routed counts summed over all ranks (xmoe/moe/step.py, MoEStep.finish).
 """
@@ -31,6 +32,7 @@ from torch import nn
 from xmoe.config import MoEConfig
 from xmoe.dispatch.routing import count_ids
 from xmoe.kernels import get_ops
+from xmoe.moe.balance import GlobalCounts, balance_probs, global_balance_loss, group_balance_loss, real_counts, z_loss
 from xmoe.moe.node_limit import NodeLimit
 
 
@@ -46,6 +48,7 @@ class RouterOutput(NamedTuple):
     aux_loss: torch.Tensor  # fp32 scalar, already multiplied by its coefficient
     z_loss: torch.Tensor  # fp32 scalar, already multiplied by its coefficient
     counts_E: torch.Tensor  # int64 routed slots per expert (before capacity dropping)
+    real_counts_E: torch.Tensor  # int64 routed slots per expert of the real tokens (counts_E itself when all are)
 
 
 class Router(nn.Module):
@@ -84,7 +87,16 @@ class Router(nn.Module):
     def _scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return torch.softmax(logits_TE, dim=-1) if self.cfg.score_func == "softmax" else torch.sigmoid(logits_TE)
 
-    def forward(self, x_TH: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
+    def forward(
+        self,
+        x_TH: torch.Tensor,
+        num_sequences: int = 1,
+        valid_T: torch.Tensor | None = None,
+        global_counts: GlobalCounts | None = None,
+    ) -> RouterOutput:
+        """Route ``x_TH``, ``num_sequences`` equal sequences of tokens. ``valid_T``: which tokens are real (None:
+        all); ``global_counts``: the optimizer step's counts, for the "global" balance scope (None outside a step:
+        the forward's own tokens are the scope, as "micro_batch")."""
         cfg = self.cfg
         with torch.autocast(device_type=x_TH.device.type, enabled=False):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
@@ -111,36 +123,45 @@ class Router(nn.Module):
             weights_TK = weights_TK * cfg.routed_scaling_factor
 
         counts_E = count_ids(ids_TK, cfg.num_experts)
-        zero = logits_TE.new_zeros(())
-        empty = logits_TE.shape[0] == 0  # no tokens (a rank's empty shard): no loss rather than 0 / 0
-        aux_loss = zero
-        if cfg.aux_loss_coef > 0 and not empty:
-            assert scores_TE is not None  # both paths compute the scores whenever the balance loss is on
-            aux_loss = self._balance_loss(scores_TE, ids_TK, num_sequences)
-        z_loss = (
-            cfg.z_loss_coef * torch.logsumexp(logits_TE, dim=-1).square().mean()
-            if cfg.z_loss_coef > 0 and not empty
-            else zero
-        )
-        return RouterOutput(weights_TK, ids_TK, scores_TK.detach(), aux_loss, z_loss, counts_E)
+        real_E = counts_E if valid_T is None else real_counts(ids_TK, valid_T, cfg.num_experts)
+        aux_loss, z = self._losses(logits_TE, scores_TE, ids_TK, real_E, num_sequences, valid_T, global_counts)
+        return RouterOutput(weights_TK, ids_TK, scores_TK.detach(), aux_loss, z, counts_E, real_E)
 
-    def _balance_loss(self, scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    def _losses(
+        self,
+        logits_TE: torch.Tensor,
+        scores_TE: torch.Tensor | None,
+        ids_TK: torch.Tensor,
+        real_E: torch.Tensor,
+        num_sequences: int,
+        valid_T: torch.Tensor | None,
+        global_counts: GlobalCounts | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(balance loss, z-loss) over the real tokens, each times its coefficient (moe/balance.py)."""
         cfg = self.cfg
-        num_tokens, num_experts = scores_TE.shape
-        if cfg.aux_loss_type == "batch" or num_sequences <= 1:
-            num_sequences = 1
-        elif num_tokens % num_sequences:
-            raise ValueError(f"{num_tokens} tokens do not split into {num_sequences} equal sequences")
-        seq_len = num_tokens // num_sequences
-        probs_TE = scores_TE
-        if cfg.score_func == "sigmoid":
-            probs_TE = scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
-        mean_prob_BE = probs_TE.view(num_sequences, seq_len, num_experts).mean(1)
-        seq_of_slot = torch.arange(num_tokens, device=ids_TK.device).div(seq_len, rounding_mode="floor")
-        flat = (seq_of_slot[:, None] * num_experts + ids_TK).reshape(-1)
-        counts_BE = count_ids(flat, num_sequences * num_experts).view(num_sequences, num_experts)
-        frac_BE = counts_BE.float() * (num_experts / (cfg.top_k * seq_len))
-        return cfg.aux_loss_coef * (frac_BE * mean_prob_BE).sum(-1).mean()
+        zero = logits_TE.new_zeros(())
+        num_tokens = logits_TE.shape[0]
+        aux_loss = z = zero
+        probs_TE = balance_probs(scores_TE, cfg.score_func) if scores_TE is not None else None
+        if cfg.balance_scope == "global" and global_counts is not None:
+            # collective (even with no tokens): this micro-batch's counts over every rank; the z-loss is then the
+            # mean over every rank's real tokens too
+            micro_E1 = global_counts.over_ranks(real_E, valid_T, num_tokens)
+            if cfg.aux_loss_coef > 0:
+                assert probs_TE is not None  # both paths compute the scores whenever the balance loss is on
+                aux_loss = global_balance_loss(probs_TE, valid_T, micro_E1, global_counts, cfg)
+            if cfg.z_loss_coef > 0:
+                z = z_loss(logits_TE, valid_T, cfg.z_loss_coef, global_counts.mean_real(micro_E1, logits_TE.dtype))
+            return aux_loss, z
+        if num_tokens == 0:  # a rank's empty shard: no loss rather than 0 / 0
+            return aux_loss, z
+        if cfg.aux_loss_coef > 0:
+            assert probs_TE is not None
+            groups = num_sequences if cfg.balance_scope == "sequence" else 1
+            aux_loss = group_balance_loss(probs_TE, ids_TK, valid_T, groups, cfg)
+        if cfg.z_loss_coef > 0:
+            z = z_loss(logits_TE, valid_T, cfg.z_loss_coef)
+        return aux_loss, z
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ optimizer step and asks it; nothing in xmoe/train/ sets or reads an attribute of
     moe = MoEStep(model, A, device, cast_dtype=torch.bfloat16, detach_casts=True)
     with moe:                                   # the layers report to it; each expert stack is cast once
         for each of the A micro-batches:
+            moe.set_real_tokens(targets != IGNORE_INDEX)   # which positions count in the balance losses and loads
             (model(inputs, targets) / A).backward()
             moe.end_micro_batch()               # the micro-batch's routing statistics, added on the device
     optimizer.step()
@@ -22,7 +23,19 @@ What passes between the step and each layer while it is open (``moe/layer.py: La
                   None where the weights are DTensors (expert parallelism, FSDP2), which are cast per forward
   stats           what the layer's latest forward routed; a forward recomputed in backward reports the same values
                   again, so end_micro_batch() reads each layer once per micro-batch
+  real_tokens     the micro-batch's real tokens (set_real_tokens; None: all): the only ones the auxiliary losses,
+                  the loads and so the expert-bias update count
+  global_counts   with balance_scope "global" and an auxiliary loss: the real slots per expert and real tokens of the
+                  step's micro-batches so far on every rank (moe/balance.py's GlobalCounts), which the balance loss
+                  takes its expert frequencies from; each forward adds its micro-batch's with one all-reduce of E + 1
+                  integers when there are several processes
 and, once per step, the dispatchers' traffic counters (read and reset by finish()).
+
+The global scope is not causal within one forward: the frequencies of the whole step are known only after its last
+micro-batch, whose backward has long run by then. Micro-batch a therefore balances against the step's counts so far
+(micro-batches 1..a on every rank, as Megatron-Core's global auxiliary loss does with its running average): with
+A = 1 exactly the loss of the global batch, over any number of ranks; with A > 1 the last micro-batch uses the whole
+step's frequencies and earlier ones a prefix of them (docs/routing.md, "Scopes").
 
 Outside a step a layer computes alone: its auxiliary losses get gradient 1 and every forward casts its weights.
 """
@@ -37,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xmoe.dispatch.base import add_counters
+from xmoe.moe.balance import GlobalCounts
 from xmoe.moe.casts import CastCache
 from xmoe.moe.layer import LayerStep, MoELayer, moe_layers
 
@@ -46,10 +60,10 @@ class StepStats:
     """One optimizer step's MoE statistics, on the device (nothing here is read on the host).
 
     aux: the auxiliary losses (balance + z, summed over layers), averaged over the micro-batches; rows: routed rows
-    the experts computed (slots kept after capacity dropping), summed; load_LE: routed slots per expert per layer
-    (int64, this rank's, before dropping), summed over the micro-batches, None without MoE layers; traffic: the
-    dispatchers' counters summed over layers, ``max_*`` ones their maximum (Python numbers; {} when no dispatcher
-    counts)."""
+    the experts computed (slots kept after capacity dropping, padding tokens' included), summed; load_LE: the real
+    tokens' routed slots per expert per layer (int64, this rank's, before dropping), summed over the micro-batches,
+    None without MoE layers; traffic: the dispatchers' counters summed over layers, ``max_*`` ones their maximum
+    (Python numbers; {} when no dispatcher counts)."""
 
     aux: torch.Tensor
     rows: torch.Tensor
@@ -91,6 +105,9 @@ class MoEStep:
         self.cast_dtype, self.detach_casts, self.cache = cast_dtype, detach_casts, cache
         self._layers: list[MoELayer] = moe_layers(model)
         self._slots = [LayerStep(1.0 / micro_batches) for _ in self._layers]
+        for layer, slot in zip(self._layers, self._slots, strict=True):
+            if layer.cfg.balance_scope == "global" and (layer.cfg.aux_loss_coef > 0 or layer.cfg.z_loss_coef > 0):
+                slot.global_counts = GlobalCounts(layer.cfg.num_experts, device)
         self._aux = torch.zeros((), device=device)
         self._rows = torch.zeros((), dtype=torch.long, device=device)
         self._load_LE: torch.Tensor | None = None
@@ -112,6 +129,12 @@ class MoEStep:
             layer.moe_step = None
             slot.casts = None
 
+    def set_real_tokens(self, valid_BS: torch.Tensor | None) -> None:
+        """Which positions of the next micro-batch are real tokens (bool (B, S), True where the target counts: the
+        training step passes ``targets != IGNORE_INDEX``); None: all of them (the default)."""
+        for slot in self._slots:
+            slot.real_tokens = valid_BS
+
     def end_micro_batch(self) -> None:
         """Add the micro-batch's routing statistics (every layer's report) to the step's, on the device."""
         given = [slot.stats for slot in self._slots]
@@ -124,17 +147,21 @@ class MoEStep:
         def total(key: str) -> torch.Tensor:
             return torch.stack([torch.as_tensor(r[key]).float().reshape(()) for r in reports]).sum()
 
-        load_LE = torch.stack([r["tokens_per_expert"].long() for r in reports])
+        routed = torch.stack([r["tokens_per_expert"] for r in reports]).sum()
+        load_LE = torch.stack([r["real_tokens_per_expert"].long() for r in reports])
         self._aux += total("aux_loss") + total("z_loss")
-        self._rows += load_LE.sum() - total("num_dropped").long()
+        self._rows += routed - total("num_dropped").long()
         self._load_LE = load_LE if self._load_LE is None else self._load_LE + load_LE
         for slot in self._slots:
             slot.stats = None
+            if slot.global_counts is not None:
+                slot.global_counts.end_micro_batch()
 
     def finish(self, update_bias: bool = True) -> StepStats:
         """After the optimizer step: the auxiliary-loss-free bias update (with ``update_bias``, and a
-        bias_update_rate > 0), from the loads summed over all ranks by one all-reduce so that every rank moves its
-        bias identically; returns the step's statistics (this rank's) and resets the dispatchers' counters."""
+        bias_update_rate > 0), from the real tokens' loads summed over all ranks by one all-reduce so that every rank
+        moves its bias identically; returns the step's statistics (this rank's) and resets the dispatchers'
+        counters."""
         if update_bias and self._load_LE is not None and any(layer.cfg.bias_update_rate > 0 for layer in self._layers):
             load_LE = self._load_LE.float()
             if dist.is_initialized():

@@ -20,9 +20,15 @@ micro-batch (the trainer), and the rest follows from where a parameter lives:
       scaled by: tp into the block's output gradient and 1 / tp out of its input gradient (SSMB's gather and
       scatter, or ``ScaleGrad``), then the average over "tp" (``TensorParallelGradAverage``)
                                                               -> the full micro-batch's, as without SSMB
-  auxiliary losses (balance, z) attached by MoELayer
+  auxiliary losses (balance, z) attached by MoELayer, over real tokens only
       fixed gradient ``aux_loss_scale`` = 1 / A (the optimizer step's, xmoe/moe/step.py), as the LM loss's
                                                               -> the mean over the step's micro-batches
+      then the router's average over the ranks (the wrappers' over "dp_ep", SSMB's over "tp"):
+        "sequence", "micro_batch": each rank's loss over its own tokens  -> the mean of the ranks' losses
+        "global": each rank's loss sums its real tokens' terms divided by N_a / W (the micro-batch's real tokens
+        on all W ranks, over W; xmoe/moe/balance.py), with expert frequencies from every rank
+                                                              -> the loss over all ranks' real tokens of the
+                                                                 micro-batch, as one process with all of them
 
 FSDP2's ``set_gradient_divide_factor`` could fold the 1/ep into its reduction, but with dp == 1 (no reduce-scatter)
 its handling differs across torch versions and dtypes (torch 2.13 divides twice in float64), so the expert scale is

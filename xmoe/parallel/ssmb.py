@@ -36,9 +36,11 @@ The hook averages, and the gather's backward multiplies the gradient entering th
 divides it back), so the block's parameters see tp times their slice's gradient and the average over "tp" is the exact
 sum of the slices' contributions to the LM loss. Why not plain sums: the auxiliary losses that MoELayer attaches (with
 the same fixed gradient on every rank) then enter as the MEAN over the tp slices of each slice's loss, as data-parallel
-ranks' do (averaged gradients), rather than tp times that. The z-loss and a per-sequence ("seq") balance loss over
-whole sequences are means over tokens or sequences, so they equal the unsharded block's exactly; the batch-level
-balance loss is the mean of the slices' losses (as under data parallelism), and a capacity factor applies per slice.
+ranks' do (averaged gradients), rather than tp times that. A per-sequence ("sequence") balance loss over whole
+sequences is a mean over sequences, so it equals the unsharded block's exactly; the "micro_batch" balance loss is the
+mean of the slices' losses (as under data parallelism), and a capacity factor applies per slice. The "global" scope
+sums every slice's counts (xmoe/moe/balance.py) and is exact; the optimizer step's real-token mask reaches each
+slice cut as its tokens are (``local_positions``).
 
 Expert weights are not split over TP: the tp peers hold the same experts (sharded over "ep", FSDP over "dp"), which is
 what ``xmoe.plan.memory`` assumes; their gradients are averaged over "tp" like the router's.
@@ -145,6 +147,17 @@ class SSMBRegion:
         y_TH = _GatherTokens.apply(y.reshape(-1, y.shape[-1]), self.group, self.rank, self.size)
         return y_TH.view(shape)
 
+    def local_positions(self, per_position: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a per-position tensor of the micro-batch ((B, S, ...): the real-token mask the
+        optimizer step gives the MoE layer), cut as ``enter`` cuts the tokens: its contiguous 1/tp of the B x S
+        positions, or under sequence parallelism its 1/tp of each sequence's positions."""
+        if self.sequence_parallel:
+            share = per_position.shape[1] // self.size
+            return per_position[:, self.rank * share : (self.rank + 1) * share]
+        flat = per_position.reshape(-1, *per_position.shape[2:])
+        rows = flat.shape[0] // self.size
+        return flat[self.rank * rows : (self.rank + 1) * rows]
+
     # gradient reduction: forward pre-hook of the MoE layer and of every module inside the region that owns
     # parameters. A fused dispatcher reads the experts' weights without calling their forward, so both the layer's
     # and each module's view are hooked (once each; grads.TensorParallelGradAverage).
@@ -185,5 +198,7 @@ def apply_ssmb(model: nn.Module, dims: ParallelDims, *, sequence_parallel: bool 
         for module in inside:
             if module is block.ffn or any(True for _ in module.parameters(recurse=False)):
                 module.register_forward_pre_hook(region.hook_params)
+        # the real-token mask, cut as the tokens are (setattr: nn.Module's __setattr__ is typed for modules only)
+        setattr(block.ffn, "local_positions", region.local_positions)  # noqa: B010
         block.ssmb_region = region  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
     return model

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from xmoe.model_config import upgrade_moe_fields
 from xmoe.train.checkpoint_dir import LATEST
 from xmoe.train.checkpoint_verify import find_latest, read_meta, verify_checkpoint
 from xmoe.train.mixture import MixtureDataset, PreparedDataset
@@ -93,8 +94,14 @@ def resume_mismatches(saved: dict[str, Any] | None, run: Any, data: dict[str, An
     flatten("data", data, now)
     for name in RESUME_TRAIN_FIELDS:
         now[f"train.{name}"] = getattr(run.train, name)
+    sections: dict[str, dict[str, Any]] = {
+        k: v for k in ("model", "data", "train") if isinstance(v := saved.get(k), dict)
+    }
+    model = sections.get("model", {})
+    if isinstance(model.get("moe"), dict):  # fields older versions named otherwise
+        sections["model"] = {**model, "moe": upgrade_moe_fields(model["moe"])}
     then: dict[str, Any] = {}
-    flatten("", {k: saved.get(k) for k in ("model", "data", "train") if isinstance(saved.get(k), dict)}, then)
+    flatten("", sections, then)
     return [
         f"{key}: checkpoint {then[key]!r}, now {value!r}"
         for key, value in now.items()

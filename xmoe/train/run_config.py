@@ -50,7 +50,7 @@ TRAINING_FIELDS = (
     "model.init_std",
     "model.moe.init_std",
     "model.moe.aux_loss_coef",
-    "model.moe.aux_loss_type",
+    "model.moe.balance_scope",
     "model.moe.z_loss_coef",
     "model.moe.bias_update_rate",
     "model.moe.capacity_factor",
@@ -159,6 +159,9 @@ def _check_val_data(data: DataConfig, train: TrainConfig) -> None:
 def _apply(obj: Any, section: str, values: dict[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(obj)}
     for key in values:
+        renamed = getattr(obj, "renamed", {}).get(key)
+        if renamed is not None:
+            raise ValueError(f"{section}.{key} is now called {section}.{renamed} (docs/routing.md); set that instead")
         if key not in fields:
             raise ValueError(f"unknown field {section}.{key}; valid fields: {', '.join(sorted(fields))}")
     return dataclasses.replace(obj, **values)  # replace() re-runs validation

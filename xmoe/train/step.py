@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from xmoe.model.loss import IGNORE_INDEX
 from xmoe.model.transformer import Transformer
 from xmoe.moe.casts import CastCache
 from xmoe.moe.step import MoEStep
@@ -53,6 +54,7 @@ def forward_backward(
             segments = getattr(batch, "segments_BS", None)
             sources = getattr(batch, "sources_B", None)
             kwargs = {} if segments is None else {"segments_BS": segments.to(device, non_blocking=True)}
+            moe.set_real_tokens(targets != IGNORE_INDEX)  # positions without a target count in no balance
             no_sync = micro < accum - 1 and hasattr(wrapped, "no_sync")
             watch = (
                 source_losses.watching(model, targets, sources)
