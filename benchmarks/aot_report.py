@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import environment, markdown_table
+from benchmarks.harness import commit_line, environment, markdown_table
 from xmoe.kernels import aot, aot_workloads
 from xmoe.kernels.tiles import TileConfig
 
@@ -148,6 +148,7 @@ def markdown(report: dict) -> str:
         "# Ahead-of-time compiles of xmoe's Triton kernels: resources per target\n",
         f"{meta['date']}, no GPU (a compile report, not a timing: Triton compiles every target on the CPU), "
         f"torch {meta['torch']}, triton {meta['triton']}\n",
+        f"{commit_line(meta)}\n",
         f"Command: `{meta['command']}`\n",
         "Devices stood in for (shared memory per block, shipped tile table): "
         + "; ".join(

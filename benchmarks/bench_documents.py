@@ -16,7 +16,7 @@ mask, then whole-model forward + backward time beside the plain causal model.
    * mask, documents of mean 512 and of mean 2048 positions (lengths drawn from an exponential distribution,
      seeded, cut at the row's end),
    * MTP depth 1 (concat) beside its FLOP count: xmoe's formula for depth 1 over depth 0 (model/flops.py).
-Writes bench_documents.json / .md under benchmarks/results (or $XMOE_RESULTS_DIR). Targets (docs/architecture.md):
+Writes bench_documents.json / .md under benchmarks/results/train (or $XMOE_RESULTS_DIR). Targets (docs/architecture.md):
 mask >= 0.97x the concat throughput, MTP depth 1's time ratio within 5% of its FLOP ratio.
 """
 
@@ -139,7 +139,9 @@ def main() -> int:
     notes = "Check (flex vs dense mask, relative errors): " + "; ".join(
         f"{c['attention']} {c['dtype']} out {c['out']:.1e} dq {c['dq']:.1e}" for c in checks
     )
-    write_results("bench_documents", rows, columns, meta, "Document masking and multi-token prediction", notes)
+    write_results(
+        "bench_documents", rows, columns, meta, "Document masking and multi-token prediction", notes, topic="train"
+    )
     return 0 if all(c["ok"] for c in checks) else 1
 
 

@@ -22,7 +22,7 @@ on CPU processes over gloo (host timers, tiny shape by default): a smoke test of
      experts_ms    grouped experts on the rows this rank received, forward + backward, alone
    plus tokens/s over all ranks, MB sent + received per rank per layer call (forward; backward moves as much
    again) and the all-to-all's achieved GB/s per rank.
-Results: rank 0 writes bench_ep.json / bench_ep.md under $XMOE_RESULTS_DIR or benchmarks/results/.
+Results: rank 0 writes bench_ep.json / bench_ep.md under $XMOE_RESULTS_DIR or benchmarks/results/ep/.
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ def main(argv=None) -> None:
         meta = environment()
         notes = "Correctness (fp32, rank 0's errors; worst over ranks in worst_all_ranks):\n\n"
         notes += markdown_table(checks, check_cols) + "\n\nTiming (bf16, forward + backward, rank 0):"
-        write_results("bench_ep", timings, time_cols, {**meta, "checks": checks}, "Expert parallelism (NCCL)", notes)
+        write_results(
+            "bench_ep", timings, time_cols, {**meta, "checks": checks}, "Expert parallelism (NCCL)", notes, topic="ep"
+        )
         print(markdown_table(checks, check_cols))
         print(markdown_table(timings, time_cols))
     ok = all(row["ok"] for row in checks)

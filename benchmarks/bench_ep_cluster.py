@@ -2,7 +2,7 @@
 model trained at EP = every rank, for flat / RBD x overlap off / shared / chunks x dispatch bf16 / fp8 (x node limit
 where given), each beside the planner's prediction for the measured link and the compute measured with overlap off.
 
-    sudo python benchmarks/bench_ep_cluster.py --out benchmarks/results --nodes 2 4 --ranks-per-node 2 --inter-gbit 1
+    sudo python benchmarks/bench_ep_cluster.py --out benchmarks/results/ep --nodes 2 4 --ranks-per-node 2 --inter-gbit 1
 
 Needs root (benchmarks/emulated_cluster.py). Each node count is one emulated cluster and one torchrun per node, in
 which every rank runs this script's rank mode over the whole grid (the model is built again for each case; the
@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,9 @@ DTYPES = ("bf16", "fp8")
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", default="benchmarks/results", help="folder of the results (default benchmarks/results)")
+    p.add_argument(
+        "--out", default="benchmarks/results/ep", help="folder of the results (default benchmarks/results/ep)"
+    )
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="node counts, one cluster each (default 2 4)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--inter-gbit", type=float, default=1.0, help="each node's link, Gbit/s each way (default 1)")
@@ -244,15 +245,9 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
 # ------------------------------------------------------------------------------------------------ launcher
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def launcher_main(args, argv: list[str]) -> int:
     from benchmarks.emulated_cluster import EmulatedCluster, have_net_admin
+    from benchmarks.harness import commit
 
     ok, reason = have_net_admin()
     if not ok:
@@ -263,7 +258,7 @@ def launcher_main(args, argv: list[str]) -> int:
     report = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=f"{platform.node()}: {os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}",
-        commit=_commit(),
+        **commit(),
         command="python benchmarks/bench_ep_cluster.py " + " ".join(argv),
         settings={k: v for k, v in vars(args).items() if k not in ("rank_mode", "raw")},
         clusters=[],
@@ -291,10 +286,15 @@ def launcher_main(args, argv: list[str]) -> int:
 
 
 def _markdown(report: dict) -> str:
+    from benchmarks.harness import commit_line
+
     lines = [
         "# Expert parallelism on the emulated cluster",
         "",
-        f"{report['date']}, {report['machine']}, commit {report['commit']}",
+        f"{report['date']}, {report['machine']}",
+        "",
+        commit_line(report),
+        "",
         f"`{report['command']}`",
         "",
     ]

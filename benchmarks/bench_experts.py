@@ -18,8 +18,9 @@ Methods, all including their routing bookkeeping (plan / sort) inside the timed 
   triton_fused_triton_wgrad  triton_fused with its weight gradients always by the Triton kernels
                     (xmoe.kernels.tiles.use_options(wgrad="triton"))
 (triton_fused_legacy, the one hand-picked tile table with the backward's buffers of before, was timed beside these
-until the legacy path was removed after commit c30d1c7; its numbers stay in results/bench_experts_tiles.md, 0-3%
-slower than the tuned tiles with 1.2-1.3x their backward transient, and bench_experts_wgrad.md.)
+until the legacy path was removed after commit c30d1c7; its numbers stay in
+results/archive/layer/bench_experts_tiles.md, 0-3% slower than the tuned tiles with 1.2-1.3x their backward transient,
+and results/layer/bench_experts_wgrad.md.)
   triton_fp8        build_plan + fp8_experts.moe_experts_fp8 (moe.fp8 = "experts": FP8 GEMMs with 1x128 / 128x128
                     scales, bf16 weight gradients); the weights' FP8 copies are made once per optimizer step in
                     training, so outside the timed region (their time is the row's weight_quant_ms)
@@ -663,6 +664,7 @@ def _main(stack: contextlib.ExitStack) -> int:
         return 0
     from xmoe.kernels import tiles
 
+    topic = "fp8" if "fp8" in args.methods or args.sweep_fp8 else "layer"  # benchmarks/results/<topic> by default
     meta = environment()
     meta["autotune"] = tiles.OPTIONS.autotune
     meta["tile_candidates"] = {k: [list(vars(c).values()) for c in v] for k, v in tiles.CANDIDATES.items()}
@@ -682,6 +684,7 @@ def _main(stack: contextlib.ExitStack) -> int:
             ["config", "kernel", "tile", "ms", "error"],
             meta,
             "Tile candidates of the Triton grouped-GEMM kernels, each in its fused-path use (T=16384)",
+            topic=topic,
         )
     if args.sweep_fp8:
         write_results(
@@ -697,6 +700,7 @@ def _main(stack: contextlib.ExitStack) -> int:
             f"Tile candidates of the FP8 kernels, each in its fused-path use (T={args.tokens.split(',')[-1]})",
             notes="tflops: 2*T*K*H*F per product (two for fp8_up and fp8_dx); quantize_x: the (T, H) "
             "quantisation of x, for scale.",
+            topic=topic,
         )
     if args.per_gemm:
         columns = ["config", "T", "routing", "gemm", "xmoe_ms", "xmoe_tflops", "grouped_mm_ms", "grouped_mm_tflops"]
@@ -709,6 +713,7 @@ def _main(stack: contextlib.ExitStack) -> int:
             notes="TFLOP/s = 2*N*H*F per product (two products for up, dx and dW1/dW3); the grouped_mm "
             "column excludes making the gathered rows (its own row); bmm: equal groups, no "
             "routing.",
+            topic=topic,
         )
     if args.profile:
         stem = "profile_experts" if args.profile_method == "triton_fused" else f"profile_experts_{args.profile_method}"
@@ -718,6 +723,7 @@ def _main(stack: contextlib.ExitStack) -> int:
             ["config", "method", "kernel", "calls", "ms"],
             meta,
             f"GPU time per kernel of {args.profile_method}'s forward+backward (T=16384, uniform)",
+            topic=topic,
         )
     rows = []
     columns = [
@@ -808,6 +814,7 @@ def _main(stack: contextlib.ExitStack) -> int:
                     "vs_*: speed relative to that method (>1 = faster); held_gib, "
                     "bwd_transient_gib: see the script's docstring; transient_vs_grouped_mm: "
                     "backward transient relative to the pipeline's (<1 = less).",
+                    topic=topic,
                 )
     print()
     from benchmarks.harness import markdown_table

@@ -1,7 +1,7 @@
 """Where an FP8 GEMM with fine-grained scales loses its time on Hopper: the per-step promotion, several ways, side by
 side on dense GEMMs of the routed experts' sizes (C = A B^T, A in 1 x 128 groups, B in 128 x 128 blocks).
 
-    python benchmarks/bench_fp8_promotion.py --out results/
+    python benchmarks/bench_fp8_promotion.py --out benchmarks/results/fp8
 
 * ``triton fresh``: what xmoe's FP8 kernels do (fp8_gemm_kernels.py): each 128-deep step's product in a fresh
   accumulator, scaled and added; Triton waits for every product before its scaling (``pendings = 0``).
@@ -38,7 +38,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import RESULTS_ENV, environment, time_ms, write_results
+from benchmarks.harness import RESULTS_ENV, environment, results_dir, time_ms, write_results
 
 G = 128  # scale group
 
@@ -345,7 +345,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=98304, help="M: routed rows (default 98304 = 16384 tokens x top-6)")
     p.add_argument("--variants", default="", help="comma-separated substrings: only the variants whose names hold one")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    p.add_argument("--out", default=str(results_dir("fp8")), help="results directory (default benchmarks/results/fp8)")
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0) or gluon is None:
         print("bench_fp8_promotion: skipped, needs a Hopper GPU and Triton's Gluon")
@@ -387,6 +387,7 @@ def main() -> None:
         ["M x N x K", "variant", "ms", "tflops", "rel_err_vs_float64", "error"],
         meta,
         "FP8 GEMM promotion on Hopper: Triton fresh accumulator, Gluon overlap and warp-specialised, cuBLAS, ceilings",
+        topic="fp8",
     )
 
 

@@ -2,7 +2,7 @@
 own layout and transposed, once per optimizer step) at the model shapes, per launch configuration of
 ``_quant_blocks_kernel`` (``fp8_quant._quantize_blocks_into``'s chunk and warps), side by side in one run.
 
-    python benchmarks/bench_fp8_quant.py --out results/ [--shapes small medium] [--configs 32x4 128x16]
+    python benchmarks/bench_fp8_quant.py --out benchmarks/results/fp8 [--shapes small medium] [--configs 32x4 128x16]
 
 A configuration is CHUNK x num_warps (rows of a block per pass, warps per program); the shipped one is what
 ``quantize_expert_weights`` launches. Every configuration's output is checked bitwise against the shipped one's
@@ -82,6 +82,7 @@ def main() -> None:
             ["shape", "config", "ms", "tb_s", "bitwise_equal_to_shipped"],
             meta,
             "FP8 weight quantiser: 128 x 128 blocks, both layouts, per launch configuration",
+            topic="fp8",
         )
 
 

@@ -1,8 +1,8 @@
 """One rank of each paper preset's layout, simulated on this GPU, beside the planner; and the largest model that
 really trains on this GPU.
 
-    python benchmarks/bench_layouts.py --out results/                       # all four presets + the 8-GPU table
-    python benchmarks/bench_layouts.py --out results/ --presets medium --layers 4 --no-largest   # a quick look
+    python benchmarks/bench_layouts.py                                         # all four presets + the 8-GPU table
+    python benchmarks/bench_layouts.py --out DIR --presets medium --layers 4 --no-largest   # a quick look
 
 Part 1, paper scale (X-MoE, SC'25: Small, Medium and Large on 256 GPUs, Super on 1024, 64 GiB MI250X GCDs by
 default): for each preset, the layout `xmoe plan memory` proposes and the best feasible one with another expert- or
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import environment, markdown_table
+from benchmarks.harness import commit_line, environment, markdown_table, results_dir
 
 GIB = 2**30
 PAPER_GPUS = {"small": 256, "medium": 256, "large": 256, "super": 1024}
@@ -202,7 +202,7 @@ def largest_one_gpu(device: str, timeout: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="benchmarks/results", help="directory for bench_layouts.json / .md")
+    p.add_argument("--out", default=str(results_dir("plan")), help="directory for bench_layouts.json / .md")
     p.add_argument("--presets", default="small,medium,large,super", help="comma-separated paper presets")
     p.add_argument("--gpu-mem", type=float, default=64.0, help="GiB per GPU the planner plans for (default 64)")
     p.add_argument("--layers", type=int, help="shorten every preset to this many layers (a quick look)")
@@ -257,7 +257,8 @@ def write(out: Path, meta: dict, rows: list[dict]) -> None:
     (out / "bench_layouts.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     (out / "bench_layouts.md").write_text(
         f"# One simulated rank per paper layout, beside the planner\n\n{meta['date']}, {meta['gpu']}, torch "
-        f"{meta['torch']}, triton {meta['triton']}, `{meta['command']}`\n\nplanned: `xmoe plan memory`'s peak less "
+        f"{meta['torch']}, triton {meta['triton']}, `{meta['command']}`\n\n{commit_line(meta)}\n\n"
+        "planned: `xmoe plan memory`'s peak less "
         "its reserve; measured: the caching allocator's peak of allocated bytes of the simulated rank (fake process "
         "group: no communication, so ms/step and tokens/s are compute only). Largest on one GPU: a real `xmoe "
         "train` run.\n\n" + markdown_table(rows, COLUMNS + ["status"]) + "\n"

@@ -5,8 +5,8 @@ next step in its pass (against those copies made by a pass of their own); with `
 FP8 copies (both layouts, 128 x 128 block scales) in its pass, at each ``--fp8-tiles`` setting of that kernel
 (rows of a block per pass x warps), against the quantising pass the experts otherwise make once per step.
 
-    python benchmarks/bench_optimizer.py --layers 4 --out results/
-    python benchmarks/bench_optimizer.py --layers 4 --fp8 --fp8-tiles 16x8,32x16,32x8,16x4 --out results/
+    python benchmarks/bench_optimizer.py --layers 4
+    python benchmarks/bench_optimizer.py --layers 4 --fp8 --fp8-tiles 16x8,32x16,32x8,16x4
 
 The model is the trainer's (`--preset`, `--layers`) in fp32 on the GPU, every parameter given a random gradient;
 each variant is timed over repeated steps of the same optimizer (harness.time_ms: median). Also timed alone, for
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import RESULTS_ENV, environment, time_ms, write_results
+from benchmarks.harness import RESULTS_ENV, environment, results_dir, time_ms, write_results
 from xmoe.kernels import adamw
 from xmoe.kernels.accumulate import accumulate_grad
 from xmoe.model.presets import get_preset
@@ -54,7 +54,9 @@ def main() -> None:
         default=f"{adamw.QUANT_CHUNK}x{adamw.QUANT_WARPS}",
         help="settings of that pass to time, ROWSxWARPS comma-separated (default: the shipped one)",
     )
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    p.add_argument(
+        "--out", default=str(results_dir("train")), help="results directory (default benchmarks/results/train)"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("bench_optimizer: skipped, no CUDA GPU")
@@ -164,6 +166,7 @@ def main() -> None:
         meta,
         "Clipping and AdamW, one step",
         notes,
+        topic="train",
     )
 
 

@@ -7,7 +7,8 @@ made first. Then, for the bytes tokenizer and a BPE one (--bpe-vocab tokens, tra
      (xmoe.data.tokenizer.Encoder, no thread pool), the documents already in memory: tokens/s;
   2. `prepare(--workers W)` pinned to W cores: tokens/s of the whole run (reading, JSON parsing, encoding, writing
      and fsync of the shards).
-The target: prepare at >= 80% of the tokenizer's own speed x W. Results: benchmarks/results/bench_prepare.{json,md}.
+The target: prepare at >= 80% of the tokenizer's own speed x W.
+Results: benchmarks/results/data/bench_prepare.{json,md}.
 
     PYTHONPATH=. python benchmarks/bench_prepare.py --mb 256 --workers 2
 """
@@ -146,7 +147,7 @@ def main() -> None:
         "`vs_tokenizer_x_workers` = prepare's tokens/s / (the tokenizer's one-core tokens/s x workers); target >= 0.8."
     )
     columns = list(rows[0])
-    write_results(f"bench_prepare{args.tag}", rows, columns, meta, "xmoe data prepare throughput", notes)
+    write_results(f"bench_prepare{args.tag}", rows, columns, meta, "xmoe data prepare throughput", notes, topic="data")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ dispatch and combine are timed:
      topology with its default network (25 GB/s per GPU between nodes) and with "nodes" joined by the intra-node
      link, which is what GPUs of one host standing in for nodes really have (then RBD's saving is bookkeeping-
      bound: it removes rows but adds a stage).
-Results: rank 0 writes bench_rbd.json / bench_rbd.md under $XMOE_RESULTS_DIR or benchmarks/results/.
+Results: rank 0 writes bench_rbd.json / bench_rbd.md under $XMOE_RESULTS_DIR or benchmarks/results/rbd/.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def main(argv=None) -> None:
             + "\n\nTime (ms per layer call; model: us per dispatch, 25 GB/s network / NVLink-joined):"
         )
         title = f"RBD vs flat all-to-all ({dist.get_backend()})"
-        write_results("bench_rbd", rows, time_cols, environment(), title, notes)
+        write_results("bench_rbd", rows, time_cols, environment(), title, notes, topic="rbd")
         for cols in (row_cols, check_cols, time_cols):
             print(markdown_table(rows, cols) + "\n")
     bad = [r["shape"] for r in rows if max(r["err_out"], r["err_x_grad"], r["err_w_grad"]) > 2e-2]

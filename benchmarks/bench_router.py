@@ -219,7 +219,9 @@ def main() -> int:
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         gc.collect()
         torch.cuda.empty_cache()
-        write_results("bench_router", rows, columns, meta, "Router top-k, fp32: Triton kernel vs torch path", NOTES)
+        write_results(
+            "bench_router", rows, columns, meta, "Router top-k, fp32: Triton kernel vs torch path", NOTES, topic="layer"
+        )
     if args.profile:
         profile()
     print()

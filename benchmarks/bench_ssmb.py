@@ -24,7 +24,7 @@ token counted once), tflops (useful training FLOPs per GPU, xmoe.model.flops for
 is not counted twice), act_peak_gib (peak allocated during a step above what is allocated before it: parameters and
 gradients excluded), pred_peak_gib (``predicted``: the saved activations and the backward's transient), moe_mib (bytes
 autograd saves for one MoE block, xmoe.bench.saved_activation_bytes) and pred_moe_mib (the plan's per-block terms).
-Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $XMOE_RESULTS_DIR or benchmarks/results/.
+Results: rank 0 writes bench_ssmb.json / bench_ssmb.md under $XMOE_RESULTS_DIR or benchmarks/results/ssmb/.
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ def main(argv=None) -> None:
             {**environment(), "args": vars(args)},
             "SSMB vs replicated MoE blocks vs recomputation under TP",
             notes,
+            topic="ssmb",
         )
         print(notes)
         print(markdown_table(rows, cols))

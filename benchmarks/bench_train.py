@@ -1,6 +1,6 @@
 """Whole-model training throughput on one GPU: `xmoe train` cases side by side in one run.
 
-    python benchmarks/bench_train.py --out results/            # the standard set of cases (below)
+    python benchmarks/bench_train.py                          # the standard set of cases (below)
     python benchmarks/bench_train.py --cases moe8_b64_compiled dense8_b64_compiled --steps 12
 
 Each case runs as its own `xmoe train` process (fresh allocator, no checkpoints) on the embedded corpus, small
@@ -30,6 +30,7 @@ from benchmarks.harness import (
     environment,
     fit_auto_change,
     markdown_table,
+    results_dir,
     run_xmoe_train_output,
     write_results,
 )
@@ -141,7 +142,9 @@ def main() -> None:
         help=f"which cases (default all): {', '.join(CASES)}",
     )
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per case (default 12)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    p.add_argument(
+        "--out", default=str(results_dir("train")), help="results directory (default benchmarks/results/train)"
+    )
     p.add_argument("--stem", default="bench_train", help="results file name without extension (default bench_train)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -174,6 +177,7 @@ def main() -> None:
         "xmoe train on one GPU, small preset shape, seq 2048",
         notes="Per row: the command in bench_train.json; tflops: xmoe's formula; averages over the logged "
         "windows after the first; fit: what `--fit auto` changed for the case to fit this GPU (micro: the one run).",
+        topic="train",
     )
     print(markdown_table(rows, columns))
 

@@ -27,8 +27,8 @@ rewritten after every size) survive. Timing: CUDA events around a fixed number o
 rank 0's ms/step, the max over ranks too, and peak allocated / reserved memory as the max over ranks.
 TFLOP/s per GPU: xmoe's formula (xmoe.model.flops.train_flops, with the routed rows actually kept: padded drops)
 and the paper's (paper_train_flops), both over global sequences per step / (time x W).
-Results: rank 0 writes train_multi_gpu_<mode>.json / .md under $XMOE_RESULTS_DIR or benchmarks/results/ after every
-micro-batch. docs/benchmarks-multi-gpu.md describes the whole multi-GPU run (benchmarks/run_multi_gpu.sh).
+Results: rank 0 writes train_multi_gpu_<mode>.json / .md under $XMOE_RESULTS_DIR or benchmarks/results/multi_gpu/
+after every micro-batch. docs/benchmarks-multi-gpu.md describes the whole multi-GPU run (benchmarks/run_multi_gpu.sh).
 """
 
 from __future__ import annotations
@@ -282,7 +282,13 @@ def write(rows: list[dict], args, meta: dict, done: bool) -> None:
         "ssmb": "SSMB at TP=2 x EP, whole model",
     }[args.mode]
     write_results(
-        f"train_multi_gpu_{args.mode}", rows, COLUMNS, {**meta, "args": vars(args) | {"fake_oom": None}}, title, notes
+        f"train_multi_gpu_{args.mode}",
+        rows,
+        COLUMNS,
+        {**meta, "args": vars(args) | {"fake_oom": None}},
+        title,
+        notes,
+        topic="multi_gpu",
     )
 
 

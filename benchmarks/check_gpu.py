@@ -482,13 +482,13 @@ def main(argv=None) -> int:
                 if isinstance(v, dict) and not v["pass"]:
                     print(f"     {k}: {v['err']:.3e}")
     if not args.fp8_only:
-        (out_dir() / "check_gpu.json").write_text(
+        (out_dir("check") / "check_gpu.json").write_text(
             json.dumps({"meta": environment(), "ok": all_ok, "cases": report}, indent=1)
         )
     if args.fp8 or args.fp8_only:
         ok, fp8_report = main_fp8()
         all_ok &= ok
-        (out_dir() / "check_gpu_fp8.json").write_text(
+        (out_dir("check") / "check_gpu_fp8.json").write_text(
             json.dumps({"meta": environment(), "ok": ok, **fp8_report}, indent=1)
         )
     print("check_gpu:", "PASS" if all_ok else "FAIL")

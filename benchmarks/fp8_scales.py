@@ -2,7 +2,7 @@
 
 # R x C a matrix's rows and columns; G = 128
 
-    python benchmarks/fp8_scales.py --out DIR        # fp8_scales.json / .md (default benchmarks/results)
+    python benchmarks/fp8_scales.py --out DIR        # fp8_scales.json / .md (default benchmarks/results/fp8)
 
 For each FP8 format, grouping (1 x 128 rows as for activations and gradients, 128 x 128 blocks as for weights) and
 a few value distributions (normal; Student-t with 3 degrees of freedom; log-normal row magnitudes; 1% of the
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import RESULTS_ENV, environment, markdown_table, write_results
+from benchmarks.harness import RESULTS_ENV, environment, markdown_table, results_dir, write_results
 
 FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
 GROUPS = {"1x128": (1, 128), "128x128": (128, 128)}
@@ -55,7 +55,9 @@ def quantisation_error(x: torch.Tensor, dtype: torch.dtype, group: tuple[int, in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="results directory")
+    parser.add_argument(
+        "--out", default=str(results_dir("fp8")), help="results directory (default benchmarks/results/fp8)"
+    )
     args = parser.parse_args()
     os.environ[RESULTS_ENV] = args.out
     rows = []
@@ -81,6 +83,7 @@ def main() -> int:
         environment(),
         "FP8 quantisation error: exact (amax / max) against power-of-two scales",
         notes="err: ||dequantise(quantise(x)) - x|| / ||x||, float64, 1024 x 4096 values per distribution.",
+        topic="fp8",
     )
     print(markdown_table(rows, columns))
     return 0

@@ -2,7 +2,8 @@
 
 Every benchmark script times with ``time_ms`` (triton.testing.do_bench: warm-up, then the median of many runs
 timed with CUDA events, L2 flushed between runs), measures ``peak_extra_bytes`` over one call, and writes its rows
-through ``write_results`` so each result file carries the date, the GPU and the command that produced it.
+through ``write_results`` so each result file carries the date, the GPU, the command and the commit that produced
+it (``environment``; tests/test_benchmark_results.py refuses a committed result without its commit).
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMIT_ENV = "XMOE_COMMIT"
 
 
 def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100, min_reps: int = 5) -> float:
@@ -71,7 +76,37 @@ def environment() -> dict:
         "triton": triton_version,
         "python": platform.python_version(),
         "command": " ".join([_launcher(), sys.argv[0]] + sys.argv[1:]),
+        **commit(),
     }
+
+
+def commit() -> dict:
+    """The code a result measures: ``commit``, git's HEAD of this checkout (or $XMOE_COMMIT, for a copy of the
+    tree without git's history), and ``commit_dirty``, whether tracked files differ from it (None where unknown).
+    A result whose commit is "unknown" cannot be committed (tests/test_benchmark_results.py): set $XMOE_COMMIT."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        given = os.environ.get(COMMIT_ENV, "").strip()
+        if not given:
+            print(f"harness: no git history here and ${COMMIT_ENV} unset: the results name no commit", file=sys.stderr)
+        return {"commit": given or "unknown", "commit_dirty": None}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": head, "commit_dirty": bool(status) if status is not None else None}
+
+
+def commit_line(meta: dict) -> str:
+    """The markdown line naming a result's commit (from ``environment()`` or ``commit()``)."""
+    dirty = meta.get("commit_dirty")
+    note = " (with uncommitted changes to tracked files)" if dirty else ""
+    return f"Commit: `{meta.get('commit', 'unknown')}`{note}"
 
 
 def _launcher() -> str:
@@ -82,12 +117,18 @@ def _launcher() -> str:
 
 
 RESULTS_ENV = "XMOE_RESULTS_DIR"
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 
 
-def out_dir(default: str = "benchmarks/results") -> Path:
-    """Where results go: $XMOE_RESULTS_DIR when set (run_multi_gpu.sh sets it from its --out), else
-    benchmarks/results."""
-    path = Path(os.environ.get(RESULTS_ENV) or default)
+def results_dir(topic: str) -> Path:
+    """benchmarks/results/<topic>: the folder of one topic's committed results (benchmarks/results/README.md)."""
+    return RESULTS_ROOT / topic
+
+
+def out_dir(topic: str) -> Path:
+    """Where results go: $XMOE_RESULTS_DIR when set (run_multi_gpu.sh and the scripts' --out set it), else
+    benchmarks/results/<topic>."""
+    path = Path(os.environ.get(RESULTS_ENV) or results_dir(topic))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -104,14 +145,24 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 
 def write_results(
-    stem: str, rows: Sequence[dict], columns: Sequence[str], meta: dict, title: str, notes: str = ""
+    stem: str,
+    rows: Sequence[dict],
+    columns: Sequence[str],
+    meta: dict,
+    title: str,
+    notes: str = "",
+    *,
+    topic: str,
 ) -> tuple[Path, Path]:
-    """Write <stem>.json (meta + rows) and <stem>.md (header + table) under out_dir(); returns both paths."""
-    folder = out_dir()
+    """Write <stem>.json (meta + rows) and <stem>.md (header + table) under out_dir(topic); returns both paths.
+    A meta made without ``environment()`` gets the commit here."""
+    folder = out_dir(topic)
+    meta = meta if "commit" in meta else {**meta, **commit()}
     json_path, md_path = folder / f"{stem}.json", folder / f"{stem}.md"
     json_path.write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=1))
     header = f"# {title}\n\n{meta.get('date')}, {meta.get('gpu')}, torch {meta.get('torch')}, "
     header += f"triton {meta.get('triton')}\n\n"
+    header += f"{commit_line(meta)}\n\n"
     header += f"Command: `{meta.get('command')}`\n\n"
     md_path.write_text(header + (notes + "\n\n" if notes else "") + markdown_table(rows, columns) + "\n")
     return json_path, md_path
@@ -127,7 +178,8 @@ def write_step_report(folder: str, stem: str, title: str, text: str, payload: di
     meta["gpu"] = gpu or meta["gpu"]
     (path / f"{stem}.json").write_text(json.dumps({"meta": meta, **payload}, indent=1))
     (path / f"{stem}.md").write_text(
-        f"# {title}\n\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}\n\n`{meta['command']}`\n\n{text}\n"
+        f"# {title}\n\n{meta['date']}, {meta['gpu']}, torch {meta['torch']}\n\n{commit_line(meta)}\n\n"
+        f"`{meta['command']}`\n\n{text}\n"
     )
 
 

@@ -1,7 +1,7 @@
 """How far the host runs ahead of the GPU through a training step, without a profiler.
 
     python benchmarks/host_lead.py --layers 8 --batch-size 64 --micro-batch-size 16 --compile on --fp8 experts
-    python benchmarks/host_lead.py --results results/ --tag moe4_b8 --layers 4 --batch-size 8 ...
+    python benchmarks/host_lead.py --results benchmarks/results/train --tag moe4_b8 --layers 4 --batch-size 8 ...
 
 Builds `xmoe train`'s Trainer from the same flags (small preset shape, seq 2048), runs warm-up steps, then windows of
 ``--window`` optimizer steps with a mark at each phase of every step: the step's start, each micro-batch taken from

@@ -2,9 +2,9 @@
 regions (`--compare compile`), or bf16 against FP8 routed experts, both compiled (`--compare fp8`; `--compare
 fp8_wgrad`: their weight gradients in FP8 too).
 
-    python benchmarks/loss_parity.py --steps 50 --out results/
-    python benchmarks/loss_parity.py --compare fp8 --steps 300 --out results/
-    python benchmarks/loss_parity.py --from-json results/loss_parity_fp8.json   # the .md again, no runs
+    python benchmarks/loss_parity.py --steps 50
+    python benchmarks/loss_parity.py --compare fp8 --steps 300
+    python benchmarks/loss_parity.py --from-json results/archive/fp8/loss_parity_fp8.json   # the .md again, no runs
 
 Small preset shape, 4 layers, seq 2048, batch 8 in one micro-batch, on the embedded corpus, every step logged.
 bf16 autocast rounds differently when the compiler fuses or reorders work, and FP8 quantises the experts' GEMM
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
 
-from benchmarks.harness import run_xmoe_train
+from benchmarks.harness import commit, commit_line, results_dir, run_xmoe_train
 
 RUNS = {  # --compare: (name, extra arguments) of the reference run and of the other
     "compile": (("eager", ["--compile", "off"]), ("compiled", ["--compile", "on"])),
@@ -114,6 +114,8 @@ def markdown(meta: dict, ref_name: str, ref: list[float], new_name: str, new: li
         "",
         f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}",
         "",
+        commit_line(meta),
+        "",
         f"`{meta['command']}`",
         "",
         figures + ".",
@@ -145,7 +147,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--compare", choices=tuple(RUNS), default="compile", help="which two runs (default compile)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps of each run (default 50)")
-    p.add_argument("--out", help="results directory (default benchmarks/results, or --from-json's folder)")
+    p.add_argument(
+        "--out", help="results directory (default benchmarks/results/train or /fp8, or --from-json's folder)"
+    )
     p.add_argument("--from-json", type=Path, help="write the .md of this saved .json again, without running")
     args = p.parse_args()
     if args.from_json is not None:
@@ -166,8 +170,9 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "runs": {ref_name: ref_cmd, new_name: new_cmd},
         "peak_mem_gib": {ref_name: ref_mem, new_name: new_mem},
+        **commit(),
     }
-    folder = Path(args.out) if args.out else Path(__file__).parent / "results"
+    folder = Path(args.out) if args.out else results_dir("fp8" if "fp8" in args.compare else "train")
     folder.mkdir(parents=True, exist_ok=True)
     stem = "loss_parity" if args.compare == "compile" else f"loss_parity_{args.compare}"
     (folder / f"{stem}.json").write_text(json.dumps({"meta": meta, ref_name: ref, new_name: new}, indent=1))

@@ -1,13 +1,13 @@
 """Peak GPU memory of `xmoe train` per recompute mode and micro-batch, beside `xmoe plan memory`'s prediction.
 
-    python benchmarks/memory_fit.py --layers 8 --micro-batches 8 16 32 64 --out results/
-    python benchmarks/memory_fit.py --preflight --results results/          # the pre-flight at 2, 4 and 8 layers
+    python benchmarks/memory_fit.py --layers 8 --micro-batches 8 16 32 64 --results benchmarks/results/plan
+    python benchmarks/memory_fit.py --preflight --results benchmarks/results/plan  # the pre-flight at 2, 4 and 8 layers
 
 Builds the trainer once (small preset shape, seq 2048, compiled regions as on any GPU by default), runs one real
 optimizer step per (recompute mode, micro-batch) with that micro-batch as the whole per-rank batch, and reads
 torch.cuda.max_memory_allocated over the step; a micro-batch that does not fit is reported as such. Each row also
 holds the planner's estimate for the same layout (xmoe.plan.trainer_memory.estimate_trainer_memory) and their ratio.
-Writes memory_fit.json / .md into --out. Skips without a GPU; the first micro-batch must fit (else: skipped, said).
+Writes memory_fit.json / .md into --results. Skips without a GPU; the first micro-batch must fit (else: skipped, said).
 
 --preflight: `xmoe train --preset small --set model.num_layers=N --fit auto` (the paper presets' batch of 8 sequences
 of 2048 tokens, 3 steps) as its own process for each N of --preflight-layers (default 2 4 8), its peak
@@ -34,7 +34,7 @@ GIB = 2**30
 
 
 def main() -> None:
-    from benchmarks.harness import parse_trainer_args
+    from benchmarks.harness import commit, commit_line, parse_trainer_args
     from xmoe.config import RECOMPUTE_MODES
     from xmoe.parallel.regions import apply_recompute
     from xmoe.plan.trainer_memory import estimate_trainer_memory
@@ -106,12 +106,15 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__,
             "command": "python " + " ".join(sys.argv),
+            **commit(),
         }
         (folder / "memory_fit.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         lines = [
             f"# xmoe train peak memory vs xmoe plan memory, {args.layers} layers, small preset shape, seq 2048",
             "",
             f"{meta['date']}, {meta['gpu']}, torch {meta['torch']}",
+            "",
+            commit_line(meta),
             "",
             f"`{meta['command']}`",
             "",
@@ -183,6 +186,7 @@ def preflight(layers_list: list[int], results: str | None) -> None:
             "xmoe train's memory pre-flight against its measured peak, small shape, batch 8 x seq 2048",
             notes="The rows' commands are in memory_fit_preflight.json; predicted: xmoe.plan.fit.predict_train_peak "
             "of the run as --fit auto left it (a refusal is the pre-flight's own line).",
+            topic="plan",
         )
     print(markdown_table(rows, columns))
 

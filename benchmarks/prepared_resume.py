@@ -4,7 +4,7 @@
    processes (timed);
 2. `xmoe train --data SET --steps N` uninterrupted;
 3. the same run SIGKILLed once its log passes --kill-at (after its checkpoint at N/2), then `--resume`d to N;
-4. every step's loss of 3 against 2, bit for bit. Results: benchmarks/results/prepared_resume{tag}.{json,md}.
+4. every step's loss of 3 against 2, bit for bit. Results: benchmarks/results/data/prepared_resume{tag}.{json,md}.
 
     PYTHONPATH=. python benchmarks/prepared_resume.py --mb 1024 --steps 100 --workers 16
 """
@@ -97,7 +97,13 @@ def main() -> None:
     flags = " ".join(args.train_args) or "(defaults: the tiny preset)"
     notes = f"train flags: {flags}; a checkpoint every {args.steps // 2} steps; SIGKILL after step {kill_at}"
     write_results(
-        f"prepared_resume{args.tag}", [row], list(row), environment(), "Prepared, trained, killed, resumed", notes
+        f"prepared_resume{args.tag}",
+        [row],
+        list(row),
+        environment(),
+        "Prepared, trained, killed, resumed",
+        notes,
+        topic="data",
     )
     if not equal:
         raise SystemExit("the resumed run's losses differ from the uninterrupted run's")

@@ -1,7 +1,7 @@
 """Where one training step's GPU time goes: torch.profiler over the real trainer's steps on one GPU.
 
     python benchmarks/profile_step.py --layers 8 --batch-size 64 --micro-batch-size 8 --compile on
-    python benchmarks/profile_step.py --results results/ --tag moe8_b64_compiled ...
+    python benchmarks/profile_step.py --results benchmarks/results/train --tag moe8_b64_compiled ...
 
 Builds `xmoe train`'s Trainer from the same flags (small preset shape, seq 2048), runs warm-up steps (compilation
 included), then profiles ``--steps`` optimizer steps. Kernels are grouped by name into GEMM, attention, MoE kernels

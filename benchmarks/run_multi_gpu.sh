@@ -110,6 +110,8 @@ res = {"ep": np_, "steps_compared": len(steps),
        "final_single": single[steps[-1]] if steps else None, "final_ep": ep[steps[-1]] if steps else None,
        "mean_rel_diff_last5": sum(rel[s] for s in last) / len(last) if last else None,
        "curve_single": single, "curve_ep": ep}
+from benchmarks.harness import commit
+res.update(commit())
 (out / "multi_gpu_loss.json").write_text(json.dumps(res, indent=1))
 print(f"loss, tiny preset, global batch 16, EP={np_} vs 1 GPU: {len(steps)} logged steps compared, "
       f"max relative difference {res['max_rel_diff']} (step {res['max_rel_diff_step']}), "

@@ -5,7 +5,7 @@ each backward's bf16 weight gradient is then added into the fp32 .grad (or becom
 none yet). torch does both as a dtype-converting elementwise op, which it runs unvectorised. This kernel reads
 each narrow value once, converts it in registers and writes (or reads, adds and writes) the fp32 value: 6 (or
 10) bytes per weight, the sum in the same order as torch's (fp32 + fp32(narrow)), so the results are bitwise
-torch's. On an H200, 2.2B weights (benchmarks/bench_optimizer.py, one run, benchmarks/results/bench_optimizer.md):
+torch's. On an H200, 2.2B weights (benchmarks/bench_optimizer.py, one run, benchmarks/results/train/bench_optimizer.md):
 upcast 6.30 ms by torch (about 2.1 TB/s) against 3.38 ms here (3.9 TB/s); add 7.88 against 5.24 ms.
 """
 

@@ -53,7 +53,7 @@ _forced_tma: bool | None = None  # uses_tma's answer inside forced_tma, else Non
 def uses_tma(device: torch.device) -> bool:
     """Whether fp8_grouped_mm's kernel on ``device`` reads its operands that are not gathered through tensor
     descriptors: NVIDIA GPUs with TMA (sm_90 and newer), where the copies then take no registers or address
-    arithmetic (H200: ``benchmarks/results/sweep_tiles_fp8_tma.md``). AMD GPUs, Ada and the interpreter load
+    arithmetic (H200: ``benchmarks/results/fp8/sweep_tiles_fp8_tma.md``). AMD GPUs, Ada and the interpreter load
     through pointers, unless ``forced_tma`` says otherwise."""
     if TensorDescriptor is None:
         return False

@@ -9,7 +9,7 @@ its values x * (max / amax) rounded to FP8; both divisions are correctly rounded
 values are the same on every device and in a float64 reference. Powers of two (scaling and dequantising then
 exact) were measured and not taken: in 1 x 128 groups they err 1.02-1.9x as much (relative to the norm; 1.9x with
 outlier columns), in 128 x 128 blocks 1.00-1.03x, because the exact scale puts each group's largest element
-exactly on the format's max and a power of two rounds it (benchmarks/fp8_scales.py, results/fp8_scales.md).
+exactly on the format's max and a power of two rounds it (benchmarks/fp8_scales.py, results/fp8/fp8_scales.md).
 
   quantize_rows(x_RC, fmt) -> (q_RC, scale_RG)        1 x G groups, the scale of q[r, c] is scale[r, c // G]
   quantize_expert_weights(w1_EHF, w3_EHF, w2_EFH, fmt) -> Fp8ExpertWeights

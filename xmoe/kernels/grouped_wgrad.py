@@ -17,7 +17,7 @@ The Hopper path (``wgrad_engine``): on sm_90 the same products can run as ``torc
 operands (PyTorch's grouped GEMM, a TMA-fed, warp-specialised kernel with no split-K), at the cost of one
 transient (N, H) gathered buffer. On an H200 it is faster at every model shape, but the gathered buffer is worth
 its memory only where experts are many and short (E >= 128, at most 1024 rows each); docs/kernels.md has the
-measurements (benchmarks/results/per_gemm.md, bench_experts_wgrad.md, bench_experts_small_grouped_mm.md).
+measurements (benchmarks/results/layer/per_gemm.md, bench_experts_wgrad.md, bench_experts_small_grouped_mm.md).
 """
 
 from __future__ import annotations

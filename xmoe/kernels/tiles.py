@@ -17,7 +17,7 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
      autotune cases for the classes compiled training launches: its "source" says which), for the classes it has,
      and for a class it lacks, the entry of a class next to it (``neighbour``: rows per expert or output width one
      power of two away).
-  5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/sweep_tiles.md) with 64-row tiles where
+  5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/layer/sweep_tiles.md) with 64-row tiles where
      experts average fewer than 64 rows, and pipeline stages cut until they fit the GPU's shared memory (an
      A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
 What is chosen (autotuning, and the weight-gradient engine of grouped_wgrad.py) is a ``KernelConfig``
@@ -98,17 +98,18 @@ BASE: dict[str, TileConfig] = {
 # output tile holds its fp32 accumulator and the fresh one of the step's product (fp8_gemm_kernels.py): 128 x 128
 # tiles need 8 warps or more, 16 for the up kernel's two of each. Compiled for sm_90 (Triton 3.9, ahead of time)
 # none of these spills; 256-column tiles at 16 warps did (at most 128 registers per thread there: 160-192 bytes of
-# stack). H200, up kernel, T = 16384 (sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps 4.52 ms (medium) and
-# 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps. Tiles wider than 128 columns run as two 128-column
-# halves with one fresh accumulator of 128 columns (fp8_gemm_kernels._fp8_dot (HALVES)): 128 x 256 at 8 warps fits
-# without spilling for fp8_mm, fp8_down_bwd and fp8_dx as one pair of depth 2F (254 registers); fp8_dx's two pairs
-# (the ragged-F form) spill there (120 bytes).
+# stack). H200, up kernel, T = 16384 (benchmarks/results/fp8/sweep_tiles_fp8_2026-12-01.md): 128 x 128 at 16 warps
+# 4.52 ms (medium) and 12.7 ms (large) against 5.84 and 16.0 for 64 x 128 at 8 warps. Tiles wider than 128
+# columns run as two 128-column halves with one fresh accumulator of 128 columns (fp8_gemm_kernels._fp8_dot
+# (HALVES)): 128 x 256 at 8 warps fits without spilling for fp8_mm, fp8_down_bwd and fp8_dx as one pair of depth 2F
+# (254 registers); fp8_dx's two pairs (the ragged-F form) spill there (120 bytes).
 FP8_BASE: dict[str, TileConfig] = {
     "fp8_up": TileConfig(128, 128, 128, 16, 3),
     "fp8_mm": TileConfig(128, 128, 128, 8, 4),
     "fp8_dx": TileConfig(128, 128, 128, 8, 4),
     "fp8_down_bwd": TileConfig(128, 128, 128, 8, 4),
-    "fp8_wgrad": TileConfig(64, 128, 128, 4, 4),  # H200: the fastest at the three shapes (sweep_tiles_fp8_wgrad.md)
+    # H200: the fastest at the three shapes (benchmarks/results/fp8/sweep_tiles_fp8_wgrad.md)
+    "fp8_wgrad": TileConfig(64, 128, 128, 4, 4),
 }
 _FP8_MM_CANDIDATES = [
     TileConfig(128, 128, 128, 8, 4),
@@ -264,7 +265,7 @@ def neighbour(table: dict[str, TileConfig], key: str) -> TileConfig | None:
     smaller side first). None where the table has no such class, where ``key`` has at most 64 rows per expert (the
     heuristic's 64-row tiles begin there) and where the neighbour's tile is wider than ``key``'s output. (Of the
     12 classes a compiled training step launched that the H200 table lacked, this named the autotuned winner for 10,
-    the heuristic for 6: benchmarks/results/bench_train_autotune.md.)"""
+    the heuristic for 6: benchmarks/results/train/bench_train_autotune.md.)"""
     kernel, depth, width, rows = key.split("|")
     n, r = int(width[1:]), int(rows[1:])
     if r <= 64:

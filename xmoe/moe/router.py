@@ -102,7 +102,7 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TH.float(), self.weight.float())
         # The Triton backend ("triton", or "auto" on a GPU) fuses scores, selection and weights in one kernel each
         # way (kernels/router_topk.py) within its limits (router_topk_supports); the torch path below is the
-        # reference and the fallback (its speed against the torch path: benchmarks/results/bench_router.md); the
+        # reference and the fallback (its speed against the torch path: benchmarks/results/layer/bench_router.md); the
         # kernel has no node limit.
         ops = get_ops(cfg.kernel_backend, logits_TE.device)
         kernel = self.node_limit is None and hasattr(ops, "router_topk")

@@ -113,7 +113,7 @@ class TokenLoader:
         self.local_batch_size = global_batch_size // world_size
         self.samples_seen = 0  # global: summed over ranks
         # Batches drawn ahead in one call: a dataset's cost is mostly per call (the markov source walks its
-        # positions once for all the rows it is given: benchmarks/results/markov_draw_cpu.md), and a step waits
+        # positions once for all the rows it is given: benchmarks/results/data/markov_draw_cpu.md), and a step waits
         # for its batch. (the samples_seen the batches left start at, [local batches]).
         self._ahead: tuple[int, list[Draw]] = (0, [])
 
