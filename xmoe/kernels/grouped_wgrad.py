@@ -16,7 +16,7 @@ weight on the large shape) to shorten reductions that are already short.
 The Hopper path (``wgrad_engine``): on sm_90 the same products can run as ``torch._grouped_mm`` over row-gathered
 operands (PyTorch's grouped GEMM, a TMA-fed, warp-specialised kernel with no split-K), at the cost of one
 transient (N, H) gathered buffer. On an H200 it is faster at every model shape, but the gathered buffer is worth
-its memory only where experts are many and short (E >= 128, at most 1024 rows each); docs/kernels.md has the
+its memory only where experts are many and short (E >= 128, at most 1024 rows each); docs/kernels-log.md has the
 measurements (benchmarks/results/layer/per_gemm.md, bench_experts_wgrad.md, bench_experts_small_grouped_mm.md).
 """
 
