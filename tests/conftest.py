@@ -24,3 +24,16 @@ def tma(request, monkeypatch):
     import fp8_reference
 
     return fp8_reference.load_by(monkeypatch, request.param)
+
+
+@pytest.fixture(autouse=True)
+def _library_logging():
+    """Each test starts with the "xmoe" logger as a library leaves it: the ``xmoe`` command's configure_logging (run
+    by a test calling main) stops propagation to the root logger, where pytest's caplog listens."""
+    import logging
+
+    yield
+    logger = logging.getLogger("xmoe")
+    logger.handlers.clear()
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)
