@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import checkpoint_dir, checkpoint_verify
+from xmoe.train import checkpoint_dir, checkpoint_verify, rundir
 from xmoe.train.checkpoint import CheckpointError, find_latest, load_checkpoint, save_checkpoint
 
 V, H = 17, 8  # vocab, hidden
@@ -116,7 +116,7 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch, mod
         _save(tmp_path, 2, model, opt, sched)
     assert sorted(p.name for p in good.parent.iterdir()) == ["latest", "step_000001"]  # temp dir removed
     # A hard kill cannot clean up: the temp dir (complete-looking inside) must still be ignored.
-    monkeypatch.setattr(ckpt, "_discard", lambda path: None)
+    monkeypatch.setattr(rundir, "_discard", lambda path: None)  # the save's clean-up is RunDir.save's
     with pytest.raises(CheckpointError):
         _save(tmp_path, 2, model, opt, sched)
     monkeypatch.undo()

@@ -41,18 +41,10 @@ def model_config_from_dict(values: dict) -> ModelConfig:
 
 
 def _run_checkpoint(run_dir: Path, step: int | None) -> Path:
-    from xmoe.train.checkpoint_dir import step_of
-    from xmoe.train.checkpoint_verify import find_latest
+    """The checkpoint of ``step`` in a run directory, or its newest whose files check out."""
+    from xmoe.train.rundir import RunDir
 
-    if step is None:
-        found = find_latest(run_dir)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
-        return found
-    matches = [p for p in (run_dir / "checkpoints").glob("step_*") if step_of(p) == step]
-    if not matches:
-        raise FileNotFoundError(f"no checkpoint of step {step} under {run_dir}/checkpoints")
-    return matches[0]
+    return RunDir(run_dir).checkpoint(step)
 
 
 def load_source(
@@ -71,6 +63,7 @@ def load_source(
     from xmoe.config import KernelConfig
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
     from xmoe.parallel.build import build_model
+    from xmoe.train.rundir import RunDir
 
     path = Path(source)
     if not path.exists():
@@ -88,16 +81,15 @@ def load_source(
         model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
         tokenizer = path / RUN_TOKENIZER
         return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf, KernelConfig()
-    if not (path / "checkpoints").is_dir():
+    run_dir = RunDir(path)
+    if not run_dir.has_checkpoints():
         raise FileNotFoundError(
             f"{path} is neither a Hugging Face directory (config.json) nor an xmoe run directory (checkpoints/)"
         )
     from xmoe.kernels.choice import recorded_config
-    from xmoe.train.checkpoint_dir import read_pinned
-    from xmoe.train.checkpoint_verify import read_meta
 
     def read(found: Path):  # the kernels section from the meta.json of the checkpoint whose weights are read
-        meta = read_meta(found)
+        meta = run_dir.read_meta(found)
         model, note = _run_model(found, meta, device, check)
         kernels = recorded_config(meta["config"])
         if kernels.wgrad == "fp8" and model.cfg.moe.fp8 != "experts":  # FP8 experts set aside on this device
@@ -105,7 +97,7 @@ def load_source(
         return model, kernels, note
 
     # the note once, for the checkpoint read (a read retried after a prune builds the model again)
-    model, kernels, note = read_pinned(lambda: _run_checkpoint(path, step), read)
+    model, kernels, note = run_dir.read_pinned(lambda: _run_checkpoint(path, step), read)
     if note and compute:
         print(note, file=sys.stderr)
     hf_file, tokenizer = path / RUN_HF_CONFIG, path / RUN_TOKENIZER
@@ -217,16 +209,13 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _is_run_dir(path: Path) -> bool:
-    ckpts = path / "checkpoints"
-    return (path / "metrics.jsonl").is_file() or (ckpts.is_dir() and any(ckpts.glob("step_*")))
-
-
 def _check_export_target(out: Path, overwrite: bool) -> None:
     """Refuse a target inside a run directory (its readers would take the export for the run), and a non-empty
     one unless ``overwrite`` (then it must be a model directory: its model files are replaced)."""
+    from xmoe.train.rundir import RunDir
+
     for parent in (out.resolve(), *out.resolve().parents):
-        if _is_run_dir(parent):
+        if RunDir(parent).is_run():
             raise ValueError(
                 f"--hf {out} is inside the run directory {parent}, where eval, export and generate "
                 f"would read it instead of the run's checkpoints; write it elsewhere, e.g. --hf "

@@ -1,6 +1,8 @@
-"""Atomic, sharded checkpoints through torch.distributed.checkpoint (DCP): what a checkpoint holds, saving it and
-loading it. The directory they live in (names, staging, COMPLETE, the ``latest`` pointer, pruning, pins) follows
-``checkpoint_dir.py``; whether a checkpoint's files check out (meta.json, sizes, crc32) is ``checkpoint_verify.py``.
+"""What a checkpoint holds, through torch.distributed.checkpoint (DCP): writing a training state (model,
+optimizer, per-rank extra state, RNG states) into a checkpoint directory and loading it back. Where checkpoints live
+and how a save becomes visible (staging, COMPLETE, ``latest``, pruning, pins, the checks of its files, the choice of
+the checkpoint to load) is the run directory's (``rundir.RunDir``): ``save_checkpoint`` hands it the writing of the
+state, ``load_checkpoint`` asks it which checkpoint a path names.
 
 One checkpoint, ``OUT/checkpoints/step_000100/``::
 
@@ -8,18 +10,6 @@ One checkpoint, ``OUT/checkpoints/step_000100/``::
     rank_00000.pt ...             per-rank extra state (data loader, LR scheduler, RNG states)
     meta.json                     step, config, versions, world size, every file's size and crc32
     COMPLETE                      written last; a directory without it is never loaded
-
-Save protocol, one function per step (why each exists; 1, 4 and 5 are checkpoint_dir's, 3 checkpoint_verify's):
-  1. ``_stage``: rank 0 removes ``*.tmp-*`` leftovers of crashed saves and creates ``step_XXXXXX.tmp-<random>``;
-     the name is broadcast so every rank writes into the same directory (a shared filesystem is assumed).
-  2. ``_write``: every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards.
-  3. ``_verify``: ranks record sizes and checksums round-robin (a big checkpoint is read once, in parallel).
-  4. ``_publish_collective``: rank 0 writes meta.json, then COMPLETE, then renames the directory to its final
-     name, and broadcasts success or its error, so all ranks return or raise together (no hang).
-  5. ``_point_and_prune``: rank 0 repoints ``latest`` (tmp file + os.replace) and prunes to ``keep_last``.
-  Renames are atomic, so a crash at any point leaves either the old state or the new one, never a directory
-  that looks complete. A resume picks the newest complete checkpoint whose files have their recorded sizes
-  (``find_latest``), whatever ``latest`` says.
 
 Every failure a rank can hit is turned into the same ``CheckpointError`` on all ranks. Model and optimizer
 state go through ``get_state_dict`` / ``set_state_dict``, so plain modules, DDP, FSDP2 and torch.compile'd
@@ -51,27 +41,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from xmoe._version import __version__
-from xmoe.train.checkpoint_dir import (
-    _TMP,
-    CKPT_SUBDIR,
-    COMPLETE,
-    META,
-    CheckpointError,
-    _agree,
-    _all_gather,
-    _ckpt_root,
-    _discard,
-    _point_and_prune,
-    _publish_collective,
-    _rank_world,
-    _stage,
-    _suggest_previous,
-    _underlying,
-    step_dir_name,
-    step_of,
-)
+from xmoe.train.checkpoint_dir import CheckpointError, _agree, _all_gather, _rank_world, _suggest_previous, _underlying
 from xmoe.train.checkpoint_read import SafeLoadPlanner, SafeReader, read_metadata
-from xmoe.train.checkpoint_verify import FORMAT, _verify, _verify_files, find_latest, read_meta
+from xmoe.train.checkpoint_verify import find_latest as find_latest  # re-exported: callers find and load from here
+from xmoe.train.checkpoint_verify import read_meta as read_meta  # re-exported likewise
+from xmoe.train.rundir import RunDir
 
 # DCP reports a failed save or load as a CheckpointException, which derives from BaseException, not Exception
 FAILURES = (Exception, CheckpointException)
@@ -129,7 +103,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike | RunDir,
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -145,48 +119,28 @@ def save_checkpoint(
     automatically. ``config`` (a dataclass or dict) is stored in meta.json. After success only the
     ``keep_last`` newest checkpoints with step <= ``step`` remain (checkpoints with a higher step, left by
     an abandoned timeline, are not deleted). On failure no existing checkpoint is touched and every rank
-    raises CheckpointError (which says "disk full" when that is the cause).
+    raises CheckpointError (which says "disk full" when that is the cause). The directory's part is
+    ``RunDir.save``; ``out_dir`` is a run directory's path or the RunDir itself.
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last ({keep_last}) must be >= 1")
-    if step < 0:
-        raise ValueError(f"step ({step}) must be >= 0")
-    root = Path(out_dir) / CKPT_SUBDIR
-    final = root / step_dir_name(step)
-    tmp = _stage(root, final)
-    try:
-        _write(tmp, model, optimizer, extra)
-        files = _verify(tmp, checksum)
-        meta = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": _rank_world()[1],
-            "has_optimizer": optimizer is not None,
-            "xmoe_version": __version__,
-            "torch_version": torch.__version__,
-            "config": (
-                dataclasses.asdict(config)
-                if dataclasses.is_dataclass(config) and not isinstance(config, type)
-                else config
-            ),
-            "files": files,
-        }
-        _publish_collective(tmp, final, meta)
-    except BaseException:
-        if _rank_world()[0] == 0 and tmp.exists():
-            try:
-                _discard(tmp)
-            except OSError:
-                pass  # left behind as a .tmp- dir: ignored by loads, removed by the next save or run start
-        raise
-    _point_and_prune(root, step, final, keep_last)
-    return final
+    about = {
+        "has_optimizer": optimizer is not None,
+        "xmoe_version": __version__,
+        "torch_version": torch.__version__,
+        "config": (
+            dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
+        ),
+    }
+    run_dir = out_dir if isinstance(out_dir, RunDir) else RunDir(out_dir)
+    return run_dir.save(
+        step, lambda tmp: _write(tmp, model, optimizer, extra), about, keep_last=keep_last, checksum=checksum
+    )
 
 
 def _write(
     tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
 ) -> None:
-    """Step 2. Every rank writes its extra-state file, then ``dcp.save`` writes model + optimizer shards."""
+    """Every rank writes its extra-state file into the staged directory ``tmp``, then ``dcp.save`` writes model +
+    optimizer shards (step 2 of ``RunDir.save``)."""
     rank, world = _rank_world()
     exc: BaseException | None = None
     state: dict[str, Any] | None = None
@@ -309,17 +263,7 @@ def load_checkpoint(
     ``restore_extra=False`` (per-rank extra state cannot be remapped); then ``{"step": step}`` is returned.
     Raises FileNotFoundError (nothing there), CheckpointError (incomplete/corrupt), ValueError (mismatch).
     """
-    path = Path(path_or_out_dir)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint path {path} does not exist")
-    if step_of(path) is None and _TMP not in path.name and not (path / META).exists():
-        root = _ckpt_root(path)
-        found = find_latest(path)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint under {root} (dirs without {COMPLETE} are ignored)")
-        path = found
-    meta = read_meta(path)
-    _verify_files(path, meta, verify)
+    path, meta = RunDir.locate(Path(path_or_out_dir), checksums=verify)
     rank, world = _rank_world()
     if restore_extra and meta["world_size"] != world:
         raise ValueError(

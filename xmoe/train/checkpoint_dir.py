@@ -1,6 +1,7 @@
-"""The checkpoint directory protocol: the names under ``OUT/checkpoints/``, how a save becomes visible, who may
-delete what, and how ranks agree on a failure. What a checkpoint holds, saving and loading it, is ``checkpoint.py``;
-checking its files, ``checkpoint_verify.py``.
+"""The checkpoint directory's pieces: the names under ``OUT/checkpoints/``, the steps by which a save becomes
+visible, who may delete what, and how ranks agree on a failure. ``rundir.RunDir`` runs them in order (its ``save``);
+what a checkpoint holds, written into the staged directory and loaded back, is ``checkpoint.py``; checking its
+files, ``checkpoint_verify.py``.
 
 Names under the run directory OUT::
 
@@ -10,7 +11,7 @@ Names under the run directory OUT::
     OUT/checkpoints/step_000100.superseded-<hex>/ set aside by a resume from an older checkpoint (kept, never found)
     OUT/checkpoints/latest                        name of the newest checkpoint written (for scripts; resume scans)
 
-The steps of a save that are the directory's (``checkpoint.save_checkpoint`` runs them around its own):
+The steps of a save that are the directory's (``RunDir.save`` runs them around the writing of the state):
 ``_stage`` (rank 0 removes ``*.tmp-*`` leftovers and makes the temporary directory, whose name every rank learns),
 ``_publish_collective`` (rank 0 writes meta.json, then COMPLETE, then renames the directory to its final name) and
 ``_point_and_prune`` (``latest`` repointed, older checkpoints pruned to ``keep_last``). Renames are atomic, and so
@@ -203,7 +204,7 @@ def complete_checkpoints(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def remove_leftovers(out_dir: str | os.PathLike) -> list[str]:
     """Delete ``*.tmp-*`` dirs and files of interrupted saves (only safe while no save is running: the trainer
-    calls it under the run lock, save_checkpoint on rank 0 before staging); return their names."""
+    calls it under the run lock, a save on rank 0 before staging); return their names."""
     root = _ckpt_root(Path(out_dir))
     if not root.is_dir():
         return []

@@ -1,9 +1,9 @@
-"""What a resume must match: the data's fingerprint, the model and schedule fields a checkpoint shares with the
-run resuming it, and the checkpoint a resume picks, checked before anything is built.
+"""What a resume must match: the data's fingerprint, and the model and schedule fields a checkpoint shares with
+the run resuming it, checked before anything is built.
 
 ``fingerprint`` and ``resume_mismatches`` say what a checkpoint must share with the run resuming it;
-``check_resume`` compares a checkpoint's stored config with a RunConfig without building anything;
-``resume_checkpoint`` picks the checkpoint (``--resume-from``, or the newest whose files check out).
+``check_resume`` compares a checkpoint's stored config with a RunConfig without building anything. The checkpoint
+a resume picks is the run directory's choice (``RunDir.resume_checkpoint``), which calls ``check_resume``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from typing import Any
 import torch.distributed as dist
 
 from xmoe.model_config import upgrade_moe_fields
-from xmoe.train.checkpoint_dir import LATEST
-from xmoe.train.checkpoint_verify import find_latest, read_meta, verify_checkpoint
 from xmoe.train.mixture import MixtureDataset, PreparedDataset
 
 log = logging.getLogger(__name__)
@@ -107,41 +105,6 @@ def resume_mismatches(saved: dict[str, Any] | None, run: Any, data: dict[str, An
         for key, value in now.items()
         if key in then and then[key] != value
     ]
-
-
-def _named_checkpoint(out_dir: Path, resume_from: str) -> Path:
-    """--resume-from's checkpoint directory; the ``latest`` file stands for the one it names."""
-    path = Path(resume_from)
-    if path.is_file() and path.name == LATEST:
-        named = path.parent / path.read_text().strip()
-        log.info(f"--resume-from {path}: the pointer names {named}")
-        path = named
-    if not path.is_dir():
-        what = "is a file" if path.is_file() else "does not exist"
-        raise FileNotFoundError(
-            f"--resume-from {path} {what}; pass a checkpoint directory such as {out_dir}/checkpoints/step_000100"
-        )
-    return path
-
-
-def resume_checkpoint(
-    out_dir: Path, resume_from: str | None, run: Any, data: dict[str, Any], allow_changes: bool
-) -> Path | None:
-    """Collective. The checkpoint a resume continues from, verified (sizes and crc32) and checked against
-    ``run`` and ``data`` before anything is built: ``resume_from`` (a checkpoint directory, or the ``latest``
-    file), else the newest under ``out_dir`` whose files check out, newer damaged ones skipped with a warning
-    saying why; None when ``out_dir`` has no checkpoint. Load it with ``verify=False``."""
-    found: Path | None
-    if resume_from is not None:
-        found = _named_checkpoint(out_dir, resume_from)
-        meta = verify_checkpoint(found)
-    else:
-        found = find_latest(out_dir, checksums=True)
-        if found is None:
-            return None
-        meta = read_meta(found)
-    check_resume(found, meta, run, data, allow_changes)
-    return found
 
 
 def check_resume(ckpt_path: Path, meta: dict[str, Any], run: Any, data: dict[str, Any], allow_changes: bool) -> None:

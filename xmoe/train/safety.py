@@ -3,7 +3,7 @@
 Signals (SIGTERM from Slurm or a scheduler's preemption, SIGINT from Ctrl-C, SIGHUP from a closed terminal):
 the handler only records the signal; the trainer acts at the next step boundary where all ranks agree, so
 every rank saves the same step. A second signal restores the default action and re-raises it: the process
-ends at once (an interrupted checkpoint is never published, see checkpoint.py).
+ends at once (an interrupted checkpoint is never published, see rundir.py: RunDir.save).
 
 Non-finite training: a NaN or inf loss or gradient norm is recorded on the device with no host sync, as the
 first bad step; ``check`` reads it at steps that already synchronise (logging and checkpoint steps), so no

@@ -41,14 +41,14 @@ from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
-from xmoe.train import checkpoint_dir, metrics, oom, preflight, rundir, safety
+from xmoe.train import metrics, oom, preflight, safety
 from xmoe.train.launch import init_distributed
 from xmoe.train.loader import TokenLoader
 from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_groups
 from xmoe.train.report import Reporter, Window
-from xmoe.train.resume import resume_checkpoint
 from xmoe.train.run_config import resolve_ep_overlap
 from xmoe.train.run_data import keep_imported_files, load_run_data, validate
+from xmoe.train.rundir import RunDir, RunDirError
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
@@ -72,10 +72,11 @@ class Trainer:
         (``resume_from``: from that checkpoint directory); a checkpoint whose model, data or schedule differ is
         refused unless ``allow_changes``. ``overwrite``: replace a run already in ``out_dir`` (else that is an
         error). ``fit``: the memory pre-flight's mode, "check", "auto" or "off" (preflight.check_run)."""
-        self.run, self.out_dir = run, Path(out_dir)
+        self.run = run
         self.rank, self.world, self.device = init_distributed(device, run.parallel.timeout)
         resume = resume or resume_from is not None
-        self.lock = rundir.open_run_dir(self.out_dir, rank=self.rank, resume=resume, overwrite=overwrite)
+        # every use of the run directory goes through this one object (rank 0 holds its lock)
+        self.run_dir = RunDir.open(out_dir, resume=resume, overwrite=overwrite)
         try:
             if run.init_from and self.rank == 0:  # under the lock: a second trainer cannot interleave its copies
                 keep_imported_files(run.init_from, self.out_dir)
@@ -84,17 +85,15 @@ class Trainer:
             self.close()
             raise
 
-    def _wrote_output(self) -> None:
-        """This run has written a log line or a checkpoint: a run it replaces (--overwrite) can go now."""
-        if self.lock is not None:
-            self.lock.commit()
+    @property
+    def out_dir(self) -> Path:
+        """Where the run writes: its run directory, or the one a lost directory's rescue made."""
+        return self.run_dir.path
 
     def close(self) -> None:
         """Release the run directory (train() does it when it ends; a run that has written nothing yet takes its
         partial outputs back and restores the run it was replacing)."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        self.run_dir.close()
 
     def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool, fit: str) -> None:
         par = run.parallel
@@ -212,8 +211,8 @@ class Trainer:
 
     def _checkpoint_to_resume(self, resume_from: str | None, allow_changes: bool) -> Path | None:
         """The checkpoint a resume continues (None: nothing saved yet), verified (sizes and crc32) and its stored
-        model, data and schedule compared with this run's (resume.resume_checkpoint), before the model is built."""
-        found = resume_checkpoint(self.out_dir, resume_from, self.run, self.data_info, allow_changes)
+        model, data and schedule compared with this run's (RunDir.resume_checkpoint), before the model is built."""
+        found = self.run_dir.resume_checkpoint(resume_from, self.run, self.data_info, allow_changes)
         if found is None and self.rank == 0:
             log.info(f"no checkpoint under {self.out_dir}/checkpoints: starting from step 0")
         return found
@@ -222,7 +221,7 @@ class Trainer:
         """Load ``found`` into the built model and optimizer (DCP writes straight into the local shards, the
         routers' expert_bias, a persistent buffer, included); ``chosen``: it was named by --resume-from, so later
         checkpoints of the run are set aside."""
-        meta = ckpt.read_meta(found)
+        meta = self.run_dir.read_meta(found)
         saved_world = meta["world_size"]
         same_world = saved_world == self.world
         extra = ckpt.load_checkpoint(found, self.wrapped, self.optimizer, restore_extra=same_world, verify=False)
@@ -238,11 +237,7 @@ class Trainer:
         if self.rank == 0:
             log.info(f"resumed from {found} at step {self.step}")
             if chosen:  # later checkpoints of this directory belong to the timeline being replaced
-                for path in checkpoint_dir.set_aside_newer(self.out_dir, self.step):
-                    log.info(
-                        f"set aside {path.parent.name}/{path.name.split('.')[0]} (newer than the resumed step) "
-                        f"as {path.name}"
-                    )
+                self.run_dir.set_aside_newer(self.step)
 
     def save(self) -> Path:
         # the config as run, its data section with the fingerprint of the data it named (what a resume compares), and
@@ -253,7 +248,7 @@ class Trainer:
             "kernels": self.kernels.record(),
         }
         return ckpt.save_checkpoint(
-            self.out_dir,
+            self.run_dir,
             self.step,
             self.wrapped,
             self.optimizer,
@@ -346,13 +341,13 @@ class Trainer:
                 sources = self.source_losses.take() if self.source_losses is not None else None
                 mtp = self.model.take_mtp_loss()
                 self.report.log_window(self.step, loss, stats.aux, grad_norm, lr, window, val, sources, mtp)
-                self._wrote_output()
+                self.run_dir.commit()  # a run this one replaces (--overwrite) can go now
                 window = Window(self.device)
             elif val is not None:
                 self.logger.log(self.step, **val)
             # rank 0 looks whether the run directory is still this run's before every save or log, and at most once
             # a second in between (two stats); a lost one stops every rank, as a signal does
-            if self.lock is not None and self.lock.lost(now=ckpt_now or log_now):
+            if self.run_dir.lost(now=ckpt_now or log_now):
                 guard.lose_directory()
             # stop flags: the signal vote posted one step ago (several ranks), and both flags agreed where the step
             # already synchronises (one process: a signal at any step)
@@ -369,7 +364,7 @@ class Trainer:
             if ckpt_now or (signum and t.ckpt_every):
                 saving = time.perf_counter()
                 self.save()
-                self._wrote_output()
+                self.run_dir.commit()  # a run this one replaces (--overwrite) can go now
                 due = False
                 window.exclude(saving)  # checkpoint time is not training time
             if signum:
@@ -379,12 +374,8 @@ class Trainer:
             dist.barrier()
         return summary
 
-    def _last_good_checkpoint(self, before: int) -> Path | None:
-        good = [p for s, p in checkpoint_dir.complete_checkpoints(self.out_dir) if s < before]
-        return good[-1] if good else None
-
     def _stop_nonfinite(self, first_bad: int) -> None:
-        last = self._last_good_checkpoint(first_bad)
+        last = self.run_dir.last_checkpoint(first_bad)
         where = (
             f"the last good checkpoint is {last} (continue from it with --resume-from {last})"
             if last
@@ -411,29 +402,30 @@ class Trainer:
 
     def _stop_lost(self) -> None:
         """The run directory went (rank 0's lock saw it): nothing more is written at its path; the run's metrics,
-        summary and a checkpoint go to a new directory beside it (rundir.rescue), and it stops."""
-        why, rescue = rundir.rescue(self.lock, self.out_dir, self.step)  # collective
+        summary and a checkpoint go to a new directory beside it (RunDir.rescue, which moves the run there), and
+        it stops."""
+        why, rescue = self.run_dir.rescue(self.step)  # collective
         saved = bool(self.run.train.ckpt_every)
         if rescue is not None:
-            self.out_dir = self.report.out_dir = rescue
+            self.report.out_dir = rescue
             self.logger.move_to(rescue)
             if self.rank == 0 and self.run.init_from:
                 keep_imported_files(self.run.init_from, rescue)
             if saved:
                 self.save()
             self.report.finish(self.step, status=f"stopped at step {self.step}: {why}")
-        raise rundir.RunDirError(rundir.rescue_text(why, rescue, self.step, saved))
+        raise RunDirError(RunDir.rescue_text(why, rescue, self.step, saved))
 
     def _stop_out_of_memory(self, exc: BaseException) -> NoReturn:
         """One line naming the step, phase and last checkpoint (oom.stop_message); nothing is saved after it."""
         phase = oom.release(exc, self.device, self.optimizer)
-        last = self._last_good_checkpoint(self.step + 1)
+        last = self.run_dir.last_checkpoint(self.step + 1)
         self.report.finish(self.step, status=f"stopped: out of memory at step {self.step} ({phase})")
         raise ValueError(oom.stop_message(self.run, self.device, self.step, phase, self.planned, last)) from exc
 
     def _stop_signal(self, signum: int) -> None:
         name = safety.signal_name(signum)
-        saved = self._last_good_checkpoint(self.step + 1) if self.run.train.ckpt_every else None
+        saved = self.run_dir.last_checkpoint(self.step + 1) if self.run.train.ckpt_every else None
         self.report.finish(self.step, status=f"stopped by {name} at step {self.step}")
         raise safety.RunStopped(
             signum,
