@@ -186,6 +186,23 @@ def test_checker_catches_upward_and_lazy_imports():
     ]
 
 
+# the run directory's pieces, which RunDir (xmoe/train/rundir.py) composes; the DCP state (checkpoint.py) is apart
+RUN_DIR_PIECES = (
+    "xmoe.train.runlock",
+    "xmoe.train.run_outputs",
+    "xmoe.train.checkpoint_dir",
+    "xmoe.train.checkpoint_verify",
+    "xmoe.train.resume",
+)
+
+
+def test_the_trainer_and_the_readers_hold_the_run_directory_as_one_object():
+    sources = module_sources()
+    for user in ("xmoe.train.trainer", "xmoe.infer"):
+        reached = imported_modules(user, sources[user], set(sources)) & set(RUN_DIR_PIECES)
+        assert not reached, f"{user} imports {sorted(reached)}: use the run directory through rundir.RunDir"
+
+
 def test_architecture_doc_shows_the_layers():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert render_layers() in doc, f"docs/architecture.md should show the layer order:\n{render_layers()}"
