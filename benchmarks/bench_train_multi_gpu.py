@@ -3,9 +3,12 @@ variants, xmoe vs the padded baseline) and SSMB under TP=2 x EP.
 
     torchrun --nproc-per-node 8 benchmarks/bench_train_multi_gpu.py                    # the table: xmoe vs padded
     torchrun --nproc-per-node 8 benchmarks/bench_train_multi_gpu.py --mode ssmb        # TP=2 x EP=4, SSMB on / off
+    torchrun --nproc-per-node 8 benchmarks/bench_train_multi_gpu.py --mode overlap     # EP=8, overlap off vs auto
     torchrun --nproc-per-node 4 benchmarks/bench_train_multi_gpu.py --cpu --variants 32x2  # gloo smoke test, tiny
 
-# W world size, mb micro-batch (sequences per rank per step), SEQxLAYERS a variant of the base preset
+# W world size, mb micro-batch (sequences per rank per step), SEQxLAYERS a variant of the base preset ("SEQxfit":
+# the most layers, at most the preset's, whose micro-batch 1 the planner predicts fits 70% of the free GPU memory,
+# xmoe.plan.fit.predict_train_peak, least over ranks)
 
 Skips (exit 0, with the reason) without CUDA GPUs or with fewer than 2 ranks. The model is built from the trainer's
 own construction pipeline (xmoe.parallel.build: meta build, TP / SSMB, then EP + FSDP2, each rank's shards
@@ -19,6 +22,12 @@ Methods (every rank runs the same steps, so all collectives match):
   padded-dp    the same buffers at EP = 1, DP = W, everything FSDP2-sharded (ZeRO-3; not in the default)
   xmoe-dp      PFT at EP = 1, DP = W (ZeRO-3): separates the dispatcher's effect from the layout (not in the default)
   tp2-ssmb / tp2-nossmb   TP = 2 x EP = W/2, with and without SSMB (the trainer always applies SSMB at TP > 1)
+  xmoe-auto    xmoe with parallel.ep_overlap = "auto": the mode xmoe/train/run_config.py's resolve_ep_overlap picks
+               for the layout and micro-batch (the planner's choice, as `xmoe train` resolves it; column overlap);
+               xmoe-shared / xmoe-chunks: that mode (xmoe itself runs "off"). Mode overlap: xmoe vs xmoe-auto, the
+               small preset at EP = W, tokens/s per GPU, and the planner's step for the mode auto chose, from the
+               measured "off" step of the same micro-batch (benchmarks/ep_planner.py: predict_model; pred_err =
+               measured / predicted - 1, target within 15%)
 Micro-batch search: mb = 1, 2, 4, ... until torch.OutOfMemoryError, a time cap, or --micro-batches' end. OOM is caught
 per rank and all ranks all-reduce the flag (MAX) before deciding, so they stop together; the model is then dropped and
 memory freed. Caveat: a rank that runs out of memory alone INSIDE a collective leaves its peers waiting in that
@@ -48,17 +57,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from benchmarks.harness import collective_time_ms, distributed_skip_reason, init_distributed
 
 GIB = 2**30
-METHODS = {  # name -> (dispatcher, capacity factor, ep is the world (else 1), tp, ssmb)
-    "xmoe": ("pft", None, True, 1, False),
-    "padded": ("padded", 1.25, True, 1, False),
-    "padded-dp": ("padded", 1.25, False, 1, False),
-    "xmoe-dp": ("pft", None, False, 1, False),
-    "tp2-ssmb": ("pft", None, True, 2, True),
-    "tp2-nossmb": ("pft", None, True, 2, False),
+METHODS = {  # name -> (dispatcher, capacity factor, ep is the world (else 1), tp, ssmb, ep_overlap)
+    "xmoe": ("pft", None, True, 1, False, "off"),
+    "padded": ("padded", 1.25, True, 1, False, "off"),
+    "padded-dp": ("padded", 1.25, False, 1, False, "off"),
+    "xmoe-dp": ("pft", None, False, 1, False, "off"),
+    "tp2-ssmb": ("pft", None, True, 2, True, "off"),
+    "tp2-nossmb": ("pft", None, True, 2, False, "off"),
+    "xmoe-auto": ("pft", None, True, 1, False, "auto"),
+    "xmoe-shared": ("pft", None, True, 1, False, "shared"),
+    "xmoe-chunks": ("pft", None, True, 1, False, "chunks"),
 }
 MODES = {  # mode -> default (variants, methods); table variants: the paper's Small, then its two reductions
     "table": (["2048x28", "1024x28", "2048x14"], ["xmoe", "padded"]),
     "ssmb": (["2048x28"], ["tp2-ssmb", "tp2-nossmb"]),
+    "overlap": (["2048xfit"], ["xmoe", "xmoe-auto"]),
 }
 COLUMNS = [
     "variant",
@@ -78,6 +91,7 @@ COLUMNS = [
     "kept_rows_frac",
     "loss",
 ]
+OVERLAP_COLUMNS = ["overlap", "tokens_per_s_gpu", "pred_ms", "pred_err"]  # added in mode overlap
 
 
 def model_config(base: str, variant: str, dispatcher: str, capacity):
@@ -93,7 +107,7 @@ def model_config(base: str, variant: str, dispatcher: str, capacity):
 
 def layout(method: str, world: int) -> tuple[int, int, int]:
     """(dp, ep, tp) of a method in a world of W ranks."""
-    _, _, ep_world, tp, _ = METHODS[method]
+    _, _, ep_world, tp, _, _ = METHODS[method]
     ep = world // tp if ep_world else 1
     return world // (ep * tp), ep, tp
 
@@ -212,7 +226,9 @@ def run_case(variant: str, method: str, args, device):
     from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
 
     world = dist.get_world_size()
-    dispatcher, capacity, _, _, _ = METHODS[method]
+    from benchmarks.multi_gpu_overlap import resolve, set_overlap
+
+    dispatcher, capacity, _, _, _, overlap = METHODS[method]
     cfg, seq = model_config(args.base, variant, dispatcher, capacity)
     flop_dims = FlopDims.from_model_config(cfg, seq)
     t_case = time.perf_counter()
@@ -221,8 +237,16 @@ def run_case(variant: str, method: str, args, device):
     head = {"variant": variant, "method": method, "ep": ep, "tp": tp, "dp": dp}
     data_ranks = dp * ep  # TP peers share tokens (under SSMB each runs the MoE on its slice)
     for i, mb in enumerate(args.micro_batches):
+        mode = resolve(cfg, overlap, (dp, ep, tp), mb, seq, device.type)  # "auto": per micro-batch, as the trainer
+        if overlap != "off":
+            set_overlap(model, mode)
         r = measure(model, opt, dims, cfg, seq, mb, args.warmup if i == 0 else 1, args, device)
-        row = {**head, "micro_batch": mb, **{k: v for k, v in r.items() if k not in ("rows", "warm_s")}}
+        row = {
+            **head,
+            "micro_batch": mb,
+            "overlap": mode,
+            **{k: v for k, v in r.items() if k not in ("rows", "warm_s")},
+        }
         if r["status"] == "ok":
             sequences, sec = mb * data_ranks, r["ms_step"] / 1e3
             dropless = sequences * seq * flop_dims.num_moe_layers * flop_dims.top_k
@@ -268,28 +292,33 @@ def write(rows: list[dict], args, meta: dict, done: bool) -> None:
         "table": "Paper, 8 x A100 40GB (DeepSpeed-MoE / Tutel / X-MoE): Small s=2048 L=28: OOM / OOM / 46.87; "
         "seq 1024: 27.08 / 28.26 / 27.33; 14 layers: 52.15 / 64.00 / 62.51 TFLOP/s per GPU (paper formula).",
         "ssmb": "Paper (its own model and setting): peak memory at TP=2 29.9 -> 25.7 GB with SSMB.",
+        "overlap": "Targets: the planner within 15% of each measured step.",
     }[args.mode]
+    columns, lines = COLUMNS, []
+    if args.mode == "overlap":
+        from benchmarks.multi_gpu_overlap import predictions
+
+        columns = COLUMNS[:7] + OVERLAP_COLUMNS + COLUMNS[7:]
+        world = meta["world_size"]
+        lines = predictions(rows, lambda v: model_config(args.base, v, "pft", None), world, meta["device_type"])
     notes = (
         "Largest micro-batch that ran per (variant, method); OOM / not run where no size fitted. "
         + paper
         + "\n\n"
-        + markdown_table(best_rows(rows), COLUMNS)
+        + markdown_table(best_rows(rows), columns)
+        + ("\n\nAgainst the targets:\n\n" + "\n".join(f"- {line}" for line in lines) if lines else "")
         + ("" if done else "\n\n(incomplete: written after every micro-batch, the run did not finish)")
         + "\n\nEvery size tried:"
     )
     title = {
         "table": "X-MoE 8-GPU table: xmoe vs padded baseline, whole model",
         "ssmb": "SSMB at TP=2 x EP, whole model",
+        "overlap": "Expert-parallel overlap, whole model: off vs the planner's choice",
     }[args.mode]
-    write_results(
-        f"train_multi_gpu_{args.mode}",
-        rows,
-        COLUMNS,
-        {**meta, "args": vars(args) | {"fake_oom": None}},
-        title,
-        notes,
-        topic="multi_gpu",
-    )
+    meta = {**meta, "args": vars(args) | {"fake_oom": None}, "targets": lines}
+    write_results(f"train_multi_gpu_{args.mode}", rows, columns, meta, title, notes, topic="multi_gpu")
+    if done:
+        print(markdown_table(best_rows(rows), columns) + "\n\n" + "\n".join(lines), flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -329,12 +358,14 @@ def main(argv=None) -> list[dict] | None:
         print(f"bench_train_multi_gpu: skipped: {reason}")
         return None
     device = init_distributed(args.cpu, args.pg_timeout_s)
-    from benchmarks.harness import environment, markdown_table
+    from benchmarks.harness import environment
+    from benchmarks.multi_gpu_overlap import fit_variant
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    meta = {**environment(), "world_size": world}
+    meta = {**environment(), "world_size": world, "device_type": device.type}
     rows: list[dict] = []
     for variant in args.variants:
+        variant = fit_variant(variant, args.base, layout(args.methods[0], world), device)
         for method in args.methods:
             if method.startswith("tp2") and world % 2:
                 continue
@@ -345,7 +376,6 @@ def main(argv=None) -> list[dict] | None:
                     write(rows, args, meta, done=False)
     if rank == 0:
         write(rows, args, meta, done=True)
-        print(markdown_table(best_rows(rows), COLUMNS), flush=True)
     return rows
 
 

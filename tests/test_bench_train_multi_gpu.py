@@ -50,3 +50,25 @@ def test_ssmb_mode_tp2_x_ep2(tmp_path):
         ("tp2-nossmb", 2, 2, "ok"),
     ]
     assert all(r["tflops"] > 0 for r in rows)
+
+
+def test_overlap_mode_runs_off_and_the_planners_choice(tmp_path):
+    run_distributed(_body, 4, str(tmp_path), FAST + ["--mode", "overlap", "--micro-batches", "1"], timeout_s=90)
+    rows = _rows(tmp_path, "overlap")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_train_multi_gpu import model_config
+    from benchmarks.multi_gpu_overlap import resolve
+    from xmoe.plan.step_time import choose_ep_overlap
+    from xmoe.train.run_config import CPU_TFLOPS
+
+    cfg, seq = model_config("tiny", "32x2", "pft", None)
+    # the planner's own choice for this layout (EP = 4 ranks on one node, one micro-batch of 32 tokens a rank)
+    chosen = choose_ep_overlap(cfg, gpus=4, ep=4, gpus_per_node=4, tokens_per_gpu=seq, tflops=CPU_TFLOPS)
+    assert resolve(cfg, "auto", (1, 4, 1), 1, seq, "cpu") == chosen
+    assert [(r["method"], r["ep"], r["overlap"], r["status"]) for r in rows] == [
+        ("xmoe", 4, "off", "ok"),
+        ("xmoe-auto", 4, chosen, "ok"),
+    ]
+    off, auto = rows
+    assert auto["tokens_per_s_gpu"] == auto["tokens_per_s"] / 4 and "pred_ms" not in off
+    assert auto["pred_ms"] > 0 and auto["pred_err"] == auto["ms_step"] / auto["pred_ms"] - 1
