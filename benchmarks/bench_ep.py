@@ -149,6 +149,7 @@ def fit_note(shape: str, num_tokens: int, world: int) -> str | None:
 
     weights, acts = memory_need(shape, num_tokens, torch.bfloat16)
     need = weights * (1 + 1 / world) + 4 * acts
+    torch.cuda.empty_cache()  # what the check's fp32 layers left cached counts as free
     free = torch.tensor(float(torch.cuda.mem_get_info(DEVICE)[0]), device=DEVICE)
     dist.all_reduce(free, op=dist.ReduceOp.MIN)
     if need <= 0.9 * free.item():
