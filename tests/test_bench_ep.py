@@ -111,8 +111,16 @@ def test_bench_ep_runs_every_case_on_two_ranks(tmp_path):
     assert all(c["ok"] for c in meta["checks"]) and {c["mode"] for c in meta["checks"]} == {"off", "chunks"}
     for r in rows:
         assert r["exposed_ms"] == r["layer_ms"] - r["nocomm_ms"]
-        assert r["pred_ms"] > 0 and r["layer_ms"] > 0 and r["comm_ms"] > 0
+        assert r["layer_ms"] > 0 and r["comm_ms"] > 0
         assert (r["hidden"] is None) == (r["mode"] == "off")
+        # the planner's prediction, or its refusal of the measured times (CPU timings of one call are noisy: the
+        # experts' forward alone can exceed a third of the layer's compute, which compute_model refuses)
+        case = f"planner, tiny T=64 EP=2 {r['dtype']} {r['mode']}: "
+        if "pred_ms" in r:
+            assert r["pred_ms"] > 0 and r["pred_err"] == r["layer_ms"] / r["pred_ms"] - 1
+            assert any(line.startswith(case + "measured") for line in meta["targets"])
+        else:
+            assert any(line == case + "no prediction: " + r["pred_note"] for line in meta["targets"])
     # FP8 dispatch sends H + 4 bytes a dispatched row instead of 4 H (fp32 on CPU); the other exchanges as they were
     bf16, fp8 = rows[0], rows[2]
     assert fp8["comm_mb"] < bf16["comm_mb"]
