@@ -2,11 +2,12 @@
 model trained at EP = every rank, for flat / RBD x overlap off / shared / chunks x dispatch bf16 / fp8 (x node limit
 where given), each beside the planner's prediction for the measured link and the compute measured with overlap off.
 
-    sudo python benchmarks/bench_ep_cluster.py --out benchmarks/results/ep --nodes 2 4 --ranks-per-node 2 --inter-gbit 1
+    sudo python benchmarks/bench_ep_cluster.py --out benchmarks/results/ep --nodes 2 4 --ranks-per-node 2
 
-Needs root (benchmarks/emulated_cluster.py). Each node count is one emulated cluster and one torchrun per node, in
-which every rank runs this script's rank mode over the whole grid (the model is built again for each case; the
-first steps of each are warm-up). The CPU ranks compute under bf16 autocast, so rows travel as on GPUs (2 bytes a
+The defaults size the model so that its flat all-to-alls take about as long as its compute on a 2-core machine
+running 4 ranks (the link 0.25 Gbit/s each way per node). Needs root (benchmarks/emulated_cluster.py). Each node
+count is one emulated cluster and one torchrun per node, in which every rank runs this script's rank mode over the
+whole grid (the model is built again for each case; the first steps of each are warm-up). The CPU ranks compute under bf16 autocast, so rows travel as on GPUs (2 bytes a
 value; FP8 dispatch 1 byte plus the scales). Measured per case: the step's wall time (the slowest rank; median of
 the timed steps) and the host time blocked in the expert-parallel exchanges (dispatch/comm.py's WaitTimer: the
 posted all-to-alls' waits, the count exchange and its host sync; the mean over ranks), which on CPUs is the
@@ -44,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="node counts, one cluster each (default 2 4)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
-    p.add_argument("--inter-gbit", type=float, default=1.0, help="each node's link, Gbit/s each way (default 1)")
+    p.add_argument("--inter-gbit", type=float, default=0.25, help="each node's link, Gbit/s each way (default 0.25)")
     p.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
-    p.add_argument("--ffn", type=int, default=1024, help="routed expert width (default 1024)")
+    p.add_argument("--ffn", type=int, default=256, help="routed expert width (default 256)")
     p.add_argument("--experts-per-rank", type=int, default=2, help="routed experts per rank (default 2)")
     p.add_argument("--top-k", type=int, default=4, help="routed experts per token (default 4)")
     p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
