@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_safety import fails, train
 from test_train import losses
@@ -99,6 +100,7 @@ def test_a_run_whose_directory_goes_stops_and_saves_elsewhere(tmp_path, capsys, 
     assert code == 2 and f"run directory {out} was" in err and str(rescued) in err, err
     assert [s for s, _ in complete_checkpoints(rescued)] == [3]
     assert sorted(losses(rescued)) == [1, 2, 3]
+    assert np.load(rescued / "expert_load.npy")["step"].tolist() == [1, 2, 3]  # the experts' loads come along
     assert json.loads((rescued / "summary.json").read_text())["steps"] == 3
     if how is _replace:  # the new directory is left as it was: no checkpoints/, metrics or lock added
         assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]

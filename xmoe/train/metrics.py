@@ -22,6 +22,7 @@ import torch
 
 from xmoe.checks import writing
 from xmoe.model.flops import FlopDims, paper_train_flops, train_flops
+from xmoe.train import expert_load
 from xmoe.train.checkpoint_dir import _write_text  # the one atomic file write (temp file, fsync, rename)
 
 log = logging.getLogger(__name__)
@@ -109,15 +110,18 @@ _FORMATS = {
     "mfu": lambda v: f"MFU {100 * v:.1f}%",
     "mem_bytes": lambda v: f"mem {v / 2**30:.1f} GiB",
     "imbalance": lambda v: f"imbalance {v:.2f}",
+    "dead_experts": lambda v: f"dead {v}",
+    "hot_experts": lambda v: f"hot {v}",
 }
 
 
 def format_progress(step: int, total_steps: int, values: dict[str, Any]) -> str:
-    """``step 40/300 | loss 3.214 | aux 0.010 | lr 2.9e-03 | 12.3k tok/s | ...`` (None values skipped)."""
+    """``step 40/300 | loss 3.214 | aux 0.010 | lr 2.9e-03 | 12.3k tok/s | ...`` (None values and lists, such as the
+    per-layer expert counts, skipped)."""
     parts = [f"step {step}/{total_steps}"]
     parts += [fmt(values[k]) for k, fmt in _FORMATS.items() if values.get(k) is not None]
     for k, v in values.items():
-        if k not in _FORMATS and k not in ("step", "elapsed_s") and v is not None:
+        if k not in _FORMATS and k not in ("step", "elapsed_s") and v is not None and not isinstance(v, list):
             parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
     return " | ".join(parts)
 
@@ -154,7 +158,7 @@ def describe_outputs(out_dir: str | os.PathLike) -> str:
     """Every output of a run with its size, e.g. for the last lines a user reads."""
     out = Path(out_dir)
     lines = [f"outputs in {out}/:"]
-    for name in ("metrics.jsonl", "summary.json", "loss.png", "tensorboard"):
+    for name in ("metrics.jsonl", "summary.json", "loss.png", expert_load.NAME, expert_load.PLOT, "tensorboard"):
         if (out / name).exists():
             lines.append(f"  {name:<40} {_size_text(_tree_bytes(out / name))}")
     ckpts = (
@@ -203,7 +207,8 @@ class MetricsLogger:
     """Rank 0 appends one JSON line per ``log`` to ``out_dir/metrics.jsonl`` and shows progress.
 
     Keys: ``step``, the values passed (canonical: loss, aux_loss, lr, grad_norm, tokens_per_s, tflops,
-    paper_tflops, mfu, mem_bytes, imbalance; TFLOP/s per GPU) and ``elapsed_s`` (training wall time,
+    paper_tflops, mfu, mem_bytes, imbalance, dead_experts, hot_experts; TFLOP/s per GPU) and ``elapsed_s``
+    (training wall time,
     cumulative across resumes). Each line is flushed, so a crash loses nothing already logged. Progress is
     a tqdm bar when stderr is a TTY, else one plain line per ``log`` on ``stream``, or through the "xmoe" logger
     when no stream is given (``xmoe.log``; the CLI prints it on stdout). Other ranks do
@@ -211,7 +216,8 @@ class MetricsLogger:
 
     Resume: pass ``resume_step``; the file is rewritten atomically keeping only records with
     step <= resume_step (later ones came from the interrupted run and will be logged again), and so is a
-    torn last line. Without ``resume_step`` an existing file is replaced: a new run starts a new log.
+    torn last line. Without ``resume_step`` an existing file is replaced: a new run starts a new log. The same
+    holds for the experts' loads, ``log_expert_load``'s ``out_dir/expert_load.npy`` (xmoe/train/expert_load.py).
     """
 
     def __init__(
@@ -235,6 +241,7 @@ class MetricsLogger:
         self._offset = 0.0
         self._first_new = 0  # index of this process's first record: its timing includes start-up
         self._bar = self._tb = self._file = None
+        self._load: expert_load.ExpertLoadFile | None = None
         if not self.active:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -246,6 +253,7 @@ class MetricsLogger:
             _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._first_new = len(self.records)
         self._file = open(self.path, "a")
+        self._load = expert_load.ExpertLoadFile(self.out_dir, resume_step)
         # the bar is created at the first log, after the trainer's header lines (created here, it would draw
         # itself first and the header would overwrite it)
         self._want_bar = progress_bar if progress_bar is not None else sys.stderr.isatty()
@@ -274,6 +282,8 @@ class MetricsLogger:
         with writing(self.path):
             _write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         self._file = open(self.path, "a")
+        if self._load is not None:
+            self._load.move_to(out_dir)
 
     def _read(self) -> list[dict[str, Any]]:
         records = []
@@ -315,6 +325,11 @@ class MetricsLogger:
                 if k != "step" and isinstance(v, (int, float)):
                     self._tb.add_scalar(k, v, step)
 
+    def log_expert_load(self, step: int, load_LE: Any) -> None:
+        """The window's routed real slots per expert of every MoE layer, (L, E) integers, to expert_load.npy."""
+        if self._load is not None:
+            self._load.append(step, load_LE)
+
     def finish(
         self,
         *,
@@ -326,8 +341,9 @@ class MetricsLogger:
         step: int | None = None,
         info: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Print a summary, write ``summary.json`` and ``loss.png`` (loss vs step over the whole run, with
-        dashed lines for ``floor`` (entropy rate), ``baseline`` (unigram entropy) and any ``references``).
+        """Print a summary, write ``summary.json``, ``loss.png`` (loss vs step over the whole run, with
+        dashed lines for ``floor`` (entropy rate), ``baseline`` (unigram entropy) and any ``references``) and,
+        where experts' loads were logged, the heat map ``expert_load.png``.
         Means of tokens/s, TFLOP/s and MFU skip this process's first record (it includes start-up time).
         ``step``: the last step trained (default: the last one logged; a run stopped between logging steps
         trained further). ``info``: what else describes the run (the trainer's kernel choices), kept as given."""
@@ -336,6 +352,8 @@ class MetricsLogger:
         for handle in (self._bar, self._tb, self._file):
             if handle is not None:
                 handle.close()
+        if self._load is not None:
+            self._load.close()
         losses = [(r["step"], r["loss"]) for r in self.records if isinstance(r.get("loss"), (int, float))]
         timed = self.records[self._first_new + 1 :] or self.records[self._first_new :]
 
@@ -367,6 +385,8 @@ class MetricsLogger:
             _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
         with writing(self.out_dir / "loss.png"):
             self._plot(losses, lines, title or str(self.out_dir), val)
+        with writing(self.out_dir / expert_load.PLOT):
+            expert_load.plot_expert_load(self.out_dir, title or str(self.out_dir))
         self._emit(summary_text(summary))
         return summary
 

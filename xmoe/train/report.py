@@ -1,7 +1,8 @@
 """What a training run says: the header it starts with, one record per logging window, the lines it ends with.
 
 The records go through ``metrics.MetricsLogger`` (metrics.jsonl, the progress line, TensorBoard, summary.json and
-loss.png); everything a logging step reads from the device is read here, with one all-reduce and one host sync.
+loss.png; the experts' loads to expert_load.npy and expert_load.png, xmoe/train/expert_load.py); everything a logging
+step reads from the device is read here, with one all-reduce and one host sync.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from xmoe.config import RunConfig
 from xmoe.dispatch.base import add_counters
 from xmoe.moe.step import StepStats
-from xmoe.train import metrics
+from xmoe.train import expert_load, metrics
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ class Window:
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
     rows: torch.Tensor = field(init=False)  # routed rows the experts computed, summed
-    load_LE: torch.Tensor | None = None  # tokens per expert per layer, summed (None: no MoE layers)
+    load_LE: torch.Tensor | None = None  # real tokens' slots per expert per layer, summed (None: no MoE layers)
     traffic: dict[str, int] = field(default_factory=dict)  # the dispatchers' counters, summed (max_*: their maximum)
 
     def __post_init__(self) -> None:
@@ -151,14 +153,15 @@ class Reporter:
         window (source_loss.SourceLosses), logged as loss/SOURCE; ``mtp_loss``: the window's multi-token-prediction
         loss (Transformer.take_mtp_loss), logged as mtp_loss."""
         # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows, the MTP loss
-        # and, when there are MoE layers, the tokens per expert summed over layers (float64: counts stay exact)
+        # and, when there are MoE layers, the real tokens' slots per expert of every layer (float64: counts stay
+        # exact)
         values = torch.stack([loss.double(), aux.double(), grad_norm.double(), window.rows.double()])
         if mtp_loss is not None:
             values = torch.cat([values, mtp_loss.double().reshape(1).to(values.device)])
         if sources_M2 is not None:
             values = torch.cat([values, sources_M2.flatten().to(values.device)])
         if window.load_LE is not None:
-            values = torch.cat([values, window.load_LE.sum(0).double()])
+            values = torch.cat([values, window.load_LE.flatten().double()])
         if dist.is_initialized():
             dist.all_reduce(values)
             values[:3] /= self.world
@@ -189,13 +192,24 @@ class Reporter:
             mem_bytes=metrics.peak_memory_bytes(self.device),
         )
         record.update(comm_metrics(window.traffic, window.steps))
+        load_LE = None
         if window.load_LE is not None:
-            record["imbalance"] = metrics.load_imbalance(torch.tensor(load_v))
+            load_LE = np.asarray(load_v, dtype=np.float64).reshape(window.load_LE.shape).astype(np.int64)
+            dead_L, hot_L = expert_load.dead_and_hot(load_LE)
+            record.update(
+                imbalance=metrics.load_imbalance(torch.from_numpy(load_LE)),  # the most imbalanced layer's
+                dead_experts=int(dead_L.sum()),
+                hot_experts=int(hot_L.sum()),
+                dead_per_layer=dead_L.tolist(),
+                hot_per_layer=hot_L.tolist(),
+            )
         for name, nats, tokens in zip(self.dataset.source_names, per_source[::2], per_source[1::2], strict=False):
             record[f"loss/{name}"] = nats / tokens if tokens else None
         if mtp_v is not None:
             record["mtp_loss"] = mtp_v
         self.logger.log(step, **record, **(val or {}))
+        if load_LE is not None:
+            self.logger.log_expert_load(step, load_LE)
 
     def finish(self, step: int, status: str | None = None) -> dict:
         """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""

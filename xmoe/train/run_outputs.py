@@ -29,6 +29,8 @@ OUTPUTS = (
     "metrics.jsonl",
     "summary.json",
     "loss.png",
+    "expert_load.npy",
+    "expert_load.png",
     "checkpoints",
     "tensorboard",
     "tokenizer.json",
