@@ -50,13 +50,14 @@ def test_public_names_are_the_module_objects():
         xmoe.nonsense  # noqa: B018
 
 
-def test_readme_python_examples_run(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    assert blocks, "the README shows no Python example"
+@pytest.mark.parametrize("doc", ["README.md", "docs/usage.md"])
+def test_python_examples_run(doc, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+    assert blocks, f"{doc} shows no Python example"
     torch.manual_seed(0)
     for block in blocks:
         scope: dict = {}
-        exec(compile(block, "README.md", "exec"), scope)
+        exec(compile(block, doc, "exec"), scope)
     assert scope["y"].shape == (4, 128, 512)
     assert scope["loss"].item() > 0 and all(p.grad is not None for p in scope["model"].parameters())
 

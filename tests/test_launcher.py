@@ -22,7 +22,7 @@ from xmoe.train.checkpoint_dir import complete_checkpoints
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads parent pids from /proc")
 
-# what the README tells a Slurm script to test before requeueing a run launched by torchrun
+# what docs/operations.md tells a Slurm script to test before requeueing a run launched by torchrun
 REQUEUE = '"status": "stopped by SIGTERM'
 
 
