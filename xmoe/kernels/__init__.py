@@ -8,7 +8,10 @@
 
 The Triton backend also has ``router_topk`` (router_topk.py), which the router uses when its backend provides it.
 FP8 experts (``moe.fp8 = "experts"``) call the Triton FP8 ops directly, on GPUs with FP8 matrix instructions:
-fp8_experts.py (``moe_experts_fp8``, ``grouped_swiglu_fp8``), with their quantisers in fp8_quant.py.
+fp8_experts.py (``moe_experts_fp8``, ``grouped_swiglu_fp8``), with their quantisers in fp8_quant.py. Rows in FP8
+with 1 x 128 scales, as FP8 dispatch moves them, are exported here from fp8_rows.py (plain torch, any device):
+``quantize_rows``, ``dequantize_rows``, and ``Fp8Rows`` (with ``stand_in_rows``), the form in which
+``grouped_swiglu_fp8`` takes rows that arrive quantised.
 
 ``torch`` (reference.py) runs anywhere. ``triton`` (triton_ops.py) runs on any Triton backend (NVIDIA, AMD) and
 on CPU tensors under TRITON_INTERPRET=1 (fp32 only). ``auto`` picks triton for GPU tensors when Triton imports,
@@ -25,6 +28,10 @@ from types import ModuleType
 import torch
 
 from xmoe.kernels._common import interpreting
+from xmoe.kernels.fp8_rows import Fp8Rows as Fp8Rows
+from xmoe.kernels.fp8_rows import dequantize_rows as dequantize_rows
+from xmoe.kernels.fp8_rows import quantize_rows as quantize_rows
+from xmoe.kernels.fp8_rows import stand_in_rows as stand_in_rows
 
 
 @functools.cache

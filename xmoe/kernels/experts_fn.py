@@ -3,13 +3,14 @@ combine or not, for any GEMM set (gemm_sets.py: bf16; fp8_gemm_set.py: FP8).
 
 # T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows (expert-major)
 
-  experts(fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw)
+  experts(fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q)
       fused (token_ids_N given): x is x_TH, out[t] = sum_k w[t,k] expert_{e(t,k)}(x[t]), (T, H)
       grouped (token_ids_N None): x is x_NH, expert-major rows, y[n] = expert_{e(n)}(x[n]), (N, H)
-  fmt: None for the bf16 set, an FP8 format's name for the FP8 set (qw: its Fp8ExpertWeights).
+  fmt: None for the bf16 set, an FP8 format's name for the FP8 set (qw: its Fp8ExpertWeights; x_q: rows that
+  arrive quantised, (values, scales), with x a stand-in for them: fp8_experts.grouped_swiglu_fp8).
 
 What a GEMM set provides (stage methods; rows_in -> up -> down in forward, the rest in backward):
-  rows_in(x)                       the up GEMM's operand: x itself, or x quantised
+  rows_in(x)                       the up GEMM's operand: x itself, or its FP8 rows
   up(rows, token_ids_N, E, store)  (h1, h3, a): h1, h3 (N, F) kept for backward (empty unless store), a the down
                                    GEMM's operand (rows read at token_ids_N where given)
   down(a, E, c0, c1)               columns c0:c1 of y = a w2, (N, c1 - c0)
@@ -102,13 +103,15 @@ def restore(fmt: str | None, tensors: list[torch.Tensor], dtype: torch.dtype) ->
 
 class ExpertsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw):
+    def forward(
+        ctx, fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q
+    ):
         fused = token_ids_N is not None
         if fused and token_ids_N.shape != slot_ids_N.shape:
             raise ValueError(
                 f"token_ids_N {tuple(token_ids_N.shape)} and slot_ids_N {tuple(slot_ids_N.shape)} must have one shape"
             )
-        gemms = Bf16Gemms(w1, w3, w2) if fmt is None else Fp8Gemms(qw, fmt, x.dtype)
+        gemms = Bf16Gemms(w1, w3, w2) if fmt is None else Fp8Gemms(qw, fmt, x.dtype, x_q)
         rows = gemms.rows_in(x)
         h1, h3, a = gemms.up(rows, token_ids_N, tokens_per_expert_E, any(ctx.needs_input_grad))
         del rows
@@ -170,15 +173,15 @@ class ExpertsFn(torch.autograd.Function):
         dw1, dw3 = engine.w13(kept, gemms, x, token_ids_N, dh1, dh3)
         del dh1, dh3
         if not ctx.fused:
-            return None, dx, None, None, None, None, None, dw1, dw3, dw2, None
+            return None, dx, None, None, None, None, None, dw1, dw3, dw2, None, None
         # 5. the combine weights' gradient: one slot per kept row, dropped slots stay 0
         grad_w = torch.zeros(weights_TK.numel(), dtype=weights_TK.dtype, device=weights_TK.device)
         grad_w[slot_ids_N] = grad_w_N.to(grad_w.dtype)  # slots are unique: a permutation, no accumulation
-        return None, dx, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None
+        return None, dx, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None, None
 
 
-def experts(fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw):
+def experts(fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q):
     """ExpertsFn.apply (module docstring)."""
     return ExpertsFn.apply(
-        fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw
+        fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q
     )

@@ -6,17 +6,17 @@ gradients (kernels.wgrad = "fp8").
 Fp8Gemms: the GEMMs of fp8_gemm.py over the weights' FP8 copies (fp8_quant.Fp8ExpertWeights), results in the
 activations' dtype. Where each operand is quantised:
   rows_in     x once per token (quantize_rows: a (T, H) pass, K times fewer rows than the up GEMM reads by token
-              id), or once per row (grouped)
+              id), or nothing where the rows arrive quantised (x_q: FP8 dispatch)
   up          fp8_swiglu_up_fwd: h1, h3 in the activations' dtype, a quantised in its epilogue
   down        fp8_grouped_mm, y = a w2 (column ranges start on w2's 128-column scale blocks: quantum G)
   swiglu_bwd  the output gradient once per token (quantize_rows), then fp8_swiglu_down_bwd: da = g[tok] w2^T and
               the SwiGLU backward pass, which writes dh1, dh3, w a in the activations' dtype (for the weight
               gradients) and dh1 | dh3 quantised side by side (for dx)
   input_grad  fp8_grouped_mm, dx = (dh1 | dh3)(w1 | w3)^T, one product of depth 2F (fp8_gemm.input_grad_operands)
-The weight gradients: in the activations' dtype (gemm_sets.RowWgrad) from x, grad_out and the dh1, dh3, w a the
-SwiGLU backward wrote; or with kernels.wgrad = "fp8" (ColWgrad) in FP8 from those quantised in 128 x 1 groups down
-their columns (fp8_wgrad.py: x[tok] and g[tok] straight from x and grad_out by token id, the others in a pass
-each).
+The weight gradients: in the activations' dtype (gemm_sets.RowWgrad) from x (or the dequantised x_q), grad_out and
+the dh1, dh3, w a the SwiGLU backward wrote; or with kernels.wgrad = "fp8" (ColWgrad) in FP8 from those quantised
+in 128 x 1 groups down their columns (fp8_wgrad.py: x[tok] and g[tok] straight from x and grad_out by token id,
+the others in a pass each; x_q's rows dequantised, then quantised so).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from xmoe.kernels._common import cdiv
 from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd, input_grad_operands
 from xmoe.kernels.fp8_quant import GROUP, Fp8ExpertWeights, quantize_rows
+from xmoe.kernels.fp8_rows import dequantize_rows
 from xmoe.kernels.fp8_wgrad import ColumnGroups, column_groups, fp8_wgrad, quantize_cols, use_fp8_wgrad
 from xmoe.kernels.gemm_sets import RowWgrad, gathers, span
 
@@ -62,6 +63,7 @@ class ColWgrad(NamedTuple):
         """(dW1, dW3) = x[tok]^T (dh1, dh3) per expert: x's rows quantised down their columns once for both."""
         rows, ids = gemms.wgrad_rows(x, token_ids_N, False)
         xq_t, s_xt = quantize_cols(rows, ids, groups.bounds_3E, groups.expert_J, self.fmt)
+        del rows  # the dequantised rows of x_q: freed before the dh operands are quantised
         dw = []
         for dh in (dh1, dh3):
             dhq_t, s_dht = quantize_cols(dh, None, groups.bounds_3E, groups.expert_J, self.fmt)
@@ -72,11 +74,13 @@ class ColWgrad(NamedTuple):
 
 class Fp8Gemms(NamedTuple):
     """The experts' GEMMs in FP8 (module docstring). qw: the weights' FP8 copies (in the backward only those it
-    reads: w13_EHF, w2_EFH, scale13, scale2); fmt: the format's name; dtype: the activations'."""
+    reads: w13_EHF, w2_EFH, scale13, scale2); fmt: the format's name; dtype: the activations'; x_q: the input rows
+    as (values, scales) where they arrive quantised, else None."""
 
     qw: Fp8ExpertWeights
     fmt: str
     dtype: torch.dtype
+    x_q: tuple[torch.Tensor, torch.Tensor] | None
 
     @property
     def quantum(self) -> int:
@@ -85,13 +89,13 @@ class Fp8Gemms(NamedTuple):
     @classmethod
     def restore(cls, tensors: list[torch.Tensor], fmt: str, dtype: torch.dtype) -> Fp8Gemms:
         """From what ``saved`` gave."""
-        q13, q2, s13, s2 = tensors
+        q13, q2, s13, s2, *x_q = tensors
         qw = Fp8ExpertWeights(None, None, None, w13_EHF=q13, w2_EFH=q2, scale13=s13, scale2=s2)  # type: ignore[arg-type]
-        return cls(qw, fmt, dtype)
+        return cls(qw, fmt, dtype, (x_q[0], x_q[1]) if x_q else None)
 
     def saved(self) -> tuple[torch.Tensor, ...]:
         # the weights' other copies are held by their maker (once per step); only these are read in backward
-        return (self.qw.w13_EHF, self.qw.w2_EFH, self.qw.scale13, self.qw.scale2)
+        return (self.qw.w13_EHF, self.qw.w2_EFH, self.qw.scale13, self.qw.scale2, *(self.x_q or ()))
 
     @property
     def hidden(self) -> int:
@@ -102,7 +106,7 @@ class Fp8Gemms(NamedTuple):
         return self.qw.w13_EHF.shape[2] // 2
 
     def rows_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_rows(x, self.fmt)
+        return self.x_q if self.x_q is not None else quantize_rows(x, self.fmt)
 
     def up(self, rows, token_ids_N, counts_E, store_h):
         qw = self.qw
@@ -147,6 +151,8 @@ class Fp8Gemms(NamedTuple):
         return fp8_grouped_mm(a1, sa1, b1, sb1, a2, sa2, b2, sb2, counts_E, self.dtype, True)
 
     def wgrad_rows(self, x, token_ids_N, gather: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.x_q is not None:  # the rows arrived quantised: their weight gradients read them dequantised
+            return dequantize_rows(*self.x_q, self.dtype), None
         return (x.index_select(0, token_ids_N), None) if gather and token_ids_N is not None else (x, token_ids_N)
 
     def weight_grads(self, x, token_ids_N, counts_E, num_rows: int) -> RowWgrad | ColWgrad:

@@ -33,10 +33,10 @@ def moe_experts(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, token
     """Routed SwiGLU experts with gather and combine fused in: out[t] = sum_k w[t,k] * expert_{e(t,k)}(x[t])."""
     return experts(
         None, x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH,
-        None,
+        None, None,
     )  # fmt: skip
 
 
 def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
     """Per expert e: (silu(x w1_e) * (x w3_e)) w2_e over its rows."""
-    return experts(None, x_NH, None, None, None, None, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, None)
+    return experts(None, x_NH, None, None, None, None, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, None, None)
