@@ -16,6 +16,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402  (after the environment above)
 
+# A smaller-than-tiny model for runs through `xmoe train` (two layers of 8 experts of width 32, hidden 64, batches of 8
+# sequences of 64 tokens): seconds per run on the CPU. Tests import it (`from conftest import SMALL`) and add their
+# own steps, logging, checkpoints and device.
+SMALL = [
+    "--set",
+    "model.hidden_size=64",
+    "--set",
+    "moe.hidden_size=64",
+    "--set",
+    "model.num_layers=2",
+    "--set",
+    "moe.ffn_hidden_size=32",
+    "--set",
+    "moe.num_experts=8",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+]
+
 
 @pytest.fixture(params=[False, True], ids=["pointers", "descriptors"])
 def tma(request, monkeypatch):

@@ -25,10 +25,11 @@ CLI_MODULES = {
 
 
 def test_public_names_are_the_module_objects():
-    from xmoe.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+    from xmoe.config import DataConfig, KernelConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
     from xmoe.model.presets import get_preset
     from xmoe.model.transformer import Transformer
     from xmoe.moe.layer import MoELayer
+    from xmoe.parallel.build import build_model
     from xmoe.train.trainer import Trainer
 
     expected = dict(
@@ -42,6 +43,8 @@ def test_public_names_are_the_module_objects():
         get_preset=get_preset,
         Trainer=Trainer,
         DataConfig=DataConfig,
+        KernelConfig=KernelConfig,
+        build_model=build_model,
     )
     for name, obj in expected.items():
         assert getattr(xmoe, name) is obj, name

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import SMALL as SMALL_MODEL
 
 from xmoe.cli import main
 from xmoe.config import ModelConfig, MoEConfig, RunConfig
@@ -170,20 +171,7 @@ def test_heat_map_shows_a_planted_dead_expert_and_a_collapse(tmp_path):
 
 
 SMALL = [
-    "--set",
-    "model.hidden_size=64",
-    "--set",
-    "moe.hidden_size=64",
-    "--set",
-    "model.num_layers=2",
-    "--set",
-    "moe.ffn_hidden_size=32",
-    "--set",
-    "moe.num_experts=8",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "64",
+    *SMALL_MODEL,
     "--log-every",
     "2",
     "--ckpt-every",

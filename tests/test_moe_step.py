@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL
 
 from xmoe.cli import main
 from xmoe.config import ModelConfig, MoEConfig
@@ -20,23 +21,6 @@ from xmoe.moe.step import MoEStep
 from xmoe.parallel.regions import apply_recompute
 
 CPU = torch.device("cpu")
-# a smaller-than-tiny model for the runs through `xmoe train` (as tests/test_train.py)
-SMALL = [
-    "--set",
-    "model.hidden_size=64",
-    "--set",
-    "moe.hidden_size=64",
-    "--set",
-    "model.num_layers=2",
-    "--set",
-    "moe.ffn_hidden_size=32",
-    "--set",
-    "moe.num_experts=8",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "64",
-]
 
 
 def model_cfg(**moe) -> ModelConfig:

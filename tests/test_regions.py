@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import SMALL
 
 from xmoe.model.presets import get_preset
 from xmoe.model.transformer import Transformer
@@ -88,20 +89,7 @@ def test_compiled_training_tracks_eager_over_20_steps(tmp_path):
     from xmoe.cli import main
 
     small = [
-        "--set",
-        "model.hidden_size=64",
-        "--set",
-        "moe.hidden_size=64",
-        "--set",
-        "model.num_layers=2",
-        "--set",
-        "moe.ffn_hidden_size=32",
-        "--set",
-        "moe.num_experts=8",
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "64",
+        *SMALL,
         "--steps",
         "20",
         "--log-every",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL as SMALL_MODEL
 from dist_utils import run_distributed
 
 TOL = 1e-5  # relative to the reference's norm; fp32 with TP's different summation order
@@ -264,20 +265,7 @@ def test_ssmb_tp2_ep2():
 # ----------------------------------------------------------------------------------------------------- CLI
 
 SMALL = [
-    "--set",
-    "model.hidden_size=64",
-    "--set",
-    "moe.hidden_size=64",
-    "--set",
-    "model.num_layers=2",
-    "--set",
-    "moe.ffn_hidden_size=32",
-    "--set",
-    "moe.num_experts=8",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "64",
+    *SMALL_MODEL,
     "--steps",
     "6",
     "--log-every",

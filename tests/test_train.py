@@ -9,28 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SMALL
 
 from xmoe.cli import main
 from xmoe.model.counting import paper_params
 from xmoe.model.presets import get_preset
 
-# A smaller-than-tiny model keeps these runs to seconds; the default preset itself runs in the README command.
-SMALL = [
-    "--set",
-    "model.hidden_size=64",
-    "--set",
-    "moe.hidden_size=64",
-    "--set",
-    "model.num_layers=2",
-    "--set",
-    "moe.ffn_hidden_size=32",
-    "--set",
-    "moe.num_experts=8",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "64",
-]
+# A smaller-than-tiny model (SMALL, tests/conftest.py) keeps these runs to seconds; the default preset itself runs in
+# the README command.
 
 
 def losses(out: Path) -> dict[int, float]:

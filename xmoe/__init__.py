@@ -1,16 +1,18 @@
 """xmoe: train expert-specialized Mixture-of-Experts models, padding-free, from one CPU to many GPUs.
 
 The public API; everything else is reachable by its module path (``xmoe.parallel.dims.ParallelDims``, ...).
-``MoELayer``, ``Transformer`` and ``Trainer`` are imported on first use, so that ``import xmoe`` (which every
+``MoELayer``, ``Transformer``, ``build_model`` (the trainer's construction pipeline: meta build, parallel layout,
+then each rank's shards) and ``Trainer`` are imported on first use, so that ``import xmoe`` (which every
 ``xmoe.*`` import runs first) loads no torch: ``xmoe --help`` starts in a fraction of a second.
 """
 
 from xmoe._version import __version__
-from xmoe.config import DataConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+from xmoe.config import DataConfig, KernelConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
 from xmoe.model.presets import get_preset
 
 __all__ = [
     "DataConfig",
+    "KernelConfig",
     "MoEConfig",
     "MoELayer",
     "ModelConfig",
@@ -20,6 +22,7 @@ __all__ = [
     "Trainer",
     "Transformer",
     "__version__",
+    "build_model",
     "get_preset",
 ]
 
@@ -37,4 +40,8 @@ def __getattr__(name: str):
         from xmoe.moe.layer import MoELayer
 
         return MoELayer
+    if name == "build_model":
+        from xmoe.parallel.build import build_model
+
+        return build_model
     raise AttributeError(f"module 'xmoe' has no attribute {name!r}")

@@ -181,7 +181,7 @@ class KernelConfig:
         check_types(self)
 
 
-def add_kernel_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
+def add_kernel_arguments(p: argparse._ActionsContainer, when: str = "") -> None:
     """--wgrad and --autotune, the kernels section's flags, their help starting with ``when`` (e.g. "with --measure: ").
     `xmoe train` merges them into its config (xmoe/train/run_config.py); the other commands take ``kernel_config``."""
     p.add_argument(
