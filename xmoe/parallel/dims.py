@@ -1,4 +1,8 @@
-"""Parallel degrees -> rank layout -> device meshes. The only place in xmoe that creates process groups.
+"""Parallel degrees -> rank layout -> device meshes: the one place that builds xmoe's meshes, and with them the
+process groups of their axes, which everything else asks for by axis name. Besides them, the trainer makes the world
+group from the launcher's environment (train/launch.py; a simulated rank's fake world: train/simulate.py) and the
+stop vote's gloo group (train/safety.py: off the training collectives' stream), and its watchdog opens a connection
+of its own to the launcher's store (train/watchdog.py).
 
 # W world size; dp, ep, tp the data-, expert- and tensor-parallel degrees (W = dp * ep * tp); d, e, t a rank's
 # coordinates on those axes
