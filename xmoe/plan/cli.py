@@ -62,6 +62,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_arguments(mem)
+    _add_memory_layout_arguments(mem)
+    _add_memory_run_arguments(mem)
+    add_kernel_arguments(mem, "with --measure: ")
+
+    com = sub.add_parser(
+        "comm",
+        help="flat all-to-all vs RBD traffic and time of one MoE dispatch",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_arguments(com)
+    _add_comm_arguments(com)
+    add_step_arguments(com)
+
+
+def _add_memory_layout_arguments(mem: argparse.ArgumentParser) -> None:
+    """`plan memory`'s world, layout and model-size flags: what the planner fixes or searches."""
     mem.add_argument("--gpus", type=int, default=8, help="world size (default 8)")
     mem.add_argument(
         "--gpu-mem",
@@ -88,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="placement when an EP group cannot fit in a node (inside a node: always ep_first)",
     )
     mem.add_argument("--imbalance", type=float, default=1.0, help="max/mean routed rows per rank (default 1)")
+
+
+def _add_memory_run_arguments(mem: argparse.ArgumentParser) -> None:
+    """`plan memory`'s flags of how a rank runs: kernels, the one-GPU trainer's view, shortened models, and
+    --measure's simulated rank."""
     mem.add_argument(
         "--kernel",
         choices=("triton", "torch"),
@@ -124,15 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mem.add_argument("--steps", type=int, default=3, help="with --measure: training steps (default 3, >= 3)")
     mem.add_argument("--device", default="auto", help="with --measure: auto (GPU if present, default), cpu or cuda")
     mem.add_argument("--json", action="store_true", help="with --measure: print one JSON object instead")
-    add_kernel_arguments(mem, "with --measure: ")
 
-    com = sub.add_parser(
-        "comm",
-        help="flat all-to-all vs RBD traffic and time of one MoE dispatch",
-        epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_model_arguments(com)
+
+def _add_comm_arguments(com: argparse.ArgumentParser) -> None:
+    """`plan comm`'s world, links and routing."""
     com.add_argument("--gpus", type=int, default=64, help="world size (default 64)")
     com.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     com.add_argument("--ep", type=int, help="expert-parallel degree (default min(E, gpus / tp))")
@@ -153,7 +170,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     com.add_argument("--tokens-per-gpu", type=int, help="tokens each GPU routes (default: the preset's seq)")
     com.add_argument("--mc-tokens", type=int, default=4096, help="Monte Carlo tokens per source GPU (default 4096)")
     com.add_argument("--seed", type=int, default=0, help="seed of the sampled routing (default 0)")
-    add_step_arguments(com)
 
 
 def add_step_arguments(com: argparse.ArgumentParser) -> None:
@@ -207,7 +223,13 @@ def add_step_arguments(com: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Counts >= 1 and sizes finite and > 0 (>= 0 where zero means something), naming the flag."""
+    """Counts >= 1 and sizes finite and > 0 (>= 0 where zero means something), then the planner's limits, naming
+    the flag."""
+    _check_ranges(args)
+    _check_limits(args)
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
     counts = (
         "gpus",
         "gpus_per_node",
@@ -254,6 +276,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("give --compute-ms (per step) or --layer-compute-ms (per layer), not both")
     if getattr(args, "seed", 0) < 0:
         raise ValueError(f"--seed ({args.seed}) must be >= 0")
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    """What the planner can lay out, walk and sample in reasonable time and memory."""
     if args.gpus > MAX_GPUS:
         raise ValueError(f"--gpus ({args.gpus}) must be <= {MAX_GPUS}: the planner lays out every rank")
     if getattr(args, "measure", False) and args.gpus > MAX_MEASURE_GPUS:

@@ -215,6 +215,34 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
     else:
         model = get_preset(preset)
     imported = model
+    sections = _sections(args, file, init_from)
+    if "moe" in sections["model"]:
+        raise ValueError(
+            "model.moe is its own section: set its fields as moe.FIELD (e.g. --set moe.top_k=2, or a "
+            "[moe] table in --config)"
+        )
+    if "hidden_size" in sections["model"]:  # the MoE block's width follows the model's unless set explicitly
+        sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
+    moe = _apply(model.moe, "moe", sections["moe"])
+    model = _apply(model, "model", {**sections["model"], "moe": moe})
+    if init_from:
+        _check_imported(init_from, hf, imported, model, args.allow_changes)
+    default_train = TrainConfig(lr=1e-4) if init_from else _default_train(preset, model)
+    train = _apply(default_train, "train", sections["train"])
+    data = _apply(DataConfig(), "data", sections["data"])
+    _check_val_data(data, train)
+
+    parallel = _parallel_config(args, sections["parallel"])
+    _check_expert_parallel(model, parallel)
+    kernels = _apply(KernelConfig(), "kernels", sections["kernels"])
+    return RunConfig(
+        model=model, train=train, parallel=parallel, kernels=kernels, data=data, init_from=init_from, preset=preset
+    )
+
+
+def _sections(args: argparse.Namespace, file: dict[str, Any], init_from: str | None) -> dict[str, dict[str, Any]]:
+    """Each config section's values, lowest first: the config file's, then --set's, then the dedicated flags'; text
+    data under init_from is read with the imported tokenizer unless one is set."""
     sections: dict[str, dict[str, Any]] = {name: dict(file.get(name, {})) for name in SECTIONS}
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -258,24 +286,12 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
             sections["data"][field] = value
     if init_from and "tokenizer" not in sections["data"]:  # text data is read with the imported tokenizer
         sections["data"]["tokenizer"] = _imported_tokenizer(init_from)
+    return sections
 
-    if "moe" in sections["model"]:
-        raise ValueError(
-            "model.moe is its own section: set its fields as moe.FIELD (e.g. --set moe.top_k=2, or a "
-            "[moe] table in --config)"
-        )
-    if "hidden_size" in sections["model"]:  # the MoE block's width follows the model's unless set explicitly
-        sections["moe"].setdefault("hidden_size", sections["model"]["hidden_size"])
-    moe = _apply(model.moe, "moe", sections["moe"])
-    model = _apply(model, "model", {**sections["model"], "moe": moe})
-    if init_from:
-        _check_imported(init_from, hf, imported, model, args.allow_changes)
-    default_train = TrainConfig(lr=1e-4) if init_from else _default_train(preset, model)
-    train = _apply(default_train, "train", sections["train"])
-    data = _apply(DataConfig(), "data", sections["data"])
-    _check_val_data(data, train)
 
-    par_values = dict(sections["parallel"])
+def _parallel_config(args: argparse.Namespace, values: dict[str, Any]) -> ParallelConfig:
+    """The parallel section with its flags merged; dp derived last, from the world and the merged ep and tp."""
+    par_values = dict(values)
     flags = {
         "dp": args.dp,
         "ep": args.ep,
@@ -292,6 +308,11 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
     if "dp" not in par_values:  # derived after the merge, from the ep and tp that will be used
         world = int(os.environ.get("WORLD_SIZE", "1"))
         parallel = dataclasses.replace(parallel, dp=max(1, world // (parallel.ep * parallel.tp)))
+    return parallel
+
+
+def _check_expert_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The experts divide over the EP ranks; the expert-parallel settings that do nothing at ep == 1 say so."""
     from xmoe.dispatch.base import experts_per_rank  # imports torch: not at module level (xmoe --help)
 
     experts_per_rank(model.moe.num_experts, parallel.ep)  # the one home of that check; names the fix
@@ -299,25 +320,21 @@ def build_run_config(args: argparse.Namespace, *, read_weights: bool = True) -> 
         warnings.warn(
             "moe.dispatch_dtype 'fp8' changes how rows travel between expert-parallel ranks and does nothing with "
             "ep == 1 (nothing travels); pass --ep > 1",
-            stacklevel=2,
+            stacklevel=3,
         )
     if model.moe.dispatcher == "rbd" and parallel.ep == 1:
         warnings.warn(
             "moe.dispatcher 'rbd' changes how tokens travel between expert-parallel ranks and does "
             "nothing with ep == 1 (one process runs the local dispatcher); pass --ep > 1",
-            stacklevel=2,
+            stacklevel=3,
         )
     if model.moe.max_nodes_per_token and parallel.ep == 1:
         warnings.warn(
             f"moe.max_nodes_per_token ({model.moe.max_nodes_per_token}) limits the nodes of an expert-parallel "
             "group a token's experts live on and does nothing with ep == 1 (every expert on every rank); pass "
             "--ep > 1",
-            stacklevel=2,
+            stacklevel=3,
         )
-    kernels = _apply(KernelConfig(), "kernels", sections["kernels"])
-    return RunConfig(
-        model=model, train=train, parallel=parallel, kernels=kernels, data=data, init_from=init_from, preset=preset
-    )
 
 
 def _check_imported(init_from: str, hf: dict, imported: ModelConfig, model: ModelConfig, allow_changes: bool) -> None:
