@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xmoe.kernels.fp8_rows import Fp8Rows
+
 
 class ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by ``scale``."""
@@ -63,7 +65,10 @@ def scale_weight_grads(module: nn.Module, scale: float) -> None:
     the output gradient is scaled by ``scale`` on the way in, the input gradient by 1 / scale on the way out."""
 
     def scale_input(mod, args):
-        return (ScaleGrad.apply(args[0], 1.0 / scale), *args[1:])
+        rows = args[0]
+        if isinstance(rows, Fp8Rows):  # rows dispatched in FP8: their gradient flows through the stand-in
+            return (rows._replace(stand_in=ScaleGrad.apply(rows.stand_in, 1.0 / scale)), *args[1:])
+        return (ScaleGrad.apply(rows, 1.0 / scale), *args[1:])
 
     def scale_output(mod, args, out):
         # a tensor hook, not ScaleGrad: an autograd.Function's identity output is a view, and FSDP2 warns about
