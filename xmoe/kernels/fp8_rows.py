@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -71,15 +72,17 @@ def quantize_rows(x_RC: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Ten
     if cols % GROUP:  # a partial last group: zeros do not change its amax
         v = torch.nn.functional.pad(v, (0, groups * GROUP - cols))
     v = v.contiguous().view(rows, groups, GROUP)
-    mag = v.abs()
-    mag = torch.where(torch.isnan(mag), 0.0, mag)  # NaN is no group's largest magnitude, as in the kernel's max
+    # NaN is no group's largest magnitude, as in the kernel's max (infinities stay what they are)
+    mag = v.abs().nan_to_num_(nan=0.0, posinf=math.inf)
     amax = (mag.amax(dim=2) if v.numel() else v.new_zeros(rows, groups)).clamp(min=1e-30)
+    del mag
     fmax = torch.full_like(amax, form.max)
     scale = torch.div(amax, fmax)  # tensor by tensor: correctly rounded quotients (a scalar divisor may not be)
-    vals = (v * torch.div(fmax, amax)[:, :, None]).to(form.dtype).float()
-    vals = torch.where(vals == 0, 0.0, vals)  # +0 for everything that rounds to zero, as the interpreter stores
-    q = vals.view(rows, groups * GROUP)[:, :cols].to(form.dtype)
-    return q, scale
+    q = (v * torch.div(fmax, amax)[:, :, None]).to(form.dtype).view(rows, groups * GROUP)
+    if form.dtype == torch.float8_e4m3fn:  # +0 for everything that rounds to zero, as the interpreter stores
+        bits = q.view(torch.uint8)  # (e4m3fnuz has no negative zero: 0x80 is its NaN)
+        bits.masked_fill_(bits == 0x80, 0)
+    return (q if cols % GROUP == 0 else q[:, :cols].contiguous()), scale
 
 
 def dequantize_rows(q_RC: torch.Tensor, scale_RG: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
