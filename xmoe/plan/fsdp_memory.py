@@ -124,146 +124,194 @@ def _fsdp_moments(
 ) -> list[tuple[str, dict[str, float]]]:
     """Every moment of one FSDP2 training step that can hold its peak, as (label, bytes by term): the loss, each
     layer's FFN and attention branches in backward order, the end of backward, the optimizer step."""
-    H, V, L, moe = cfg.hidden_size, cfg.vocab_size, len(units.layers), cfg.moe
-    b, T, tp = activation_bytes(precision), acts.tokens, par.tp
-    P = sum(u.shard for u in units.all())
-    base = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P}
-    moments: list[tuple[str, dict[str, float]]] = []
+    walk = _BackwardWalk(cfg, par, units, acts, recompute, precision, kernel, ssmb)
+    walk.loss()
+    for i in reversed(range(len(units.layers))):
+        if units.layers[i].experts:
+            walk.moe_layer(i)
+        else:
+            walk.dense_layer(i)
+    walk.end_of_backward()
+    walk.at("optimizer step", grads=GRAD_BYTES * walk.params, adam_step=_adam_step(cfg, par, precision, sharded=True))
+    return walk.moments
 
-    def at(label: str, **terms: float) -> None:
-        moments.append((label, base | terms))
 
-    residual = RESIDUAL_BYTES * T * H
-    attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
-    plans = [
-        _keeps(recompute, attn_b, moe_b if layer.experts else dense_b, residual, layer.experts is not None)
-        for layer in units.layers
-    ]
-    # a multi-token-prediction module keeps its norms' and projection's activations beside its block's, until its
-    # attention branch's backward is done (never recomputed)
-    mtp = mtp_activations(T, H, b)
-    for i in range(cfg.num_layers, L):
-        kept, ffn_regen, ffn_done, attn_regen, attn_done = plans[i]
-        plans[i] = (kept + mtp, ffn_regen, ffn_done, attn_regen, attn_done + mtp)
-    tail = norm_activations(T, H) + b * T * H  # the final norm, the head's input
-    left = sum(plan[0] for plan in plans)
-    root, head_grad = units.root.weights, units.root.width * units.head
-    # the loss: the log-softmax's backward (bf16 logits, fp32 log-probabilities and both gradients, or all fp32),
-    # then the head's weight gradient beside the logits' (with several chunks, added into the earlier chunks')
-    chunk = min(T, LOSS_CHUNK_TOKENS)
-    more = float(T > chunk)
-    # each multi-token-prediction depth's loss holds its own head gradient from forward to the losses' backward
-    held = cfg.mtp_depth * more * head_grad
-    first = units.layers[-1].block.weights  # the root's backward prefetches the last block
-    at(
-        "loss backward",
-        gathered=root,
-        prefetch=first,
-        grads=more * head_grad + held,
-        activations=left + tail,
-        transient=12 * chunk * V,
-    )
-    at(
-        "head gradient",
-        gathered=root,
-        prefetch=first,
-        grads=(1 + more) * head_grad + held,
-        activations=left + tail,
-        transient=b * chunk * V,
-    )
-    # expert rows' gradients in the grouped SwiGLU's backward: in and out (N x H each), and of h1 / h3
-    rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if kernel == "torch" else 2 * moe.ffn_hidden_size))
-    # the combine's backward: the rows' output gradients, and on the torch path fp32 products (and fp32 copies of
-    # them and of the expert outputs when b < 4) for the rows' and the weights' gradients; Triton: two row tensors
-    NH = acts.rows * H
-    combine_grad = (b + 8 + (8 if b < 4 else 0)) * NH if kernel == "torch" else 2 * b * NH
-    reduced, in_flight = 0.0, 0.0
-    for i in reversed(range(L)):
-        layer, (_, ffn_regen, ffn_done, attn_regen, attn_done) = units.layers[i], plans[i]
+class _BackwardWalk:
+    """One FSDP2 step walked backward, moment by moment: what stays gathered, prefetched, reduced and in flight, and
+    the activations still held (``left``), as the backward frees them layer by layer."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        par: ParallelConfig,
+        units: _Units,
+        acts: _LayerActivations,
+        recompute: str,
+        precision: str,
+        kernel: str,
+        ssmb: bool,
+    ) -> None:
+        H, L, moe = cfg.hidden_size, len(units.layers), cfg.moe
+        self.cfg, self.units, self.acts, self.kernel, self.ssmb = cfg, units, acts, kernel, ssmb
+        self.b, self.T, self.tp = activation_bytes(precision), acts.tokens, par.tp
+        self.params = sum(u.shard for u in units.all())
+        self.base = {"params": MASTER_BYTES * self.params, "optimizer": ADAM_BYTES * self.params}
+        self.moments: list[tuple[str, dict[str, float]]] = []
+        self.residual = RESIDUAL_BYTES * self.T * H
+        attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
+        self.plans = [
+            _keeps(recompute, attn_b, moe_b if layer.experts else dense_b, self.residual, layer.experts is not None)
+            for layer in units.layers
+        ]
+        # a multi-token-prediction module keeps its norms' and projection's activations beside its block's, until
+        # its attention branch's backward is done (never recomputed)
+        mtp = mtp_activations(self.T, H, self.b)
+        for i in range(cfg.num_layers, L):
+            kept, ffn_regen, ffn_done, attn_regen, attn_done = self.plans[i]
+            self.plans[i] = (kept + mtp, ffn_regen, ffn_done, attn_regen, attn_done + mtp)
+        self.left = sum(plan[0] for plan in self.plans)
+        self.root, self.head_grad = units.root.weights, units.root.width * units.head
+        # expert rows' gradients in the grouped SwiGLU's backward: in and out (N x H each), and of h1 / h3
+        F = moe.ffn_hidden_size
+        self.rows_grad = self.b * acts.rows * (2 * H + (F if kernel == "torch" else 2 * F))
+        # the combine's backward: the rows' output gradients, and on the torch path fp32 products (and fp32 copies
+        # of them and of the expert outputs when b < 4) for the rows' and the weights' gradients; Triton: two row
+        # tensors
+        NH = acts.rows * H
+        b = self.b
+        self.combine_grad = (b + 8 + (8 if b < 4 else 0)) * NH if kernel == "torch" else 2 * b * NH
+        self.reduced, self.in_flight = 0.0, 0.0
+
+    def at(self, label: str, **terms: float) -> None:
+        self.moments.append((label, self.base | terms))
+
+    def loss(self) -> None:
+        """The loss: the log-softmax's backward (bf16 logits, fp32 log-probabilities and both gradients, or all
+        fp32), then the head's weight gradient beside the logits' (with several chunks, added into the earlier
+        chunks')."""
+        cfg, T, head_grad = self.cfg, self.T, self.head_grad
+        tail = norm_activations(T, cfg.hidden_size) + self.b * T * cfg.hidden_size  # the final norm, the head's input
+        chunk = min(T, LOSS_CHUNK_TOKENS)
+        more = float(T > chunk)
+        # each multi-token-prediction depth's loss holds its own head gradient from forward to the losses' backward
+        held = cfg.mtp_depth * more * head_grad
+        first = self.units.layers[-1].block.weights  # the root's backward prefetches the last block
+        V, root, left = cfg.vocab_size, self.root, self.left
+        self.at(
+            "loss backward",
+            gathered=root,
+            prefetch=first,
+            grads=more * head_grad + held,
+            activations=left + tail,
+            transient=12 * chunk * V,
+        )
+        self.at(
+            "head gradient",
+            gathered=root,
+            prefetch=first,
+            grads=(1 + more) * head_grad + held,
+            activations=left + tail,
+            transient=self.b * chunk * V,
+        )
+
+    def _next_weights(self, i: int) -> float:
+        """What layer i's backward prefetches: the block before it, or the embedding."""
+        units = self.units
+        return units.layers[i - 1].block.weights if i else (units.embed.weights if units.embed else 0.0)
+
+    def dense_layer(self, i: int) -> None:
+        """A dense block: one unit, one stage."""
+        block, (_, ffn_regen, ffn_done, _, attn_done) = self.units.layers[i].block, self.plans[i]
+        self.at(
+            f"layer {i} block backward",
+            gathered=self.root + block.weights,
+            prefetch=self._next_weights(i),
+            grads=self.head_grad + self.reduced,
+            grads_unit=block.weights,
+            reduce_buffer=self.in_flight,
+            activations=self.left + ffn_regen,
+            transient=2 * self.residual + 2 * self.b * self.T * self.cfg.ffn_hidden_size / self.tp,
+        )
+        self.reduced, self.in_flight = self.reduced + block.reduced, block.reduce_input
+        self.left = self.left - ffn_done - attn_done
+
+    def moe_layer(self, i: int) -> None:
+        """The MoE branch's backward: the combine's first (the experts' all-gather prefetched; the shared experts'
+        gradients made), which frees its buffer; then w2's gradient, then w1's and w3's, by which time the torch
+        path's separate ops have freed the hidden tensors (one Triton op keeps them to its end); SSMB averages each
+        weight's gradient over tp into a new tensor, one weight at a time. Then the attention branch's."""
+        layer, (_, ffn_regen, ffn_done, attn_regen, attn_done) = self.units.layers[i], self.plans[i]
         block, experts, router = layer.block, layer.experts, layer.router or _NO_UNIT
-        nxt = units.layers[i - 1].block.weights if i else (units.embed.weights if units.embed else 0.0)
-        if not experts:  # a dense block: one unit, one stage
-            at(
-                f"layer {i} block backward",
-                gathered=root + block.weights,
-                prefetch=nxt,
-                grads=head_grad + reduced,
-                grads_unit=block.weights,
-                reduce_buffer=in_flight,
-                activations=left + ffn_regen,
-                transient=2 * residual + 2 * b * T * cfg.ffn_hidden_size / tp,
-            )
-            reduced, in_flight, left = reduced + block.reduced, block.reduce_input, left - ffn_done - attn_done
-            continue
-        # the MoE branch's backward: the combine's first (the experts' all-gather prefetched; the shared experts'
-        # gradients made), which frees its buffer; then w2's gradient, then w1's and w3's, by which time the torch
-        # path's separate ops have freed the hidden tensors (one Triton op keeps them to its end); SSMB averages each
-        # weight's gradient over tp into a new tensor, one weight at a time
+        assert experts is not None
+        root, nxt, acts = self.root, self._next_weights(i), self.acts
         moe_side = block.width * layer.moe_side
-        at(
+        self.at(
             f"layer {i} MoE backward",
             gathered=root + block.weights,
             prefetch=experts.weights + router.weights,
-            grads=head_grad + reduced,
-            reduce_buffer=in_flight,
-            activations=left + ffn_regen,
+            grads=self.head_grad + self.reduced,
+            reduce_buffer=self.in_flight,
+            activations=self.left + ffn_regen,
             grads_unit=moe_side,
-            transient=residual + combine_grad,
+            transient=self.residual + self.combine_grad,
         )
-        average = experts.weights / 3 if ssmb and tp > 1 else 0.0
-        live = left + ffn_regen - acts.moe.get("combine_buffer", 0.0)
-        hidden = acts.moe.get("expert_hidden", 0.0) if kernel == "torch" else 0.0
+        average = experts.weights / 3 if self.ssmb and self.tp > 1 else 0.0
+        live = self.left + ffn_regen - acts.moe.get("combine_buffer", 0.0)
+        hidden = acts.moe.get("expert_hidden", 0.0) if self.kernel == "torch" else 0.0
         for grads_made, freed in ((experts.weights / 3, 0.0), (experts.weights, hidden)):
-            at(
+            self.at(
                 f"layer {i} MoE backward",
                 gathered=root + block.weights,
                 gathered_own=experts.weights + router.weights,
                 prefetch=nxt,
-                grads=head_grad + reduced,
-                reduce_buffer=in_flight,
+                grads=self.head_grad + self.reduced,
+                reduce_buffer=self.in_flight,
                 activations=live - freed,
                 grads_unit=grads_made + router.weights + moe_side,
-                transient=residual + rows_grad + average,
+                transient=self.residual + self.rows_grad + average,
             )
-        reduced += experts.reduced + router.reduced
-        in_flight = (router if layer.router else experts).reduce_input
-        left -= ffn_done
-        at(
+        self.reduced += experts.reduced + router.reduced
+        self.in_flight = (router if layer.router else experts).reduce_input
+        self.left -= ffn_done
+        self.at(
             f"layer {i} attention backward",
             gathered=root + block.weights,
             prefetch=nxt,
-            grads=head_grad + reduced,
+            grads=self.head_grad + self.reduced,
             grads_unit=block.weights,
-            reduce_buffer=in_flight,
-            activations=left + attn_regen,
-            transient=2 * residual + 4 * b * T * H / tp,
+            reduce_buffer=self.in_flight,
+            activations=self.left + attn_regen,
+            transient=2 * self.residual + 4 * self.b * self.T * self.cfg.hidden_size / self.tp,
         )
-        reduced, in_flight, left = reduced + block.reduced, block.reduce_input, left - attn_done
-    root_grads = head_grad if units.embed else units.root.weights  # the embedding's own, on CPUs or when tied
-    embed = units.embed or _NO_UNIT
-    # the embedding's gradient, then (in the final callback) the root's reduce-scatter: its gathered weights are
-    # freed first and the buffer in flight released, the gradients copied into an fp32 input; then the embedding's
-    at(
-        "embedding backward",
-        gathered=root,
-        gathered_own=embed.weights,
-        grads=root_grads + reduced,
-        grads_unit=embed.weights,
-        reduce_buffer=in_flight,
-    )
-    at(
-        "root reduce-scatter",
-        gathered_own=embed.weights,
-        grads=root_grads + reduced,
-        grads_unit=embed.weights,
-        reduce_buffer=units.root.reduce_input,
-    )
-    if units.embed:
-        at(
-            "embedding reduce-scatter",
-            grads=reduced + units.root.reduced,
+        self.reduced, self.in_flight = self.reduced + block.reduced, block.reduce_input
+        self.left = self.left - attn_done
+
+    def end_of_backward(self) -> None:
+        """The embedding's gradient, then (in the final callback) the root's reduce-scatter: its gathered weights
+        are freed first and the buffer in flight released, the gradients copied into an fp32 input; then the
+        embedding's."""
+        units, reduced = self.units, self.reduced
+        root_grads = self.head_grad if units.embed else units.root.weights  # the embedding's own, CPUs or tied
+        embed = units.embed or _NO_UNIT
+        self.at(
+            "embedding backward",
+            gathered=self.root,
+            gathered_own=embed.weights,
+            grads=root_grads + reduced,
             grads_unit=embed.weights,
-            reduce_buffer=embed.reduce_input,
+            reduce_buffer=self.in_flight,
         )
-    at("optimizer step", grads=GRAD_BYTES * P, adam_step=_adam_step(cfg, par, precision, sharded=True))
-    return moments
+        self.at(
+            "root reduce-scatter",
+            gathered_own=embed.weights,
+            grads=root_grads + reduced,
+            grads_unit=embed.weights,
+            reduce_buffer=units.root.reduce_input,
+        )
+        if units.embed:
+            self.at(
+                "embedding reduce-scatter",
+                grads=reduced + units.root.reduced,
+                grads_unit=embed.weights,
+                reduce_buffer=embed.reduce_input,
+            )

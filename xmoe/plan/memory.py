@@ -208,55 +208,17 @@ def estimate_memory(
         raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE_MODES}")
     if imbalance < 1.0:
         raise ValueError(f"imbalance ({imbalance}) is max/mean rows per rank and must be >= 1")
-    b = activation_bytes(precision)
+    activation_bytes(precision)  # an unknown precision refused before anything else
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     _validate(cfg, parallel, micro_batch, seq_len, ssmb)
-    tp, ep = parallel.tp, parallel.ep
+    tp = parallel.tp
     T = micro_batch * seq_len
     T_moe = T // tp if ssmb and tp > 1 else T
-    autocast = precision == "bf16"
     n_moe = sum(block_kinds(cfg))  # the multi-token-prediction blocks included
-    n_dense = len(block_kinds(cfg)) - n_moe
-    attn = attention_activations(T, cfg.hidden_size, cfg.num_heads, tp, b, autocast)
-    moe_act = (
-        moe_activations(
-            cfg.moe,
-            T_moe,
-            ep=ep,
-            padded=padded,
-            capacity_factor=capacity_factor,
-            imbalance=imbalance,
-            kernel=kernel,
-            b=b,
-            router_fp32=True,
-        )
-        if n_moe
-        else {}
+    acts = _activations(cfg, parallel, T, T_moe, padded, capacity_factor, imbalance, kernel, precision)
+    wrapper, units, label, terms, expert_params, dense_params = _peak(
+        cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel, ssmb, accumulation
     )
-    dense_act = dense_ffn_activations(T, cfg.hidden_size, cfg.ffn_hidden_size, tp, b, autocast) if n_dense else {}
-    rows = moe_act.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
-    if moe_act and ep == 1 and kernel == "triton" and not padded:
-        # one EP rank: the local dispatcher lets the Triton experts fuse gather, SwiGLU and combine, keeping the
-        # tokens they read and no dispatch or combine buffer (as block_activations' fused path)
-        moe_act.update(dispatch_buffer=b * T_moe * cfg.hidden_size, combine_buffer=0.0)
-    acts = _LayerActivations(attn, moe_act, dense_act, rows, T)
-    units = None
-    if parallel.world_size > 1 and (tp > 1 or ep > 1):
-        wrapper = "FSDP2"
-        units = _fsdp_units(cfg, parallel, precision)
-        label, terms = max(
-            _fsdp_moments(cfg, parallel, units, acts, recompute, precision, kernel, ssmb),
-            key=lambda moment: sum(moment[1].values()),
-        )
-        expert_params = sum(u.shard for u in units.experts())
-        dense_params = sum(u.shard for u in units.all()) - expert_params
-    else:
-        wrapper = "DDP" if parallel.world_size > 1 else "none"
-        label, terms = _replica_peak(
-            cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel, accumulation
-        )
-        routed = count_params(cfg).total_by_part["routed_experts"]
-        expert_params, dense_params = routed, count_params(cfg).total - routed
     fields = dict.fromkeys(set(TERMS.values()), 0.0)
     for term, value in terms.items():
         fields[TERMS[term]] += value
@@ -281,9 +243,9 @@ def estimate_memory(
         dense_params=dense_params,
         expert_params=expert_params,
         reserve=reserve_gib * GIB,
-        traffic=_traffic(cfg, parallel, units, precision, rows),
-        attention_layer=attn,
-        ffn_layer=moe_act or dense_act,
+        traffic=_traffic(cfg, parallel, units, precision, acts.rows),
+        attention_layer=acts.attention,
+        ffn_layer=acts.moe or acts.dense,
         precision=precision,
         wrapper=wrapper,
         peak_at=label,
@@ -291,6 +253,82 @@ def estimate_memory(
         notes=tuple(notes),
         **fields,
     )
+
+
+def _activations(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    T: int,
+    T_moe: int,
+    padded: bool,
+    capacity_factor: float | None,
+    imbalance: float,
+    kernel: str,
+    precision: str,
+) -> _LayerActivations:
+    """One layer's saved activations by sub-block (attention, MoE, dense FFN) and the rows a rank computes."""
+    tp, ep = parallel.tp, parallel.ep
+    b, autocast = activation_bytes(precision), precision == "bf16"
+    n_moe = sum(block_kinds(cfg))
+    n_dense = len(block_kinds(cfg)) - n_moe
+    attn = attention_activations(T, cfg.hidden_size, cfg.num_heads, tp, b, autocast)
+    moe_act = (
+        moe_activations(
+            cfg.moe,
+            T_moe,
+            ep=ep,
+            padded=padded,
+            capacity_factor=capacity_factor,
+            imbalance=imbalance,
+            kernel=kernel,
+            b=b,
+            router_fp32=True,
+        )
+        if n_moe
+        else {}
+    )
+    dense_act = dense_ffn_activations(T, cfg.hidden_size, cfg.ffn_hidden_size, tp, b, autocast) if n_dense else {}
+    rows = moe_act.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
+    if moe_act and ep == 1 and kernel == "triton" and not padded:
+        # one EP rank: the local dispatcher lets the Triton experts fuse gather, SwiGLU and combine, keeping the
+        # tokens they read and no dispatch or combine buffer (as block_activations' fused path)
+        moe_act.update(dispatch_buffer=b * T_moe * cfg.hidden_size, combine_buffer=0.0)
+    return _LayerActivations(attn, moe_act, dense_act, rows, T)
+
+
+def _peak(
+    cfg: ModelConfig,
+    parallel: ParallelConfig,
+    acts: _LayerActivations,
+    micro_batch: int,
+    seq_len: int,
+    recompute: str,
+    precision: str,
+    kernel: str,
+    ssmb: bool,
+    accumulation: int,
+) -> tuple[str, _Units | None, str, dict[str, float], float, float]:
+    """(wrapper, FSDP2 units or None, the peak's moment, its bytes by term, expert and dense parameters per rank):
+    the FSDP2 walk where experts or heads are sharded, else a replica's (one process, DDP)."""
+    tp, ep = parallel.tp, parallel.ep
+    units = None
+    if parallel.world_size > 1 and (tp > 1 or ep > 1):
+        wrapper = "FSDP2"
+        units = _fsdp_units(cfg, parallel, precision)
+        label, terms = max(
+            _fsdp_moments(cfg, parallel, units, acts, recompute, precision, kernel, ssmb),
+            key=lambda moment: sum(moment[1].values()),
+        )
+        expert_params = sum(u.shard for u in units.experts())
+        dense_params = sum(u.shard for u in units.all()) - expert_params
+    else:
+        wrapper = "DDP" if parallel.world_size > 1 else "none"
+        label, terms = _replica_peak(
+            cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel, accumulation
+        )
+        routed = count_params(cfg).total_by_part["routed_experts"]
+        expert_params, dense_params = routed, count_params(cfg).total - routed
+    return wrapper, units, label, terms, expert_params, dense_params
 
 
 def _traffic(
@@ -366,26 +404,8 @@ def search_layouts(
     ep among the divisors of E that divide gpus / tp, dp = the rest, micro-batch 1, 2, 4, ... up to
     ``max_micro_batch``, recompute none / moe / full. Placement is EP-first when EP*TP fits in a node.
     ``kwargs`` go to estimate_memory (padded, capacity_factor, ssmb, seq_len, imbalance, ...)."""
-    if gpus < 1:
-        raise ValueError(f"gpus ({gpus}) must be >= 1")
-    if gpus_per_node < 1:
-        raise ValueError(f"gpus per node ({gpus_per_node}) must be >= 1")
-    if gpus > gpus_per_node and gpus % gpus_per_node:
-        raise ValueError(f"gpus ({gpus}) must be a multiple of gpus per node ({gpus_per_node}); use whole nodes")
-    if tp is not None and tp > gpus_per_node:
-        raise ValueError(f"tp ({tp}) must be <= gpus per node ({gpus_per_node}): TP needs the intra-node links")
-    for label, value in (("tp", tp), ("ep", ep), ("dp", dp)):
-        if value is not None and (value < 1 or gpus % value):
-            raise ValueError(f"{label} ({value}) must divide gpus ({gpus})")
-    given = [v for v in (tp, ep, dp) if v is not None]
-    if (len(given) == 3 and math.prod(given) != gpus) or gpus % math.prod(given):
-        raise ValueError(
-            f"tp * ep * dp = {'*'.join(map(str, given))} = {math.prod(given)} must equal (or, with one "
-            f"left to search, divide) gpus ({gpus})"
-        )
+    _check_search(gpus, gpus_per_node, tp, ep, dp, max_micro_batch)
     tps = [tp] if tp else [t for t in TP_CHOICES if t <= gpus_per_node and not gpus % t and not cfg.num_heads % t]
-    if max_micro_batch < 1:
-        raise ValueError(f"max_micro_batch ({max_micro_batch}) must be >= 1")
     mbs = [micro_batch] if micro_batch else [2**i for i in range(max_micro_batch.bit_length())]
     recs = [recompute] if recompute else list(RECOMPUTE_MODES)
     results, errors = [], []
@@ -412,3 +432,28 @@ def search_layouts(
     feasible = sorted((m for m in results if m.fits(gpu_mem_gib)), key=_preference)
     infeasible = sorted((m for m in results if not m.fits(gpu_mem_gib)), key=lambda m: m.total)
     return feasible + infeasible
+
+
+def _check_search(
+    gpus: int, gpus_per_node: int, tp: int | None, ep: int | None, dp: int | None, max_micro_batch: int
+) -> None:
+    """The search's options: whole nodes, TP inside one, fixed degrees dividing the GPUs, a micro-batch to try."""
+    if gpus < 1:
+        raise ValueError(f"gpus ({gpus}) must be >= 1")
+    if gpus_per_node < 1:
+        raise ValueError(f"gpus per node ({gpus_per_node}) must be >= 1")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ValueError(f"gpus ({gpus}) must be a multiple of gpus per node ({gpus_per_node}); use whole nodes")
+    if tp is not None and tp > gpus_per_node:
+        raise ValueError(f"tp ({tp}) must be <= gpus per node ({gpus_per_node}): TP needs the intra-node links")
+    for label, value in (("tp", tp), ("ep", ep), ("dp", dp)):
+        if value is not None and (value < 1 or gpus % value):
+            raise ValueError(f"{label} ({value}) must divide gpus ({gpus})")
+    given = [v for v in (tp, ep, dp) if v is not None]
+    if (len(given) == 3 and math.prod(given) != gpus) or gpus % math.prod(given):
+        raise ValueError(
+            f"tp * ep * dp = {'*'.join(map(str, given))} = {math.prod(given)} must equal (or, with one "
+            f"left to search, divide) gpus ({gpus})"
+        )
+    if max_micro_batch < 1:
+        raise ValueError(f"max_micro_batch ({max_micro_batch}) must be >= 1")

@@ -184,12 +184,6 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
     unit, scale = _unit(m.total)
     layer_unit, layer_scale = _unit(min(max(m.moe_layer_bytes, sum(m.attention_layer.values())), 2**20))
     free = gpu_mem * GIB - m.total
-    where = {
-        "FSDP2": f"FSDP2 shards: {m.dense_params / 1e6:.1f}M dense over dp*ep={p.dp * p.ep}, "
-        f"{m.expert_params / 1e6:.1f}M expert over dp={p.dp}",
-        "DDP": f"DDP replica of {(m.dense_params + m.expert_params) / 1e6:.1f}M",
-        "none": f"one process, {(m.dense_params + m.expert_params) / 1e6:.1f}M",
-    }[m.wrapper]
     compute = (
         "fp32 throughout"
         if m.precision == "fp32"
@@ -197,35 +191,7 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
         if m.wrapper == "FSDP2"
         else "autocast bf16, compiled regions"
     )
-    rows = [
-        ("parameters", f"fp32 ({where})", m.params),
-        (
-            "gradients",
-            "reduced fp32 shards, unsharded ones in flight"
-            if m.wrapper == "FSDP2"
-            else "fp32, + DDP's buckets"
-            if m.wrapper == "DDP"
-            else "fp32",
-            m.grads,
-        ),
-        ("optimizer", "AdamW exp_avg + exp_avg_sq, fp32", m.optimizer),
-        (
-            "gathered",
-            "root kept, the unit in hand, the prefetched one"
-            if m.wrapper == "FSDP2"
-            else "bf16 expert copies for the step",
-            m.gathered,
-        ),
-        ("activations", "saved, of the layers whose backward is still to run", m.activations),
-        (
-            "working",
-            "activation gradients, reduce-scatter input, loss"
-            if m.wrapper == "FSDP2"
-            else "activation gradients, recomputed block, loss",
-            m.working,
-        ),
-        ("reserve", "CUDA context, NCCL buffers, fragmentation", m.reserve),
-    ]
+    rows = _memory_rows(m)
     width = max(len(desc) for _, desc, _ in rows) + 2
     lines = [
         f"layout: tp {p.tp} x ep {p.ep} x dp {p.dp}, placement {p.placement} (EP group on {nodes} node"
@@ -240,17 +206,55 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
         "  attention: " + _terms(m.attention_layer, layer_scale),
         ("  MoE block: " if cfg.first_k_dense < cfg.num_layers else "  FFN: ") + _terms(m.ffn_layer, layer_scale),
     ]
-    t = m.traffic
     if m.wrapper != "none":
-        collectives = (
-            f"DDP all-reduce {t['ddp'] / 1e9:.1f}"
-            if m.wrapper == "DDP"
-            else f"FSDP2 dense {t['fsdp_dense'] / 1e9:.1f}, FSDP2 experts {t['fsdp_experts'] / 1e9:.1f}"
-        )
-        lines.append(
-            f"traffic per GPU per micro-batch (GB): {collectives}, expert all-to-all {t['all_to_all'] / 1e9:.1f}"
-        )
+        lines.append(_traffic_line(m))
     return lines + [f"note: {n}" for n in m.notes]
+
+
+def _memory_rows(m) -> list[tuple[str, str, float]]:
+    """(term, what it holds in this layout, bytes) for each line of the breakdown."""
+    p = m.parallel
+    where = {
+        "FSDP2": f"FSDP2 shards: {m.dense_params / 1e6:.1f}M dense over dp*ep={p.dp * p.ep}, "
+        f"{m.expert_params / 1e6:.1f}M expert over dp={p.dp}",
+        "DDP": f"DDP replica of {(m.dense_params + m.expert_params) / 1e6:.1f}M",
+        "none": f"one process, {(m.dense_params + m.expert_params) / 1e6:.1f}M",
+    }[m.wrapper]
+    fsdp, ddp = m.wrapper == "FSDP2", m.wrapper == "DDP"
+    return [
+        ("parameters", f"fp32 ({where})", m.params),
+        (
+            "gradients",
+            "reduced fp32 shards, unsharded ones in flight" if fsdp else "fp32, + DDP's buckets" if ddp else "fp32",
+            m.grads,
+        ),
+        ("optimizer", "AdamW exp_avg + exp_avg_sq, fp32", m.optimizer),
+        (
+            "gathered",
+            "root kept, the unit in hand, the prefetched one" if fsdp else "bf16 expert copies for the step",
+            m.gathered,
+        ),
+        ("activations", "saved, of the layers whose backward is still to run", m.activations),
+        (
+            "working",
+            "activation gradients, reduce-scatter input, loss"
+            if fsdp
+            else "activation gradients, recomputed block, loss",
+            m.working,
+        ),
+        ("reserve", "CUDA context, NCCL buffers, fragmentation", m.reserve),
+    ]
+
+
+def _traffic_line(m) -> str:
+    """What one GPU sends per micro-batch: its wrapper's collectives and the expert all-to-alls."""
+    t = m.traffic
+    collectives = (
+        f"DDP all-reduce {t['ddp'] / 1e9:.1f}"
+        if m.wrapper == "DDP"
+        else f"FSDP2 dense {t['fsdp_dense'] / 1e9:.1f}, FSDP2 experts {t['fsdp_experts'] / 1e9:.1f}"
+    )
+    return f"traffic per GPU per micro-batch (GB): {collectives}, expert all-to-all {t['all_to_all'] / 1e9:.1f}"
 
 
 def _terms(parts: dict[str, float], scale: float) -> str:
@@ -309,14 +313,20 @@ def run_comm(cfg, args) -> str:
             f"R {mc.rows.redundancy_rate:.3f}"
         )
     lines += _step_lines(cfg, args, est, common, limits)
-    lines += [
+    return "\n".join(lines + _scaling_lines(cfg, args, common))
+
+
+def _scaling_lines(cfg, args, common: dict) -> list[str]:
+    """The same dispatch at every GPU count, each distinct row once: once ep stops growing with the GPU count every
+    row reads the same, so a row stands under the range of GPU counts it holds for."""
+    from xmoe.plan import comm
+
+    lines = [
         "",
         f"scaling (ep = {args.ep or 'min(E, gpus / tp)'}, {args.placement}, same tokens per GPU):",
         f"{'gpus':>9}{'ep':>5}{'nodes':>6}{'flat inter':>12}{'RBD inter':>11}{'saved':>7}{'R':>7}"
         f"{'flat MB':>9}{'RBD MB':>8}{'flat us':>9}{'RBD us':>8}{'speedup':>9}",
     ]
-    # once ep stops growing with the GPU count every row reads the same: print each distinct row once, under
-    # the range of GPU counts it holds for
     groups: list[tuple[list[int], str]] = []
     for e in comm.scaling_table(cfg, ep=args.ep, **common):
         x = e.rows
@@ -332,7 +342,7 @@ def run_comm(cfg, args) -> str:
     for gpus, row in groups:
         label = str(gpus[0]) if len(gpus) == 1 else f"{gpus[0]}-{gpus[-1]}"
         lines.append(f"{label:>9}{row}" + ("  <-" if args.gpus in gpus else ""))
-    return "\n".join(lines)
+    return lines
 
 
 def _node_limits(text: str) -> list[int]:
