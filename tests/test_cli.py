@@ -275,7 +275,7 @@ def test_plan_memory_on_a_large_world_is_quick():
     import time
 
     from xmoe.model.presets import get_preset
-    from xmoe.plan.memory import search_layouts
+    from xmoe.plan.layouts import search_layouts
 
     start = time.perf_counter()
     search_layouts(get_preset("small"), 65536, 80.0)  # minutes when every rank's EP group was looked up

@@ -15,7 +15,7 @@ from xmoe.config import RECOMPUTE_MODES, ParallelConfig
 from xmoe.model.counting import count_params
 from xmoe.model.presets import get_preset, tiny
 from xmoe.model.transformer import Block, rope_tables
-from xmoe.plan import comm, memory, terms
+from xmoe.plan import comm, layouts, memory, terms
 
 # ------------------------------------------------------------------------------------------- count_rows
 
@@ -243,11 +243,11 @@ def test_layer_model_matches_autograd(dtype: torch.dtype, layer_id: int, padded:
 
 
 def test_search_proposes_a_fitting_layout() -> None:
-    ranked = memory.search_layouts(get_preset("small"), 16, 40.0)
+    ranked = layouts.search_layouts(get_preset("small"), 16, 40.0)
     best = ranked[0]
     assert best.fits(40.0) and best.parallel.world_size == 16
     assert best.parallel.placement == "ep_first"
-    fixed = memory.search_layouts(get_preset("small"), 16, 40.0, tp=1, ep=8, dp=2, micro_batch=1, recompute="none")
+    fixed = layouts.search_layouts(get_preset("small"), 16, 40.0, tp=1, ep=8, dp=2, micro_batch=1, recompute="none")
     assert len(fixed) == 1 and (fixed[0].parallel.ep, fixed[0].parallel.dp) == (8, 2)
 
 

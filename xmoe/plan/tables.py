@@ -18,9 +18,9 @@ GIB = 2**30
 
 
 def rank_layouts(cfg, args, **extra) -> list:
-    """The planner's layouts for the options given, best first (memory.search_layouts; ``extra``: more of
+    """The planner's layouts for the options given, best first (layouts.search_layouts; ``extra``: more of
     estimate_memory's options)."""
-    from xmoe.plan import memory
+    from xmoe.plan import layouts
 
     cf = args.capacity_factor if args.capacity_factor is not None else (1.25 if args.padded else None)
     if args.tp is not None and args.tp > args.gpus_per_node:
@@ -36,7 +36,7 @@ def rank_layouts(cfg, args, **extra) -> list:
         name=model_name(args),
         **extra,
     )
-    return memory.search_layouts(
+    return layouts.search_layouts(
         cfg,
         args.gpus,
         args.gpu_mem,
