@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
-from xmoe.config import ModelConfig
+from xmoe.config import ModelConfig, MoEConfig
 from xmoe.dispatch.base import experts_per_rank
 from xmoe.parallel.dims import node_of, rank_grid
 from xmoe.plan.node_limit import experts_by_node, sample_node_limited
@@ -289,6 +289,24 @@ def estimate_comm(
     group_nodes = len({int(r2n[r]) for r in group})
     nodes_NE = experts_by_node(e2r, r2n, max_nodes_per_token, K) if max_nodes_per_token else None
     limit = max_nodes_per_token if nodes_NE is not None and max_nodes_per_token < group_nodes else 0
+    draw = _sampler(moe, probs, nodes_NE, limit, mc_tokens)
+    if probs is None and method == "auto" and not limit:
+        rows = RowCounts.mean([expected_rows_uniform(E, K, e2r, r2n, s, tokens) for s in group])
+        how = "closed form"
+    else:
+        rng = np.random.default_rng(seed)
+        sources = group[:: max(1, len(group) // mc_sources)][:mc_sources]
+        rows = RowCounts.mean([count_rows(draw(rng), e2r, r2n, s) for s in sources]).scaled(tokens / mc_tokens)
+        how = f"monte carlo ({mc_tokens} tokens x {len(sources)} sources, seed {seed})"
+    return CommEstimate(gpus, ep, group_nodes, cfg.hidden_size, bytes_per_elem, rows, how, network, limit)
+
+
+def _sampler(
+    moe: MoEConfig, probs: np.ndarray | None, nodes_NE: np.ndarray | None, limit: int, mc_tokens: int
+) -> Callable[[np.random.Generator], np.ndarray]:
+    """One Monte Carlo draw of ``mc_tokens`` tokens' expert choices: node-limited routing's rule where it binds
+    (``limit`` > 0), else plain top-k sampling."""
+    E, K = moe.num_experts, moe.top_k
     if limit:  # the rule binds: expected rows by Monte Carlo of it
 
         def draw(rng: np.random.Generator) -> np.ndarray:
@@ -300,15 +318,7 @@ def estimate_comm(
         def draw(rng: np.random.Generator) -> np.ndarray:
             return sample_routing(probs, E, K, mc_tokens, rng)
 
-    if probs is None and method == "auto" and not limit:
-        rows = RowCounts.mean([expected_rows_uniform(E, K, e2r, r2n, s, tokens) for s in group])
-        how = "closed form"
-    else:
-        rng = np.random.default_rng(seed)
-        sources = group[:: max(1, len(group) // mc_sources)][:mc_sources]
-        rows = RowCounts.mean([count_rows(draw(rng), e2r, r2n, s) for s in sources]).scaled(tokens / mc_tokens)
-        how = f"monte carlo ({mc_tokens} tokens x {len(sources)} sources, seed {seed})"
-    return CommEstimate(gpus, ep, group_nodes, cfg.hidden_size, bytes_per_elem, rows, how, network, limit)
+    return draw
 
 
 def scaling_table(cfg: ModelConfig, gpu_counts: Sequence[int] = GPU_COUNTS, **kwargs) -> list[CommEstimate]:

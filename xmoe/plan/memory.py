@@ -212,7 +212,6 @@ def estimate_memory(
     tp = parallel.tp
     T = micro_batch * seq_len
     T_moe = T // tp if ssmb and tp > 1 else T
-    n_moe = sum(block_kinds(cfg))  # the multi-token-prediction blocks included
     acts = _activations(cfg, parallel, T, T_moe, padded, capacity_factor, imbalance, kernel, precision)
     wrapper, units, label, terms, expert_params, dense_params = _peak(
         cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel, ssmb, accumulation
@@ -220,13 +219,6 @@ def estimate_memory(
     fields = dict.fromkeys(set(TERMS.values()), 0.0)
     for term, value in terms.items():
         fields[TERMS[term]] += value
-    notes = []
-    if tp > 1 and not ssmb:
-        notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {T} tokens")
-    if imbalance == 1.0 and not padded and n_moe:
-        notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
-    if cfg.moe.fp8 != "off":
-        notes.append(f"moe.fp8={cfg.moe.fp8!r}: planned as bf16 experts (the FP8 weight copies are not modelled)")
     return MemoryBreakdown(
         name=name,
         parallel=parallel,
@@ -248,9 +240,21 @@ def estimate_memory(
         wrapper=wrapper,
         peak_at=label,
         peak_terms=terms,
-        notes=tuple(notes),
+        notes=_notes(cfg, tp, ssmb, imbalance, padded, T),
         **fields,
     )
+
+
+def _notes(cfg: ModelConfig, tp: int, ssmb: bool, imbalance: float, padded: bool, T: int) -> tuple[str, ...]:
+    """What the plan assumes that the reader should know."""
+    notes = []
+    if tp > 1 and not ssmb:
+        notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {T} tokens")
+    if imbalance == 1.0 and not padded and sum(block_kinds(cfg)):  # any MoE block, multi-token prediction's too
+        notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
+    if cfg.moe.fp8 != "off":
+        notes.append(f"moe.fp8={cfg.moe.fp8!r}: planned as bf16 experts (the FP8 weight copies are not modelled)")
+    return tuple(notes)
 
 
 def _activations(

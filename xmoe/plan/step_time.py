@@ -118,13 +118,7 @@ def compute_model(
     """The compute side: ``compute_ms`` (a measured step) when given, else the model's training FLOPs for
     ``tokens`` per micro-batch at ``tflops`` (plus the recomputed forward). The routed experts' forward of one
     layer call: ``experts_ms`` when measured, else its FLOPs at ``tflops``; the shared experts' in proportion."""
-    for name, value in (("tflops", tflops), ("compute_ms", compute_ms), ("experts_ms", experts_ms)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} ({value}) must be a finite number > 0")
-    if chunk_overhead_rows < 0 or not math.isfinite(chunk_overhead_rows):
-        raise ValueError(f"chunk_overhead_rows ({chunk_overhead_rows}) must be a finite number >= 0")
-    if recompute not in ("none", "moe", "full"):
-        raise ValueError(f"recompute ({recompute!r}) must be none, moe or full")
+    _check_compute(tflops, compute_ms, experts_ms, chunk_overhead_rows, recompute)
     moe = cfg.moe
     moe_layers = cfg.num_layers - cfg.first_k_dense
     rows = tokens * moe.top_k
@@ -155,6 +149,18 @@ def compute_model(
             "or throughput (--tflops)"
         )
     return model
+
+
+def _check_compute(
+    tflops: float, compute_ms: float | None, experts_ms: float | None, chunk_overhead_rows: float, recompute: str
+) -> None:
+    for name, value in (("tflops", tflops), ("compute_ms", compute_ms), ("experts_ms", experts_ms)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} ({value}) must be a finite number > 0")
+    if chunk_overhead_rows < 0 or not math.isfinite(chunk_overhead_rows):
+        raise ValueError(f"chunk_overhead_rows ({chunk_overhead_rows}) must be a finite number >= 0")
+    if recompute not in ("none", "moe", "full"):
+        raise ValueError(f"recompute ({recompute!r}) must be none, moe or full")
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def moe_activations(
     """
     if kernel not in ("triton", "torch"):
         raise ValueError(f"kernel ({kernel!r}) must be 'triton' or 'torch'")
-    H, F, E, K = moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k
+    H, E, K = moe.hidden_size, moe.num_experts, moe.top_k
     weight_copy = 4 * E * H if b != 4 and not router_fp32 else 0
     out: dict[str, float] = {
         "norm": norm_activations(T, H),
@@ -101,28 +101,44 @@ def moe_activations(
         "router": 4 * T * H + weight_copy + 4 * T * E + INDEX_BYTES * T * K + (4 * T * E if moe.z_loss_coef > 0 else 0),
     }
     C = capacity(moe, T, capacity_factor)
-    dropless = capacity_factor is None and moe.capacity_factor is None
     if padded:
-        kept = min(T * K, E * C)
-        out["dispatch_masks"] = (b + 4) * T * E * C  # dispatch mask (activation dtype) + fp32 combine weights
-        out["dispatch_buffer"] = b * E * C * H  # x_ECH, saved by the expert bmm
-        out["expert_hidden"] = 4 * b * E * C * F  # the bmm path saves h1, silu(h1), h3, product
-        out["combine_buffer"] = 4 * E * C * H  # fp32 copy of the expert output, saved by the combine einsum
-        out["routing_indices"] = (INDEX_BYTES + 4) * T * K + 3 * INDEX_BYTES * kept  # ids, weights, index_put
+        out.update(_padded_terms(moe, T, C, b))
     else:
+        dropless = capacity_factor is None and moe.capacity_factor is None
         rows = (T * K if dropless else min(T * K, E * C)) * imbalance
-        hidden_tensors = 2 if kernel == "triton" else 4
-        out["dispatch_buffer"] = b * rows * H  # rows the experts read (received rows under EP)
-        out["expert_hidden"] = hidden_tensors * b * rows * F
-        out["combine_buffer"] = b * rows * H  # expert output rows (after the reverse all-to-all under EP)
-        regroup = 2 * INDEX_BYTES * rows if ep > 1 and E // ep > 1 else 0  # (source, expert) <-> expert-major
-        # row_of_slot (T, K) and weights (T, K); token and slot id per row; the EP regroup permutations
-        out["routing_indices"] = (INDEX_BYTES + 4) * T * K + 2 * INDEX_BYTES * rows + regroup
+        out.update(_pft_terms(moe, T, rows, ep, kernel, b))
     if moe.num_shared_experts:
         Fs = moe.shared_width
         # input (one storage with the router's fp32 copy when activations are fp32) + 4 hidden tensors
         out["shared_experts"] = (b * T * H if b != 4 else 0) + 4 * b * T * Fs
     return out
+
+
+def _padded_terms(moe: MoEConfig, T: int, C: int, b: int) -> dict[str, float]:
+    """The padded baseline's buffers: E*C rows whatever the routing, and the (T, E, C) masks."""
+    H, F, E, K = moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k
+    kept = min(T * K, E * C)
+    return {
+        "dispatch_masks": (b + 4) * T * E * C,  # dispatch mask (activation dtype) + fp32 combine weights
+        "dispatch_buffer": b * E * C * H,  # x_ECH, saved by the expert bmm
+        "expert_hidden": 4 * b * E * C * F,  # the bmm path saves h1, silu(h1), h3, product
+        "combine_buffer": 4 * E * C * H,  # fp32 copy of the expert output, saved by the combine einsum
+        "routing_indices": (INDEX_BYTES + 4) * T * K + 3 * INDEX_BYTES * kept,  # ids, weights, index_put
+    }
+
+
+def _pft_terms(moe: MoEConfig, T: int, rows: float, ep: int, kernel: str, b: int) -> dict[str, float]:
+    """PFT's buffers for ``rows`` routed rows (received rows under EP)."""
+    H, F, E, K = moe.hidden_size, moe.ffn_hidden_size, moe.num_experts, moe.top_k
+    hidden_tensors = 2 if kernel == "triton" else 4
+    regroup = 2 * INDEX_BYTES * rows if ep > 1 and E // ep > 1 else 0  # (source, expert) <-> expert-major
+    return {
+        "dispatch_buffer": b * rows * H,  # rows the experts read (received rows under EP)
+        "expert_hidden": hidden_tensors * b * rows * F,
+        "combine_buffer": b * rows * H,  # expert output rows (after the reverse all-to-all under EP)
+        # row_of_slot (T, K) and weights (T, K); token and slot id per row; the EP regroup permutations
+        "routing_indices": (INDEX_BYTES + 4) * T * K + 2 * INDEX_BYTES * rows + regroup,
+    }
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,26 @@ def estimate_trainer_memory(
     parts = count_params(cfg, expert_matrices=3).total_by_part
     total_params = sum(parts.values())
     states = 12 * total_params + 2 * parts["routed_experts"]
-    # (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient transient)
+    blocks = _trainer_blocks(cfg, parts, T, recompute, compiled, fused, b)
+    accumulating = accumulation > 1
+    head = parts["head"] or parts["embedding"]
+    start_grads = 4 * total_params if accumulating else 4 * head
+    # the final norm's input, and the head's input (or, with the loss in chunks, h's gradient in the compute dtype,
+    # which model/loss.py holds instead: the same bytes)
+    tail = 4 * T * H + b * T * H
+    # one chunk's bf16 logits, fp32 softmax and gradients (made at the end of the forward, model/loss.py, beside
+    # what the backward starts with: the same sum), and the fp32 head gradient each multi-token-prediction depth's
+    # loss made in its forward, until the losses' backward adds them into the head's
+    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V + 4 * head * cfg.mtp_depth
+    return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)
+
+
+def _trainer_blocks(
+    cfg: ModelConfig, parts: dict[str, int], T: int, recompute: str, compiled: bool, fused: bool, b: int
+) -> list[tuple[float, float, float, float]]:
+    """Per block of the trainer's model: (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient
+    transient)."""
+    H = cfg.hidden_size
     blocks: list[tuple[float, float, float, float]] = []
     kinds = block_kinds(cfg)
     for i, weights in enumerate(_block_weights(cfg, parts)):
@@ -156,17 +175,7 @@ def estimate_trainer_memory(
         if i >= cfg.num_layers:  # a multi-token-prediction module's own norms and projection are never recomputed
             saved += mtp_activations(T, H, b)
         blocks.append((saved, regen, 4 * weights, b * weights))
-    accumulating = accumulation > 1
-    head = parts["head"] or parts["embedding"]
-    start_grads = 4 * total_params if accumulating else 4 * head
-    # the final norm's input, and the head's input (or, with the loss in chunks, h's gradient in the compute dtype,
-    # which model/loss.py holds instead: the same bytes)
-    tail = 4 * T * H + b * T * H
-    # one chunk's bf16 logits, fp32 softmax and gradients (made at the end of the forward, model/loss.py, beside
-    # what the backward starts with: the same sum), and the fp32 head gradient each multi-token-prediction depth's
-    # loss made in its forward, until the losses' backward adds them into the head's
-    loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V + 4 * head * cfg.mtp_depth
-    return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)
+    return blocks
 
 
 def _fp32_replica(
