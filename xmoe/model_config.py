@@ -81,6 +81,12 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        self._check_sizes()
+        self._check_choices()
+        self._check_groups()
+        self._check_coefficients()
+
+    def _check_sizes(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
             positive(name, getattr(self, name))
         if self.top_k > self.num_experts:
@@ -89,6 +95,9 @@ class MoEConfig:
             )
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts ({self.num_shared_experts}) must be >= 0")
+
+    def _check_choices(self) -> None:
+        """Each named choice, then the combinations that have no path."""
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func ({self.score_func!r}) must be 'softmax' or 'sigmoid'")
         if self.balance_scope not in BALANCE_SCOPES:
@@ -120,6 +129,9 @@ class MoEConfig:
             )
         if self.max_nodes_per_token < 0:
             raise ValueError(f"max_nodes_per_token ({self.max_nodes_per_token}) must be >= 0 (0: no node limit)")
+
+    def _check_groups(self) -> None:
+        """Group-limited routing: groups divide the experts and leave top_k experts eligible."""
         positive("num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
             raise ValueError(
@@ -136,6 +148,9 @@ class MoEConfig:
                 f"(topk_groups={self.topk_groups} groups of {self.num_experts // self.num_expert_groups}); "
                 "raise topk_groups or lower top_k"
             )
+
+    def _check_coefficients(self) -> None:
+        """Loss weights, scales and the capacity factor finite and in range; the shared experts' options need them."""
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):

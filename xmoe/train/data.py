@@ -353,14 +353,7 @@ def build_dataset(
     if vocab_size is not None and vocab_size < 1:
         raise ValueError(f"vocab_size ({vocab_size}) must be >= 1, or None to take it from the data")
     if spec == "markov" or spec.startswith("markov:"):
-        source = MarkovSource(**_parse_markov(spec))
-        if vocab_size is not None and vocab_size < source.vocab:
-            raise ValueError(
-                f"vocab_size ({vocab_size}) is smaller than the markov vocab ({source.vocab}); "
-                f"raise vocab_size or use 'markov:vocab={vocab_size}'"
-            )
-        name = "markov(" + ", ".join(f"{k}={v}" for k, v in source.options.items()) + ")"
-        return MarkovDataset(source, name, seq_len, vocab_size or source.vocab, seed)
+        return _markov_dataset(spec, seq_len, vocab_size, seed)
     ext = os.path.splitext(spec)[1].lower()
     if os.path.isdir(spec):
         raise ValueError(
@@ -379,20 +372,7 @@ def build_dataset(
     if tokenizer != "bytes" and ext != ".txt":
         warnings.warn(f"tokenizer ({tokenizer!r}) only applies to .txt files; ignored for {spec!r}", stacklevel=2)
     if ext == ".txt":
-        size = os.path.getsize(spec)
-        if size > MAX_TEXT_BYTES:
-            raise ValueError(
-                f"{spec!r} has {size} bytes, more than MAX_TEXT_BYTES ({MAX_TEXT_BYTES}) that are "
-                "tokenized in memory; pre-tokenize once with tokenize_file(text, 'out.npy') and "
-                "train on the .npy"
-            )
-        tok, tok_vocab = load_tokenizer(tokenizer)
-        chunks = list(_text_chunks(spec, tok))
-        tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)
-        if len(tokens) == 0:
-            raise ValueError(f"text file {spec!r} is empty")
-        _check_range(tokens, vocab_size, repr(spec))
-        return TokenArrayDataset(tokens, spec, seq_len, vocab_size or tok_vocab, seed)
+        return _text_dataset(spec, seq_len, vocab_size, seed, tokenizer)
     if ext not in (".npy", ".bin"):
         raise ValueError(
             f"data file {spec!r} has extension {ext!r}; expected .npy, .bin or .txt "
@@ -401,3 +381,32 @@ def build_dataset(
     tokens = load_tokens(spec, dtype, vocab_size)
     top = _check_range(tokens, vocab_size, repr(spec))
     return TokenArrayDataset(tokens, spec, seq_len, vocab_size or top + 1, seed)
+
+
+def _markov_dataset(spec: str, seq_len: int, vocab_size: int | None, seed: int) -> MarkovDataset:
+    source = MarkovSource(**_parse_markov(spec))
+    if vocab_size is not None and vocab_size < source.vocab:
+        raise ValueError(
+            f"vocab_size ({vocab_size}) is smaller than the markov vocab ({source.vocab}); "
+            f"raise vocab_size or use 'markov:vocab={vocab_size}'"
+        )
+    name = "markov(" + ", ".join(f"{k}={v}" for k, v in source.options.items()) + ")"
+    return MarkovDataset(source, name, seq_len, vocab_size or source.vocab, seed)
+
+
+def _text_dataset(spec: str, seq_len: int, vocab_size: int | None, seed: int, tokenizer: str) -> TokenArrayDataset:
+    """A .txt file tokenized in memory (at most MAX_TEXT_BYTES of it)."""
+    size = os.path.getsize(spec)
+    if size > MAX_TEXT_BYTES:
+        raise ValueError(
+            f"{spec!r} has {size} bytes, more than MAX_TEXT_BYTES ({MAX_TEXT_BYTES}) that are "
+            "tokenized in memory; pre-tokenize once with tokenize_file(text, 'out.npy') and "
+            "train on the .npy"
+        )
+    tok, tok_vocab = load_tokenizer(tokenizer)
+    chunks = list(_text_chunks(spec, tok))
+    tokens = np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)
+    if len(tokens) == 0:
+        raise ValueError(f"text file {spec!r} is empty")
+    _check_range(tokens, vocab_size, repr(spec))
+    return TokenArrayDataset(tokens, spec, seq_len, vocab_size or tok_vocab, seed)

@@ -213,15 +213,20 @@ def plot_expert_load(out_dir: Path, title: str) -> Path | None:
     top.set_title(f"{title}\nexpert load against the layer's mean (black: dead, no token in the window)", fontsize=9)
     bar = fig.colorbar(image, cax=fig.add_subplot(grid[0, 1]), extend="both")
     bar.set_ticks(range(-3, 4), labels=["1/8x", "1/4x", "1/2x", "1x", "2x", "4x", "8x"])
-    dead, hot = zip(*(dead_and_hot(window) for window in load), strict=True)
-    bottom.plot(steps, [d.sum() for d in dead], color="black", label="dead experts")
-    bottom.plot(steps, [h.sum() for h in hot], color="C3", label=f"hot (> {HOT_FACTOR:g}x mean)")
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("experts")
-    bottom.grid(alpha=0.3)
-    bottom.legend(fontsize=8)
+    _plot_dead_and_hot(bottom, steps, load)
     top.tick_params(labelbottom=False)
     out, png = Path(out_dir) / PLOT, io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
     _write_text(out, png.getvalue())  # atomic, as loss.png
     return out
+
+
+def _plot_dead_and_hot(axes, steps: np.ndarray, load: np.ndarray) -> None:
+    """The dead and hot experts of all layers in each window, beneath the heat map."""
+    dead, hot = zip(*(dead_and_hot(window) for window in load), strict=True)
+    axes.plot(steps, [d.sum() for d in dead], color="black", label="dead experts")
+    axes.plot(steps, [h.sum() for h in hot], color="C3", label=f"hot (> {HOT_FACTOR:g}x mean)")
+    axes.set_xlabel("step")
+    axes.set_ylabel("experts")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)

@@ -355,6 +355,25 @@ class MetricsLogger:
         if self._load is not None:
             self._load.close()
         losses = [(r["step"], r["loss"]) for r in self.records if isinstance(r.get("loss"), (int, float))]
+        val = [(r["step"], r["val_loss"]) for r in self.records if isinstance(r.get("val_loss"), (int, float))]
+        summary = self._summary(losses, val, step, status)
+        given = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
+        lines = {k: v for k, v in given.items() if v is not None}
+        summary.update(info or {})
+        with writing(self.out_dir / "summary.json"):
+            _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
+        with writing(self.out_dir / "loss.png"):
+            self._plot(losses, lines, title or str(self.out_dir), val)
+        with writing(self.out_dir / expert_load.PLOT):
+            expert_load.plot_expert_load(self.out_dir, title or str(self.out_dir))
+        self._emit(summary_text(summary))
+        return summary
+
+    def _summary(
+        self, losses: list[tuple[int, float]], val: list[tuple[int, float]], step: int | None, status: str | None
+    ) -> dict[str, Any]:
+        """summary.json's numbers: steps, final and best losses (held-out ones too), means of the timed records,
+        peak memory, wall time, and why the run ended early."""
         timed = self.records[self._first_new + 1 :] or self.records[self._first_new :]
 
         def mean(key: str) -> float | None:
@@ -375,19 +394,8 @@ class MetricsLogger:
         }
         if status is not None:  # why the run ended before its last step
             summary["status"] = status
-        val = [(r["step"], r["val_loss"]) for r in self.records if isinstance(r.get("val_loss"), (int, float))]
         if val:  # held-out loss, when the run evaluates one (--val-data / val_fraction)
             summary.update(final_val_loss=val[-1][1], best_val_loss=min(v for _, v in val))
-        given = {"floor (entropy rate)": floor, "baseline (unigram entropy)": baseline, **(references or {})}
-        lines = {k: v for k, v in given.items() if v is not None}
-        summary.update(info or {})
-        with writing(self.out_dir / "summary.json"):
-            _write_text(self.out_dir / "summary.json", json.dumps({**summary, "references": lines}, indent=1) + "\n")
-        with writing(self.out_dir / "loss.png"):
-            self._plot(losses, lines, title or str(self.out_dir), val)
-        with writing(self.out_dir / expert_load.PLOT):
-            expert_load.plot_expert_load(self.out_dir, title or str(self.out_dir))
-        self._emit(summary_text(summary))
         return summary
 
     def _emit(self, line: str) -> None:

@@ -156,17 +156,20 @@ def check_train(
             f"memory: planned peak {scope(chosen.peak)} of {fit.gib(free)} {what} with --fit auto's "
             f"{chosen.flags} (as given: {fit.gib(peak)})"
         )
-    if fixes:
-        auto = "; --fit auto applies the first" if applicable and mode == "check" else ""
-        advice = f"try {_fix_text(fixes)}{auto}; --fit off skips this check"
-    else:
-        advice = (
-            "no smaller micro-batch, recompute mode or layer count the planner tried fits: plan a larger layout "
-            "with `xmoe plan memory`, or skip this check with --fit off"
-        )
     raise ValueError(
         f"out of memory before the start: the run needs {scope(peak)} (the planner's peak) of the {fit.gib(free)} "
-        f"{what}; {advice}"
+        f"{what}; {_advice(fixes, bool(applicable) and mode == 'check')}"
+    )
+
+
+def _advice(fixes: list, auto: bool) -> str:
+    """What to do about a run that does not fit: the planner's fixes (``auto``: --fit auto could apply one)."""
+    if fixes:
+        hint = "; --fit auto applies the first" if auto else ""
+        return f"try {_fix_text(fixes)}{hint}; --fit off skips this check"
+    return (
+        "no smaller micro-batch, recompute mode or layer count the planner tried fits: plan a larger layout "
+        "with `xmoe plan memory`, or skip this check with --fit off"
     )
 
 

@@ -152,45 +152,13 @@ class Reporter:
         the validation losses (``Trainer._validate``); ``sources_M2``: a mixture's (nats, tokens) per source over the
         window (source_loss.SourceLosses), logged as loss/SOURCE; ``mtp_loss``: the window's multi-token-prediction
         loss (Transformer.take_mtp_loss), logged as mtp_loss."""
-        # one all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows, the MTP loss
-        # and, when there are MoE layers, the real tokens' slots per expert of every layer (float64: counts stay
-        # exact)
-        values = torch.stack([loss.double(), aux.double(), grad_norm.double(), window.rows.double()])
-        if mtp_loss is not None:
-            values = torch.cat([values, mtp_loss.double().reshape(1).to(values.device)])
-        if sources_M2 is not None:
-            values = torch.cat([values, sources_M2.flatten().to(values.device)])
-        if window.load_LE is not None:
-            values = torch.cat([values, window.load_LE.flatten().double()])
-        if dist.is_initialized():
-            dist.all_reduce(values)
-            values[:3] /= self.world
-            if mtp_loss is not None:
-                values[4] /= self.world
-        loss_v, aux_v, gnorm_v, rows_v, *rest = values.tolist()  # the one host sync of a logging step
-        mtp_v = rest.pop(0) if mtp_loss is not None else None
-        per_source = rest[: 0 if sources_M2 is None else sources_M2.numel()]
-        load_v = rest[len(per_source) :]
+        loss_v, aux_v, gnorm_v, rows_v, mtp_v, per_source, load_v = self._reduce(
+            loss, aux, grad_norm, window, sources_M2, mtp_loss
+        )
         # the clock is read after that sync: the window's GPU work has finished, none of it spills uncounted
         # into the next window (no other host sync in a step lets the host run ahead by up to the launch queue)
         seconds = time.perf_counter() - window.start
-        t = self.run.train
-        sequences = window.steps * t.global_batch_size
-        tokens = sequences * t.seq_len
-        # rows were counted on each rank for its own tokens; their sum is the global routed rows
-        routed_rows = int(rows_v) if window.load_LE is not None else None
-        per_device = metrics.train_flops(self.flop_dims, sequences, routed_rows=routed_rows) / seconds / self.world
-        record = dict(
-            loss=loss_v,
-            aux_loss=aux_v,
-            lr=lr,
-            grad_norm=gnorm_v,
-            tokens_per_s=tokens / seconds,
-            tflops=per_device / 1e12,
-            paper_tflops=metrics.paper_train_flops(self.flop_dims, sequences) / seconds / self.world / 1e12,
-            mfu=metrics.mfu(per_device, self.device) if self.device.type == "cuda" else None,
-            mem_bytes=metrics.peak_memory_bytes(self.device),
-        )
+        record = dict(loss=loss_v, aux_loss=aux_v, lr=lr, grad_norm=gnorm_v, **self._rates(window, rows_v, seconds))
         record.update(comm_metrics(window.traffic, window.steps))
         load_LE = None
         if window.load_LE is not None:
@@ -210,6 +178,51 @@ class Reporter:
         self.logger.log(step, **record, **(val or {}))
         if load_LE is not None:
             self.logger.log_expert_load(step, load_LE)
+
+    def _reduce(
+        self,
+        loss: torch.Tensor,
+        aux: torch.Tensor,
+        grad_norm: torch.Tensor,
+        window: Window,
+        sources_M2: torch.Tensor | None,
+        mtp_loss: torch.Tensor | None,
+    ) -> tuple[float, float, float, float, float | None, list[float], list[float]]:
+        """One all-reduce and one host read for everything logged: loss, aux, grad norm, routed rows, the MTP loss
+        and, when there are MoE layers, the real tokens' slots per expert of every layer (float64: counts stay
+        exact). Returns (loss, aux, grad norm, rows, MTP loss or None, per-source (nats, tokens), load)."""
+        values = torch.stack([loss.double(), aux.double(), grad_norm.double(), window.rows.double()])
+        if mtp_loss is not None:
+            values = torch.cat([values, mtp_loss.double().reshape(1).to(values.device)])
+        if sources_M2 is not None:
+            values = torch.cat([values, sources_M2.flatten().to(values.device)])
+        if window.load_LE is not None:
+            values = torch.cat([values, window.load_LE.flatten().double()])
+        if dist.is_initialized():
+            dist.all_reduce(values)
+            values[:3] /= self.world
+            if mtp_loss is not None:
+                values[4] /= self.world
+        loss_v, aux_v, gnorm_v, rows_v, *rest = values.tolist()  # the one host sync of a logging step
+        mtp_v = rest.pop(0) if mtp_loss is not None else None
+        per_source = rest[: 0 if sources_M2 is None else sources_M2.numel()]
+        return loss_v, aux_v, gnorm_v, rows_v, mtp_v, per_source, rest[len(per_source) :]
+
+    def _rates(self, window: Window, rows_v: float, seconds: float) -> dict:
+        """Throughput, FLOP rates, MFU and peak memory of the window."""
+        t = self.run.train
+        sequences = window.steps * t.global_batch_size
+        tokens = sequences * t.seq_len
+        # rows were counted on each rank for its own tokens; their sum is the global routed rows
+        routed_rows = int(rows_v) if window.load_LE is not None else None
+        per_device = metrics.train_flops(self.flop_dims, sequences, routed_rows=routed_rows) / seconds / self.world
+        return dict(
+            tokens_per_s=tokens / seconds,
+            tflops=per_device / 1e12,
+            paper_tflops=metrics.paper_train_flops(self.flop_dims, sequences) / seconds / self.world / 1e12,
+            mfu=metrics.mfu(per_device, self.device) if self.device.type == "cuda" else None,
+            mem_bytes=metrics.peak_memory_bytes(self.device),
+        )
 
     def finish(self, step: int, status: str | None = None) -> dict:
         """summary.json, loss.png and the list of outputs; ``status`` says why a run ended early."""
