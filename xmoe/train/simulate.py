@@ -132,8 +132,6 @@ def measure_rank(
     a real run's rank: the tests compare the two). ``ssmb``: with tp > 1, the MoE blocks on 1/tp of the tokens.
     ``kernels``: the kernels section the steps run under, as the trainer runs its own (None: the environment's
     defaults)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     if steps < 3:
         raise ValueError(f"--steps ({steps}) must be >= 3: a warm-up step, a measured step, then timed ones")
     dev = torch.device(
@@ -146,38 +144,63 @@ def measure_rank(
     choice = resolve_layer(cfg.moe, kernels or KernelConfig(), tokens, dev, dtype, ep=parallel.ep)
     # the run's kernels section, as the trainer's loop runs under it
     with _world(simulate, world, rank), choice.applied():
-        dims = None
-        if world > 1:
-            dims = ParallelDims.from_config(
-                parallel, world, rank=rank, node_size=parallel.gpus_per_node or world
+        rank_run = _RankRun(cfg, parallel, rank, dev, seed=seed, ssmb=ssmb, recompute=recompute)
+        ms, peak, by_kind = rank_run.measure(micro_batch, seq_len, steps, simulate, imbalance, lr, weight_decay)
+    layout = dict(
+        world=world,
+        rank=rank,
+        **dict(tp=parallel.tp, ep=parallel.ep, dp=parallel.dp, placement=parallel.placement),
+        **dict(micro_batch=micro_batch, seq_len=seq_len, recompute=recompute, imbalance=imbalance),
+        layers=cfg.num_layers,
+    )
+    tokens_per_s = micro_batch * seq_len / (ms / 1e3)
+    return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, tokens_per_s, choice.record())
+
+
+class _RankRun:
+    """One rank of a layout, built and stepped as the trainer does, its memory tracked from the build on."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        parallel: ParallelConfig,
+        rank: int,
+        dev: torch.device,
+        *,
+        seed: int,
+        ssmb: bool,
+        recompute: str,
+    ) -> None:
+        self.cfg, self.parallel, self.dev, self.seed, self.ssmb, self.recompute = (
+            cfg,
+            parallel,
+            dev,
+            seed,
+            ssmb,
+            recompute,
+        )
+        self.world, self.autocast = parallel.world_size, dev.type == "cuda"
+        self.dims = None
+        if self.world > 1:
+            self.dims = ParallelDims.from_config(
+                parallel, self.world, rank=rank, node_size=parallel.gpus_per_node or self.world
             ).build_mesh(dev.type)
+
+    def measure(
+        self, micro_batch: int, seq_len: int, steps: int, simulate: bool, imbalance: float, lr: float, wd: float
+    ) -> tuple[float, int, dict[str, int]]:
+        """(ms per timed step, peak bytes, bytes by kind at the peak) of ``steps`` steps: a warm-up, one tracked,
+        the rest timed."""
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        cfg, dev, autocast, world, dims = self.cfg, self.dev, self.autocast, self.world, self.dims
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         tracker = MemTracker()
         with tracker:
-            built = build_model(
-                cfg,
-                dev,
-                dims,
-                seed=seed,
-                sequence_parallel=parallel.sequence_parallel,
-                ssmb=ssmb,
-                param_dtype=torch.bfloat16 if autocast else None,
-                recompute=recompute,
-            )
-            if simulate:
-                plan_counts(built.model, imbalance)
-                keep_buckets(built.wrapped)
-            casts = step_casts(built.model, autocast, world)
-            optimizer = build_optimizer(
-                param_groups(built.wrapped, weight_decay),
-                dev,
-                lr=lr,
-                kernel_backend=cfg.moe.kernel_backend,
-                casts=casts,
-            )
+            built, casts, optimizer = self._build(simulate, imbalance, lr, wd)
         params = [p for p in built.wrapped.parameters() if p.requires_grad]
-        batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, seed)
+        batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, self.seed)
 
         def one_step() -> None:
             _, moe = forward_backward(
@@ -192,40 +215,61 @@ def measure_rank(
         with tracker:
             tracker.reset_mod_stats()
             one_step()
-        _sync(dev)
-        start = time.perf_counter()
-        for _ in range(steps - 2):
-            one_step()
-        _sync(dev)
-        ms = (time.perf_counter() - start) * 1e3 / (steps - 2)
-        # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
-        snapshot = next(
-            (
-                kinds
-                for where, kinds in tracker.get_tracker_snapshot("peak").items()
-                if torch.device(where).type == dev.type
-            ),
-            {},
+        ms = _time_steps(one_step, steps - 2, dev)
+        return (ms, *_peak(tracker, dev))
+
+    def _build(self, simulate: bool, imbalance: float, lr: float, weight_decay: float):
+        """The trainer's model, step casts and optimizer for this rank."""
+        cfg, dev, autocast = self.cfg, self.dev, self.autocast
+        built = build_model(
+            cfg,
+            dev,
+            self.dims,
+            seed=self.seed,
+            sequence_parallel=self.parallel.sequence_parallel,
+            ssmb=self.ssmb,
+            param_dtype=torch.bfloat16 if autocast else None,
+            recompute=self.recompute,
         )
-        by_kind = {
-            KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items() if str(k) != "Total"
-        }
-        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
-    layout = dict(
-        world=world,
-        rank=rank,
-        tp=parallel.tp,
-        ep=parallel.ep,
-        dp=parallel.dp,
-        placement=parallel.placement,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        recompute=recompute,
-        imbalance=imbalance,
-        layers=cfg.num_layers,
+        if simulate:
+            plan_counts(built.model, imbalance)
+            keep_buckets(built.wrapped)
+        casts = step_casts(built.model, autocast, self.world)
+        optimizer = build_optimizer(
+            param_groups(built.wrapped, weight_decay),
+            dev,
+            lr=lr,
+            kernel_backend=cfg.moe.kernel_backend,
+            casts=casts,
+        )
+        return built, casts, optimizer
+
+
+def _time_steps(one_step, steps: int, dev: torch.device) -> float:
+    """Milliseconds per step over ``steps`` steps, the device synchronised at both ends."""
+    _sync(dev)
+    start = time.perf_counter()
+    for _ in range(steps):
+        one_step()
+    _sync(dev)
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def _peak(tracker, dev: torch.device) -> tuple[int, dict[str, int]]:
+    """(peak bytes, the tracker's bytes by kind at its peak): the allocator's peak on a GPU, the tracker's total
+    elsewhere."""
+    # keyed by the device the tensors are on ("cuda:0"), which a bare "cuda" does not equal
+    snapshot: dict = next(
+        (
+            kinds
+            for where, kinds in tracker.get_tracker_snapshot("peak").items()
+            if torch.device(where).type == dev.type
+        ),
+        {},
     )
-    tokens_per_s = micro_batch * seq_len / (ms / 1e3)
-    return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, tokens_per_s, choice.record())
+    by_kind = {KINDS.get(getattr(k, "name", str(k)), str(k)): int(v) for k, v in snapshot.items() if str(k) != "Total"}
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else int(snapshot.get("Total", 0))
+    return peak, by_kind
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -238,17 +282,7 @@ def run(args, base: ModelConfig | None = None) -> str:
     from xmoe.plan.cli import prepare_memory
     from xmoe.plan.tables import model_name, rank_layouts
 
-    if args.trainer:
-        raise ValueError(
-            "--measure runs one rank of a multi-GPU layout; for --trainer's one-GPU peak run "
-            "`xmoe train` itself (its log reports the peak memory)"
-        )
-    if args.padded or args.capacity_factor is not None:
-        raise ValueError(
-            "--measure simulates the padding-free dropless dispatcher; leave out --padded and --capacity-factor"
-        )
-    if not 0 <= args.rank < args.gpus:
-        raise ValueError(f"--rank ({args.rank}) must be in [0, --gpus={args.gpus})")
+    _check_measure(args)
     cfg, note = prepare_memory(args, base)
     device = _device(args.device)
     if args.kernel is None:
@@ -290,6 +324,21 @@ def run(args, base: ModelConfig | None = None) -> str:
         return json.dumps(result, indent=2)
     steps = _step_lines(cfg, args, best, m.compute_ms_per_step) if best.parallel.ep > 1 else []
     return "\n".join([header, _table(result, note), *steps])
+
+
+def _check_measure(args) -> None:
+    """What --measure cannot run: the one-GPU trainer's view, the padded dispatcher, a rank outside the world."""
+    if args.trainer:
+        raise ValueError(
+            "--measure runs one rank of a multi-GPU layout; for --trainer's one-GPU peak run "
+            "`xmoe train` itself (its log reports the peak memory)"
+        )
+    if args.padded or args.capacity_factor is not None:
+        raise ValueError(
+            "--measure simulates the padding-free dropless dispatcher; leave out --padded and --capacity-factor"
+        )
+    if not 0 <= args.rank < args.gpus:
+        raise ValueError(f"--rank ({args.rank}) must be in [0, --gpus={args.gpus})")
 
 
 def _step_lines(cfg: ModelConfig, args, best, compute_ms: float) -> list[str]:
