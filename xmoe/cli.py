@@ -120,32 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(2)
     try:
-        if args.command == "train":
-            from xmoe.train import cli as train_cli
-
-            train_cli.run(args)
-        elif args.command == "data":
-            from xmoe.data import cli as data_cli
-
-            data_cli.run(args)
-        elif args.command == "bench":
-            from xmoe import bench
-
-            bench.run(args)
-        elif args.command == "plan":
-            from xmoe.plan import cli as plan_cli
-
-            base = _plan_model(args)
-            if getattr(args, "measure", False):
-                from xmoe.train import simulate  # one rank trained for a few steps: the training layer's work
-
-                print(simulate.run(args, base))
-            else:
-                plan_cli.run(args, base)
-        else:
-            from xmoe import infer
-
-            {"export": infer.run_export, "eval": infer.run_eval, "generate": infer.run_generate}[args.command](args)
+        _dispatch(args)
     except BrokenPipeError:  # the reader went away (`xmoe plan comm | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         sys.exit(1)
@@ -153,22 +128,58 @@ def main(argv: list[str] | None = None) -> None:
         print(f"xmoe {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)
     except BaseException as exc:
-        from xmoe.train.safety import NonFiniteError, RunStopped
-
         if args.debug or not isinstance(exc, (Exception, *_user_error_types())):  # SystemExit and the like
             raise
-        if isinstance(exc, RunStopped):
-            print(f"xmoe {args.command}: {exc}", file=sys.stderr)
-            sys.exit(exc.exit_code)
-        if isinstance(exc, NonFiniteError):
-            print(f"xmoe {args.command}: error: {exc}", file=sys.stderr)
-            sys.exit(exc.exit_code)
-        if isinstance(exc, _user_error_types()):
-            print(f"xmoe {args.command}: error: {_message(exc)}", file=sys.stderr)
-            sys.exit(2)
-        from xmoe.train import oom
-
-        if oom.is_out_of_memory(exc):  # outside a training loop, whose own line names the step and checkpoint
-            print(f"xmoe {args.command}: error: {oom.one_line(exc)}", file=sys.stderr)
-            sys.exit(2)
+        _exit_on(exc, args.command)
         raise
+
+
+def _dispatch(args: argparse.Namespace) -> None:
+    """Run the chosen command, importing only its module."""
+    if args.command == "train":
+        from xmoe.train import cli as train_cli
+
+        train_cli.run(args)
+    elif args.command == "data":
+        from xmoe.data import cli as data_cli
+
+        data_cli.run(args)
+    elif args.command == "bench":
+        from xmoe import bench
+
+        bench.run(args)
+    elif args.command == "plan":
+        from xmoe.plan import cli as plan_cli
+
+        base = _plan_model(args)
+        if getattr(args, "measure", False):
+            from xmoe.train import simulate  # one rank trained for a few steps: the training layer's work
+
+            print(simulate.run(args, base))
+        else:
+            plan_cli.run(args, base)
+    else:
+        from xmoe import infer
+
+        {"export": infer.run_export, "eval": infer.run_eval, "generate": infer.run_generate}[args.command](args)
+
+
+def _exit_on(exc: BaseException, command: str) -> None:
+    """One line and the exit code for what a user can cause: a stopped run (128 + signal), non-finite training
+    (3), a bad input (2), running out of memory outside a training loop (2). Returns for anything else."""
+    from xmoe.train.safety import NonFiniteError, RunStopped
+
+    if isinstance(exc, RunStopped):
+        print(f"xmoe {command}: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    if isinstance(exc, NonFiniteError):
+        print(f"xmoe {command}: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    if isinstance(exc, _user_error_types()):
+        print(f"xmoe {command}: error: {_message(exc)}", file=sys.stderr)
+        sys.exit(2)
+    from xmoe.train import oom
+
+    if oom.is_out_of_memory(exc):  # outside a training loop, whose own line names the step and checkpoint
+        print(f"xmoe {command}: error: {oom.one_line(exc)}", file=sys.stderr)
+        sys.exit(2)

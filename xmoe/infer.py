@@ -60,27 +60,14 @@ def load_source(
     A run that is still training may prune the checkpoint being read: it is pinned while read (and picked again if
     it went first). ``check``: called with the model's config before anything is allocated (the memory
     pre-flight)."""
-    from xmoe.config import KernelConfig
     from xmoe.hf.checkpoint import RUN_HF_CONFIG, RUN_TOKENIZER, read_json
-    from xmoe.parallel.build import build_model
     from xmoe.train.rundir import RunDir
 
     path = Path(source)
     if not path.exists():
         raise missing(path, "source", "pass an xmoe run directory or a Hugging Face directory")
     if (path / "config.json").is_file():
-        from xmoe.hf.checkpoint import check_sizes, read_model_config
-
-        if step is not None:
-            raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
-        hf, cfg = read_model_config(path)
-        check_sizes(path, hf, cfg)  # before anything is allocated
-        if check is not None:
-            check(cfg)
-        model = build_model(cfg, device, init_from=str(path)).model
-        model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
-        tokenizer = path / RUN_TOKENIZER
-        return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf, KernelConfig()
+        return _load_hf_dir(path, step, device, check)
     run_dir = RunDir(path)
     if not run_dir.has_checkpoints():
         raise FileNotFoundError(
@@ -107,6 +94,55 @@ def load_source(
         else None
     )
     return model.eval(), str(tokenizer) if tokenizer.is_file() else None, imported, kernels
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: str | None, vocab: int) -> list[int]:
+    """The prompt's token ids: --prompt-ids as given, or --prompt tokenised; each inside the vocabulary."""
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) must be comma-separated integers") from None
+        if not ids:
+            raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) holds no token id; give at least one")
+    else:
+        assert args.prompt is not None  # the parser requires --prompt or --prompt-ids
+        ids = _encode(args.prompt, tokenizer)
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def _end_token(eos: int | None, hf: dict | None, vocab: int) -> int | None:
+    """--eos-id (-1: none), else the imported model's eos_token_id."""
+    if eos is not None and not -1 <= eos < vocab:
+        raise ValueError(
+            f"--eos-id ({eos}) is outside the vocabulary [0, {vocab}): no token could end the text; "
+            "pass -1 for no end token"
+        )
+    if eos is None and hf is not None and isinstance(hf.get("eos_token_id"), int):
+        eos = hf["eos_token_id"]
+    return eos
+
+
+def _load_hf_dir(path: Path, step: int | None, device: str, check: Callable[[ModelConfig], None] | None):
+    """load_source's result for a Hugging Face directory: its sizes checked before anything is allocated; the
+    environment's kernels section (it records none)."""
+    from xmoe.config import KernelConfig
+    from xmoe.hf.checkpoint import RUN_TOKENIZER, check_sizes, read_model_config
+    from xmoe.parallel.build import build_model
+
+    if step is not None:
+        raise ValueError(f"--step ({step}) applies to run directories; {path} is a Hugging Face directory")
+    hf, cfg = read_model_config(path)
+    check_sizes(path, hf, cfg)  # before anything is allocated
+    if check is not None:
+        check(cfg)
+    model = build_model(cfg, device, init_from=str(path)).model
+    model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
+    tokenizer = path / RUN_TOKENIZER
+    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf, KernelConfig()
 
 
 def _kernels(model, kernels, num_tokens: int, device: str):
@@ -378,27 +414,8 @@ def run_generate(args: argparse.Namespace) -> list[int]:
         args, prompt_tokens, prompt_tokens + max(args.max_new_tokens, 0), "the prompt or --max-new-tokens"
     )
     model, tokenizer, hf, kernels = load_source(args.source, args.step, args.device, check=check)
-    if args.prompt_ids is not None:
-        try:
-            ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) must be comma-separated integers") from None
-        if not ids:
-            raise ValueError(f"--prompt-ids ({args.prompt_ids!r}) holds no token id; give at least one")
-    else:
-        assert args.prompt is not None  # the parser requires --prompt or --prompt-ids
-        ids = _encode(args.prompt, tokenizer)
-    bad = [i for i in ids if not 0 <= i < model.cfg.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {model.cfg.vocab_size})")
-    eos = args.eos_id
-    if eos is not None and not -1 <= eos < model.cfg.vocab_size:
-        raise ValueError(
-            f"--eos-id ({eos}) is outside the vocabulary [0, {model.cfg.vocab_size}): no token could end the text; "
-            "pass -1 for no end token"
-        )
-    if eos is None and hf is not None and isinstance(hf.get("eos_token_id"), int):
-        eos = hf["eos_token_id"]
+    ids = _prompt_ids(args, tokenizer, model.cfg.vocab_size)
+    eos = _end_token(args.eos_id, hf, model.cfg.vocab_size)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     with _kernels(model, kernels, len(ids), args.device).applied():  # the prompt's forward is the largest

@@ -136,46 +136,57 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None, mtp_depth: in
     )
     moe_common = dict(hidden_size=H, top_k=hf["num_experts_per_tok"], init_std=common["init_std"])
     if family in DEEPSEEK:
-        v3 = family == "deepseek_v3"
-        if v3 and hf.get("scoring_func", "sigmoid") != "sigmoid":
-            raise _refuse(family, "scoring_func", hf["scoring_func"], "DeepSeek-V3 routing scores are sigmoids")
-        method = hf.get("topk_method", "noaux_tc" if v3 else "greedy")
-        if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
-            raise _refuse(
-                family,
-                "topk_method",
-                method,
-                "DeepSeek-V3 routes by 'noaux_tc', DeepSeek-V2 by 'greedy' or 'group_limited_greedy'",
-            )
-        if not hf.get("n_shared_experts"):
-            raise _refuse(family, "n_shared_experts", hf.get("n_shared_experts"), "DeepSeek models have shared experts")
-        grouped = v3 or method == "group_limited_greedy"
-        moe = MoEConfig(
-            ffn_hidden_size=hf["moe_intermediate_size"],
-            num_experts=hf["n_routed_experts"],
-            num_shared_experts=hf["n_shared_experts"],
-            score_func="sigmoid" if v3 else "softmax",
-            norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-            num_expert_groups=(hf.get("n_group") or 1) if grouped else 1,
-            topk_groups=(hf.get("topk_group") or 1) if grouped else 1,
-            **moe_common,
+        return _deepseek_config(hf, family, common, moe_common, mtp_depth)
+    return _softmax_family_config(hf, family, common, moe_common)
+
+
+def _deepseek_config(hf: dict, family: str, common: dict, moe_common: dict, mtp_depth: int | None) -> ModelConfig:
+    """DeepSeek-V2 / V3: latent attention, shared experts, group-limited (V3: sigmoid, bias-corrected) routing."""
+    v3 = family == "deepseek_v3"
+    if v3 and hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise _refuse(family, "scoring_func", hf["scoring_func"], "DeepSeek-V3 routing scores are sigmoids")
+    method = hf.get("topk_method", "noaux_tc" if v3 else "greedy")
+    if method not in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")):
+        raise _refuse(
+            family,
+            "topk_method",
+            method,
+            "DeepSeek-V3 routes by 'noaux_tc', DeepSeek-V2 by 'greedy' or 'group_limited_greedy'",
         )
-        return ModelConfig(
-            moe=moe,
-            ffn_hidden_size=hf["intermediate_size"],
-            first_k_dense=hf.get("first_k_dense_replace", 0),
-            attention="mla",
-            q_lora_rank=hf.get("q_lora_rank") or 0,
-            kv_lora_rank=hf["kv_lora_rank"],
-            qk_nope_head_dim=hf["qk_nope_head_dim"],
-            qk_rope_head_dim=hf["qk_rope_head_dim"],
-            v_head_dim=hf["v_head_dim"],
-            latent_norm_eps=1e-6,
-            mtp_depth=(hf.get("num_nextn_predict_layers") or 0 if mtp_depth is None else mtp_depth) if v3 else 0,
-            **common,
-        )
-    # the three softmax families
+    if not hf.get("n_shared_experts"):
+        raise _refuse(family, "n_shared_experts", hf.get("n_shared_experts"), "DeepSeek models have shared experts")
+    grouped = v3 or method == "group_limited_greedy"
+    moe = MoEConfig(
+        ffn_hidden_size=hf["moe_intermediate_size"],
+        num_experts=hf["n_routed_experts"],
+        num_shared_experts=hf["n_shared_experts"],
+        score_func="sigmoid" if v3 else "softmax",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)) if v3 else False,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        num_expert_groups=(hf.get("n_group") or 1) if grouped else 1,
+        topk_groups=(hf.get("topk_group") or 1) if grouped else 1,
+        **moe_common,
+    )
+    return ModelConfig(
+        moe=moe,
+        ffn_hidden_size=hf["intermediate_size"],
+        first_k_dense=hf.get("first_k_dense_replace", 0),
+        attention="mla",
+        q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        latent_norm_eps=1e-6,
+        mtp_depth=(hf.get("num_nextn_predict_layers") or 0 if mtp_depth is None else mtp_depth) if v3 else 0,
+        **common,
+    )
+
+
+def _softmax_family_config(hf: dict, family: str, common: dict, moe_common: dict) -> ModelConfig:
+    """Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE: softmax routing; Qwen's leading dense layers, Qwen2-MoE's gated shared
+    expert."""
+    H = common["hidden_size"]
     num_experts = hf["num_local_experts"] if family == "mixtral" else hf.get("num_experts", hf.get("num_local_experts"))
     if num_experts is None:
         raise _refuse(family, "num_experts", None, "the config must give the number of routed experts")
@@ -309,35 +320,47 @@ def hf_config_from_model(cfg: ModelConfig, family: str, base: dict | None = None
         num_experts_per_tok=moe.top_k,
     )
     if family in DEEPSEEK:
+        return _deepseek_fields(out, cfg, family)
+    return _softmax_family_fields(out, cfg, family)
+
+
+def _deepseek_fields(out: dict, cfg: ModelConfig, family: str) -> dict:
+    """``out`` with DeepSeek-V2 / V3's routing, latent attention and multi-token-prediction fields."""
+    moe = cfg.moe
+    out.update(
+        n_routed_experts=moe.num_experts,
+        n_shared_experts=moe.num_shared_experts,
+        moe_intermediate_size=moe.ffn_hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        first_k_dense_replace=cfg.first_k_dense,
+        n_group=moe.num_expert_groups,
+        topk_group=moe.topk_groups,
+        norm_topk_prob=moe.norm_topk_prob,
+        routed_scaling_factor=moe.routed_scaling_factor,
+        q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_interleave=True,
+        head_dim=cfg.qk_rope_head_dim,
+        qk_head_dim=cfg.head_dim,
+    )
+    if family == "deepseek_v2":
+        out.pop("rope_interleave")  # V2's rotary is always interleaved
         out.update(
-            n_routed_experts=moe.num_experts,
-            n_shared_experts=moe.num_shared_experts,
-            moe_intermediate_size=moe.ffn_hidden_size,
-            intermediate_size=cfg.ffn_hidden_size,
-            first_k_dense_replace=cfg.first_k_dense,
-            n_group=moe.num_expert_groups,
-            topk_group=moe.topk_groups,
-            norm_topk_prob=moe.norm_topk_prob,
-            routed_scaling_factor=moe.routed_scaling_factor,
-            q_lora_rank=cfg.q_lora_rank or None,
-            kv_lora_rank=cfg.kv_lora_rank,
-            qk_nope_head_dim=cfg.qk_nope_head_dim,
-            qk_rope_head_dim=cfg.qk_rope_head_dim,
-            v_head_dim=cfg.v_head_dim,
-            rope_interleave=True,
-            head_dim=cfg.qk_rope_head_dim,
-            qk_head_dim=cfg.head_dim,
+            topk_method="group_limited_greedy" if moe.num_expert_groups > 1 else "greedy",
+            n_group=moe.num_expert_groups if moe.num_expert_groups > 1 else None,
+            topk_group=moe.topk_groups if moe.num_expert_groups > 1 else None,
         )
-        if family == "deepseek_v2":
-            out.pop("rope_interleave")  # V2's rotary is always interleaved
-            out.update(
-                topk_method="group_limited_greedy" if moe.num_expert_groups > 1 else "greedy",
-                n_group=moe.num_expert_groups if moe.num_expert_groups > 1 else None,
-                topk_group=moe.topk_groups if moe.num_expert_groups > 1 else None,
-            )
-        else:
-            out["num_nextn_predict_layers"] = cfg.mtp_depth
-        return out
+    else:
+        out["num_nextn_predict_layers"] = cfg.mtp_depth
+    return out
+
+
+def _softmax_family_fields(out: dict, cfg: ModelConfig, family: str) -> dict:
+    """``out`` with Mixtral's, OLMoE's or Qwen's expert fields."""
+    moe = cfg.moe
     out.update(head_dim=cfg.head_dim)
     if family == "mixtral":
         out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size)
