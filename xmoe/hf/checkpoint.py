@@ -259,6 +259,41 @@ def _hf_tensors(model: Transformer, family: str):
 
 
 @torch.no_grad()
+def _plan_shards(
+    model: Transformer, family: str, out_dtype: torch.dtype, max_shard_bytes: int
+) -> tuple[list[str], dict[str, str], int]:
+    """(shard file names, each tensor's file, total bytes): tensors in write order, a new shard wherever the next
+    tensor would take the current one past ``max_shard_bytes``; one file of the single-file name when all fit."""
+    shards: list[list[str]] = [[]]
+    shard_bytes, total = 0, 0
+    sizes = {name: t.numel() * out_dtype.itemsize for name, t in _hf_tensors(model, family)}
+    for name, size in sizes.items():
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+        total += size
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    return files, {name: files[i] for i, names in enumerate(shards) for name in names}, total
+
+
+def _write_index(path: Path, files: list[str], file_of: dict[str, str], total: int) -> None:
+    """The shard index where there are several shards (a reader prefers the index: a single file an earlier save
+    left is dropped), none where there is one."""
+    if len(files) > 1:
+        (path / SINGLE_FILE).unlink(missing_ok=True)
+        index = {"metadata": {"total_size": total}, "weight_map": file_of}
+        with writing(path / INDEX_FILE):
+            (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    else:
+        (path / INDEX_FILE).unlink(missing_ok=True)
+
+
 def save_pretrained(
     model: Transformer,
     path: str | os.PathLike,
@@ -293,22 +328,7 @@ def save_pretrained(
     path.mkdir(parents=True, exist_ok=True)
 
     # 1. plan shards from sizes alone (nothing is copied yet)
-    shards: list[list[str]] = [[]]
-    shard_bytes, total = 0, 0
-    sizes = {name: t.numel() * out_dtype.itemsize for name, t in _hf_tensors(model, family)}
-    for name, size in sizes.items():
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(name)
-        shard_bytes += size
-        total += size
-    files = (
-        [SINGLE_FILE]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    file_of = {name: files[i] for i, names in enumerate(shards) for name in names}
+    files, file_of, total = _plan_shards(model, family, out_dtype, max_shard_bytes)
     # 2. write one shard at a time
     pending: dict[str, torch.Tensor] = {}
     current = files[0]
@@ -319,13 +339,7 @@ def save_pretrained(
         pending[name] = tensor.to("cpu", out_dtype).contiguous()
     _save_shard(pending, path / current)
     _follow_umask([path / f for f in files])
-    if len(shards) > 1:  # a reader prefers the index: drop a single file an earlier save left
-        (path / SINGLE_FILE).unlink(missing_ok=True)
-        index = {"metadata": {"total_size": total}, "weight_map": file_of}
-        with writing(path / INDEX_FILE):
-            (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    else:
-        (path / INDEX_FILE).unlink(missing_ok=True)
+    _write_index(path, files, file_of, total)
     with writing(path / "config.json"):
         (path / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return path

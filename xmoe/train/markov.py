@@ -13,6 +13,34 @@ import numpy as np
 _U_BITS = 53  # numpy's float64 uniforms are integer multiples of 2**-53
 
 
+def _check_options(
+    vocab: int, order: int, buckets: int | None, branch: int, alpha: float, smooth: float, source_seed: int
+) -> int:
+    """The source's options in range, naming the bad one; returns the number of buckets (the order's default)."""
+    if vocab < 2:
+        raise ValueError(f"markov vocab ({vocab}) must be >= 2")
+    if order not in (1, 2):
+        raise ValueError(f"markov order ({order}) must be 1 or 2 (order 2 hashes the older token)")
+    if order == 1 and buckets not in (None, 1):
+        raise ValueError(f"markov buckets ({buckets}) only applies to order 2; drop it or set order=2")
+    buckets = (2 if order == 2 else 1) if buckets is None else buckets
+    if not 1 <= buckets <= vocab:
+        raise ValueError(f"markov buckets ({buckets}) must be in [1, vocab={vocab}]")
+    if not 1 <= branch <= vocab:
+        raise ValueError(f"markov branch ({branch}) must be in [1, vocab={vocab}]")
+    if buckets * vocab * vocab > 2**22:  # 2**23 already takes ~13 s to build
+        raise ValueError(
+            f"markov buckets * vocab**2 ({buckets * vocab * vocab}) must be <= 2**22; lower vocab or buckets"
+        )
+    if not alpha > 0:
+        raise ValueError(f"markov alpha ({alpha}) must be > 0")
+    if not 0 < smooth <= 1:
+        raise ValueError(f"markov smooth ({smooth}) must be in (0, 1]; it keeps the chain irreducible")
+    if source_seed < 0:
+        raise ValueError(f"markov source_seed ({source_seed}) must be >= 0")
+    return buckets
+
+
 def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
     """Entropy in nats along ``axis``, with 0 log 0 = 0."""
     logp = np.log(np.where(p > 0, p, 1.0))
@@ -47,27 +75,7 @@ class MarkovSource:
         smooth: float = 0.01,
         source_seed: int = 0,
     ) -> None:
-        if vocab < 2:
-            raise ValueError(f"markov vocab ({vocab}) must be >= 2")
-        if order not in (1, 2):
-            raise ValueError(f"markov order ({order}) must be 1 or 2 (order 2 hashes the older token)")
-        if order == 1 and buckets not in (None, 1):
-            raise ValueError(f"markov buckets ({buckets}) only applies to order 2; drop it or set order=2")
-        buckets = (2 if order == 2 else 1) if buckets is None else buckets
-        if not 1 <= buckets <= vocab:
-            raise ValueError(f"markov buckets ({buckets}) must be in [1, vocab={vocab}]")
-        if not 1 <= branch <= vocab:
-            raise ValueError(f"markov branch ({branch}) must be in [1, vocab={vocab}]")
-        if buckets * vocab * vocab > 2**22:  # 2**23 already takes ~13 s to build
-            raise ValueError(
-                f"markov buckets * vocab**2 ({buckets * vocab * vocab}) must be <= 2**22; lower vocab or buckets"
-            )
-        if not alpha > 0:
-            raise ValueError(f"markov alpha ({alpha}) must be > 0")
-        if not 0 < smooth <= 1:
-            raise ValueError(f"markov smooth ({smooth}) must be in (0, 1]; it keeps the chain irreducible")
-        if source_seed < 0:
-            raise ValueError(f"markov source_seed ({source_seed}) must be >= 0")
+        buckets = _check_options(vocab, order, buckets, branch, alpha, smooth, source_seed)
         self.vocab, self.order, self.buckets = vocab, order, buckets
         self.options = dict(
             vocab=vocab,
@@ -89,19 +97,23 @@ class MarkovSource:
         self.probs_CV = probs_CV / probs_CV.sum(1, keepdims=True)
         self.pi_C = self._stationary()
 
-        # Exact entropies, all float64 nats.
-        self.entropy_rate = float(self.pi_C @ _entropy(self.probs_CV))
-        pi_GV = self.pi_C.reshape(G, V)
-        self.marginal_V = pi_GV.sum(0)
-        self.unigram_entropy = float(_entropy(self.marginal_V))
-        joint_VV = np.einsum("gb,gbc->bc", pi_GV, self.probs_CV.reshape(G, V, V))  # P(x_t=b, x_{t+1}=c)
-        self.bigram_entropy = float(_entropy(joint_VV.ravel()) - self.unigram_entropy)
+        self._entropies()
         # Sampling tables: cumulative rows, last entry +inf so rounding never runs past the end.
         self._cdf_CV = np.cumsum(self.probs_CV, axis=1)
         self._cdf_CV[:, -1] = np.inf
         self._cdf_pi_C = np.cumsum(self.pi_C)
         self._cdf_pi_C[-1] = np.inf
         self._walk: tuple | None = None  # sample's lookup tables, made on first use (_walk_tables)
+
+    def _entropies(self) -> None:
+        """Exact entropies, all float64 nats: the entropy rate, the unigram's and the bigram's."""
+        G, V = self.buckets, self.vocab
+        self.entropy_rate = float(self.pi_C @ _entropy(self.probs_CV))
+        pi_GV = self.pi_C.reshape(G, V)
+        self.marginal_V = pi_GV.sum(0)
+        self.unigram_entropy = float(_entropy(self.marginal_V))
+        joint_VV = np.einsum("gb,gbc->bc", pi_GV, self.probs_CV.reshape(G, V, V))  # P(x_t=b, x_{t+1}=c)
+        self.bigram_entropy = float(_entropy(joint_VV.ravel()) - self.unigram_entropy)
 
     def _stationary(self, tol: float = 1e-14, max_iter: int = 10_000) -> np.ndarray:
         """pi_C with pi P = pi, by power iteration in float64 on the C-state chain (~80 iterations: the
