@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import itertools
 import json
 import os
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", type=int, default=256, help="routed expert width (default 256)")
     p.add_argument("--experts-per-rank", type=int, default=2, help="routed experts per rank (default 2)")
     p.add_argument("--top-k", type=int, default=4, help="routed experts per token (default 4)")
+    p.add_argument("--shared", type=int, default=2, help="shared experts, each as wide as a routed one (default 2)")
     p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
     p.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
@@ -70,8 +72,10 @@ def _parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------------ rank mode
 
 
-def _cases(args) -> list[dict]:
-    grid = itertools.product(args.dispatchers, args.dtypes, args.node_limits, args.modes)
+def _cases(args, nodes: int) -> list[dict]:
+    """The grid; a node limit of the cluster's node count or more binds nothing and is left out."""
+    limits = [m for m in args.node_limits if m < nodes]
+    grid = itertools.product(args.dispatchers, args.dtypes, limits, args.modes)
     return [dict(dispatcher=d, dtype=t, node_limit=m, mode=o) for d, t, m, o in grid]
 
 
@@ -84,7 +88,7 @@ def _model_config(args, world: int, case: dict):
         ffn_hidden_size=args.ffn,
         num_experts=args.experts_per_rank * world,
         top_k=args.top_k,
-        num_shared_experts=1,
+        num_shared_experts=args.shared,
         kernel_backend="torch",
         dispatcher=case["dispatcher"],
         dispatch_dtype=case["dtype"],
@@ -113,6 +117,7 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
     layers = [m for m in built.model.modules() if type(m).__name__ == "MoELayer"]
     _time_experts(layers, timed)
     steps, exposed = [], []
+    loss = torch.zeros(())
     for step in range(args.warmup + args.steps):
         dist.barrier()
         WaitTimer.enabled, _ = True, WaitTimer.reset()
@@ -145,7 +150,7 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         experts_fwd_ms=1e3 * statistics.mean(r["experts"] for r in per_rank) / max(1, args.layers),
         shared_fwd_ms=1e3 * statistics.mean(r["shared"] for r in per_rank) / max(1, args.layers),
         traffic={k: sum(r["traffic"].get(k, 0) for r in per_rank) / world for k in per_rank[0]["traffic"]},
-        loss=float(loss),
+        loss=float(loss.detach()),
     )
 
 
@@ -180,14 +185,14 @@ def rank_main(args) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     par = ParallelConfig(ep=world, gpus_per_node=local)
     dims = ParallelDims.from_config(par, world, rank=rank, node_size=local).build_mesh("cpu")
-    results = []
-    for case in _cases(args):
+    for case in _cases(args, world // local):
         row = _run_case(args, dims, world, rank, case)
-        if rank == 0:
-            results.append(row)
+        gc.collect()  # the case's model, optimizer and graphs, before the next one is built
+        if rank == 0:  # each row as it comes: a run cut short keeps what it measured
             print(json.dumps(row), flush=True)
-    if rank == 0 and args.raw:
-        Path(args.raw).write_text(json.dumps(results, indent=1))
+            if args.raw:
+                with open(args.raw, "a") as f:
+                    f.write(json.dumps(row) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -208,14 +213,12 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
         intra_bw=20.0, inter_bw=link_bytes_s / 1e9 / args.ranks_per_node, intra_lat=50.0, inter_lat=1e3 * rtt_ms / 2
     )
     for row in rows:
+        group = (row["dispatcher"], row["dtype"], row["node_limit"])
         base = next(
-            r
-            for r in rows
-            if r["mode"] == "off"
-            and r["dispatcher"] == row["dispatcher"]
-            and r["dtype"] == row["dtype"]
-            and r["node_limit"] == row["node_limit"]
+            (r for r in rows if r["mode"] == "off" and (r["dispatcher"], r["dtype"], r["node_limit"]) == group), None
         )
+        if base is None:  # a run cut short before this group's overlap-off case
+            continue
         cfg = _model_config(args, world, row)
         tokens = args.batch * args.seq
         est = estimate_comm(
