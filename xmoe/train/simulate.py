@@ -171,7 +171,7 @@ class _RankRun:
         ssmb: bool,
         recompute: str,
     ) -> None:
-        self.cfg, self.parallel, self.dev, self.seed, self.ssmb, self.recompute = (
+        self.model_cfg, self.parallel, self.dev, self.seed, self.ssmb, self.recompute = (
             cfg,
             parallel,
             dev,
@@ -193,7 +193,7 @@ class _RankRun:
         the rest timed."""
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        cfg, dev, autocast, world, dims = self.cfg, self.dev, self.autocast, self.world, self.dims
+        cfg, dev, autocast, world, dims = self.model_cfg, self.dev, self.autocast, self.world, self.dims
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         tracker = MemTracker()
@@ -220,7 +220,7 @@ class _RankRun:
 
     def _build(self, simulate: bool, imbalance: float, lr: float, weight_decay: float):
         """The trainer's model, step casts and optimizer for this rank."""
-        cfg, dev, autocast = self.cfg, self.dev, self.autocast
+        cfg, dev, autocast = self.model_cfg, self.dev, self.autocast
         built = build_model(
             cfg,
             dev,
