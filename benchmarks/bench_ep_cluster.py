@@ -104,6 +104,7 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from xmoe.dispatch.base import add_counters
     from xmoe.dispatch.comm import WaitTimer
     from xmoe.parallel.build import build_model
 
@@ -133,13 +134,15 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         if step >= args.warmup:
             steps.append(elapsed)
             exposed.append(waited)
-    # the slowest rank's step, the ranks' mean exposed time, this rank's traffic
+        elif step == args.warmup - 1:
+            _reset_counters(layers)  # the traffic of the timed steps only
+    # the slowest rank's step, the ranks' mean exposed time, this rank's traffic per timed step
     per_rank = [None] * world
-    traffic = {}
+    traffic: dict = {}
     for layer in layers:
         stats = layer.dispatcher.stats
-        for k, v in (stats.as_dict() if stats is not None else {}).items():
-            traffic[k] = traffic.get(k, 0) + v
+        add_counters(traffic, stats.as_dict() if stats is not None else {})  # max_* counters: their maximum
+    traffic = {k: v if k.startswith("max_") else v / args.steps for k, v in traffic.items()}
     mine = dict(steps=steps, exposed=exposed, experts=timed["experts"], shared=timed["shared"], traffic=traffic)
     dist.all_gather_object(per_rank, mine)
     step_s = [max(r["steps"][i] for r in per_rank) for i in range(args.steps)]
@@ -149,9 +152,20 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         exposed_ms=1e3 * statistics.mean(statistics.median(r["exposed"]) for r in per_rank),
         experts_fwd_ms=1e3 * statistics.mean(r["experts"] for r in per_rank) / max(1, args.layers),
         shared_fwd_ms=1e3 * statistics.mean(r["shared"] for r in per_rank) / max(1, args.layers),
-        traffic={k: sum(r["traffic"].get(k, 0) for r in per_rank) / world for k in per_rank[0]["traffic"]},
+        traffic={k: _over_ranks(k, [r["traffic"].get(k, 0) for r in per_rank]) for k in per_rank[0]["traffic"]},
         loss=float(loss.detach()),
     )
+
+
+def _over_ranks(key: str, values: list) -> float:
+    """A counter over the ranks: the largest of a ``max_*`` one, else the mean per rank."""
+    return max(values) if key.startswith("max_") else sum(values) / len(values)
+
+
+def _reset_counters(layers) -> None:
+    for layer in layers:
+        if layer.dispatcher.stats is not None:
+            layer.dispatcher.stats.reset()
 
 
 def _time_experts(layers, timed: dict) -> None:
@@ -268,26 +282,38 @@ def launcher_main(args, argv: list[str]) -> int:
         settings={k: v for k, v in vars(args).items() if k not in ("rank_mode", "raw")},
         clusters=[],
     )
+    status = 0
     for nodes in args.nodes:
+        raw = out / f"bench_ep_cluster_raw_{nodes}nodes.jsonl"
+        raw.unlink(missing_ok=True)  # rows are appended as each case ends: none of an earlier run
         with EmulatedCluster(nodes=nodes, inter_gbit=args.inter_gbit) as cluster:
             link = cluster.measure_link(0, 1)
             print(f"{nodes} nodes: {link.describe()}", flush=True)
-            raw = out / f"bench_ep_cluster_raw_{nodes}nodes.json"
             command = [str(Path(__file__).resolve()), "--rank-mode", "--raw", str(raw.resolve()), *argv]
             result = cluster.run(command, ranks_per_node=args.ranks_per_node, timeout=args.timeout)
-            if result.returncode != 0:
-                print(
-                    f"{nodes} nodes: the run failed (exit {result.returncode}); logs in {result.out}", file=sys.stderr
-                )
-                return 1
-        rows = json.loads(raw.read_text())
-        raw.unlink()
+        rows = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()] if raw.exists() else []
+        if result.returncode != 0:
+            print(
+                f"{nodes} nodes: the run failed (exit {result.returncode}) after {len(rows)} cases; logs in "
+                f"{result.out}",
+                file=sys.stderr,
+            )
+            status = 1
         predictions(args, rows, nodes, link.rate_bit / 8, link.rtt_ms)
         report["clusters"].append(dict(nodes=nodes, link=link.describe(), link_mbyte_s=link.mbyte_s, rows=rows))
-    (out / "bench_ep_cluster.json").write_text(json.dumps(report, indent=1))
-    (out / "bench_ep_cluster.md").write_text(_markdown(report))
+        # the report so far after each cluster: a run cut short keeps what it measured
+        (out / "bench_ep_cluster.json").write_text(json.dumps(report, indent=1))
+        (out / "bench_ep_cluster.md").write_text(_markdown(report))
+        raw.unlink(missing_ok=True)
+        if status:
+            return status
     print(_markdown(report))
     return 0
+
+
+def _bytes_sent(traffic: dict) -> float:
+    """Bytes a rank sent per step: the flat dispatcher's count, or RBD's two stages' (inside and across nodes)."""
+    return traffic.get("bytes_sent", traffic.get("bytes_intra", 0) + traffic.get("bytes_inter", 0))
 
 
 def _markdown(report: dict) -> str:
@@ -312,8 +338,9 @@ def _markdown(report: dict) -> str:
             "",
         ]
         lines += [
-            "| dispatcher | dispatch | node limit | overlap | step ms | exposed ms | predicted ms | error | vs today |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| dispatcher | dispatch | node limit | overlap | step ms | exposed ms | predicted ms | error | vs today "
+            "| MB sent per step | inter-node rows | most nodes a token reached |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         today = next(
             (r for r in rows if (r["dispatcher"], r["dtype"], r["node_limit"], r["mode"]) == ("pft", "bf16", 0, "off")),
@@ -321,12 +348,14 @@ def _markdown(report: dict) -> str:
         )
         for r in rows:
             speed = f"{today['step_ms'] / r['step_ms']:.2f}x" if today else ""
+            traffic = r.get("traffic", {})
             lines.append(
                 f"| {'flat' if r['dispatcher'] == 'pft' else 'RBD'} | {r['dtype']} | {r['node_limit'] or 'off'} | "
                 f"{r['mode']} | {r['step_ms']:.0f} | {r['exposed_ms']:.0f} | {r.get('predicted_ms', 0):.0f} | "
-                f"{100 * r.get('error', 0):+.0f}% | {speed} |"
+                f"{100 * r.get('error', 0):+.0f}% | {speed} | {_bytes_sent(traffic) / 1e6:.1f} | "
+                f"{traffic.get('rows_inter', 0):.0f} | {traffic.get('max_token_nodes', 0):.0f} |"
             )
-        lines.append("")
+        lines += ["", "Traffic per rank and timed step (the ranks' mean; the most nodes: the largest on any rank).", ""]
     return "\n".join(lines)
 
 
