@@ -307,3 +307,31 @@ def test_older_configs_name_the_scope_by_its_new_name(tmp_path, capsys):
     assert resume_mismatches({"model": saved}, run, {}) == [
         "model.moe.balance_scope: checkpoint 'micro_batch', now 'global'"
     ]
+
+
+def test_a_multi_token_prediction_block_counts_positions_with_a_target_at_its_depth():
+    from xmoe.config import ModelConfig
+    from xmoe.model.loss import IGNORE_INDEX
+    from xmoe.model.transformer import Transformer
+    from xmoe.train.step import forward_backward
+
+    moe = MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=E, top_k=K, aux_loss_coef=COEF)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, num_layers=1, num_heads=4, moe=moe, max_seq_len=16, mtp_depth=2)
+    model = Transformer(cfg)
+    tokens = torch.randint(0, 50, (2, 13), generator=torch.Generator().manual_seed(0))
+    targets = tokens[:, 1:].clone()
+    targets[0, 7:] = IGNORE_INDEX  # a padded tail
+    targets[1, 2] = IGNORE_INDEX  # and one ignored target inside a row
+    _, step = forward_backward(
+        model, model, iter([(tokens[:, :-1], targets)]), 1, CPU, autocast=False, detach_casts=True
+    )
+    stats = step.finish()
+    B, S = targets.shape
+
+    def with_target(d: int) -> int:  # positions i whose target d ahead exists and counts (a plain loop)
+        return sum(1 for b in range(B) for i in range(S - d) if targets[b, i + d] != IGNORE_INDEX)
+
+    # the main layer, then the MTP blocks of depth 1 and 2: each its own positions' slots
+    assert stats.load_LE.sum(1).tolist() == [K * with_target(0), K * with_target(1), K * with_target(2)]
+    assert with_target(1) < with_target(0)

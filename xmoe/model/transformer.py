@@ -155,6 +155,9 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(
             MTPModule(cfg, Block(cfg, cfg.num_layers + d, moe=cfg.mtp_moe)) for d in range(cfg.mtp_depth)
         )
+        for d, module in enumerate(self.mtp, 1):  # an MTP block's real tokens: those with a target d ahead
+            for layer in moe_layers(module):
+                layer.positions_ahead = d
         self._mtp_sum: torch.Tensor | None = None  # the MTP losses of the training forwards not yet taken
         self._mtp_count = 0
         # Non-persistent: derived from the config, so checkpoints stay free of them and a meta-device build

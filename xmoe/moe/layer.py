@@ -111,6 +111,9 @@ class MoELayer(nn.Module):
         # tokens out (SSMB: xmoe/parallel/ssmb.py installs it): maps a per-position tensor of the micro-batch to the
         # positions of this layer's input, in its order; None: the input is the whole micro-batch
         self.local_positions: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # the layer of a multi-token-prediction block of depth d (xmoe/model/mtp.py) sees position i predict the
+        # token d + 1 ahead: its real tokens are those with a target at depth d (MoEStep.set_real_tokens' ``ahead``)
+        self.positions_ahead = 0
         self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ Outside a step a layer computes alone: its auxiliary losses get gradient 1 and e
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -129,11 +130,14 @@ class MoEStep:
             layer.moe_step = None
             slot.casts = None
 
-    def set_real_tokens(self, valid_BS: torch.Tensor | None) -> None:
+    def set_real_tokens(self, valid_BS: torch.Tensor | None, ahead: Mapping[int, torch.Tensor] | None = None) -> None:
         """Which positions of the next micro-batch are real tokens (bool (B, S), True where the target counts: the
-        training step passes ``targets != IGNORE_INDEX``); None: all of them (the default)."""
-        for slot in self._slots:
-            slot.real_tokens = valid_BS
+        training step passes ``targets != IGNORE_INDEX``); None: all of them (the default). ``ahead``: for the MoE
+        layers of multi-token-prediction blocks (``positions_ahead`` = d), the positions with a target at depth d
+        by d (xmoe/model/mtp.py: depth_targets); a depth not given counts ``valid_BS``."""
+        for layer, slot in zip(self._layers, self._slots, strict=True):
+            depth = layer.positions_ahead
+            slot.real_tokens = ahead[depth] if depth and ahead is not None and depth in ahead else valid_BS
 
     def end_micro_batch(self) -> None:
         """Add the micro-batch's routing statistics (every layer's report) to the step's, on the device."""
