@@ -5,16 +5,18 @@ where given), each beside the planner's prediction for the measured link and the
     sudo python benchmarks/bench_ep_cluster.py --out benchmarks/results/ep --nodes 2 4 --ranks-per-node 2
 
 The defaults size the model so that its flat all-to-alls take about as long as its compute on a 2-core machine
-running 4 ranks (the link 0.25 Gbit/s each way per node). Needs root (benchmarks/emulated_cluster.py). Each node
-count is one emulated cluster and one torchrun per node, in which every rank runs this script's rank mode over the
-whole grid (the model is built again for each case; the first steps of each are warm-up). The CPU ranks compute
-under bf16 autocast, so rows travel as on GPUs (2 bytes a value; FP8 dispatch 1 byte plus the scales). Measured per
-case: the step's wall time (the slowest rank; median of the timed steps) and the host time blocked in the expert-
-parallel exchanges (dispatch/comm.py's WaitTimer: the posted all-to-alls' waits, the count exchange and its host
-sync; the mean over ranks), which on CPUs is the communication no compute hid. The planner (xmoe/plan/step_time.py)
-predicts every case from the link rate measured before the run (shared by a node's ranks), the compute of the
-overlap-off case of the same dispatcher and dtype (its step minus its exposed time) and the routed and shared
-experts' forward times measured in it.
+running 4 ranks (the link 0.3 Gbit/s each way per node), with few dense weights: FSDP2's all-gathers and reduce-
+scatters of the dense weights (attention, embedding, shared experts, routers) cross the same shaped link, and at a
+1024-token vocabulary and width 512 they took longer than the all-to-alls themselves. Needs root
+(benchmarks/emulated_cluster.py). Each node count is one emulated cluster and one torchrun per node, in which every
+rank runs this script's rank mode over the whole grid (the model is built again for each case; the first steps of
+each are warm-up). The CPU ranks compute under bf16 autocast, so rows travel as on GPUs (2 bytes a value; FP8
+dispatch 1 byte plus the scales). Measured per case: the step's wall time (the slowest rank; median of the timed
+steps) and the host time blocked in the expert- parallel exchanges (dispatch/comm.py's WaitTimer: the posted
+all-to-alls' waits, the count exchange and its host sync; the mean over ranks), which on CPUs is the communication
+no compute hid. The planner (xmoe/plan/step_time.py) predicts every case from the link rate measured before the run
+(shared by a node's ranks), the compute of the overlap-off case of the same dispatcher and dtype (its step minus its
+exposed time) and the routed and shared experts' forward times measured in it.
 Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
 """
 
@@ -47,14 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="node counts, one cluster each (default 2 4)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
-    p.add_argument("--inter-gbit", type=float, default=0.25, help="each node's link, Gbit/s each way (default 0.25)")
-    p.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
+    p.add_argument("--inter-gbit", type=float, default=0.3, help="each node's link, Gbit/s each way (default 0.3)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary (default 256)")
+    p.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
     p.add_argument("--ffn", type=int, default=256, help="routed expert width (default 256)")
     p.add_argument("--experts-per-rank", type=int, default=2, help="routed experts per rank (default 2)")
     p.add_argument("--top-k", type=int, default=4, help="routed experts per token (default 4)")
-    p.add_argument("--shared", type=int, default=2, help="shared experts, each as wide as a routed one (default 2)")
+    p.add_argument("--shared", type=int, default=1, help="shared experts, each as wide as a routed one (default 1)")
     p.add_argument("--layers", type=int, default=2, help="MoE layers (default 2)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
     p.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per case (default 2)")
@@ -96,7 +99,12 @@ def _model_config(args, world: int, case: dict):
     )
     heads = max(1, args.hidden // 64)
     return ModelConfig(
-        vocab_size=1024, hidden_size=args.hidden, num_layers=args.layers, num_heads=heads, moe=moe, max_seq_len=args.seq
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=heads,
+        moe=moe,
+        max_seq_len=args.seq,
     )
 
 
