@@ -36,8 +36,8 @@ from xmoe.kernels import adamw
 from xmoe.kernels.accumulate import accumulate_grad
 from xmoe.model.presets import get_preset
 from xmoe.model.transformer import Transformer
-from xmoe.moe.casts import CastCache
-from xmoe.moe.step import expert_casts
+from xmoe.moe.experts import use_one_process
+from xmoe.moe.weights import CopyWriter
 from xmoe.parallel.expert_parallel import clip_grad_norm_, total_grad_norm
 from xmoe.train.optim import TritonAdamW, param_groups
 from xmoe.train.step import clip_gradients, folds_clipping, optimizer_step
@@ -94,9 +94,9 @@ def main() -> None:
     agreement = _check_triton_adamw(model, args.max_norm)
     print(f"Triton AdamW against torch's fused AdamW: {agreement}", flush=True)
     triton_opt = TritonAdamW(param_groups(model, 0.1), lr=1e-4)
-    cache = CastCache(experts, torch.bfloat16)  # the bf16 copies (those of experts that are not FP8)
-    triton_copies = TritonAdamW(param_groups(model, 0.1), lr=1e-4, casts=cache)
-    assert folds_clipping(triton_opt, params) and all(cache.wants(w) for w in experts)
+    # every expert weight's bf16 copy (FP8 experts' too: the row times the copies' write)
+    triton_copies = TritonAdamW(param_groups(model, 0.1), lr=1e-4, copies=_bf16_writers(experts)[0])
+    assert folds_clipping(triton_opt, params)
 
     def folded_with(opt):
         return lambda: optimizer_step(opt, clip_gradients(opt, params, args.max_norm, None)[1])
@@ -189,8 +189,7 @@ def _fp8_variants(model, params, args) -> tuple[list, dict]:
     checks = {}
     for spec in args.fp8_tiles.split(","):
         chunk, warps = (int(n) for n in spec.split("x"))
-        cache = expert_casts(model, torch.bfloat16)
-        opt = TritonAdamW(param_groups(model, 0.1), lr=1e-4, casts=cache)
+        opt = TritonAdamW(param_groups(model, 0.1), lr=1e-4, copies=use_one_process(model, torch.bfloat16))
 
         def step(opt=opt, chunk=chunk, warps=warps):
             adamw.QUANT_CHUNK, adamw.QUANT_WARPS = chunk, warps
@@ -199,13 +198,13 @@ def _fp8_variants(model, params, args) -> tuple[list, dict]:
         saved = [w.detach().clone() for ws in stacks for w in ws]
         step()
         bitwise = True
-        for w1, w3, w2 in stacks:
-            up, down = cache.take_fp8((w1, w3)), cache.take_fp8((w2,))
-            if up is None or down is None:
+        for layer, (w1, w3, w2) in zip(moe_layers(model), stacks, strict=True):
+            if layer.experts.expert_weights.num_waiting() < 3:
                 bitwise = False
                 continue
-            got = (up.q, *up.qts, up.scale, down.q, *down.qts, down.scale)
+            taken = layer.experts.step_copies(torch.bfloat16)[3]  # the copies the next step computes with
             want = (*quantize_block_pair(w1, w3, fmt), *quantize_blocks(w2, fmt))
+            got = (taken.w13_EHF, taken.w1_EFH, taken.w3_EFH, taken.scale13, taken.w2_EFH, taken.w2_EHF, taken.scale2)
             bitwise &= all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         with torch.no_grad():  # the weights as they were, so every variant times steps from the same place
             for w, s in zip((w for ws in stacks for w in ws), saved, strict=True):
@@ -224,8 +223,8 @@ def _check_triton_adamw(model, max_norm: float) -> dict:
     ref = [torch.nn.Parameter(q.detach().clone()) for q in largest]
     got = [torch.nn.Parameter(q.detach().clone()) for q in largest]
     fused = torch.optim.AdamW([{"params": ref, "weight_decay": 0.1}], lr=1e-3, fused=True)
-    cache = CastCache(got, torch.bfloat16)  # every weight here gets a copy, as the experts' do
-    ours = TritonAdamW([{"params": got, "weight_decay": 0.1}], lr=1e-3, casts=cache)
+    writers, copies = _bf16_writers(got)  # every weight here gets a copy, as the experts' do
+    ours = TritonAdamW([{"params": got, "weight_decay": 0.1}], lr=1e-3, copies=writers)
     gen = torch.Generator(device=got[0].device).manual_seed(0)
     copies_equal = True
     for _ in range(3):
@@ -234,7 +233,7 @@ def _check_triton_adamw(model, max_norm: float) -> dict:
             b.grad = a.grad.clone()
         for opt, qs in ((fused, ref), (ours, got)):
             optimizer_step(opt, clip_gradients(opt, qs, max_norm, None)[1])
-        copies_equal &= all(torch.equal(cache.waiting(q), q.detach().to(torch.bfloat16)) for q in got)
+        copies_equal &= all(torch.equal(c, q.detach().to(torch.bfloat16)) for c, q in zip(copies, got, strict=True))
 
     def worst(pairs) -> float:
         return max(((x.double() - y.double()).norm() / y.double().norm()).item() for x, y in pairs)
@@ -246,6 +245,22 @@ def _check_triton_adamw(model, max_norm: float) -> dict:
         "moments_rel_diff": worst(moments),
         "bf16_copies_bitwise": copies_equal,
     }
+
+
+def _bf16_writers(tensors: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, CopyWriter]], list[torch.Tensor]]:
+    """(pairs, copies): a copy writer for each tensor that writes its bf16 copy into a new tensor, as the experts'
+    owner does (xmoe/moe/weights.py), kept in ``copies`` at the tensor's index."""
+    copies: list[torch.Tensor] = [torch.empty(0) for _ in tensors]
+
+    def writer(i: int, t: torch.Tensor) -> CopyWriter:
+        def refresh(update) -> None:
+            copy = torch.empty(t.shape, dtype=torch.bfloat16, device=t.device)
+            update(copy)
+            copies[i] = copy
+
+        return CopyWriter(refresh, "bf16")
+
+    return [(t, writer(i, t)) for i, t in enumerate(tensors)], copies
 
 
 if __name__ == "__main__":

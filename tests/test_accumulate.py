@@ -8,7 +8,7 @@ import torch
 
 from xmoe.kernels import reference, triton_ops
 from xmoe.kernels.accumulate import accumulate_grad
-from xmoe.moe.experts import _leaf_into
+from xmoe.moe.weights import _leaf_into
 
 # the interpreter computes bf16 wrongly (numpy has no bf16): fp16 stands in for the narrow dtype here; the kernel
 # converts whatever narrow float it reads the same way, and benchmarks/bench_optimizer.py checks bf16 on a GPU
@@ -42,7 +42,7 @@ def test_expert_stack_shapes_and_fallbacks():
 
 @pytest.mark.parametrize("ops", [reference, triton_ops], ids=["torch", "triton"])
 def test_compute_copy_gradients_reach_the_fp32_parameter(ops):
-    # the routed experts' detached copies (RoutedExperts.make_casts): each backward's gradient of the copy is added
+    # the routed experts' detached copies (ExpertWeights.step_copies): each backward's gradient of the copy is added
     # into the fp32 parameter's .grad by the backend's accumulate_grad, and the copy's own .grad is dropped
     param = torch.nn.Parameter(torch.randn(2, 8, 4))
     copy = _leaf_into(param, param.detach().half(), ops)

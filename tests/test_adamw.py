@@ -1,7 +1,7 @@
 """xmoe's Triton AdamW (xmoe/kernels/adamw.py, xmoe/train/optim.py: TritonAdamW), in Triton's interpreter: each step
 against a float64 AdamW written out here, its state against torch's AdamW (checkpoints load either way), the
-clip's divisor folded into its pass, and the next step's expert copies it writes (xmoe/moe/casts.py: CastCache),
-bf16 or FP8.
+clip's divisor folded into its pass, and the copies it writes in the same pass, bf16 or FP8 (the experts' copies as
+their owner hands them out: tests/test_expert_weights.py).
 
 The interpreter computes bf16 wrongly (numpy has none): fp16 stands in for the copies' dtype; the kernel casts
 to whatever dtype the copy has, and benchmarks/bench_optimizer.py checks the bf16 copies and the step against
@@ -17,7 +17,7 @@ import torch
 from test_moe_layer import make_layer
 
 from xmoe.kernels.adamw import adamw_update
-from xmoe.moe.step import MoEStep, expert_casts
+from xmoe.moe.experts import use_one_process
 from xmoe.train.optim import TritonAdamW, build_optimizer, param_groups
 from xmoe.train.step import clip_gradients, folds_clipping, optimizer_step
 
@@ -132,39 +132,6 @@ def test_clip_is_folded_into_the_pass():
     assert not hasattr(ours, "grad_scale")  # the divisor was handed over for the one step only
 
 
-def test_next_step_copies_are_written_taken_once_and_dropped_when_stale():
-    layer, grads = _model_and_grads(3)
-    experts = layer.experts
-    weights = (experts.w1, experts.w3, experts.w2)
-    cache = expert_casts(layer, torch.float16)
-    optimizer = TritonAdamW(param_groups(layer, 0.1), lr=1e-2, casts=cache)
-    _run(optimizer, layer, grads[:1])
-    assert cache.num_waiting() == 3  # one per expert weight stack, none for the router or other weights
-    copies = {id(w): cache.waiting(w) for w in weights}
-    for w in weights:
-        assert torch.equal(copies[id(w)], w.detach().half())  # the updated weights, cast
-
-    def step_casts(cache):
-        with MoEStep(layer, 1, torch.device("cpu"), cast_dtype=torch.float16, detach_casts=True, cache=cache):
-            return layer.moe_step.casts
-
-    casts = step_casts(cache)  # the step uses the written copies, not new casts
-    assert all(c.data_ptr() == copies[id(w)].data_ptr() and c.is_leaf for c, w in zip(casts, weights, strict=True))
-    assert cache.num_waiting() == 0
-    again = step_casts(cache)  # a copy is handed out once: the next step casts
-    assert all(c.data_ptr() != copies[id(w)].data_ptr() for c, w in zip(again, weights, strict=True))
-    _run(optimizer, layer, grads[1:2])
-    with torch.no_grad():
-        experts.w1.mul_(2.0)  # changed after the step: its copy is stale, the others still hold
-    casts = step_casts(cache)
-    assert torch.equal(casts[0], experts.w1.detach().half())
-    assert casts[1].data_ptr() != casts[0].data_ptr() and torch.equal(casts[1], experts.w3.detach().half())
-    # a copy asked for in another dtype is not handed out (and is dropped)
-    _run(optimizer, layer, grads[2:3])
-    assert cache.take(experts.w2, torch.bfloat16) is None and cache.take(experts.w2, torch.float16) is None
-    assert cache.take(experts.w1, torch.float16) is not None
-
-
 def test_refusals_and_the_trainers_choice():
     model, _ = _model_and_grads(4)
     with pytest.raises(ValueError, match="fp32 plain tensors"):
@@ -225,7 +192,7 @@ def test_the_optimizer_setting_chooses_or_refuses(monkeypatch):
     assert type(build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, choice="torch")) is torch.optim.AdamW
     mine = build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")  # interpreter
     assert isinstance(mine, TritonAdamW) and describe_optimizer(mine) == "optimizer xmoe Triton AdamW"
-    cached = TritonAdamW(param_groups(model, 0.1), lr=1e-3, casts=expert_casts(model, torch.float16))
+    cached = TritonAdamW(param_groups(model, 0.1), lr=1e-3, copies=use_one_process(model, torch.float16))
     assert "next fp16 copies" in describe_optimizer(cached)
     assert describe_optimizer(torch.optim.AdamW(model.parameters(), fused=True)) == "optimizer torch AdamW (fused)"
     sharded = torch.nn.Parameter(torch.zeros(4))
@@ -286,71 +253,3 @@ def test_fp8_copy_layouts_are_checked():
     with pytest.raises(ValueError, match=r"\(E, R, C\) weight"):
         flat = torch.zeros(8)
         adamw_update(flat, flat, flat.clone(), flat.clone(), copy=good, **hyper)
-
-
-def _fp8_layer(seed):
-    from xmoe.moe.layer import MoEConfig, MoELayer
-
-    torch.manual_seed(seed)
-    cfg = MoEConfig(hidden_size=64, ffn_hidden_size=48, num_experts=3, top_k=2, kernel_backend="triton", fp8="experts")
-    return MoELayer(cfg)
-
-
-def _fp8_train(layer, optimizer, cache, xs):
-    """Steps of two micro-batches each, as the trainer takes them (MoEStep with the cache, then the optimizer)."""
-    for x in xs:
-        with MoEStep(layer, 2, torch.device("cpu"), cast_dtype=torch.float32, detach_casts=True, cache=cache):
-            for half in x.chunk(2):
-                layer(half).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def test_fp8_experts_take_the_copies_the_optimizer_wrote(monkeypatch):
-    from xmoe.kernels import fp8_quant
-    from xmoe.train.optim import describe_optimizer
-
-    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(40 + i)) for i in range(2)]
-    calls = []
-    real = fp8_quant.quantize_expert_weights
-    monkeypatch.setattr(fp8_quant, "quantize_expert_weights", lambda *a: calls.append(1) or real(*a))
-    # the same steps with copies written by the optimizer and quantised at each step's start: bitwise one run
-    runs = {}
-    for cached in (False, True):
-        layer = _fp8_layer(9)
-        cache = expert_casts(layer, torch.bfloat16) if cached else None
-        optimizer = TritonAdamW(param_groups(layer, 0.1), lr=1e-2, casts=cache)
-        calls.clear()
-        _fp8_train(layer, optimizer, cache, xs)
-        assert len(calls) == (1 if cached else 2)  # with the cache only the first step quantises
-        runs[cached] = (layer, cache, optimizer)
-    for a, b in zip(runs[False][0].parameters(), runs[True][0].parameters(), strict=True):
-        assert torch.equal(a, b)
-    layer, cache, optimizer = runs[True]
-    assert describe_optimizer(optimizer).endswith("(writes the experts' next FP8 copies)")
-    assert not cache.has_casts() and cache.has_fp8() and cache.num_waiting() == 3
-    experts = layer.experts
-
-    def step_copies():
-        with MoEStep(layer, 1, torch.device("cpu"), cast_dtype=torch.float32, detach_casts=True, cache=cache):
-            return layer.moe_step.casts[3]
-
-    calls.clear()
-    taken = step_copies()  # the copies written by the last step: the weights' block quantisation
-    assert not calls and cache.num_waiting() == 0
-    for got, want in zip(taken, real(experts.w1, experts.w3, experts.w2, "e4m3fn"), strict=True):
-        assert torch.equal(got, want)
-    step_copies()  # handed out once: the next step quantises
-    assert len(calls) == 1
-    _fp8_train(layer, optimizer, cache, xs[:1])
-    with torch.no_grad():
-        experts.w2.mul_(2.0)  # changed after the step: the copies no longer hold it, so all are quantised again
-    calls.clear()
-    fresh = step_copies()
-    assert len(calls) == 1 and torch.equal(fresh.scale2, real(experts.w1, experts.w3, experts.w2, "e4m3fn").scale2)
-    # a weight the optimizer skipped (no gradient) leaves its group incomplete: quantised at the step's start
-    experts.w3.requires_grad_(False)
-    _fp8_train(layer, optimizer, cache, xs[:1])
-    calls.clear()
-    step_copies()
-    assert len(calls) == 1

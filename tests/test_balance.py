@@ -242,7 +242,7 @@ def test_the_training_step_counts_positions_with_a_target():
         targets = tokens[:, 1:].clone()
         targets[0, 7:] = IGNORE_INDEX  # a padded tail
         batches.append((tokens[:, :-1], targets))
-    _, step = forward_backward(model, model, iter(batches), 2, CPU, autocast=False, detach_casts=True)
+    _, step = forward_backward(model, model, iter(batches), 2, CPU, autocast=False)
     stats = step.finish()
     real = sum(int((t != IGNORE_INDEX).sum()) for _, t in batches)
     assert stats.load_LE.sum(1).tolist() == [K * real] * 2  # each of the 2 MoE layers: the real tokens' slots

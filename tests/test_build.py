@@ -130,7 +130,9 @@ def _expert_shard_shapes(rank: int, world_size: int, out: str) -> None:
 
     cfg = dataclasses.replace(_config(), moe=dataclasses.replace(_config().moe, num_experts=2))
     dims = ParallelDims.from_config(ParallelConfig(dp=2, ep=2), world_size, rank=rank).build_mesh("cpu")
-    built = build_model(cfg, "cpu", dims, seed=0)
+    built = build_model(cfg, "cpu", dims, seed=0, param_dtype=torch.bfloat16)
+    # DTensors: the experts' weights stay on the autograd path (cast per forward), and the optimizer writes nothing
+    assert built.copy_writers == [] and not built.model.layers[1].ffn.experts.expert_weights.detached
     shape = tuple(built.model.layers[1].ffn.experts.w1.to_local().shape)
     shapes = [None] * world_size
     dist.all_gather_object(shapes, shape)
@@ -151,8 +153,10 @@ def _ddp_replica(rank: int, world_size: int, out: str) -> None:
     dims = ParallelDims.from_config(ParallelConfig(dp=2), world_size, rank=rank).build_mesh("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # a deprecated argument of DDP's raises here
-        built = build_model(_config(), "cpu", dims, seed=0)
+        built = build_model(_config(), "cpu", dims, seed=0, param_dtype=torch.bfloat16)
     assert isinstance(built.wrapped, DistributedDataParallel)
+    # DDP reduces through autograd hooks: the experts' copies are autograd casts, none written by the optimizer
+    assert built.copy_writers == [] and not built.model.layers[1].ffn.experts.expert_weights.detached
     buffers = {name: b.clone() for name, b in built.model.named_buffers()}
     router = built.model.layers[1].ffn.router
     with torch.no_grad():

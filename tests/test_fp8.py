@@ -403,6 +403,7 @@ def test_fp8_layer_close_to_unquantised_layer(wgrad):
 
 
 def test_step_casts_quantise_once_and_accumulate_into_fp32_grads(monkeypatch):
+    from xmoe.moe.experts import use_one_process
     from xmoe.moe.step import MoEStep
 
     torch.manual_seed(1)
@@ -417,11 +418,9 @@ def test_step_casts_quantise_once_and_accumulate_into_fp32_grads(monkeypatch):
     for detach in (None, False, True):  # None: outside an optimizer step, quantised per forward
         layer.zero_grad(set_to_none=True)
         calls.clear()
-        step = (
-            MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.float32, detach_casts=bool(detach))
-            if detach is not None
-            else None
-        )
+        if detach:  # the one-process path the build chooses (no optimizer writes copies here)
+            assert use_one_process(layer, None) == []
+        step = MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.float32) if detach is not None else None
         if step is not None:
             step.__enter__()
             cache = layer.moe_step.casts

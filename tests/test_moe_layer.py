@@ -284,6 +284,7 @@ def test_weight_casts_reused_across_micro_batches():
     # bf16 compute on fp32 weights, two micro-batches accumulating into .grad: inside an optimizer step (MoEStep) the
     # experts are cast once, when it opens (the same tensors serve both), and the accumulated fp32 gradients are
     # bitwise those of casting per micro-batch; outside a step, and in one opened under no_grad, every call casts
+    from xmoe.moe.experts import use_one_process
     from xmoe.moe.step import MoEStep
 
     torch.manual_seed(0)
@@ -294,11 +295,13 @@ def test_weight_casts_reused_across_micro_batches():
 
     def run(scoped, detach=False):
         layer = make_layer(seed=3, hidden_size=32, ffn_hidden_size=24, num_experts=4, top_k=2)
-        step = MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.bfloat16, detach_casts=detach)
+        if detach:  # the one-process path the build chooses: detached copies (none written by an optimizer here)
+            assert use_one_process(layer, None) == []
+        step = MoEStep(layer, len(xs), torch.device("cpu"), cast_dtype=torch.bfloat16)
         with step if scoped else contextlib.nullcontext():
             casts = []
             for x in xs:
-                casts.append(layer.experts.local_weights(torch.bfloat16, step_casts(layer)))
+                casts.append(layer.experts.expert_weights.compute(torch.bfloat16, step_casts(layer)))
                 layer(x).float().square().mean().backward()
         return [p.grad.clone() for p in layer.parameters() if p.grad is not None], casts, layer
 

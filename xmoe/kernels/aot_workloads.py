@@ -222,8 +222,8 @@ def _router(shape: Shape, device: Device) -> None:
 
 def fp8_layer(shape: Shape, device: Device) -> tuple[SimpleNamespace, Fp8ExpertWeights, str]:
     """(layer_tensors in bf16, the FP8 copies of its weights, the device's format name): the copies quantised
-    from fp32 weights, as make_casts makes them from the parameters once per step (outside it, one process
-    quantises them once per forward); the bf16 w1, w3, w2 receive the weight gradients, as make_casts' stand-ins
+    from fp32 weights, as ExpertWeights.step_copies makes them from the parameters once per step (outside it, one
+    process quantises them once per forward); the bf16 w1, w3, w2 receive the weight gradients, as its stand-ins
     do."""
     from xmoe.kernels.fp8_quant import FORMATS, quantize_expert_weights
 

@@ -423,7 +423,7 @@ def quantize_expert_weights(
     w1_EHF: torch.Tensor, w3_EHF: torch.Tensor, w2_EFH: torch.Tensor, fmt: str
 ) -> Fp8ExpertWeights:
     """The FP8 copies the experts' GEMMs read (one pass over each weight): once per optimizer step, by
-    ``RoutedExperts.make_casts`` (xmoe/moe/experts.py) where the optimizer step did not write them with its update
+    ``ExpertWeights.step_copies`` (xmoe/moe/weights.py) where the optimizer step did not write them with its update
     (xmoe/kernels/adamw.py), or once per forward outside an optimizer step."""
     q13, q1t, q3t, s13 = quantize_block_pair(w1_EHF, w3_EHF, fmt)
     q2, q2t, s2 = quantize_blocks(w2_EFH, fmt)

@@ -61,7 +61,7 @@ class LayerStep:
     forward."""
 
     aux_loss_scale: float
-    casts: tuple | None = None  # RoutedExperts.make_casts' copies, for the experts' forward
+    casts: tuple | None = None  # RoutedExperts.step_copies' copies, for the experts' forward
     stats: dict[str, torch.Tensor] | None = None
     # the micro-batch's real tokens: bool, one per position of the whole micro-batch (the model's (B, S) input) before
     # any parallel wrapper shares its tokens out; None: every token is real

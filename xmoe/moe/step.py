@@ -5,7 +5,7 @@
 A training loop (xmoe/train/step.py, which the trainer and the simulated rank share) makes one ``MoEStep`` per
 optimizer step and asks it; nothing in xmoe/train/ sets or reads an attribute of an MoE module (tests/test_seam.py):
 
-    moe = MoEStep(model, A, device, cast_dtype=torch.bfloat16, detach_casts=True)
+    moe = MoEStep(model, A, device, cast_dtype=torch.bfloat16)
     with moe:                                   # the layers report to it; each expert stack is cast once
         for each of the A micro-batches:
             moe.set_real_tokens(targets != IGNORE_INDEX)   # which positions count in the balance losses and loads
@@ -18,9 +18,10 @@ What passes between the step and each layer while it is open (``moe/layer.py: La
 ``moe_step``):
   aux_loss_scale  the gradient the layer's auxiliary losses receive: 1 / A, as the LM loss is backpropagated as
                   loss / A for each micro-batch (xmoe/parallel/grads.py tabulates every scale)
-  casts           the routed experts' weight copies for the step's micro-batches (RoutedExperts.make_casts: the
-                  compute dtype, or the FP8 copies with their block scales), made once at entry and dropped at exit;
-                  None where the weights are DTensors (expert parallelism, FSDP2), which are cast per forward
+  casts           the routed experts' weight copies for the step's micro-batches (RoutedExperts.step_copies: the
+                  compute dtype, or the FP8 copies with their block scales; xmoe/moe/weights.py owns them), made
+                  once at entry and dropped at exit; None where the weights are DTensors (expert parallelism,
+                  FSDP2), which are cast per forward
   stats           what the layer's latest forward routed; a forward recomputed in backward reports the same values
                   again, so end_micro_batch() reads each layer once per micro-batch
   real_tokens     the micro-batch's real tokens (set_real_tokens; None: all): the only ones the auxiliary losses,
@@ -52,7 +53,6 @@ from torch import nn
 
 from xmoe.dispatch.base import add_counters
 from xmoe.moe.balance import GlobalCounts
-from xmoe.moe.casts import CastCache
 from xmoe.moe.layer import LayerStep, MoELayer, moe_layers
 
 
@@ -79,16 +79,11 @@ class MoEStep:
     ``cast_dtype``: the compute dtype of the routed experts' weight copies, made once for the step's micro-batches,
     whose weights do not change (None: none, each forward casts). With fp32 parameters and bf16 compute a cast
     reads 4 and writes 2 bytes per expert weight (measured: docs/architecture.md, "Measured reasons"). Made outside
-    any compiled region, the copies reach torch.compile'd blocks as plain inputs. Experts whose weights are
-    DTensors (expert parallelism, FSDP2, which swaps in other tensors around each forward) get none.
-
-    ``detach_casts``: the copies are leaves of their own whose gradient each backward adds straight into the fp32
-    parameter's .grad (one mixed-dtype pass, 10 bytes per weight) instead of autograd's cast-back and fp32
-    accumulation (two passes, 18 bytes; measured there too). The parameters then get their gradients outside
-    autograd, so only for a model no wrapper reduces through autograd hooks (one process; not DDP).
-
-    ``cache``: copies the previous optimizer step wrote beside the weights it updated (``CastCache``), used by
-    the detached copies instead of casting again."""
+    any compiled region, the copies reach torch.compile'd blocks as plain inputs. How they are made, and how their
+    gradients reach the fp32 parameters, is the experts' weights' path, chosen when the model was built
+    (xmoe/moe/weights.py: autograd casts, or on one process detached copies, those the last optimizer step wrote
+    where they wait); experts whose weights are DTensors (expert parallelism, FSDP2, which swaps in other tensors
+    around each forward) get none."""
 
     def __init__(
         self,
@@ -97,13 +92,11 @@ class MoEStep:
         device: torch.device,
         *,
         cast_dtype: torch.dtype | None = None,
-        detach_casts: bool = False,
-        cache: CastCache | None = None,
     ):
         if micro_batches < 1:
             raise ValueError(f"micro_batches ({micro_batches}) must be >= 1")
         self.micro_batches = micro_batches
-        self.cast_dtype, self.detach_casts, self.cache = cast_dtype, detach_casts, cache
+        self.cast_dtype = cast_dtype
         self._layers: list[MoELayer] = moe_layers(model)
         self._slots = [LayerStep(1.0 / micro_batches) for _ in self._layers]
         for layer, slot in zip(self._layers, self._slots, strict=True):
@@ -118,9 +111,8 @@ class MoEStep:
         taken under no_grad casts nothing ahead)."""
         cast_dtype = self.cast_dtype if torch.is_grad_enabled() else None
         for layer, slot in zip(self._layers, self._slots, strict=False):
-            experts = layer.experts
-            if cast_dtype is not None and not any(hasattr(w, "to_local") for w in (experts.w1, experts.w3, experts.w2)):
-                slot.casts = experts.make_casts(cast_dtype, self.detach_casts, self.cache)
+            if cast_dtype is not None:
+                slot.casts = layer.experts.step_copies(cast_dtype)
             layer.moe_step = slot
         return self
 
@@ -184,32 +176,3 @@ class MoEStep:
             add_counters(totals, dataclasses.asdict(counters))
             counters.reset()
         return totals
-
-
-def step_casts(model: nn.Module, autocast: bool, world: int) -> CastCache | None:
-    """The routed experts' copies an optimizer step writes for the next one (bf16 casts, or FP8 experts' FP8
-    copies), for a run that computes in bf16 on one process (where MoEStep(detach_casts=True) takes them); None
-    otherwise (every forward casts). The trainer and ``xmoe plan memory --measure`` both ask here."""
-    return expert_casts(model, torch.bfloat16) if autocast and world == 1 else None
-
-
-def expert_casts(model: nn.Module, dtype: torch.dtype) -> CastCache:
-    """A CastCache for ``model``'s routed experts: casts to ``dtype`` of weights of another dtype, and the FP8
-    copies of FP8 experts' fp32 weights (in the format of their device); plain tensors only (DTensors are cast
-    per forward)."""
-    casts: list[torch.Tensor] = []
-    fp8: list[tuple[torch.Tensor, ...]] = []
-    for layer in moe_layers(model):
-        weights = (layer.experts.w1, layer.experts.w3, layer.experts.w2)
-        if any(hasattr(w, "to_local") for w in weights):
-            continue
-        if not layer.experts.fp8:
-            casts += [w for w in weights if w.dtype != dtype]
-        elif all(w.dtype == torch.float32 and w.is_contiguous() for w in weights):
-            fp8 += [weights[:2], weights[2:]]  # (w1, w3) side by side, as quantize_block_pair lays them out; (w2,)
-    fmt = None
-    if fp8:
-        from xmoe.kernels.fp8_quant import fp8_format
-
-        fmt = fp8_format(fp8[0][0].device).name
-    return CastCache(casts, dtype, fp8_groups=fp8, fp8_format=fmt)

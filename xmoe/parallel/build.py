@@ -11,19 +11,25 @@ rank of `xmoe plan memory --measure`, the benchmarks and the tests.
      the trainer's ``--resume`` loads DCP shards into them afterwards (xmoe/train/checkpoint.py)
   5. pure data parallelism (several processes, ep = tp = 1): the materialised replica wrapped in DDP
   6. recompute and compiled regions on the blocks (regions.py)
+  7. the routed experts' weight path (xmoe/moe/weights.py), chosen here once: a model one process trains computes
+     on detached copies whose gradients are added straight into the fp32 .grad, and the fused AdamW writes the
+     next step's copies (``BuiltModel.copy_writers``); under DDP, FSDP2 and expert parallelism the copies are
+     autograd casts
 Apart from a DDP replica, no rank ever holds a whole expert stack or the whole model: beside its shards at most one
 generator block (init.py) or one tensor being read (HF) exists at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from xmoe.config import ModelConfig
 from xmoe.model.transformer import Transformer
+from xmoe.moe.experts import use_one_process
+from xmoe.moe.weights import CopyWriter
 from xmoe.parallel import regions
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import apply_expert_parallel
@@ -35,11 +41,14 @@ from xmoe.parallel.tensor import apply_tensor_parallel
 class BuiltModel:
     """``model``: the one-device Transformer, parallelised in place (its methods: ``moe_layers``, ``cfg``);
     ``wrapped``: what runs forward and what the optimizer and checkpoints see (DDP around it, or the model itself);
-    ``compiled``: whether its blocks run as compiled regions."""
+    ``compiled``: whether its blocks run as compiled regions; ``copy_writers``: the (parameter, writer) pairs of the
+    routed experts' weights whose next compute copies the fused AdamW writes in its pass (xmoe/train/optim.py:
+    build_optimizer takes them; empty unless one process computes in a ``param_dtype``)."""
 
     model: Transformer
     wrapped: nn.Module
     compiled: bool
+    copy_writers: list[tuple[torch.Tensor, CopyWriter]] = field(default_factory=list)
 
 
 def parallelize(
@@ -87,10 +96,12 @@ def build_model(
     ep_overlap: str = "off",
     ep_chunks: int = 2,
 ) -> BuiltModel:
-    """Steps 1-6 for ``cfg`` on ``device`` (``dims``: a built ParallelDims for several processes, else None).
+    """Steps 1-7 for ``cfg`` on ``device`` (``dims``: a built ParallelDims for several processes, else None).
 
     ``init_from``: a Hugging Face directory whose weights replace the initial values (``cfg`` must be its
-    architecture). ``recompute`` (config.RECOMPUTE_MODES) and ``compile`` (config.COMPILE_MODES): regions.py."""
+    architecture). ``recompute`` (config.RECOMPUTE_MODES) and ``compile`` (config.COMPILE_MODES): regions.py.
+    ``param_dtype``: the parameters' compute dtype (bf16 on GPUs; None: their own): FSDP2's mixed precision, or on
+    one process the dtype of the routed experts' copies the optimizer writes (step 7)."""
     device = torch.device(device)
     with torch.device("meta"):
         model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens)
@@ -130,4 +141,6 @@ def build_model(
     compiled = regions.should_compile(compile, device, ep, tp)
     if compiled:
         regions.apply_compile(model, device)
-    return BuiltModel(model, wrapped, compiled)
+    one_process = dims is None or dims.world_size == 1
+    copy_writers = use_one_process(model, param_dtype) if one_process else []
+    return BuiltModel(model, wrapped, compiled, copy_writers)

@@ -3,16 +3,15 @@ and the AdamW the trainer builds (``build_optimizer``: xmoe's Triton AdamW where
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from xmoe.config import TrainConfig
-
-if TYPE_CHECKING:
-    from xmoe.moe.casts import CastCache
+from xmoe.moe.weights import CopyWriter
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -43,10 +42,12 @@ class TritonAdamW(torch.optim.AdamW):
     way) whose step is one Triton pass per parameter (xmoe/kernels/adamw.py). It divides every gradient by the
     ``grad_scale`` tensor a caller sets (the clip's divisor, xmoe/train/step.py), as torch's fused AdamW does, but
     without writing the divided gradient back: 28 bytes per parameter where torch's fused kernel moves 32. With
-    ``casts`` (xmoe/moe/casts.py: CastCache) it also writes the routed experts' copies for the next step in the
-    same pass (bf16 casts, or FP8 experts' FP8 copies in both layouts). Plain fp32 tensors on a GPU (or on CPU
-    under Triton's interpreter); no amsgrad, maximize or found_inf. The step count lives on the host (a CPU
-    tensor, as in torch's default AdamW), so a step reads nothing from the device."""
+    ``copies``, (parameter, writer) pairs given once (xmoe/parallel/build.py: BuiltModel.copy_writers), it also
+    writes those parameters' compute copies for the next step in the same pass (the routed experts' bf16 casts,
+    or FP8 experts' FP8 copies in both layouts: xmoe/moe/weights.py); each writer is matched to its parameter
+    here, once. Plain fp32 tensors on a GPU (or on CPU under Triton's interpreter); no amsgrad, maximize or
+    found_inf. The step count lives on the host (a CPU tensor, as in torch's default AdamW), so a step reads
+    nothing from the device."""
 
     def __init__(
         self,
@@ -56,8 +57,10 @@ class TritonAdamW(torch.optim.AdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        casts: CastCache | None = None,
+        copies: Sequence[tuple[torch.Tensor, CopyWriter]] = (),
     ):
+        self.copies = list(copies)
+        self._writers: list[list[CopyWriter | None]] = []  # each group's, in the order of its params
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         for group in self.param_groups:
             for p in group["params"]:
@@ -66,12 +69,21 @@ class TritonAdamW(torch.optim.AdamW):
                         f"TritonAdamW steps contiguous fp32 plain tensors; got {p.dtype} of shape "
                         f"{tuple(p.shape)}{' (a DTensor)' if hasattr(p, 'to_local') else ''}: use torch.optim.AdamW"
                     )
-        self.casts = casts
+        unmatched = len(self.copies) - sum(w is not None for writers in self._writers for w in writers)
+        if unmatched:
+            raise ValueError(
+                f"TritonAdamW got copy writers of {unmatched} tensors it does not step: pass the pairs of the model "
+                "whose parameters it steps (build_model's BuiltModel.copy_writers)"
+            )
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, and the group's copy writers matched to its parameters (by identity, once)."""
+        super().add_param_group(param_group)
+        params = self.param_groups[-1]["params"]
+        self._writers.append([next((w for q, w in self.copies if q is p), None) for p in params])
 
     @torch.no_grad()
     def step(self, closure=None):
-        from xmoe.kernels.adamw import adamw_update
-
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -79,11 +91,10 @@ class TritonAdamW(torch.optim.AdamW):
         if getattr(self, "found_inf", None) is not None:
             raise ValueError("TritonAdamW does not skip on found_inf (a loss scaler's); use torch.optim.AdamW")
         divisor = getattr(self, "grad_scale", None)
-        for group in self.param_groups:
+        for group, writers in zip(self.param_groups, self._writers, strict=True):
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("TritonAdamW has no amsgrad or maximize; use torch.optim.AdamW")
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
+            for p, writer in zip(group["params"], writers, strict=True):
                 if p.grad is None:
                     continue
                 state = self.state[p]
@@ -94,24 +105,36 @@ class TritonAdamW(torch.optim.AdamW):
                 elif state["step"].device.type != "cpu":  # loaded from a fused AdamW's state: read once
                     state["step"] = state["step"].detach().to("cpu", torch.float32)
                 state["step"] += 1
-                copy = self.casts.target(p) if self.casts is not None else None
-                adamw_update(
-                    p,
-                    p.grad if p.grad.is_contiguous() else p.grad.contiguous(),
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    step=int(state["step"].item()),
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    divisor=divisor,
-                    copy=copy,
-                )
-                if copy is not None:
-                    self.casts.written(p, copy)
+                update = functools.partial(_update, p, p.grad, state, group, divisor)
+                if writer is None:
+                    update()
+                else:  # the pass also writes p's next compute copy, into the target the writer gives
+                    writer(update)
         return loss
+
+
+def _update(
+    p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, divisor: torch.Tensor | None, copy=None
+) -> None:
+    """TritonAdamW's pass over one parameter (its step counted up already), writing its next compute copy into
+    ``copy`` where given (a tensor, or an fp8_quant.BlockCopy)."""
+    from xmoe.kernels.adamw import adamw_update
+
+    beta1, beta2 = group["betas"]
+    adamw_update(
+        p,
+        grad if grad.is_contiguous() else grad.contiguous(),
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        step=int(state["step"].item()),
+        lr=float(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        divisor=divisor,
+        copy=copy,
+    )
 
 
 def build_optimizer(
@@ -121,13 +144,13 @@ def build_optimizer(
     lr: float,
     betas: tuple[float, float] = (0.9, 0.999),
     kernel_backend: str = "auto",
-    casts: CastCache | None = None,
+    copies: Sequence[tuple[torch.Tensor, CopyWriter]] = (),
     choice: str = "auto",
 ) -> torch.optim.Optimizer:
     """The trainer's AdamW (``choice``: train.optimizer). "auto": ``TritonAdamW`` on a GPU with the Triton backend
     and plain tensors (one process, or DDP), else torch's (fused on a GPU: FSDP2 and expert parallelism hold
     DTensors). "torch": torch's. "triton": xmoe's, or a ValueError saying why it cannot step these parameters
-    here. ``casts`` only reach the Triton one."""
+    here. ``copies`` (BuiltModel.copy_writers) only reach the Triton one."""
     from xmoe.kernels import resolve_backend
     from xmoe.kernels._common import interpreting
 
@@ -151,7 +174,7 @@ def build_optimizer(
     auto = choice == "auto" and device.type == "cuda" and plain and resolve_backend(kernel_backend, device) == "triton"
     optimizer: torch.optim.Optimizer
     if choice == "triton" or auto:
-        optimizer = TritonAdamW(groups, lr=lr, betas=betas, casts=casts)
+        optimizer = TritonAdamW(groups, lr=lr, betas=betas, copies=copies)
     else:
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, fused=device.type == "cuda")
     # a loaded state's groups bring the saving optimizer's fused / foreach flags (a checkpoint of one GPU's
@@ -169,11 +192,7 @@ def build_optimizer(
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     """What a run's header says of its optimizer."""
     if isinstance(optimizer, TritonAdamW):
-        cache, kinds = optimizer.casts, []
-        if cache is not None and cache.has_casts():
-            kinds.append({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(cache.dtype, str(cache.dtype)))
-        if cache is not None and cache.has_fp8():
-            kinds.append("FP8")
+        kinds = sorted({writer.kind for _, writer in optimizer.copies}, key=lambda kind: (kind == "FP8", kind))
         writes = f" (writes the experts' next {' and '.join(kinds)} copies)" if kinds else ""
         return "optimizer xmoe Triton AdamW" + writes
     fused = all(group.get("fused") for group in optimizer.param_groups)

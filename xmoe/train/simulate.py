@@ -35,7 +35,6 @@ import torch.distributed as dist
 from xmoe.config import KernelConfig, ModelConfig, ParallelConfig, kernel_config
 from xmoe.kernels.choice import describe_record, resolve_layer
 from xmoe.model_config import KernelBackend
-from xmoe.moe.step import step_casts
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.simulated import keep_buckets, plan_counts
@@ -193,19 +192,17 @@ class _RankRun:
         the rest timed."""
         from torch.distributed._tools.mem_tracker import MemTracker
 
-        cfg, dev, autocast, world, dims = self.model_cfg, self.dev, self.autocast, self.world, self.dims
+        cfg, dev, autocast, dims = self.model_cfg, self.dev, self.autocast, self.dims
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         tracker = MemTracker()
         with tracker:
-            built, casts, optimizer = self._build(simulate, imbalance, lr, wd)
+            built, optimizer = self._build(simulate, imbalance, lr, wd)
         params = [p for p in built.wrapped.parameters() if p.requires_grad]
         batches = _batches(cfg.vocab_size, micro_batch, seq_len, dev, self.seed)
 
         def one_step() -> None:
-            _, moe = forward_backward(
-                built.model, built.wrapped, batches, 1, dev, autocast, detach_casts=world == 1, cache=casts
-            )  # as the trainer
+            _, moe = forward_backward(built.model, built.wrapped, batches, 1, dev, autocast)  # as the trainer
             optimizer_step(optimizer, clip_gradients(optimizer, params, 1.0, dims)[1])
             optimizer.zero_grad(set_to_none=True)
             moe.finish()
@@ -219,7 +216,7 @@ class _RankRun:
         return (ms, *_peak(tracker, dev))
 
     def _build(self, simulate: bool, imbalance: float, lr: float, weight_decay: float):
-        """The trainer's model, step casts and optimizer for this rank."""
+        """The trainer's model and optimizer for this rank."""
         cfg, dev, autocast = self.model_cfg, self.dev, self.autocast
         built = build_model(
             cfg,
@@ -234,15 +231,14 @@ class _RankRun:
         if simulate:
             plan_counts(built.model, imbalance)
             keep_buckets(built.wrapped)
-        casts = step_casts(built.model, autocast, self.world)
         optimizer = build_optimizer(
             param_groups(built.wrapped, weight_decay),
             dev,
             lr=lr,
             kernel_backend=cfg.moe.kernel_backend,
-            casts=casts,
+            copies=built.copy_writers,
         )
-        return built, casts, optimizer
+        return built, optimizer
 
 
 def _time_steps(one_step, steps: int, dev: torch.device) -> float:

@@ -17,7 +17,6 @@ from torch import nn
 from xmoe.model.loss import IGNORE_INDEX
 from xmoe.model.mtp import depth_targets
 from xmoe.model.transformer import Transformer
-from xmoe.moe.casts import CastCache
 from xmoe.moe.step import MoEStep
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.expert_parallel import clip_grad_norm_, total_grad_norm
@@ -31,22 +30,18 @@ def forward_backward(
     accum: int,
     device: torch.device,
     autocast: bool,
-    detach_casts: bool,
-    cache: CastCache | None = None,
     source_losses: SourceLosses | None = None,
 ) -> tuple[torch.Tensor, MoEStep]:
     """Forward and backward of ``accum`` micro-batches drawn from ``batches`` through ``wrapped`` (the model, or
     what wraps it); returns the mean loss (a device tensor) and the step's MoEStep, closed, for its finish() after
-    the optimizer step. ``detach_casts``: the experts' one-process gradient path; ``cache``: the copies the last
-    optimizer step wrote (both MoEStep's). A batch (``loader.Batch``) that carries ``segments_BS`` (documents
+    the optimizer step (how the routed experts' weight copies are made, and their gradients returned, was chosen
+    when the model was built: xmoe/moe/weights.py). A batch (``loader.Batch``) that carries ``segments_BS`` (documents
     "mask") passes it to the model; one that carries ``sources_B`` adds its rows' losses to ``source_losses``."""
     loss_sum = torch.zeros((), device=device)
     # one autocast region and one MoEStep for all micro-batches of the step: the weights do not change within it,
     # so each routed expert is cast once per step (and each dense weight used eagerly once, by autocast's cache;
     # inside compiled regions the dense casts happen per micro-batch)
-    moe = MoEStep(
-        model, accum, device, cast_dtype=torch.bfloat16 if autocast else None, detach_casts=detach_casts, cache=cache
-    )
+    moe = MoEStep(model, accum, device, cast_dtype=torch.bfloat16 if autocast else None)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast), moe:
         for micro in range(accum):
             batch = next(batches)

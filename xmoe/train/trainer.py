@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from xmoe.config import RunConfig
 from xmoe.kernels.choice import resolve_choice
-from xmoe.moe.step import MoEStep, StepStats, step_casts
+from xmoe.moe.step import MoEStep, StepStats
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.tensor import check_tensor_parallel
@@ -138,15 +138,13 @@ class Trainer:
             ep_chunks=par.ep_chunks,
         )
         self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
-        # the copies the optimizer writes for the next step: the experts' detached bf16 path (one process)
-        self.casts = step_casts(self.model, self.autocast, self.world)
         self.optimizer = build_optimizer(
             param_groups(self.wrapped, t.weight_decay),
             self.device,
             lr=t.lr,
             betas=(t.beta1, t.beta2),
             kernel_backend=run.model.moe.kernel_backend,
-            casts=self.casts,
+            copies=built.copy_writers,  # on one process: the experts' copies for the next step, written in its pass
             choice=t.optimizer,
         )
         self._params = [p for p in self.wrapped.parameters() if p.requires_grad]
@@ -267,8 +265,6 @@ class Trainer:
             accum,
             self.device,
             self.autocast,
-            detach_casts=self.world == 1,
-            cache=self.casts,
             source_losses=self.source_losses,
         )
 
