@@ -82,6 +82,29 @@ def test_a_written_copy_is_taken_once_and_only_the_latest():
     assert all(torch.equal(c, w.detach().half()) for c, w in zip(casts, masters, strict=True))
 
 
+def test_written_copies_train_bitwise_as_casts_at_each_step():
+    # three steps of two fp16 micro-batches with the copies the optimizer writes, and with the step casting them
+    # (the same detached path, no writers): the copies change where the cast happens, not what is computed
+    xs = [torch.randn(12, 32, generator=torch.Generator().manual_seed(50 + i)).half() for i in range(3)]
+    runs = []
+    for copy_dtype in (None, torch.float16):
+        layer, _ = _model_and_grads(10)
+        optimizer = TritonAdamW(param_groups(layer, 0.1), lr=1e-2, copies=use_one_process(layer, copy_dtype))
+        losses = []
+        for x in xs:
+            with MoEStep(layer, 2, CPU, cast_dtype=torch.float16):
+                for half in x.chunk(2):
+                    loss = layer(half).float().square().mean()
+                    loss.backward()
+                    losses.append(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert layer.experts.expert_weights.num_waiting() == (3 if copy_dtype else 0)
+        runs.append((torch.stack(losses), [p.detach().clone() for p in layer.parameters()]))
+    (want_losses, want), (got_losses, got) = runs
+    assert torch.equal(got_losses, want_losses) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_a_load_drops_the_waiting_copies():
     layer, grads = _model_and_grads(4)
     source, _ = _model_and_grads(5)
