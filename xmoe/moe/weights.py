@@ -99,12 +99,22 @@ class ExpertWeights:
     def __init__(self, experts: Masters, fp8: bool):
         self._experts = experts
         self.fp8 = fp8
-        self.detached = False  # the one-process path (use_one_process)
-        self.copy_dtype: torch.dtype | None = None  # the copies the optimizer writes (None: it writes none)
+        self._detached = False
+        self._copy_dtype: torch.dtype | None = None
         self._fp8_format: str | None = None  # the format of the FP8 copies it writes
         self._waiting: dict[str, torch.Tensor] = {}  # by weight name: copies written by the last optimizer step
         # FP8: by group, the group's copies and the names of the members written into them
         self._waiting_fp8: dict[tuple[str, ...], tuple[BlockCopies, set[str]]] = {}
+
+    @property
+    def detached(self) -> bool:
+        """Whether the weights are on the one-process path (``use_one_process``; else autograd casts)."""
+        return self._detached
+
+    @property
+    def copy_dtype(self) -> torch.dtype | None:
+        """The dtype of the bf16 experts' copies the optimizer writes (None: it writes none)."""
+        return self._copy_dtype
 
     def masters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w3, w2): the module's parameters as they are now."""
@@ -118,7 +128,7 @@ class ExpertWeights:
         of the weights whose next copies the fused AdamW is to write with its update: with ``copy_dtype``, those
         of another dtype (bf16 experts), or FP8 experts' contiguous fp32 weights (their FP8 copies, in the format
         of their device); none without it."""
-        self.detached = True
+        self._detached, self._copy_dtype, self._fp8_format = True, None, None
         self.invalidate()
         params = self.masters()
         if copy_dtype is None or any(hasattr(w, "to_local") for w in params):
@@ -133,7 +143,7 @@ class ExpertWeights:
         else:
             written = [(n, w) for n, w in zip(NAMES, params, strict=True) if w.dtype != copy_dtype]
             kind = _dtype_name(copy_dtype)
-        self.copy_dtype = copy_dtype
+        self._copy_dtype = copy_dtype
         return [(w, CopyWriter(functools.partial(self.refresh, n), kind)) for n, w in written]
 
     # ----------------------------------------------------------------------------------------- the optimizer
