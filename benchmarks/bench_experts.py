@@ -15,8 +15,8 @@ Methods, all including their routing bookkeeping (plan / sort) inside the timed 
                     tiles per shape class (autotuned under XMOE_AUTOTUNE=1, kernels.autotune's default), lean
                     backward, weight gradients by the engine kernels.wgrad's default picks (XMOE_WGRAD, else
                     auto: the Hopper torch._grouped_mm path where xmoe.kernels.grouped_wgrad.wgrad_engine picks it)
-  triton_fused_triton_wgrad  triton_fused with its weight gradients always by the Triton kernels
-                    (xmoe.kernels.tiles.use_options(wgrad="triton"))
+  triton_fused_triton_wgrad  triton_fused with its weight gradients always by the Triton kernels (the op's
+                    wgrad="triton")
 (triton_fused_legacy, the one hand-picked tile table with the backward's buffers of before, was timed beside these
 until the legacy path was removed after commit c30d1c7; its numbers stay in
 results/archive/layer/bench_experts_tiles.md, 0-3% slower than the tuned tiles with 1.2-1.3x their backward transient,
@@ -125,8 +125,18 @@ def skewed_ids(T, E, K, gen):
     return ids
 
 
-def forward_fn(method, inp, E):
-    """A zero-argument forward returning (output, leaves) for one method."""
+# the methods that run an xmoe op under a kernels.wgrad of their own (the others: the environment's default)
+OWN_WGRAD = {"triton_fused_triton_wgrad": "triton", "triton_fp8_wgrad": "fp8"}
+
+
+def kernel_choice(method, options):
+    """The keyword arguments (wgrad, autotune) of ``method``'s xmoe op under the kernels section ``options``."""
+    return {"wgrad": OWN_WGRAD.get(method, options.wgrad), "autotune": options.autotune}
+
+
+def forward_fn(method, inp, E, options):
+    """A zero-argument forward returning (output, leaves) for one method, its xmoe ops under the kernels section
+    ``options`` (a KernelConfig)."""
     from xmoe.dispatch.padded import PaddedDispatcher
     from xmoe.dispatch.routing import build_plan
     from xmoe.kernels import reference, triton_ops
@@ -134,12 +144,13 @@ def forward_fn(method, inp, E):
     x, w, w1, w3, w2, ids = inp["x"], inp["w"], inp["w1"], inp["w3"], inp["w2"], inp["ids"]
     T, K = ids.shape
     leaves = [x, w, w1, w3, w2]
+    choice = kernel_choice(method, options)
     if method in ("triton_fused", "triton_fused_triton_wgrad"):
 
         def fwd():
             p = build_plan(ids, inp["scores"], E)
             return triton_ops.moe_experts(
-                x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2
+                x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2, **choice
             )
     elif method in FP8_METHODS:
         from xmoe.kernels.fp8_experts import moe_experts_fp8
@@ -149,8 +160,9 @@ def forward_fn(method, inp, E):
         def fwd():
             p = build_plan(ids, inp["scores"], E)
             return moe_experts_fp8(
-                x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2, qw, fmt
-            )
+                x, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK, p.tokens_per_expert_E, w1, w3, w2, qw, fmt,
+                **choice,
+            )  # fmt: skip
     elif method == "scaled_grouped_mm_pipe":
         qw = _rowwise_weights(w1, w3, w2)
 
@@ -162,7 +174,7 @@ def forward_fn(method, inp, E):
         def fwd():
             p = build_plan(ids, inp["scores"], E)
             x_NH = ops.gather_rows(x, p.token_ids_N, p.row_of_slot_TK)
-            y_NH = ops.grouped_swiglu(x_NH, w1, w3, w2, p.tokens_per_expert_E)
+            y_NH = ops.grouped_swiglu(x_NH, w1, w3, w2, p.tokens_per_expert_E, **choice)
             return ops.combine_rows(y_NH, w, p.token_ids_N, p.slot_ids_N, p.row_of_slot_TK)
     elif method == "grouped_mm_pipe":
 
@@ -304,15 +316,10 @@ def memory_split(fwd, leaves, grad):
     return held, peak - base - weight_grads
 
 
-def measure(method, inp, E, flops_fwd):
-    fwd, leaves = forward_fn(method, inp, E)
+def measure(method, inp, E, flops_fwd, options):
+    fwd, leaves = forward_fn(method, inp, E, options)
     grad = {"dense_equiv": inp.get("grad_dense"), "bmm_ceiling": inp.get("grad_bmm")}.get(method, inp["grad"])
-    modes = {
-        "triton_fused_triton_wgrad": triton_wgrad,
-        "triton_fp8_pointers": pointer_loads,
-        "triton_fp8_wgrad": fp8_weight_grads,
-    }
-    mode = modes.get(method, contextlib.nullcontext)
+    mode = pointer_loads if method == "triton_fp8_pointers" else contextlib.nullcontext
 
     def fwd_only():
         with mode(), torch.no_grad():
@@ -344,18 +351,6 @@ def measure(method, inp, E, flops_fwd):
     return row
 
 
-def triton_wgrad():
-    from xmoe.kernels import tiles
-
-    return tiles.use_options(wgrad="triton")
-
-
-def fp8_weight_grads():
-    from xmoe.kernels import tiles
-
-    return tiles.use_options(wgrad="fp8")
-
-
 def pointer_loads():
     """The FP8 GEMMs' operands through pointers, even where TMA is there (the triton_fp8_pointers method)."""
     from xmoe.kernels import fp8_gemm
@@ -363,10 +358,10 @@ def pointer_loads():
     return fp8_gemm.forced_tma(False)
 
 
-def _kernel_calls(H, Fd, E, K, T, routing="uniform", with_grouped_mm=False):
+def _kernel_calls(H, Fd, E, K, T, routing="uniform", with_grouped_mm=False, autotune=False):
     """One zero-argument call per tiled kernel, each in its fused-path use (full width, no column chunks), on
-    fresh inputs of one config; with_grouped_mm: {kernel: (products, xmoe call, torch._grouped_mm call on rows
-    gathered beforehand)} and the gather itself under "gather"."""
+    fresh inputs of one config, tiles tuned with ``autotune``; with_grouped_mm: {kernel: (products, xmoe call,
+    torch._grouped_mm call on rows gathered beforehand)} and the gather itself under "gather"."""
     from xmoe.dispatch.routing import build_plan
     from xmoe.kernels import grouped_gemm as gg
     from xmoe.kernels.grouped_wgrad import grouped_wgrad
@@ -375,14 +370,15 @@ def _kernel_calls(H, Fd, E, K, T, routing="uniform", with_grouped_mm=False):
     p = build_plan(inp["ids"], inp["scores"], E)
     x, g, counts, tok = inp["x"].detach(), inp["grad"], p.tokens_per_expert_E, p.token_ids_N
     w1, w3, w2 = (inp[k].detach() for k in ("w1", "w3", "w2"))
-    h1, h3, a = gg.swiglu_up_fwd(x, tok, w1, w3, counts, True)
+    h1, h3, a = gg.swiglu_up_fwd(x, tok, w1, w3, counts, True, autotune)
+    tune = autotune
     ours = {
-        "up_fwd": lambda: gg.swiglu_up_fwd(x, tok, w1, w3, counts, True),
-        "mm": lambda: gg.grouped_mm(a, w2, None, None, counts),
-        "dx": lambda: gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts),
-        "down_bwd": lambda: gg._grouped_mm(g, w2.transpose(1, 2), None, None, counts, tok, "down_bwd"),
-        "wgrad": lambda: grouped_wgrad(a, None, g, None, tok, counts),
-        "wgrad2": lambda: grouped_wgrad(x, tok, h1, h3, None, counts),
+        "up_fwd": lambda: gg.swiglu_up_fwd(x, tok, w1, w3, counts, True, tune),
+        "mm": lambda: gg.grouped_mm(a, w2, None, None, counts, tune),
+        "dx": lambda: gg.grouped_mm(h1, w1.transpose(1, 2), h3, w3.transpose(1, 2), counts, tune),
+        "down_bwd": lambda: gg._grouped_mm(g, w2.transpose(1, 2), None, None, counts, tok, "down_bwd", tune),
+        "wgrad": lambda: grouped_wgrad(a, None, g, None, tok, counts, "triton", tune),
+        "wgrad2": lambda: grouped_wgrad(x, tok, h1, h3, None, counts, "triton", tune),
     }
     if not with_grouped_mm:
         return ours
@@ -414,13 +410,13 @@ GEMM_NAMES = {
 }
 
 
-def per_gemm(configs=("small", "medium", "large"), tokens=(16384,), routings=("uniform",)):
+def per_gemm(configs=("small", "medium", "large"), tokens=(16384,), routings=("uniform",), autotune=False):
     """Each GEMM of the fused path timed alone (its kernel as the fused path calls it, full width) beside
     torch._grouped_mm on the same operands with the gathered rows made first, plus the gathers and a batched
     (torch.bmm) weight gradient over equal groups: TFLOP/s per GEMM."""
     rows = []
     for name, T, routing in ((n, t, r) for n in configs for t in tokens for r in routings):
-        cell = _per_gemm_cell(name, T, routing)  # its tensors are freed when it returns
+        cell = _per_gemm_cell(name, T, routing, autotune)  # its tensors are freed when it returns
         for r in cell:
             print(
                 "per-gemm",
@@ -433,11 +429,11 @@ def per_gemm(configs=("small", "medium", "large"), tokens=(16384,), routings=("u
     return rows
 
 
-def _per_gemm_cell(name, T, routing):
+def _per_gemm_cell(name, T, routing, autotune):
     H, Fd, E, K = CONFIGS[name]
     flops = 2.0 * T * K * H * Fd  # one (N, H) x (H, F) product, N = T * K rows (no drops)
     rows = []
-    for kernel, (n, ours, theirs) in _kernel_calls(H, Fd, E, K, T, routing, with_grouped_mm=True).items():
+    for kernel, (n, ours, theirs) in _kernel_calls(H, Fd, E, K, T, routing, True, autotune).items():
         row = {"config": name, "T": T, "routing": routing, "gemm": GEMM_NAMES[kernel]}
         for col, fn in (("xmoe", ours), ("grouped_mm", theirs)):
             if fn is not None:
@@ -507,7 +503,9 @@ def _fp8_kernel_calls(H, Fd, E, K, T, routing="uniform"):
         "fp8_dx": (2, lambda: fp8_grouped_mm(*dx_operands, counts, bf, True)),
         "fp8_down_bwd": (
             1,
-            lambda: _fp8_mm(gq, sg, qw.w2_EFH, qw.scale2, None, None, None, None, counts, tok, bf, "fp8_down_bwd"),
+            lambda: _fp8_mm(
+                gq, sg, qw.w2_EFH, qw.scale2, None, None, None, None, counts, tok, bf, "fp8_down_bwd", False
+            ),
         ),
         "fp8_wgrad": (1, lambda: fp8_wgrad(xq_t, sx_t, hq_t, sh_t, groups.bounds_3E, fmt, bf)),  # dW1 = x[tok]^T dh1
         "quantize_x": (0, lambda: quantize_rows(x, fmt)),
@@ -551,7 +549,7 @@ def sweep(configs=("small", "medium", "large"), T=16384, fp8=False, only=None):
     return rows
 
 
-def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"):
+def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused", options=None):
     """Where the fused path's (or ``method``'s) forward+backward time goes: GPU time per kernel (torch.profiler)
     against the wall time of one call; the difference is launch gaps and host time."""
     import time
@@ -563,7 +561,7 @@ def profile(configs=("small", "medium"), T=16384, iters=3, method="triton_fused"
     for name in configs:
         H, Fd, E, K = CONFIGS[name]
         inp = make_inputs(H, Fd, E, K, T, "uniform")
-        fwd, leaves = forward_fn(method, inp, E)
+        fwd, leaves = forward_fn(method, inp, E, options)
 
         def fwd_bwd(fwd=fwd, leaves=leaves, grad=inp["grad"]):
             return torch.autograd.grad(fwd(), leaves, grad)
@@ -662,13 +660,15 @@ def _main(stack: contextlib.ExitStack) -> int:
     if not torch.cuda.is_available():
         print("bench_experts: skipped, no CUDA device")
         return 0
+    from xmoe.config import KernelConfig
     from xmoe.kernels import tiles
 
+    options = KernelConfig()  # the kernels section every method runs under: the environment's defaults
     topic = "fp8" if "fp8" in args.methods or args.sweep_fp8 else "layer"  # benchmarks/results/<topic> by default
     meta = environment()
-    meta["autotune"] = tiles.OPTIONS.autotune
+    meta["autotune"] = options.autotune
     meta["tile_candidates"] = {k: [list(vars(c).values()) for c in v] for k, v in tiles.CANDIDATES.items()}
-    meta["wgrad"] = tiles.OPTIONS.wgrad
+    meta["wgrad"] = options.wgrad
     meta["base_tiles"] = {k: list(vars(v).values()) for k, v in tiles.BASE.items()}
     if args.check:
         from benchmarks import check_gpu
@@ -706,7 +706,7 @@ def _main(stack: contextlib.ExitStack) -> int:
         columns = ["config", "T", "routing", "gemm", "xmoe_ms", "xmoe_tflops", "grouped_mm_ms", "grouped_mm_tflops"]
         write_results(
             "per_gemm",
-            per_gemm(args.configs.split(","), routings=args.routing.split(",")),
+            per_gemm(args.configs.split(","), routings=args.routing.split(","), autotune=options.autotune),
             columns,
             meta,
             "Each GEMM of the fused path alone: xmoe's kernel vs torch._grouped_mm on pre-gathered rows",
@@ -719,7 +719,7 @@ def _main(stack: contextlib.ExitStack) -> int:
         stem = "profile_experts" if args.profile_method == "triton_fused" else f"profile_experts_{args.profile_method}"
         write_results(
             stem,
-            profile(args.configs.split(","), method=args.profile_method),
+            profile(args.configs.split(","), method=args.profile_method, options=options),
             ["config", "method", "kernel", "calls", "ms"],
             meta,
             f"GPU time per kernel of {args.profile_method}'s forward+backward (T=16384, uniform)",
@@ -760,7 +760,7 @@ def _main(stack: contextlib.ExitStack) -> int:
                 for method in args.methods.split(","):
                     if method in ("dense_equiv", "bmm_ceiling") and routing != "uniform":
                         continue  # no routing: identical to the uniform cell
-                    row = {"config": cfg, "T": T, "routing": routing, **measure(method, inp, E, flops_fwd)}
+                    row = {"config": cfg, "T": T, "routing": routing, **measure(method, inp, E, flops_fwd, options)}
                     cell.append(row)
                     print(
                         f"[{time.perf_counter() - start:.0f} s] "
@@ -840,7 +840,7 @@ def _main(stack: contextlib.ExitStack) -> int:
             columns,
         )
     )
-    if tiles.OPTIONS.autotune:
+    if options.autotune:
         print("tuned tiles:", os.environ.get("XMOE_CACHE_DIR") or "~/.cache/xmoe")
     return 0
 

@@ -78,6 +78,7 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int, ma
     from benchmarks.ep_planner import predict_exchanges
     from xmoe.dispatch.alltoall import AllToAllDispatcher
     from xmoe.dispatch.routing import build_plan
+    from xmoe.kernels.choice import resolve_kernels
     from xmoe.model.presets import get_preset
     from xmoe.parallel.expert_parallel import rbd_dispatcher
     from xmoe.plan.comm import Network, count_rows, estimate_comm
@@ -93,8 +94,9 @@ def bench_shape(shape: str, num_tokens: int, dims, device, dtype, iters: int, ma
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, generator=gen).requires_grad_(True)
     w = torch.rand(num_tokens, top_k, device=device, generator=gen).requires_grad_(True)  # fp32, as the router's
     g = torch.randn(num_tokens, hidden, device=device, dtype=dtype, generator=gen)
-    flat = AllToAllDispatcher(dims.group("ep"), num_experts)
-    rbd = rbd_dispatcher(dims, num_experts)
+    kernels = resolve_kernels("auto", device=device)  # gather and combine as a layer on this device runs them
+    flat = AllToAllDispatcher(dims.group("ep"), num_experts, kernels)
+    rbd = rbd_dispatcher(dims, num_experts, kernels)
 
     def layer(disp):  # identity experts: the dispatch -> combine round trip alone
         rows, _, ctx = disp.dispatch(x, plan)

@@ -132,14 +132,17 @@ def _poison():
     torch.full((256 << 20,), float("nan"), device="cuda")  # freed at once; the NaN stays in the cached block
 
 
-def _run(ops, fused, x, w, w1, w3, w2, plan, grad_out):
+def _run(ops, fused, x, w, w1, w3, w2, plan, grad_out, wgrad="auto"):
+    """Forward and every gradient of the routed experts through ``ops`` (fused, or its three ops), the weight
+    gradients by kernels.wgrad ``wgrad``; untuned tiles (the ops' default: checks need no tuning, the tile rounds
+    cover the candidates)."""
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w1, w3, w2)]
     x_, w_, w1_, w3_, w2_ = leaves
     _poison()
     arrays = (x_, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E, w1_, w3_, w2_)
     from xmoe.kernels import reference
 
-    out = ops.moe_experts(*arrays) if fused else reference.moe_experts(*arrays, ops=ops)
+    out = ops.moe_experts(*arrays, wgrad=wgrad) if fused else reference.moe_experts(*arrays, ops=ops, wgrad=wgrad)
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
     return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves, strict=False)]
 
@@ -154,7 +157,7 @@ def _rel(got, ref):
 
 def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
     from xmoe.dispatch.routing import build_plan
-    from xmoe.kernels import reference, tiles, triton_ops
+    from xmoe.kernels import reference, triton_ops
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ids = _routing(T, E, K, routing, gen)
@@ -177,16 +180,15 @@ def check_case(name, T, H, Fd, E, K, capacity, routing, seed=0):
     ok = True
     deterministic = True
     for engine in WGRAD_ENGINES:
-        with tiles.use_options(wgrad=engine):
-            for label, fused in (("fused", True), ("ops", False)):
-                got = _run(triton_ops, fused, xb, wf, w1b, w3b, w2b, plan, grad_out)
-                for n, g, r, tb in zip(names, got, ref, torch_bf16, strict=False):
-                    err = _rel(g, r)
-                    passed = err == err and err < TOLERANCE if r.norm() > 0 else err == 0.0
-                    ok &= passed
-                    results[f"{label}.{engine}.{n}"] = {"err": err, "torch_bf16_err": _rel(tb, r), "pass": passed}
-            runs = [_run(triton_ops, True, xb, wf, w1b, w3b, w2b, plan, grad_out) for _ in range(2)]
-            deterministic &= all(torch.equal(a, b) for a, b in zip(*runs, strict=False))
+        for label, fused in (("fused", True), ("ops", False)):
+            got = _run(triton_ops, fused, xb, wf, w1b, w3b, w2b, plan, grad_out, engine)
+            for n, g, r, tb in zip(names, got, ref, torch_bf16, strict=False):
+                err = _rel(g, r)
+                passed = err == err and err < TOLERANCE if r.norm() > 0 else err == 0.0
+                ok &= passed
+                results[f"{label}.{engine}.{n}"] = {"err": err, "torch_bf16_err": _rel(tb, r), "pass": passed}
+        runs = [_run(triton_ops, True, xb, wf, w1b, w3b, w2b, plan, grad_out, engine) for _ in range(2)]
+        deterministic &= all(torch.equal(a, b) for a, b in zip(*runs, strict=False))
     ok &= deterministic
     for label, context in tile_rounds().items() if name in MODEL_CASES else ():
         try:
@@ -269,7 +271,7 @@ def check_fp8_quantizers(fmt, seed=0):
     }
 
 
-def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt):
+def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt, wgrad="auto"):
     from xmoe.kernels import reference
     from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
     from xmoe.kernels.fp8_quant import quantize_expert_weights
@@ -291,10 +293,11 @@ def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt):
             w2_,
             qw,
             fmt,
+            wgrad=wgrad,
         )
     else:
         x_NH = reference.gather_rows(x_, plan.token_ids_N, plan.row_of_slot_TK)
-        y_NH = grouped_swiglu_fp8(x_NH, w1_, w3_, w2_, plan.tokens_per_expert_E, qw, fmt)
+        y_NH = grouped_swiglu_fp8(x_NH, w1_, w3_, w2_, plan.tokens_per_expert_E, qw, fmt, wgrad=wgrad)
         out = reference.combine_rows(y_NH, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
     return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves, strict=False)]
@@ -302,7 +305,7 @@ def _run_fp8(fused, x, w, w1, w3, w2, plan, grad_out, fmt):
 
 def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
     from xmoe.dispatch.routing import build_plan
-    from xmoe.kernels import reference, tiles
+    from xmoe.kernels import reference
 
     R = _fp8_reference_module()
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -331,8 +334,7 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
     runs = {"fused": lambda: _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)}
 
     def fp8_wgrad_run():  # kernels.wgrad = "fp8": the weight gradients in FP8 too, against their own emulation
-        with tiles.use_options(wgrad="fp8"):
-            return _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt)
+        return _run_fp8(True, xb, wf, w1.float(), w3.float(), w2.float(), plan, grad_out, fmt, "fp8")
 
     runs["fused.fp8_wgrad"] = fp8_wgrad_run
     if name == "odd_shapes":
@@ -377,7 +379,6 @@ def check_fp8_case(name, T, H, Fd, E, K, capacity, routing, fmt, seed=0):
 
 
 def main_fp8() -> tuple[bool, dict]:
-    from xmoe.kernels import tiles
     from xmoe.kernels.fp8_quant import fp8_format
 
     fmt = fp8_format(torch.device("cuda")).name
@@ -392,8 +393,7 @@ def main_fp8() -> tuple[bool, dict]:
             report["cases"].append({"case": name, "skipped": "does not fit this GPU"})
             continue
         try:
-            with tiles.use_options(autotune=False):
-                ok, info = check_fp8_case(name, *case, fmt)
+            ok, info = check_fp8_case(name, *case, fmt)
         except Exception as exc:
             ok, info = False, {"case": name, "error": f"{type(exc).__name__}: {exc}"}
         all_ok &= ok
@@ -449,7 +449,6 @@ def main(argv=None) -> int:
         print("check_gpu: skipped, triton is not installed")
         return 0
     from benchmarks.harness import environment, out_dir
-    from xmoe.kernels import tiles
 
     all_ok, report = True, []
     start = time.perf_counter()
@@ -459,8 +458,7 @@ def main(argv=None) -> int:
             report.append({"case": name, "skipped": "does not fit this GPU"})
             continue
         try:
-            with tiles.use_options(autotune=False):  # checks need no tuning; tile rounds cover the candidates
-                ok, info = check_case(name, *case)
+            ok, info = check_case(name, *case)  # untuned tiles: the tile rounds cover the candidates
         except Exception as exc:  # report every case, then fail
             ok, info = False, {"case": name, "error": f"{type(exc).__name__}: {exc}"}
         all_ok &= ok

@@ -162,34 +162,33 @@ def main() -> None:
     windows = []
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(run, out, device="cuda" if cuda else "cpu")
-        with trainer.kernels.applied():
-            accum = trainer.accumulation_steps()
-            for _ in range(args.warmup_steps):
-                trainer.train_step(accum)
-            for label in ("loader as it is", "samples drawn before the window", "loader as it is, again"):
-                drawn: dict | None = None
-                if label.startswith("samples"):
-                    drawn = {}
-                    draw_ahead(trainer.loader, args.window * accum, drawn)
-                with instrumented(trainer, marks, drawn), marks.recording():
-                    began = time.perf_counter()
-                    for _ in range(args.window):
-                        marks("start")
-                        trainer.train_step(accum)
+        accum = trainer.accumulation_steps()
+        for _ in range(args.warmup_steps):
+            trainer.train_step(accum)
+        for label in ("loader as it is", "samples drawn before the window", "loader as it is, again"):
+            drawn: dict | None = None
+            if label.startswith("samples"):
+                drawn = {}
+                draw_ahead(trainer.loader, args.window * accum, drawn)
+            with instrumented(trainer, marks, drawn), marks.recording():
+                began = time.perf_counter()
+                for _ in range(args.window):
                     marks("start")
-                wall_ms = (time.perf_counter() - began) * 1e3 / args.window
-                mark_rows, phase_rows = summarise(marks.timed, args.window)
-                waited = sum(r["min_lead_ms"] < WAITED_MS for r in mark_rows)
-                windows.append(
-                    {
-                        "window": label,
-                        "wall_ms": wall_ms,
-                        "tokens_per_s": tokens / wall_ms * 1e3,
-                        "marks_gpu_waited": waited,
-                        "marks": mark_rows,
-                        "phases": phase_rows,
-                    }
-                )
+                    trainer.train_step(accum)
+                marks("start")
+            wall_ms = (time.perf_counter() - began) * 1e3 / args.window
+            mark_rows, phase_rows = summarise(marks.timed, args.window)
+            waited = sum(r["min_lead_ms"] < WAITED_MS for r in mark_rows)
+            windows.append(
+                {
+                    "window": label,
+                    "wall_ms": wall_ms,
+                    "tokens_per_s": tokens / wall_ms * 1e3,
+                    "marks_gpu_waited": waited,
+                    "marks": mark_rows,
+                    "phases": phase_rows,
+                }
+            )
     lines = [
         f"{args.layers} layers, batch {run.train.global_batch_size}, micro {run.train.micro_batch_size}, compile "
         f"{run.train.compile}, seq {run.train.seq_len}, fp8 {run.model.moe.fp8}; {args.window} steps per window; "

@@ -19,7 +19,6 @@ within 5%. Writes memory_fit_preflight.json / .md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import tempfile
@@ -59,9 +58,8 @@ def main() -> None:
     args.batch_size, args.micro_batch_size, args.steps = first, first, 1000
     run = build_run_config(args)
     rows = []
-    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(run, out, device="cuda")
-        stack.enter_context(trainer.kernels.applied())  # the run's kernels section, as Trainer.train applies it
         try:
             trainer.train_step(trainer.accumulation_steps())  # optimizer state exists from here on, as in training
         except torch.OutOfMemoryError:

@@ -14,7 +14,6 @@ GPU waited for, by the kernels on either side); with --results writes profile_<t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
@@ -97,12 +96,11 @@ def main() -> None:
         return
     args.steps = args.warmup_steps + args.profile_steps + 2
     run = build_run_config(args)
-    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as out:
         # --fit auto (the default here): a batch this GPU cannot hold at once is profiled in micro-batches that fit
         trainer = Trainer(run, out, device="cuda", fit=args.fit)
         if trainer.memory_line:
             print(trainer.memory_line)
-        stack.enter_context(trainer.kernels.applied())  # the run's kernels section, as Trainer.train applies it
         accum = trainer.accumulation_steps()
         for _ in range(args.warmup_steps):
             trainer.train_step(accum)

@@ -17,8 +17,10 @@ from xmoe.dispatch.alltoall import AllToAllDispatcher, regroup_indices
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import reference as ops
+from xmoe.kernels.choice import resolve_kernels
 
 TOL = 1e-10
+TORCH = resolve_kernels("torch")  # the dispatchers' and experts' kernels: the reference ops
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -77,7 +79,7 @@ def _dispatcher_body(rank: int, world_size: int):
         w2 = torch.randn(num_experts, ffn, hidden, dtype=torch.float64, generator=gen)
         local = num_experts // world_size
         mine = slice(rank * local, (rank + 1) * local)
-        dispatcher = AllToAllDispatcher(dist.group.WORLD, num_experts, "torch")
+        dispatcher = AllToAllDispatcher(dist.group.WORLD, num_experts, TORCH)
         for name, ids_RTK, capacity in _routing_cases(world_size, num_experts, top_k, num_tokens, gen):
             x_RTH = torch.randn(world_size, num_tokens, hidden, dtype=torch.float64, generator=gen)
             w_RTK = torch.rand(world_size, num_tokens, top_k, dtype=torch.float64, generator=gen)
@@ -91,7 +93,7 @@ def _dispatcher_body(rank: int, world_size: int):
                 plan = build_plan(ids_RTK[r], scores_RTK[r], num_experts, capacity)
                 x = x_RTH[r].clone().requires_grad_(True)
                 wk = w_RTK[r].clone().requires_grad_(True)
-                loc = LocalDispatcher("torch")
+                loc = LocalDispatcher(TORCH)
                 rows, counts, ctx = loc.dispatch(x, plan)
                 out = loc.combine(ops.grouped_swiglu(rows, *ref_w, counts), wk, plan, ctx)
                 (out * g_RTH[r]).sum().backward()
@@ -130,7 +132,7 @@ def _dispatcher_body(rank: int, world_size: int):
                     want_rows.append(x_RTH[r][plan_r.token_ids_N[plan_r.expert_ids_N == e]])
             assert torch.equal(rows.detach(), torch.cat(want_rows)), where
             # a round trip with identity experts is a pure permutation + the same k-ordered sum: bit-identical
-            loc = LocalDispatcher("torch")
+            loc = LocalDispatcher(TORCH)
             local_rows, _, local_ctx = loc.dispatch(x_RTH[rank], plan)
             rows, counts, ctx = dispatcher.dispatch(x_RTH[rank], plan)
             assert torch.equal(

@@ -26,6 +26,7 @@ CLI_MODULES = {
 
 def test_public_names_are_the_module_objects():
     from xmoe.config import DataConfig, KernelConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig, TrainConfig
+    from xmoe.kernels.choice import resolve_kernels
     from xmoe.model.presets import get_preset
     from xmoe.model.transformer import Transformer
     from xmoe.moe.layer import MoELayer
@@ -45,6 +46,7 @@ def test_public_names_are_the_module_objects():
         DataConfig=DataConfig,
         KernelConfig=KernelConfig,
         build_model=build_model,
+        resolve_kernels=resolve_kernels,
     )
     for name, obj in expected.items():
         assert getattr(xmoe, name) is obj, name

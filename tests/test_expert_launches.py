@@ -28,7 +28,7 @@ import triton.runtime.interpreter as interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xmoe.dispatch.routing import build_plan
-from xmoe.kernels import tiles, triton_ops
+from xmoe.kernels import triton_ops
 from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
 from xmoe.kernels.fp8_quant import quantize_expert_weights
 
@@ -159,15 +159,15 @@ def _call(case: str, rec: Recorder) -> list[str]:
     weights = torch.rand(T, K, generator=g).requires_grad_()
     leaves = [x, *(w.requires_grad_() for w in (w1, w3, w2))] + ([weights] if path == "fused" else [])
     routing = (plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
-    with tiles.use_options(wgrad=wgrad), rec:
+    with rec:  # the engine is the ops' argument, as a layer passes its kernels section's
         if path == "fused" and prec == "bf16":
-            out = triton_ops.moe_experts(x, weights, *routing, counts, w1, w3, w2)
+            out = triton_ops.moe_experts(x, weights, *routing, counts, w1, w3, w2, wgrad=wgrad)
         elif path == "fused":
-            out = moe_experts_fp8(x, weights, *routing, counts, w1, w3, w2, qw, "e4m3fn")
+            out = moe_experts_fp8(x, weights, *routing, counts, w1, w3, w2, qw, "e4m3fn", wgrad=wgrad)
         elif prec == "bf16":
-            out = triton_ops.grouped_swiglu(x, w1, w3, w2, counts)
+            out = triton_ops.grouped_swiglu(x, w1, w3, w2, counts, wgrad=wgrad)
         else:
-            out = grouped_swiglu_fp8(x, w1, w3, w2, counts, qw, "e4m3fn")
+            out = grouped_swiglu_fp8(x, w1, w3, w2, counts, qw, "e4m3fn", wgrad=wgrad)
         rec.events.append("backward")
         grads = torch.autograd.grad(out, leaves, grad)
         del out, grads  # the results' buffers go too, inside the record

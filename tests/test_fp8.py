@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from xmoe import MoEConfig, MoELayer
+from xmoe.config import KernelConfig
 from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import fp8_quant, tiles
+from xmoe.kernels.choice import resolve_kernels
 from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
 from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd, input_grad_operands
 from xmoe.kernels.fp8_quant import (
@@ -210,7 +212,7 @@ def test_grouped_mm_kernel_one_and_two_pairs_and_column_views(tma, halves):
     q2, _, s2 = quantize_blocks(_weights(E, Fd, H, seed=10), "e4m3fn")
     from xmoe.kernels.fp8_gemm import _fp8_mm
 
-    da = _fp8_mm(gq, sg, q2, s2, None, None, None, None, counts, tok, torch.float32, "fp8_down_bwd")
+    da = _fp8_mm(gq, sg, q2, s2, None, None, None, None, counts, tok, torch.float32, "fp8_down_bwd", False)
     ref = R._per_expert(_deq_rows(gq, sg)[tok], _deq_blocks(q2, s2).transpose(1, 2), counts)
     assert _rel(da, ref) < 1e-6
     # dx form: two pairs, reduction over F, output H; and a column slice of the output (a view of b and its scales)
@@ -293,7 +295,7 @@ def test_swiglu_bwd_kernel_matches_float64(reuse):
 # ------------------------------------------------------------------------------------------------ the FP8 layer
 
 
-def _fused_call(x, w, plan, w1, w3, w2, g, fmt):
+def _fused_call(x, w, plan, w1, w3, w2, g, fmt, wgrad="auto"):
     leaves = [t.clone().requires_grad_() for t in (x, w, w1, w3, w2)]
     qw = quantize_expert_weights(w1, w3, w2, fmt)
     out = moe_experts_fp8(
@@ -306,6 +308,7 @@ def _fused_call(x, w, plan, w1, w3, w2, g, fmt):
         *leaves[2:],
         qw,
         fmt,
+        wgrad=wgrad,
     )
     return [out] + list(torch.autograd.grad(out, leaves, g))
 
@@ -329,8 +332,7 @@ def test_fused_fp8_layer_matches_float64_emulation(case, descriptors, wgrad, mon
     plan = _plan(T, E, K, seed=21, capacity=capacity, experts=pool)
     x, w, g = _rows(T, H, seed=22) * 1e-3, torch.rand(T, K, generator=_gen(23)), torch.randn(T, H, generator=_gen(24))
     w1, w3, w2 = _weights(E, H, Fd, 25), _weights(E, H, Fd, 26), _weights(E, Fd, H, 27)
-    with tiles.use_options(wgrad=wgrad):  # "fp8": the weight gradients in FP8 too (fp8_wgrad.py)
-        got = _fused_call(x, w, plan, w1, w3, w2, g, fmt)
+    got = _fused_call(x, w, plan, w1, w3, w2, g, fmt, wgrad)  # "fp8": the weight gradients in FP8 too (fp8_wgrad.py)
     ref = R.moe_experts_fp8(x, w, plan, w1, w3, w2, g, fmt, fp8_wgrad=wgrad == "fp8")
     names = ["out", "dx", "d_weights", "dw1", "dw3", "dw2"]
     for name, a, b in zip(names, got, ref, strict=False):
@@ -354,9 +356,9 @@ def test_grouped_fp8_swiglu_matches_float64_emulation(descriptors, wgrad, monkey
     x, g = _rows(N, H, seed=28) * 1e-2, torch.randn(N, H, generator=_gen(29))
     w1, w3, w2 = _weights(E, H, Fd, 30), _weights(E, H, Fd, 31), _weights(E, Fd, H, 32)
     leaves = [t.clone().requires_grad_() for t in (x, w1, w3, w2)]
-    with tiles.use_options(wgrad=wgrad):
-        y = grouped_swiglu_fp8(leaves[0], *leaves[1:], counts, quantize_expert_weights(w1, w3, w2, "e4m3fn"), "e4m3fn")
-        got = [y] + list(torch.autograd.grad(y, leaves, g))
+    qw = quantize_expert_weights(w1, w3, w2, "e4m3fn")
+    y = grouped_swiglu_fp8(leaves[0], *leaves[1:], counts, qw, "e4m3fn", wgrad=wgrad)
+    got = [y] + list(torch.autograd.grad(y, leaves, g))
     ones = torch.ones(N, 1)
     out, dx, _, dw1, dw3, dw2 = R.moe_experts_fp8(x, ones, plan, w1, w3, w2, g, "e4m3fn", fp8_wgrad=wgrad == "fp8")
     for name, a, b in zip(["y", "dx", "dw1", "dw3", "dw2"], got, [out, dx, dw1, dw3, dw2], strict=False):
@@ -390,13 +392,13 @@ def test_fp8_layer_close_to_unquantised_layer(wgrad):
     torch.manual_seed(0)
     kw = dict(hidden_size=256, ffn_hidden_size=192, num_experts=4, top_k=2, num_shared_experts=0)
     exact = MoELayer(MoEConfig(**kw, kernel_backend="torch"))
-    fp8 = MoELayer(MoEConfig(**kw, kernel_backend="triton", fp8="experts"))
+    kernels = resolve_kernels("triton", KernelConfig(wgrad=wgrad))  # the layer runs the section it is built with
+    fp8 = MoELayer(MoEConfig(**kw, kernel_backend="triton", fp8="experts"), kernels=kernels)
     fp8.load_state_dict(exact.state_dict())
     assert fp8.experts.fp8 and "fp8=experts" in repr(fp8)
     x, g = torch.randn(2, 24, 256, generator=_gen(33)), torch.randn(2, 24, 256, generator=_gen(34))
     want = _layer_grads(exact, x, g)
-    with tiles.use_options(wgrad=wgrad):
-        got = _layer_grads(fp8, x, g)
+    got = _layer_grads(fp8, x, g)
     errs = {name: _rel(got[name], want[name]) for name in FP8_BOUND}
     for name, bound in FP8_BOUND.items():
         assert 1e-3 < errs[name] < bound, (name, errs[name])  # quantised (not exact), and within the stated bound

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from xmoe.dispatch.routing import build_plan
-from xmoe.kernels import Fp8Rows, dequantize_rows, fp8_quant, quantize_rows, stand_in_rows, tiles
+from xmoe.kernels import Fp8Rows, dequantize_rows, fp8_quant, quantize_rows, stand_in_rows
+from xmoe.kernels.choice import resolve_kernels
 from xmoe.kernels.fp8_experts import grouped_swiglu_fp8
 from xmoe.kernels.fp8_quant import FORMATS, quantize_expert_weights
 
@@ -116,11 +117,11 @@ def _experts_case(seed, H=136, Fd=96):
     return counts, x, grad, w1, w3, w2
 
 
-def _run(rows, counts, grad, w1, w3, w2, fmt):
-    """(y, d rows, dw1, dw3, dw2) of grouped_swiglu_fp8 on rows (a tensor or Fp8Rows)."""
+def _run(rows, counts, grad, w1, w3, w2, fmt, wgrad="auto"):
+    """(y, d rows, dw1, dw3, dw2) of grouped_swiglu_fp8 on rows (a tensor or Fp8Rows) under kernels.wgrad ``wgrad``."""
     leaves = [w.clone().requires_grad_() for w in (w1, w3, w2)]
     x_in = rows.stand_in if isinstance(rows, Fp8Rows) else rows
-    y = grouped_swiglu_fp8(rows, *leaves, counts, quantize_expert_weights(w1, w3, w2, fmt), fmt)
+    y = grouped_swiglu_fp8(rows, *leaves, counts, quantize_expert_weights(w1, w3, w2, fmt), fmt, wgrad=wgrad)
     return [y, *torch.autograd.grad(y, [x_in, *leaves], grad)]
 
 
@@ -139,9 +140,8 @@ def test_experts_on_quantised_rows_equal_them_on_the_dequantised_rows(wgrad):
     assert stand_in.untyped_storage().nbytes() == 4  # one element: no (N, H) buffer
     if wgrad == "fp8":
         q = q.float()  # FP8 values held the interpreter's way (float32) are taken too
-    with tiles.use_options(wgrad=wgrad):
-        want = _run(deq.clone().requires_grad_(), counts, grad, w1, w3, w2, fmt)
-        got = _run(Fp8Rows(q, s, stand_in), counts, grad, w1, w3, w2, fmt)
+    want = _run(deq.clone().requires_grad_(), counts, grad, w1, w3, w2, fmt, wgrad)
+    got = _run(Fp8Rows(q, s, stand_in), counts, grad, w1, w3, w2, fmt, wgrad)
     for name, a, b in zip(["y", "dx", "dw1", "dw3", "dw2"], got, want, strict=True):
         assert torch.equal(a, b), name
 
@@ -205,7 +205,7 @@ def test_fp8_routed_experts_module_takes_quantised_rows():
 
     fmt = "e4m3fn"
     counts, x, grad, *_ = _experts_case(seed=8)
-    experts = RoutedExperts(4, x.shape[1], 96, kernel_backend="triton", fp8=True)
+    experts = RoutedExperts(4, x.shape[1], 96, kernels=resolve_kernels("triton"), fp8=True)
     q, s = quantize_rows(x, fmt)
     results = []
     for rows in (dequantize_rows(q, s, torch.float32).requires_grad_(), Fp8Rows(q, s, stand_in_rows(q, torch.float32))):

@@ -1,6 +1,7 @@
 """The kernels section of a run (KernelConfig): checked values, the environment's defaults, their precedence under
---config, --set and the flags, the choice resolved on the device and reaching the kernels, and its record in the
-run header, summary.json and every checkpoint's meta.json."""
+--config, --set and the flags, the choice resolved on the device and built into the MoE layers, which run under it
+wherever they run, what the kernels launched, and its record in the run header, summary.json and every checkpoint's
+meta.json."""
 
 import os
 
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from xmoe.cli import _parser, main
-from xmoe.config import KernelConfig
-from xmoe.kernels import tiles
-from xmoe.kernels.choice import resolve_choice
+from xmoe.config import KernelConfig, MoEConfig
+from xmoe.kernels import launches
+from xmoe.kernels.choice import Kernels, resolve_choice, resolve_kernels
 from xmoe.train.cli import build_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +137,7 @@ def test_the_choice_resolves_on_the_device(clean_env, monkeypatch):
     from xmoe.kernels import grouped_wgrad
 
     asked = []
-    monkeypatch.setattr(grouped_wgrad, "wgrad_engine", lambda x, *args: asked.append(args) or tiles.OPTIONS.wgrad)
+    monkeypatch.setattr(grouped_wgrad, "wgrad_engine", lambda x, *args: asked.append(args[:4]) or args[4])
     expert_parallel = ["--kernel-backend", "triton", "--ep", "2", "--dp", "1", "--batch-size", "8"]
     assert resolve_choice(_run(*expert_parallel), CPU, torch.float32).wgrad == "auto"
     resolve_choice(_run(*expert_parallel, "--set", "moe.capacity_factor=0.5"), CPU, torch.float32)
@@ -155,7 +156,6 @@ def test_the_run_applies_its_choice_and_records_it(tmp_path, capsys, clean_env, 
     calls = []
     real = grouped_wgrad.grouped_mm_wgrad
     monkeypatch.setattr(grouped_wgrad, "grouped_mm_wgrad", lambda *a: calls.append(1) or real(*a))
-    before = tiles.OPTIONS
     out = tmp_path / "run"
     main(
         [
@@ -175,14 +175,62 @@ def test_the_run_applies_its_choice_and_records_it(tmp_path, capsys, clean_env, 
             engine,
         ]
     )
-    assert tiles.OPTIONS is before  # applied for the run only
     assert bool(calls) == (engine == "grouped_mm")  # the run's choice reached the fused backward
     effective = {"backend": "triton", "wgrad": engine, "tiles": "interpreter"}
     record = {"wgrad": engine, "autotune": False, "effective": effective}
     assert f"kernels: backend triton, weight gradients {engine} (kernels.wgrad {engine})" in capsys.readouterr().out
-    assert json.loads((out / "summary.json").read_text())["kernels"] == record
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kernels"] == record
+    # what launched, counted by the launchers: 2 steps of the one MoE layer (the first is dense), each forward and
+    # backward 4 grouped GEMMs and 3 weight gradients, the Triton ones 2 launches more (dW2, then dW1 and dW3 in one)
+    wgrad_tiles = 2 if engine == "triton" else 0
+    assert summary["launches"] == {"tiles": {"interpreter": 2 * (4 + wgrad_tiles)}, "wgrad": {engine: 2 * 3}}
+    # and each logged window's (one step each), with the step's statistics
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_step = {"tiles": {"interpreter": 4 + wgrad_tiles}, "wgrad": {engine: 3}}
+    assert [r["launches"] for r in records] == [per_step, per_step]
     meta = json.loads((out / "checkpoints" / "step_000002" / "meta.json").read_text())
     assert meta["config"]["kernels"] == record
+
+
+@needs_cpu_grouped_mm
+def test_a_layer_outside_any_trainer_runs_under_the_choice_it_was_built_with(clean_env):
+    # the environment says one thing, the layer was built with another: the layer's choice is what runs, counted
+    # where the kernels launch; a layer built afterwards takes the environment's default as it is then
+    from xmoe.moe.layer import MoELayer
+
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4, top_k=2, kernel_backend="triton")
+    torch.manual_seed(0)
+    built = MoELayer(cfg, kernels=resolve_kernels("triton", KernelConfig(wgrad="grouped_mm"), CPU))
+    clean_env.setenv("XMOE_WGRAD", "triton")
+    later = MoELayer(cfg)
+    later.load_state_dict(built.state_dict())
+    x, g = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    grads = []
+    for layer, engine in ((built, "grouped_mm"), (later, "triton")):
+        before = launches.snapshot()
+        layer(x).backward(g)
+        # 4 grouped GEMMs (up, down; the down GEMM's backward, dx) and 3 weight gradients; the Triton ones launch
+        # 2 kernels more (dW2, then dW1 and dW3 in one), torch._grouped_mm none
+        wgrad_tiles = 2 if engine == "triton" else 0
+        assert launches.since(before) == {"tiles": {"interpreter": 4 + wgrad_tiles}, "wgrad": {engine: 3}}
+        grads.append([p.grad for p in layer.parameters()])
+    for a, b in zip(*grads, strict=True):  # the two engines compute the same gradients, in another order
+        assert float((a - b).norm()) <= 1e-5 * float(b.norm())
+
+
+def test_a_layer_moved_where_auto_names_another_backend_is_refused():
+    from xmoe.kernels import triton_ops
+
+    built_for_gpu = Kernels("auto", "triton", triton_ops, "cuda", "auto", False)
+    with pytest.raises(ValueError, match=r"resolved for cuda \(kernel_backend 'auto' -> triton\) but it runs on cpu"):
+        built_for_gpu.check_device(CPU)
+    Kernels("triton", "triton", triton_ops, "cuda", "auto", False).check_device(CPU)  # named: the same anywhere
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4, top_k=2, kernel_backend="torch")
+    with pytest.raises(ValueError, match=r"resolved for kernel_backend 'auto', its config names 'torch'"):
+        from xmoe.moe.layer import MoELayer
+
+        MoELayer(cfg, kernels=resolve_kernels("auto"))
 
 
 # ---------------------------------------------------------------------- the other commands that run the model
@@ -190,12 +238,17 @@ def test_the_run_applies_its_choice_and_records_it(tmp_path, capsys, clean_env, 
 
 @pytest.fixture
 def options_seen(monkeypatch):
-    """The kernel options every MoE layer's forward ran under, in call order."""
+    """The kernels section every MoE layer's forward ran under (the one it was built with), in call order."""
     from xmoe.moe.layer import MoELayer
 
     seen: list[KernelConfig] = []
     forward = MoELayer.forward
-    monkeypatch.setattr(MoELayer, "forward", lambda self, x: seen.append(tiles.OPTIONS) or forward(self, x))
+
+    def recorded(self, x):
+        seen.append(KernelConfig(self.kernels.wgrad, self.kernels.autotune))
+        return forward(self, x)
+
+    monkeypatch.setattr(MoELayer, "forward", recorded)
     return seen
 
 
@@ -206,11 +259,9 @@ def ran_under(seen: list[KernelConfig], expected: KernelConfig) -> bool:
 def test_bench_times_its_layer_under_its_kernel_flags(clean_env, capsys, options_seen):
     from xmoe import bench
 
-    before = tiles.OPTIONS
     argv = ["bench", "--device", "cpu", "--tokens", "16", "--repeats", "1", "--wgrad", "grouped_mm", "--autotune"]
     parser, _ = _parser()
     rows = bench.run(parser.parse_args(argv))
-    assert tiles.OPTIONS is before  # applied for the benchmark only
     assert ran_under(options_seen, KernelConfig("grouped_mm", True))
     effective = {"backend": "torch", "wgrad": "autograd", "tiles": "none"}
     assert [r["kernels"] for r in rows] == [{"wgrad": "grouped_mm", "autotune": True, "effective": effective}] * 2
@@ -256,7 +307,6 @@ def test_eval_and_generate_run_under_the_kernels_section_the_run_recorded(tmp_pa
     main(["train", "--out", str(out), "--device", "cpu", *TINY, "--steps", "1", "--wgrad", "grouped_mm", "--autotune"])
     capsys.readouterr()
     clean_env.setenv("XMOE_WGRAD", "triton")  # the environment's default, which the recorded section overrides
-    before = tiles.OPTIONS
     options_seen.clear()
     main(["eval", str(out), "--data", "markov", "--seq-len", "8", "--max-windows", "4"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -266,7 +316,6 @@ def test_eval_and_generate_run_under_the_kernels_section_the_run_recorded(tmp_pa
     options_seen.clear()
     main(["generate", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--ids"])
     assert ran_under(options_seen, KernelConfig("grouped_mm", True))
-    assert tiles.OPTIONS is before
     # a checkpoint written before runs recorded their kernels: the environment's defaults
     assert recorded_config({"model": {}}) == KernelConfig("triton", False)
 

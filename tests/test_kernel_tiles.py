@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="the Triton backend needs the triton packag
 from test_triton_kernels import _check_wgrad, _inputs, _loop_reference, _rel, _routing, _wgrad_inputs
 
 from xmoe.dispatch.routing import build_plan
-from xmoe.kernels import get_ops, tiles
+from xmoe.kernels import get_ops, launches, tiles
 from xmoe.kernels.grouped_wgrad import grouped_wgrad
 from xmoe.kernels.tiles import TileConfig
 
@@ -124,14 +124,13 @@ def test_shape_class_and_pick_order():
     assert tiles.shape_class("wgrad2", 7168, 2048, 131072, 256) == "wgrad2|k8192|n2048|r512"
     assert tiles.shape_class("mm", 1408, 1000, 5, 64) == "mm|k2048|n1024|r1"  # fewer rows than experts
     forced = TileConfig(16, 16, 16, 4, 1)
+    before = launches.snapshot()
     with tiles.force({"mm": forced}):
         assert tiles.pick("mm", torch.float32, torch.device("cpu"), 64, 64, 100, 4) == forced
     assert tiles.pick("mm", torch.float32, torch.device("cpu"), 64, 64, 100, 4) == tiles.INTERPRETER_CONFIG
+    assert launches.since(before) == {"tiles": {"forced": 1, "interpreter": 1}}  # each pick counts its source
     with pytest.raises(ValueError, match="unknown kernel"):
         with tiles.force({"nope": forced}):
-            pass
-    with pytest.raises(ValueError, match="unknown kernel option 'legacy'"):
-        with tiles.use_options(legacy=True):
             pass
 
 
@@ -181,12 +180,15 @@ def test_a_class_the_table_lacks_takes_its_neighbours_entry(monkeypatch):
     monkeypatch.setattr(tiles, "device_budget", lambda device: (227 * 1024, table))
     monkeypatch.setattr(tiles, "_PICKED", {})
     gpu = torch.device("cuda", 0)
+    before = launches.snapshot()
     assert tiles.pick("mm", torch.bfloat16, gpu, 1408, 2048, 2048 * 64, 64) == a
     assert tiles.pick("mm", torch.bfloat16, gpu, 1408, 2048, 4096 * 64, 64) == a
     assert tiles.pick("wgrad", torch.bfloat16, gpu, 1408, 2048, 2048 * 64, 64) == d
     assert tiles.pick("dx", torch.bfloat16, gpu, 1408, 2048, 2048 * 64, 64) == tiles.heuristic(
         "dx", 2048 * 64, 64, 227 * 1024, 2048
     )
+    assert tiles.pick("mm", torch.bfloat16, gpu, 1408, 2048, 2048 * 64, 64) == a  # remembered, with its source
+    assert launches.since(before) == {"tiles": {"heuristic": 1, "neighbour": 2, "table": 2}}
 
 
 def test_heuristic_fits_the_gpu():
@@ -278,7 +280,7 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-def _backward_transient():
+def _backward_transient(wgrad="auto"):
     """Peak bytes the fused backward holds above what was alive when it started, weight gradients left out."""
     T, H, Fd, E, K = 64, 128, 48, 4, 4
     ids, scores = _routing(T, E, K, seed=13)
@@ -294,6 +296,7 @@ def _backward_transient():
             plan.row_of_slot_TK,
             plan.tokens_per_expert_E,
             *leaves[2:],
+            wgrad=wgrad,
         )
         gc.collect()
         mem.peak = start = mem.live()
@@ -327,16 +330,13 @@ def test_wgrad_engine_rules():
     from xmoe.kernels.grouped_wgrad import wgrad_engine
 
     x = torch.zeros(4, 16)
-    assert wgrad_engine(x, 64, 8, 16, 16) == "triton"  # auto: only sm_90 GPUs in bf16 take torch._grouped_mm
-    with tiles.use_options(wgrad="grouped_mm"):
-        assert wgrad_engine(x, 64, 8, 16, 16) == "grouped_mm"
-        assert wgrad_engine(x, 64, 8, 12, 16) == "triton"  # H not a multiple of 8: its stride rule
-        assert wgrad_engine(x, 64, 8, 16, 20) == "triton"
-        assert wgrad_engine(x, 0, 8, 16, 16) == "triton"  # no rows
-        assert wgrad_engine(x.half(), 64, 8, 16, 16) == "triton"  # fp16: torch._grouped_mm takes bf16 (and CPU fp32)
-    with pytest.raises(ValueError, match=r"kernels\.wgrad \('cutlass'\) must be one of 'auto', 'triton', 'grouped_mm'"):
-        with tiles.use_options(wgrad="cutlass"):
-            pass
+    assert wgrad_engine(x, 64, 8, 16, 16, "auto") == "triton"  # auto: only sm_90 GPUs in bf16 take torch._grouped_mm
+    assert wgrad_engine(x, 64, 8, 16, 16, "fp8") == "triton"  # as auto, for the bf16 gradients it does not concern
+    assert wgrad_engine(x, 64, 8, 16, 16, "grouped_mm") == "grouped_mm"
+    assert wgrad_engine(x, 64, 8, 12, 16, "grouped_mm") == "triton"  # H not a multiple of 8: its stride rule
+    assert wgrad_engine(x, 64, 8, 16, 20, "grouped_mm") == "triton"
+    assert wgrad_engine(x, 0, 8, 16, 16, "grouped_mm") == "triton"  # no rows
+    assert wgrad_engine(x.half(), 64, 8, 16, 16, "grouped_mm") == "triton"  # fp16: _grouped_mm takes bf16 (CPU fp32)
 
 
 @needs_cpu_grouped_mm
@@ -360,8 +360,7 @@ def test_grouped_mm_wgrad_engine_matches_float64(path, monkeypatch):
     grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(32))
     ref_out, leaves64 = _loop_reference(x, w, w1, w3, w2, ids, plan.row_of_slot_TK)
     ref = [ref_out] + list(torch.autograd.grad(ref_out, leaves64, grad_out.double()))
-    with tiles.use_options(wgrad="grouped_mm"):
-        got = _run(tops, path, x, w, w1, w3, w2, plan, grad_out)
+    got = _run(tops, path, x, w, w1, w3, w2, plan, grad_out, wgrad="grouped_mm")
     assert len(calls) == 3  # dW2, dW1, dW3
     for name, g, r in zip(["out", "grad_x", "grad_weights", "grad_w1", "grad_w3", "grad_w2"], got, ref, strict=False):
         assert _rel(g, r) < 1e-5, (path, name, _rel(g, r))
@@ -373,7 +372,6 @@ def test_grouped_mm_wgrad_engine_matches_float64(path, monkeypatch):
 def test_grouped_mm_engine_holds_one_gathered_buffer_at_a_time():
     # fp32 bytes: grad_out's gathered rows (N, H) and da (N, F) for dW2, freed (with h1's storage) before dx
     # (T, H) and its column chunk, then x's gathered rows (N, H) beside dx for dW1 and dW3
-    with tiles.use_options(wgrad="grouped_mm"):
-        peak, N, T, H, Fd = _backward_transient()
+    peak, N, T, H, Fd = _backward_transient(wgrad="grouped_mm")
     expected = 4 * max(N * H + N * Fd, N * 32 + T * H, T * H + N * H)  # the three steps, h1's N * F freed after dW2
     assert expected <= peak <= expected + 4 * 8 * N, (peak, expected)

@@ -23,10 +23,12 @@ from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.rbd_units import source_units
 from xmoe.dispatch.routing import build_plan
 from xmoe.kernels import reference as ops
+from xmoe.kernels.choice import resolve_kernels
 from xmoe.plan.comm import count_rows
 
 # fp64 data, but ops.combine_rows accumulates in fp32 on every path; RBD sums in another order: ~1e-8 observed
 TOL = 1e-6
+TORCH = resolve_kernels("torch")  # the dispatchers' and experts' kernels: the reference ops
 ALL_CONFIGS = [(1, 3), (2, 3), (4, 6)]  # (experts per rank, top-k)
 # (node map of the EP ranks, configs): 2 nodes x 2 ranks in full; one rank per node (stage 2 skipped), one node
 # (no pilots) and an uneven 3 + 1 split more briefly
@@ -126,7 +128,7 @@ def _identity_check(disp, flat, plan, top_k, x_int, w_int, g_int, rank, where):
     """Integer data, dyadic weights, identity experts: every sum is exact in fp32, so RBD must equal the local
     reference and flat all-to-all bit for bit, forward and backward; the rows each local expert sees must equal
     flat's (as sets: the order inside a group is free)."""
-    loc = LocalDispatcher("torch")
+    loc = LocalDispatcher(TORCH)
     x_ref, w_ref = x_int.clone().requires_grad_(True), w_int.clone().requires_grad_(True)
     rows, _, ctx = loc.dispatch(x_ref, plan)
     out_ref = loc.combine(rows, w_ref, plan, ctx)
@@ -181,15 +183,15 @@ def _dispatcher_body(rank: int, world_size: int, layouts: list[tuple[list[int], 
     gen = torch.Generator().manual_seed(1234)
     hidden, ffn, num_tokens = 5, 4, 9
     with pytest.raises(ValueError, match="node_of_rank has 3 entries"):
-        HierarchicalDispatcher(dist.group.WORLD, 4 * world_size, [0, 0, 1], "torch")
+        HierarchicalDispatcher(dist.group.WORLD, 4 * world_size, [0, 0, 1], TORCH)
     for node_map, configs in layouts:
         for num_local, top_k in configs:
             num_experts = num_local * world_size
             mine = slice(rank * num_local, (rank + 1) * num_local)
             w1, w3 = (torch.randn(num_experts, hidden, ffn, dtype=torch.float64, generator=gen) for _ in range(2))
             w2 = torch.randn(num_experts, ffn, hidden, dtype=torch.float64, generator=gen)
-            disp = HierarchicalDispatcher(dist.group.WORLD, num_experts, node_map, "torch")
-            flat = AllToAllDispatcher(dist.group.WORLD, num_experts, "torch")
+            disp = HierarchicalDispatcher(dist.group.WORLD, num_experts, node_map, TORCH)
+            flat = AllToAllDispatcher(dist.group.WORLD, num_experts, TORCH)
             for name, ids_RTK, capacity in _routings(node_map, num_experts, top_k, num_tokens, gen):
                 k = ids_RTK.shape[-1]
                 where = f"{name} nodes={node_map} E_local={num_local} k={k} rank={rank}"
@@ -204,7 +206,7 @@ def _dispatcher_body(rank: int, world_size: int, layouts: list[tuple[list[int], 
                 for r in range(world_size):
                     x = x_RTH[r].clone().requires_grad_(r == rank)
                     wk = w_RTK[r].clone().requires_grad_(r == rank)
-                    loc = LocalDispatcher("torch")
+                    loc = LocalDispatcher(TORCH)
                     rows, counts, ctx = loc.dispatch(x, plans[r])
                     out = loc.combine(ops.grouped_swiglu(rows, *ref_w, counts), wk, plans[r], ctx)
                     (out * g_RTH[r]).sum().backward()
@@ -304,15 +306,15 @@ def _layer_body(rank: int, world_size: int):
             got = {}
             for kind in ("rbd", "flat"):
                 layer = copy.deepcopy(ref)
-                experts = RoutedExperts(num_local, hidden, 6, kernel_backend="torch").double()
+                experts = RoutedExperts(num_local, hidden, 6, kernels=TORCH).double()
                 with torch.no_grad():
                     for w in ("w1", "w3", "w2"):
                         getattr(experts, w).copy_(getattr(ref.experts, w)[mine])
                 layer.experts = experts
                 layer.dispatcher = (
-                    HierarchicalDispatcher(dist.group.WORLD, num_experts, [0, 0, 1, 1], "torch")
+                    HierarchicalDispatcher(dist.group.WORLD, num_experts, [0, 0, 1, 1], TORCH)
                     if kind == "rbd"
-                    else AllToAllDispatcher(dist.group.WORLD, num_experts, "torch")
+                    else AllToAllDispatcher(dist.group.WORLD, num_experts, TORCH)
                 )
                 x = x_R[rank].clone().requires_grad_(True)
                 out = layer(x)

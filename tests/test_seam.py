@@ -8,8 +8,9 @@ as tests/test_layers.py checks imports:
   * xmoe/train/ imports none of those classes and never collects MoE layers (``moe_layers``), so it holds no MoE
     module to begin with;
   * and no attribute it reads or sets, directly or through getattr / setattr / hasattr, carries one of those names,
-    except on a config (``....moe``, the MoEConfig: ``dispatcher``, ``num_experts`` are config fields too) or on the
-    parsed command line (``args``).
+    except on a config (``....moe``, the MoEConfig: ``dispatcher``, ``num_experts`` are config fields too; ``run``,
+    the RunConfig: its ``kernels`` section is what the layers' ``kernels`` are built from) or on the parsed command
+    line (``args``).
 
 xmoe/parallel/ may install dispatchers and shard expert weights: that is parallelism applied from outside.
 """
@@ -83,7 +84,7 @@ def attribute_names(node: ast.ClassDef) -> set[str]:
 
 def _on_a_config(base: ast.expr) -> bool:
     text = ast.unparse(base)
-    return text == "args" or text.endswith(".moe")
+    return text in ("args", "run", "self.run") or text.endswith(".moe")
 
 
 def seam_violations(train_sources: dict[str, str], classes: dict[str, ast.ClassDef]) -> list[str]:

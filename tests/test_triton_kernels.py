@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton  # noqa: F401  a declared test dependency (pip install -e ".[test]"): missing, this file fails
 
 from xmoe.dispatch.routing import build_plan
-from xmoe.kernels import get_ops, reference, tiles
+from xmoe.kernels import get_ops, reference
 
 tops = get_ops("triton", torch.device("cpu"))
 
@@ -74,11 +74,14 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def _run(ops, path, x, w, w1, w3, w2, plan, grad_out):
+def _run(ops, path, x, w, w1, w3, w2, plan, grad_out, wgrad="auto"):
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, w1, w3, w2)]
     x_, w_, w1_, w3_, w2_ = leaves
     arrays = (x_, w_, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E, w1_, w3_, w2_)
-    out = ops.moe_experts(*arrays) if path == "fused" else reference.moe_experts(*arrays, ops=ops)
+    if path == "fused":
+        out = ops.moe_experts(*arrays, wgrad=wgrad)
+    else:
+        out = reference.moe_experts(*arrays, ops=ops, wgrad=wgrad)
     grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
     return [out] + [g if g is not None else torch.zeros_like(l) for g, l in zip(grads, leaves, strict=False)]
 
@@ -218,17 +221,17 @@ def test_fused_op_traces_under_torch_compile(engine):
 
     def layer(x, w, w1, w3, w2):
         return tops.moe_experts(
-            x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E, w1, w3, w2
-        ).sum()
+            x, w, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, plan.tokens_per_expert_E, w1, w3, w2,
+            wgrad=engine,
+        ).sum()  # fmt: skip
 
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)  # fullgraph: no graph break allowed
     results = []
     for fn in (compiled, layer):  # forward and backward: the custom ops and their fakes under AOTAutograd
         leaves = [t.clone().requires_grad_() for t in (x, w, w1, w3, w2)]
-        with tiles.use_options(wgrad=engine):
-            out = fn(*leaves)
-            results.append([out.detach()] + list(torch.autograd.grad(out, leaves)))
+        out = fn(*leaves)
+        results.append([out.detach()] + list(torch.autograd.grad(out, leaves)))
     for got, want in zip(*results, strict=False):
         assert _rel(got, want) < 1e-5
 

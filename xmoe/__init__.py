@@ -2,7 +2,8 @@
 
 The public API; everything else is reachable by its module path (``xmoe.parallel.dims.ParallelDims``, ...).
 ``MoELayer``, ``Transformer``, ``build_model`` (the trainer's construction pipeline: meta build, parallel layout,
-then each rank's shards) and ``Trainer`` are imported on first use, so that ``import xmoe`` (which every
+then each rank's shards), ``resolve_kernels`` (kernel choices as the value a layer is built with) and ``Trainer``
+are imported on first use, so that ``import xmoe`` (which every
 ``xmoe.*`` import runs first) loads no torch: ``xmoe --help`` starts in a fraction of a second.
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "__version__",
     "build_model",
     "get_preset",
+    "resolve_kernels",
 ]
 
 
@@ -44,4 +46,8 @@ def __getattr__(name: str):
         from xmoe.parallel.build import build_model
 
         return build_model
+    if name == "resolve_kernels":
+        from xmoe.kernels.choice import resolve_kernels
+
+        return resolve_kernels
     raise AttributeError(f"module 'xmoe' has no attribute {name!r}")

@@ -91,10 +91,11 @@ def bench_layer(
     seed: int = 0,
     kernels: KernelConfig | None = None,
 ) -> dict:
-    """One row of the table: the layer of ``shape`` on ``num_tokens`` tokens, timed under the kernels section
-    ``kernels`` (None: the environment's defaults), resolved on ``device`` as a run's is; ``kernels`` in the row is
-    its record (KernelChoice.record)."""
-    from xmoe.kernels.choice import resolve_layer
+    """One row of the table: the layer of ``shape`` on ``num_tokens`` tokens, built with the kernels section
+    ``kernels`` (None: the environment's defaults) resolved for ``device`` as a run's is, and timed; ``kernels`` in
+    the row is its record (KernelChoice.record), ``launches`` what its Triton GEMMs launched (launches.py)."""
+    from xmoe.kernels import launches
+    from xmoe.kernels.choice import resolve_kernels, resolve_layer
     from xmoe.moe.layer import MoELayer
 
     hidden, ffn, experts, top_k = layer_shape(shape)
@@ -110,7 +111,8 @@ def bench_layer(
         capacity_factor=1.25 if dispatcher == "padded" else None,
     )
     torch.manual_seed(seed)
-    layer = MoELayer(cfg).to(device=device, dtype=dtype)
+    kernels = kernels or KernelConfig()
+    layer = MoELayer(cfg, kernels=resolve_kernels(backend, kernels, device)).to(device=device, dtype=dtype)
     x = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
 
@@ -127,11 +129,11 @@ def bench_layer(
         "device": device.type,
         "backend": backend,
     }
-    choice = resolve_layer(cfg, kernels or KernelConfig(), num_tokens, device, dtype)
-    result["kernels"] = choice.record()
+    result["kernels"] = resolve_layer(cfg, kernels, num_tokens, device, dtype).record()
+    before = launches.snapshot()
     try:
-        with choice.applied():  # the kernels section, as a run's steps run under it
-            _measure(result, layer, x, step, device, warmup, repeats, f"{dispatcher} {shape} T={num_tokens}")
+        _measure(result, layer, x, step, device, warmup, repeats, f"{dispatcher} {shape} T={num_tokens}")
+        result["launches"] = launches.since(before)
     except torch.OutOfMemoryError:
         result["error"] = "out of memory"
         return result

@@ -3,8 +3,8 @@
 A SOURCE is either a Hugging Face model directory (config.json + safetensors) or an xmoe run directory (its
 latest checkpoint, or the one ``--step`` names). Text goes through the source's ``tokenizer.json`` when it has
 one (a run started with ``--init-from`` keeps the imported one), else it is byte-level (one token per byte).
-`eval` and `generate` run the model under the kernels section the run recorded in the checkpoint's meta.json
-(a Hugging Face directory, which has none: the environment's defaults), resolved on their device as a run's is.
+`eval` and `generate` build the model with the kernels section the run recorded in the checkpoint's meta.json (a
+Hugging Face directory, which has none: the environment's defaults), resolved for their device as a run's is.
 A run trained with FP8 experts is read on a device without FP8 matrix instructions (a CPU) with its experts
 unquantised (its weights are full precision), saying so on stderr.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from xmoe.checks import missing, writing
-from xmoe.config import ModelConfig, MoEConfig
+from xmoe.config import KernelConfig, ModelConfig, MoEConfig
 from xmoe.model_config import upgrade_moe_fields
 
 # torch and the checkpoint readers are imported inside the commands: `xmoe --help` builds these parsers without them
@@ -55,8 +55,8 @@ def load_source(
     compute: bool = True,
     check: Callable[[ModelConfig], None] | None = None,
 ):
-    """(model in eval mode, tokenizer path or None, imported HF config or None, the kernels section to run it
-    under: KernelConfig) of a SOURCE (``compute``: for a forward on ``device``, not only its weights).
+    """(model in eval mode, tokenizer path or None, imported HF config or None, the kernels section it was built
+    with: KernelConfig) of a SOURCE (``compute``: for a forward on ``device``, not only its weights).
     A run that is still training may prune the checkpoint being read: it is pinned while read (and picked again if
     it went first). ``check``: called with the model's config before anything is allocated (the memory
     pre-flight)."""
@@ -75,13 +75,9 @@ def load_source(
         )
     from xmoe.kernels.choice import recorded_config
 
-    def read(found: Path):  # the kernels section from the meta.json of the checkpoint whose weights are read
+    def read(found: Path):  # built with the kernels section of the meta.json of the checkpoint whose weights are read
         meta = run_dir.read_meta(found)
-        model, note = _run_model(found, meta, device, check)
-        kernels = recorded_config(meta["config"])
-        if kernels.wgrad == "fp8" and model.cfg.moe.fp8 != "experts":  # FP8 experts set aside on this device
-            kernels = replace(kernels, wgrad="auto")  # no weight gradient runs here; "fp8" needs FP8 experts
-        return model, kernels, note
+        return _run_model(found, meta, device, recorded_config(meta["config"]), check)
 
     # the note once, for the checkpoint read (a read retried after a prune builds the model again)
     model, kernels, note = run_dir.read_pinned(lambda: _run_checkpoint(path, step), read)
@@ -129,7 +125,6 @@ def _end_token(eos: int | None, hf: dict | None, vocab: int) -> int | None:
 def _load_hf_dir(path: Path, step: int | None, device: str, check: Callable[[ModelConfig], None] | None):
     """load_source's result for a Hugging Face directory: its sizes checked before anything is allocated; the
     environment's kernels section (it records none)."""
-    from xmoe.config import KernelConfig
     from xmoe.hf.checkpoint import RUN_TOKENIZER, check_sizes, read_model_config
     from xmoe.parallel.build import build_model
 
@@ -139,15 +134,16 @@ def _load_hf_dir(path: Path, step: int | None, device: str, check: Callable[[Mod
     check_sizes(path, hf, cfg)  # before anything is allocated
     if check is not None:
         check(cfg)
-    model = build_model(cfg, device, init_from=str(path)).model
+    kernels = KernelConfig()  # a Hugging Face directory records none: the environment's defaults
+    model = build_model(cfg, device, init_from=str(path), kernels=kernels).model
     model.hf_config = hf  # type: ignore[assignment]  # a plain attribute (nn.Module's __setattr__ takes modules)
     tokenizer = path / RUN_TOKENIZER
-    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf, KernelConfig()
+    return model.eval(), str(tokenizer) if tokenizer.is_file() else None, hf, kernels
 
 
 def _kernels(model, kernels, num_tokens: int, device: str):
-    """The kernel choice of a loaded model on ``device`` (fp32, as eval and generate compute) for ``num_tokens``
-    tokens per forward."""
+    """What the kernel choice ``kernels`` of a loaded model (built with it) comes to on ``device`` (fp32, as eval and
+    generate compute) for ``num_tokens`` tokens per forward: its record."""
     import torch
 
     from xmoe.kernels.choice import resolve_layer
@@ -155,9 +151,12 @@ def _kernels(model, kernels, num_tokens: int, device: str):
     return resolve_layer(model.cfg.moe, kernels, num_tokens, torch.device(device), torch.float32)
 
 
-def _run_model(found: Path, meta: dict, device: str, check: Callable[[ModelConfig], None] | None = None):
-    """(the model of run checkpoint ``found``, built from the config of its ``meta`` (meta.json's), a note for the
-    user or None): FP8 experts that cannot run on ``device`` are set aside, and the note says so."""
+def _run_model(
+    found: Path, meta: dict, device: str, kernels: KernelConfig, check: Callable[[ModelConfig], None] | None = None
+):
+    """(the model of run checkpoint ``found``, built from the config of its ``meta`` (meta.json's) with the kernels
+    section ``kernels``, that section, a note for the user or None): FP8 experts that cannot run on ``device`` are
+    set aside, and the note says so."""
     from xmoe.parallel.build import build_model
     from xmoe.train.checkpoint import load_checkpoint
 
@@ -178,11 +177,14 @@ def _run_model(found: Path, meta: dict, device: str, check: Callable[[ModelConfi
                 f"{device} ({refusal.rsplit(': ', 1)[0]}); its experts run unquantised, so results can differ "
                 "slightly from a run on a GPU with FP8 matrix instructions"
             )
+    if kernels.wgrad == "fp8" and cfg.moe.fp8 != "experts":  # FP8 experts set aside on this device
+        kernels = replace(kernels, wgrad="auto")  # no weight gradient runs here; "fp8" needs FP8 experts
     if check is not None:
         check(cfg)
-    model = build_model(cfg, device).model  # meta build, then the checkpoint's values over the initial ones
+    # meta build with the recorded kernels section, then the checkpoint's values over the initial ones
+    model = build_model(cfg, device, kernels=kernels).model
     load_checkpoint(found, model, restore_rng=False, restore_extra=False)
-    return model, note
+    return model, kernels, note
 
 
 def _encode(text: str, tokenizer: str | None) -> list[int]:
@@ -363,8 +365,7 @@ def run_eval(args: argparse.Namespace) -> dict:
         args.data, args.seq_len, model.cfg.vocab_size, args.max_windows, tokenizer=tokenizer or "bytes"
     )
     choice = _kernels(model, kernels, args.batch_size * args.seq_len, args.device)
-    with choice.applied():
-        result: dict[str, Any] = evaluate(model, windows, args.batch_size, torch.device(args.device))
+    result: dict[str, Any] = evaluate(model, windows, args.batch_size, torch.device(args.device))
     num_bytes = text_bytes_of(windows, tokenizer) if text else None
     result.update(
         perplexity=perplexity(result["loss"]),
@@ -413,21 +414,20 @@ def run_generate(args: argparse.Namespace) -> list[int]:
     check = _memory_check(
         args, prompt_tokens, prompt_tokens + max(args.max_new_tokens, 0), "the prompt or --max-new-tokens"
     )
-    model, tokenizer, hf, kernels = load_source(args.source, args.step, args.device, check=check)
+    model, tokenizer, hf, _ = load_source(args.source, args.step, args.device, check=check)
     ids = _prompt_ids(args, tokenizer, model.cfg.vocab_size)
     eos = _end_token(args.eos_id, hf, model.cfg.vocab_size)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    with _kernels(model, kernels, len(ids), args.device).applied():  # the prompt's forward is the largest
-        out = generate(
-            model,
-            prompt,
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            eos_id=eos,
-            generator=generator,
-        )[0, len(ids) :].tolist()
+    out = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        eos_id=eos,
+        generator=generator,
+    )[0, len(ids) :].tolist()
     print(",".join(map(str, out)) if args.ids else _decode(ids + out, tokenizer))
     sys.stdout.flush()
     return out

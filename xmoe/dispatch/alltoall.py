@@ -34,7 +34,7 @@ from xmoe.dispatch.base import PhasedDispatcher, TrafficStats, experts_per_rank
 from xmoe.dispatch.comm import Encoding, Exchange, exchange_counts, host_list, post_rows, wait_rows
 from xmoe.dispatch.fp8_dispatch import arrived_rows, fp8_encoding, wire_width
 from xmoe.dispatch.routing import RoutingPlan, TokenNodes
-from xmoe.kernels import get_ops
+from xmoe.kernels.choice import Kernels
 from xmoe.kernels.fp8_rows import Fp8Rows
 
 
@@ -135,16 +135,17 @@ class AllToAllDispatcher(PhasedDispatcher):
         self,
         ep_group: dist.ProcessGroup | None,
         num_experts: int,
-        kernel_backend: str = "auto",
+        kernels: Kernels,
         node_of_rank: Sequence[int] | None = None,
     ):
-        """``node_of_rank[p]``: the node of EP rank p, for the inter-node counters (None: one node)."""
+        """``kernels``: the layer's (choice.py), whose ops gather and combine the rows; ``node_of_rank[p]``: the
+        node of EP rank p, for the inter-node counters (None: one node)."""
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
         self.ep_rank = dist.get_rank(ep_group)
         self.num_local_experts = experts_per_rank(num_experts, self.num_ranks)
         self.num_experts = num_experts
-        self.kernel_backend = kernel_backend
+        self.kernels = kernels
         self.encoding: Encoding | None = None  # how dispatched rows travel (use_fp8 sets one)
         self.fp8_to_experts = False
         self.stats = AllToAllStats()
@@ -185,9 +186,8 @@ class AllToAllDispatcher(PhasedDispatcher):
         return exchange_counts(send_counts_PE, self.group)
 
     def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: Route) -> _Posted:
-        ops = get_ops(self.kernel_backend, x_TH.device)
         # 1. rows in expert order = destination-rank order; 4. ONE uneven all-to-all, posted
-        x_NH = ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
+        x_NH = self.kernels.ops.gather_rows(x_TH, plan.token_ids_N, plan.row_of_slot_TK)
         link, ex = post_rows(x_NH, route.output_splits, route.input_splits, self.group, self.encoding)
         return _Posted(link, ex, route, row_bytes=_wire_row_bytes(x_NH, self.encoding))
 
@@ -230,8 +230,7 @@ class AllToAllDispatcher(PhasedDispatcher):
         y_NH = wait_rows(posted.link, posted.exchange)
         plan, weights_TK = posted.plan, posted.weights_TK
         assert plan is not None and weights_TK is not None
-        ops = get_ops(self.kernel_backend, y_NH.device)
-        return ops.combine_rows(y_NH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
+        return self.kernels.ops.combine_rows(y_NH, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK)
 
     def _record(self, input_splits: list[int], output_splits: list[int], row_bytes: int) -> None:
         kept = input_splits[self.ep_rank]

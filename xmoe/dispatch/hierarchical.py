@@ -70,7 +70,7 @@ from xmoe.dispatch.rbd_plan import (
 )
 from xmoe.dispatch.rbd_units import SourceUnits, index_table, rows_by_key, shift_right, source_units
 from xmoe.dispatch.routing import RoutingPlan, count_ids
-from xmoe.kernels import get_ops
+from xmoe.kernels.choice import Kernels
 
 
 class _SendWeights(torch.autograd.Function):
@@ -111,7 +111,8 @@ class _SendWeights(torch.autograd.Function):
 
 
 class HierarchicalDispatcher(PhasedDispatcher):
-    """RBD over ``ep_group`` (interface: xmoe/dispatch/base.py). ``node_of_rank[p]``: node label of EP rank p.
+    """RBD over ``ep_group`` (interface: xmoe/dispatch/base.py). ``node_of_rank[p]``: node label of EP rank p;
+    ``kernels``: the layer's (choice.py), whose ops gather and sum the rows.
 
     ``stats`` accumulates :class:`RBDStats` over calls; ``last_stats`` holds the latest layer call's (dispatch +
     combine) as a dict of Python numbers. Neither costs a host sync of its own.
@@ -124,7 +125,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         ep_group: dist.ProcessGroup | None,
         num_experts: int,
         node_of_rank: Sequence[int],
-        kernel_backend: str = "auto",
+        kernels: Kernels,
     ):
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
@@ -133,7 +134,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
             raise ValueError(f"node_of_rank has {len(node_of_rank)} entries for an EP group of {self.num_ranks}")
         self.num_experts = num_experts
         self.num_local_experts = experts_per_rank(num_experts, self.num_ranks)
-        self.kernel_backend = kernel_backend
+        self.kernels = kernels
         labels = sorted(set(node_of_rank))
         self.node_of_rank = [labels.index(n) for n in node_of_rank]  # compact node ids 0 .. nodes - 1
         self.ranks_of_node = [[p for p, n in enumerate(self.node_of_rank) if n == m] for m in range(len(labels))]
@@ -188,15 +189,14 @@ class HierarchicalDispatcher(PhasedDispatcher):
 
     def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: RBDRoute) -> PostedDispatch:
         """3. stage 1 posted: pilots cross nodes, direct rows stay inside (their ids exchanged meanwhile)."""
-        ops = get_ops(self.kernel_backend, x_TH.device)
-        link, ex, ids1, stage1 = self._stage1(x_TH, route.units, route.key1, route.counts.stage1, ops)
+        link, ex, ids1, stage1 = self._stage1(x_TH, route.units, route.key1, route.counts.stage1, self.kernels.ops)
         width = x_TH.shape[1] * x_TH.element_size() if self.encoding is None else wire_width(x_TH.shape[1])
         row_bytes = width + 4 * route.units.ids_TK.shape[1]  # a row, its K int32 ids
         return PostedDispatch(link, ex, route.counts, stage1, ids1, row_bytes)
 
     def dispatch_end(self, posted: PostedDispatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """4.-5. stage 2 inside the node, then each GPU's rows expanded to its experts."""
-        ops = get_ops(self.kernel_backend, posted.link.device)
+        ops = self.kernels.ops
         counts = posted.counts
         x1 = wait_rows(posted.link, posted.exchange)
         ids1 = posted.ids1
@@ -372,7 +372,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
     def combine_begin(
         self, y_NH: torch.Tensor, weights_TK: torch.Tensor, plan: RoutingPlan, ctx: DispatchContext
     ) -> PostedCombine:
-        ops = get_ops(self.kernel_backend, y_NH.device)
+        ops = self.kernels.ops
         s1, s2, local = ctx.stage1, ctx.stage2, ctx.local
         if ctx.empty_rows_NH is not None and ctx.empty_rows_NH.requires_grad:
             # experts given no rows may return an output detached from their input: the backward would skip this
@@ -401,8 +401,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         """8. (continued) a token's units summed in (node, expert) order."""
         s1 = posted.stage1
         back_UH = wait_rows(posted.link, posted.exchange)
-        ops = get_ops(self.kernel_backend, back_UH.device)
-        return _sum_rows(ops, back_UH, s1.token_of_unit_U, s1.unit_slot_U, s1.table_src_TK)
+        return _sum_rows(self.kernels.ops, back_UH, s1.token_of_unit_U, s1.unit_slot_U, s1.table_src_TK)
 
     # ---- counters: host numbers only, from the one sync of dispatch ----------------------------------------
 

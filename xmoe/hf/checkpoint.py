@@ -31,6 +31,7 @@ from xmoe.config import ModelConfig
 from xmoe.hf.families import DEEPSEEK, SCORE_BIAS_FAMILIES, fitting_family, hf_config_from_model, model_config_from_hf
 from xmoe.hf.names import SHARED_COPY, expert_index, mla_rope_rows, tensor_names
 from xmoe.hf.shards import INDEX_FILE, SINGLE_FILE, check_sizes, open_shard, read_json, weight_map
+from xmoe.kernels.choice import resolve_kernels
 from xmoe.model.init import local_box
 from xmoe.model.transformer import Transformer
 
@@ -210,8 +211,10 @@ def load_pretrained(
     """
     hf, cfg = read_model_config(path, max_seq_len)
     check_sizes(path, hf, cfg)  # before anything is allocated: sizes the weights do not hold are refused
+    # the MoE layers' kernels for the device the model runs on (the environment's kernels section)
+    kernels = resolve_kernels(cfg.moe.kernel_backend, device=device) if cfg.mtp_moe else None
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, kernels=kernels)
     model.to_empty(device=device)
     model.init_weights(seed=0)  # rotary tables, buffers, and values for experts this call does not read
     load_weights(model, path, hf, experts)

@@ -16,7 +16,9 @@ with 1 x 128 scales, as FP8 dispatch moves them, are exported here from fp8_rows
 ``torch`` (reference.py) runs anywhere. ``triton`` (triton_ops.py) runs on any Triton backend (NVIDIA, AMD) and
 on CPU tensors under TRITON_INTERPRET=1 (fp32 only). ``auto`` picks triton for GPU tensors when Triton imports,
 torch otherwise. How the Triton kernels compute (weight-gradient engine, autotuning) is a run's ``kernels`` section
-(``KernelConfig``), applied through tiles.use_options; choice.py resolves it on a device for the run's records.
+(``KernelConfig``), which the experts ops take as arguments (``wgrad``, ``autotune``); choice.py resolves the
+backend and the section once, into the ``Kernels`` value a model's MoE layers are built with, and launches.py counts
+what the launchers ran.
 """
 
 from __future__ import annotations
@@ -43,16 +45,18 @@ def triton_available() -> bool:  # asked on every layer call: look once
     return True
 
 
-# (backend, device type) -> ops module, filled by get_ops. A plain dict lookup is what torch.compile traces on a
-# hit (it cannot trace the import machinery behind a miss), so call get_ops once eagerly before compiling.
-_RESOLVED: dict[tuple[str, str], ModuleType] = {}
+# (backend, device type, checked) -> ops module, filled by get_ops: each backend module is looked up once per process
+_RESOLVED: dict[tuple[str, str, bool], ModuleType] = {}
 
 
-def get_ops(backend: str, device: torch.device) -> ModuleType:
-    """The module implementing the ops for ``backend`` on ``device``."""
-    ops = _RESOLVED.get((backend, device.type))
+def get_ops(backend: str, device: torch.device, check_device: bool = True) -> ModuleType:
+    """The module implementing the ops for ``backend`` on ``device`` (choice.resolve_kernels asks, once where a
+    model is built). ``check_device=False``: a Triton backend is not refused on a device its kernels cannot run on
+    (a build on the meta device, whose kernels check their tensors when they launch)."""
+    key = (backend, device.type, check_device)
+    ops = _RESOLVED.get(key)
     if ops is None:
-        ops = _RESOLVED[(backend, device.type)] = _resolve(backend, device)
+        ops = _RESOLVED[key] = _resolve(backend, device, check_device)
     return ops
 
 
@@ -63,7 +67,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _resolve(backend: str, device: torch.device) -> ModuleType:
+def _resolve(backend: str, device: torch.device, check_device: bool) -> ModuleType:
     backend = resolve_backend(backend, device)
     if backend == "torch":
         from xmoe.kernels import reference
@@ -72,9 +76,9 @@ def _resolve(backend: str, device: torch.device) -> ModuleType:
     if backend == "triton":
         if not triton_available():
             raise ValueError("kernel_backend='triton' needs the triton package: pip install triton")
-        if device.type != "cuda" and not interpreting():
+        if check_device and device.type != "cuda" and not interpreting():
             raise ValueError(
-                f"kernel_backend='triton' on a {device.type} tensor needs a GPU, or TRITON_INTERPRET=1 to run the "
+                f"kernel_backend='triton' on a {device.type} device needs a GPU, or TRITON_INTERPRET=1 to run the "
                 "kernels in Triton's CPU interpreter (fp32 only); use kernel_backend='torch' or 'auto' on CPU"
             )
         return importlib.import_module("xmoe.kernels.triton_ops")

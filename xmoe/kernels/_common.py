@@ -79,8 +79,8 @@ def kernel_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callab
         op = torch.library.custom_op(f"xmoe::{name}", mutates_args=mutates_args)(fn)
 
         @functools.wraps(fn)
-        def call(*args):
-            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+        def call(*args, **kwargs):
+            return op(*args, **kwargs) if torch.compiler.is_compiling() else fn(*args, **kwargs)
 
         kernel = cast("KernelOp[_P, _R_co]", call)
         kernel.op = op

@@ -167,9 +167,10 @@ def jit_kernels() -> dict[str, object]:
 
 @contextlib.contextmanager
 def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[None]:
-    """Kernels record instead of launching; tile picks are the device's (untuned; weight gradients by the Triton
-    kernels, which the Hopper path skips only at some shapes); the FP8 GEMMs read through tensor descriptors on
-    NVIDIA targets (all of them sm_90 here), as fp8_gemm.uses_tma has them there."""
+    """Kernels record instead of launching; tile picks are the device's (untuned: no run is passed to the pick;
+    weight gradients by the Triton kernels, which the ops' default "auto" engine takes for the meta device's
+    tensors); the FP8 GEMMs read through tensor descriptors on NVIDIA targets (all of them sm_90 here), as
+    fp8_gemm.uses_tma has them there."""
     _, _, make_backend = _triton_internals()
     backend = make_backend(gpu_target(device.target))
     kernels = {id(fn): fn for fn in jit_kernels().values()}
@@ -182,7 +183,7 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
     table = tiles.shipped_table(device.table) if device.table else {}
     pick, budget = tiles.pick, tiles.device_budget
 
-    def recording_pick(kernel, dtype, dev, depth, width, num_rows, num_experts, run=None):
+    def recording_pick(kernel, dtype, dev, depth, width, num_rows, num_experts, run=None, autotune=False):
         key = tiles.shape_class(kernel, depth, width, num_rows, num_experts)
         if use.shipped:
             recording.picks.add((device.name, key))
@@ -193,7 +194,7 @@ def _standing_in(device: Device, recording: Recording, use: Use) -> Iterator[Non
     tiles.pick, tiles.device_budget = recording_pick, lambda device: budget_here  # named as in device_budget
     tiles.clear_memo()
     try:
-        with tiles.use_options(autotune=False, wgrad="triton"), fp8_gemm.forced_tma(device.target.startswith("cuda:")):
+        with fp8_gemm.forced_tma(device.target.startswith("cuda:")):
             yield
     finally:
         tiles.pick, tiles.device_budget = pick, budget

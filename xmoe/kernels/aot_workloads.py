@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from xmoe.kernels.fp8_quant import Fp8ExpertWeights
 
 META = torch.device("meta")
+# the weight-gradient engine the workloads' ops are called with: the Triton kernels, which are what is compiled here
+# (the Hopper path's torch._grouped_mm has nothing to compile ahead of time); untuned tiles, the ops' default
+WGRAD = "triton"
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ def _moe_experts(shape: Shape, dtype: torch.dtype) -> None:
     t = layer_tensors(shape, dtype)
     token_ids_N, slot_ids_N, row_of_slot_TK, counts_E = t.plan_args
     out = triton_ops.moe_experts(
-        t.x_TH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, t.w1, t.w3, t.w2
+        t.x_TH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, t.w1, t.w3, t.w2, wgrad=WGRAD
     )
     out.backward(torch.empty_like(out))
 
@@ -176,7 +179,7 @@ def _three_ops(shape: Shape, device: Device) -> None:
     t = layer_tensors(shape, torch.bfloat16)
     token_ids_N, slot_ids_N, row_of_slot_TK, counts_E = t.plan_args
     x_NH = triton_ops.gather_rows(t.x_TH, token_ids_N, row_of_slot_TK)
-    y_NH = triton_ops.grouped_swiglu(x_NH, t.w1, t.w3, t.w2, counts_E)
+    y_NH = triton_ops.grouped_swiglu(x_NH, t.w1, t.w3, t.w2, counts_E, wgrad=WGRAD)
     out = triton_ops.combine_rows(y_NH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)
     out.backward(torch.empty_like(out))
 
@@ -234,7 +237,7 @@ def fp8_layer(shape: Shape, device: Device) -> tuple[SimpleNamespace, Fp8ExpertW
 
 
 @workload("fp8_fused", fp8=True)
-def _fp8_fused(shape: Shape, device: Device) -> None:
+def _fp8_fused(shape: Shape, device: Device, wgrad: str = WGRAD) -> None:
     """moe_experts_fp8 (quantize_rows of x and grad_out, the FP8 GEMMs, the SwiGLU backward pass quantising dh1,
     dh3; weight gradients and combines in bf16), forward and backward"""
     from xmoe.kernels.fp8_experts import moe_experts_fp8
@@ -242,13 +245,13 @@ def _fp8_fused(shape: Shape, device: Device) -> None:
     t, qw, fmt = fp8_layer(shape, device)
     token_ids_N, slot_ids_N, row_of_slot_TK, counts_E = t.plan_args
     out = moe_experts_fp8(
-        t.x_TH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, t.w1, t.w3, t.w2, qw, fmt
+        t.x_TH, t.weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, counts_E, t.w1, t.w3, t.w2, qw, fmt, wgrad=wgrad
     )
     out.backward(torch.empty_like(out))
 
 
 @workload("fp8_grouped", fp8=True)
-def _fp8_grouped(shape: Shape, device: Device) -> None:
+def _fp8_grouped(shape: Shape, device: Device, wgrad: str = WGRAD) -> None:
     """grouped_swiglu_fp8 over a dispatcher's expert-major rows (no gathers, no combine weights, dx unchunked),
     forward and backward"""
     from xmoe.kernels.fp8_experts import grouped_swiglu_fp8
@@ -256,7 +259,7 @@ def _fp8_grouped(shape: Shape, device: Device) -> None:
     t, qw, fmt = fp8_layer(shape, device)
     token_ids_N, _, _, counts_E = t.plan_args
     x_NH = torch.empty(token_ids_N.shape[0], shape.hidden, dtype=torch.bfloat16, device=META, requires_grad=True)
-    y_NH = grouped_swiglu_fp8(x_NH, t.w1, t.w3, t.w2, counts_E, qw, fmt)
+    y_NH = grouped_swiglu_fp8(x_NH, t.w1, t.w3, t.w2, counts_E, qw, fmt, wgrad=wgrad)
     y_NH.backward(torch.empty_like(y_NH))
 
 
@@ -264,9 +267,8 @@ def _fp8_grouped(shape: Shape, device: Device) -> None:
 def _fp8_wgrad(shape: Shape, device: Device) -> None:
     """the FP8 fused and grouped paths with FP8 weight gradients (kernels.wgrad = "fp8": quantize_cols of the
     wgrad operands, fp8_wgrad), forward and backward"""
-    with tiles.use_options(wgrad="fp8"):
-        _fp8_fused(shape, device)
-        _fp8_grouped(shape, device)
+    _fp8_fused(shape, device, "fp8")
+    _fp8_grouped(shape, device, "fp8")
 
 
 @workload("fp8_weights", fp8=True)

@@ -1,25 +1,91 @@
-"""A run's kernel choices as they resolve on its device: the backend the MoE layers call, what computes the fused
-backward's weight gradients, where the GEMM tiles come from. The trainer runs its steps under its ``kernels``
-section (``KernelChoice.applied``), prints ``describe()`` in the run header and stores ``record()`` in
-summary.json and in every checkpoint's meta.json, so two runs that differ only in a kernel choice can be told
-apart. The other commands that run the model do the same with theirs: `xmoe plan memory --measure` and `xmoe
-bench` with the section of their flags (``resolve_layer``: one MoE layer's tokens), `xmoe eval` and `xmoe
-generate` with the one the run they read recorded (``recorded_config``).
+"""A run's kernel choices as values, resolved once where a model is built.
+
+``Kernels`` is what the MoE layers run: the backend's ops module (``moe.kernel_backend`` as it resolves on the
+device: reference.py or triton_ops.py), what computes the Triton backward's weight gradients (``kernels.wgrad``)
+and whether tiles are autotuned (``kernels.autotune``). ``resolve_kernels`` makes one for a device;
+``build_model`` (xmoe/parallel/build.py) makes one from the run's ``KernelConfig`` and hands it to every MoE layer,
+which builds its router, experts and dispatcher with it, and xmoe/parallel/expert_parallel.py installs parallel
+dispatchers with the layer's. The experts pass ``wgrad`` and ``autotune`` to the custom ops as arguments, so a layer
+runs under the choice it was built with wherever it runs, a user's own loop included, and nothing in a forward or
+backward reads a module-level option. What actually launched is counted by the launchers (launches.py).
+
+``KernelChoice`` is what a run says and records of its choice: the section as configured and what it comes to on
+the device (``describe()`` in the run header, ``record()`` in summary.json and every checkpoint's meta.json, so two
+runs that differ only in a kernel choice can be told apart). The trainer resolves its run's (``resolve_choice``);
+`xmoe plan memory --measure` and `xmoe bench` theirs from their flags (``resolve_layer``: one MoE layer's tokens);
+`xmoe eval` and `xmoe generate` build their model with the section the run they read recorded
+(``recorded_config``).
 
 # T tokens of a micro-batch on one rank, K top-k, E experts (E_local: on one EP rank), N routed rows of one rank
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, fields
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from xmoe.config import KernelConfig, MoEConfig, RunConfig, check_fp8_wgrad
-from xmoe.kernels import resolve_backend, tiles, triton_available
+from xmoe.kernels import get_ops, resolve_backend, tiles, triton_available
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels an MoE layer runs, resolved for one device type (``resolve_kernels``). Frozen: torch.compile
+    takes its fields as constants of the code it traces."""
+
+    requested: str  # moe.kernel_backend as configured: "auto", "torch" or "triton"
+    backend: str  # what it names on ``device_type``: "torch" or "triton"
+    ops: ModuleType  # that backend's ops (xmoe/kernels/__init__.py lists them)
+    device_type: str  # the device type it was resolved for ("meta": shapes only, never run)
+    wgrad: str  # kernels.wgrad: "auto" (decided per launch by the rows each expert gets), "triton", "grouped_mm", "fp8"
+    autotune: bool  # kernels.autotune
+
+    def __deepcopy__(self, memo: dict) -> Kernels:
+        return self  # immutable, and its ops module cannot be copied: a copied layer shares it
+
+    def __reduce__(self):
+        # pickled by the ops module's name (a module itself does not pickle)
+        return _rebuild, (self.requested, self.backend, self.ops.__name__, self.device_type, self.wgrad, self.autotune)
+
+    def check_device(self, device: torch.device) -> None:
+        """ValueError where ``device`` would resolve ``requested`` to another backend than this value's: a layer
+        built for one device and moved to another runs the kernels it was built with, so a move that changes what
+        "auto" means is refused, naming the fix, rather than run silently on the other backend."""
+        if device.type == self.device_type or device.type == "meta":
+            return
+        if self.requested == "auto" and resolve_backend("auto", device) != self.backend:
+            raise ValueError(
+                f"this MoE layer's kernels were resolved for {self.device_type} (kernel_backend 'auto' -> "
+                f"{self.backend}) but it runs on {device.type}, where 'auto' names "
+                f"{resolve_backend('auto', device)}: build it for {device.type} (build_model(cfg, device), "
+                f"MoELayer(cfg, kernels=resolve_kernels(cfg.kernel_backend, device={device.type!r})), or under "
+                f"torch.device({device.type!r})), or set kernel_backend to 'torch' or 'triton'"
+            )
+
+
+def _rebuild(requested: str, backend: str, ops: str, device_type: str, wgrad: str, autotune: bool) -> Kernels:
+    return Kernels(requested, backend, importlib.import_module(ops), device_type, wgrad, autotune)
+
+
+def resolve_kernels(
+    backend: str = "auto", config: KernelConfig | None = None, device: torch.device | str | None = None
+) -> Kernels:
+    """``Kernels`` for ``backend`` (a moe.kernel_backend: "auto", "torch" or "triton") under the kernels section
+    ``config`` (None: ``KernelConfig()``, the environment's defaults, read now) on ``device`` (None: the default
+    device, ``torch.get_default_device()``). A ValueError names a backend that cannot run there (Triton without
+    the package, or on a CPU without its interpreter); the meta device resolves without running anything."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    config = config if config is not None else KernelConfig()
+    # the meta device builds shapes only: its kernels are those of a CPU, and a Triton backend is taken on trust
+    # (a GPU run builds on meta with its own device's kernels: build_model)
+    ops = get_ops(backend, device if device.type != "meta" else torch.device("cpu"), check_device=device.type != "meta")
+    resolved = resolve_backend(backend, device)
+    return Kernels(backend, resolved, ops, device.type, config.wgrad, config.autotune)
 
 
 @dataclass(frozen=True)
@@ -28,10 +94,6 @@ class KernelChoice:
     backend: str  # "torch" or "triton": moe.kernel_backend on the device
     wgrad: str  # "autograd" (no Triton GEMMs: the torch backend, the padded baseline), "triton", "grouped_mm", "fp8"
     tiles: str  # "none" (no Triton GEMMs) or tiles.source's words
-
-    def applied(self) -> AbstractContextManager[KernelConfig]:
-        """The kernels run under this run's kernels section until the block ends."""
-        return tiles.use_options(self.config)
 
     def record(self) -> dict[str, Any]:
         """The kernels section and what it resolved to: {"wgrad": ..., "autotune": ..., "effective": {...}}."""
@@ -92,17 +154,11 @@ def resolve_layer(
 
     # a rank sends T * K rows (at most E * C kept) and, under EP, receives as many on average
     num_rows = min(num_tokens * moe.top_k, moe.num_experts * moe.capacity(num_tokens))
-    with tiles.use_options(cfg):
-        wgrad = wgrad_engine(
-            torch.empty(0, dtype=dtype, device=device),
-            num_rows,
-            moe.num_experts // ep,
-            moe.hidden_size,
-            moe.ffn_hidden_size,
-        )
-        if cfg.wgrad == "fp8":
-            wgrad = "fp8"
-        return KernelChoice(cfg, backend, wgrad, tiles.source(dtype, device))
+    probe = torch.empty(0, dtype=dtype, device=device)
+    wgrad = wgrad_engine(probe, num_rows, moe.num_experts // ep, moe.hidden_size, moe.ffn_hidden_size, cfg.wgrad)
+    if cfg.wgrad == "fp8":
+        wgrad = "fp8"
+    return KernelChoice(cfg, backend, wgrad, tiles.source(dtype, device, cfg.autotune))
 
 
 def recorded_config(config: Mapping[str, Any]) -> KernelConfig:

@@ -3,11 +3,15 @@ combine or not, for any GEMM set (gemm_sets.py: bf16; fp8_gemm_set.py: FP8).
 
 # T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows (expert-major)
 
-  experts(fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q)
+  experts(fmt, wgrad, autotune, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
+          w1, w3, w2, qw, x_q)
       fused (token_ids_N given): x is x_TH, out[t] = sum_k w[t,k] expert_{e(t,k)}(x[t]), (T, H)
       grouped (token_ids_N None): x is x_NH, expert-major rows, y[n] = expert_{e(n)}(x[n]), (N, H)
   fmt: None for the bf16 set, an FP8 format's name for the FP8 set (qw: its Fp8ExpertWeights; x_q: rows that
   arrive quantised, (values, scales), with x a stand-in for them: fp8_experts.grouped_swiglu_fp8).
+  wgrad, autotune: the caller's kernels.wgrad and kernels.autotune (its layer's Kernels value, choice.py), kept on
+  ctx as constants and handed to the GEMM set in forward and again in backward, which reads no module-level
+  option.
 
 What a GEMM set provides (stage methods; rows_in -> up -> down in forward, the rest in backward):
   rows_in(x)                       the up GEMM's operand: x itself, or its FP8 rows
@@ -96,22 +100,31 @@ def chunked_combine(
     return out_TH
 
 
-def restore(fmt: str | None, tensors: list[torch.Tensor], dtype: torch.dtype) -> Bf16Gemms | Fp8Gemms:
-    """The GEMM set of ``fmt`` (None: bf16) from the tensors its ``saved()`` gave; dtype: the activations'."""
-    return Bf16Gemms(*tensors) if fmt is None else Fp8Gemms.restore(tensors, fmt, dtype)
+def restore(
+    fmt: str | None, tensors: list[torch.Tensor], dtype: torch.dtype, wgrad: str, autotune: bool
+) -> Bf16Gemms | Fp8Gemms:
+    """The GEMM set of ``fmt`` (None: bf16) from the tensors its ``saved()`` gave; dtype: the activations';
+    wgrad, autotune: the kernels section's."""
+    if fmt is None:
+        w1, w3, w2 = tensors
+        return Bf16Gemms(w1, w3, w2, wgrad, autotune)
+    return Fp8Gemms.restore(tensors, fmt, dtype, wgrad, autotune)
 
 
 class ExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q
-    ):
+        ctx, fmt, wgrad, autotune, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
+        w1, w3, w2, qw, x_q,
+    ):  # fmt: skip
         fused = token_ids_N is not None
         if fused and token_ids_N.shape != slot_ids_N.shape:
             raise ValueError(
                 f"token_ids_N {tuple(token_ids_N.shape)} and slot_ids_N {tuple(slot_ids_N.shape)} must have one shape"
             )
-        gemms = Bf16Gemms(w1, w3, w2) if fmt is None else Fp8Gemms(qw, fmt, x.dtype, x_q)
+        gemms: Bf16Gemms | Fp8Gemms = (
+            Bf16Gemms(w1, w3, w2, wgrad, autotune) if fmt is None else Fp8Gemms(qw, fmt, x.dtype, x_q, wgrad, autotune)
+        )
         rows = gemms.rows_in(x)
         h1, h3, a = gemms.up(rows, token_ids_N, tokens_per_expert_E, any(ctx.needs_input_grad))
         del rows
@@ -126,7 +139,7 @@ class ExpertsFn(torch.autograd.Function):
         del a
         routing = (weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK) if fused else ()
         ctx.save_for_backward(x, *routing, tokens_per_expert_E, *gemms.saved(), h1, h3)
-        ctx.fmt, ctx.fused = fmt, fused
+        ctx.fmt, ctx.fused, ctx.wgrad, ctx.autotune = fmt, fused, wgrad, autotune
         return out
 
     @staticmethod
@@ -134,7 +147,7 @@ class ExpertsFn(torch.autograd.Function):
         x, *saved = ctx.saved_tensors
         weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK = saved[:4] if ctx.fused else (None,) * 4
         counts_E, *tensors, h1, h3 = saved[4:] if ctx.fused else saved
-        gemms = restore(ctx.fmt, tensors, x.dtype)
+        gemms = restore(ctx.fmt, tensors, x.dtype, ctx.wgrad, ctx.autotune)
         grad = gemms.grad_rows(grad, ctx.fused)
         row_w_N = weights_TK.reshape(-1)[slot_ids_N].float() if ctx.fused else None
         reuse = can_reuse_saved()
@@ -173,15 +186,19 @@ class ExpertsFn(torch.autograd.Function):
         dw1, dw3 = engine.w13(kept, gemms, x, token_ids_N, dh1, dh3)
         del dh1, dh3
         if not ctx.fused:
-            return None, dx, None, None, None, None, None, dw1, dw3, dw2, None, None
+            return None, None, None, dx, None, None, None, None, None, dw1, dw3, dw2, None, None
         # 5. the combine weights' gradient: one slot per kept row, dropped slots stay 0
         grad_w = torch.zeros(weights_TK.numel(), dtype=weights_TK.dtype, device=weights_TK.device)
         grad_w[slot_ids_N] = grad_w_N.to(grad_w.dtype)  # slots are unique: a permutation, no accumulation
-        return None, dx, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None, None
+        return None, None, None, dx, grad_w.view_as(weights_TK), None, None, None, None, dw1, dw3, dw2, None, None
 
 
-def experts(fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q):
+def experts(
+    fmt, wgrad, autotune, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw,
+    x_q,
+):  # fmt: skip
     """ExpertsFn.apply (module docstring)."""
     return ExpertsFn.apply(
-        fmt, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2, qw, x_q
-    )
+        fmt, wgrad, autotune, x, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1, w3, w2,
+        qw, x_q,
+    )  # fmt: skip

@@ -3,9 +3,12 @@
 # T tokens, H hidden, F expert ffn, E experts, K top-k, N kept rows (expert-major); G = 128 (fp8_quant.GROUP)
 
   moe_experts_fp8(x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E,
-                  w1_EHF, w3_EHF, w2_EFH, qw, fmt) -> out_TH        == triton_ops.moe_experts, FP8 GEMMs
-  grouped_swiglu_fp8(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E, qw, fmt) -> y_NH
+                  w1_EHF, w3_EHF, w2_EFH, qw, fmt, *, wgrad, autotune) -> out_TH
+                                                                     == triton_ops.moe_experts, FP8 GEMMs
+  grouped_swiglu_fp8(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E, qw, fmt, *, wgrad, autotune) -> y_NH
                                                                      == triton_ops.grouped_swiglu, FP8 GEMMs
+wgrad, autotune: the kernels section's kernels.wgrad ("fp8": the weight gradients in FP8 too) and kernels.autotune,
+as triton_ops' ops take them.
 qw: fp8_quant.Fp8ExpertWeights, the FP8 copies of w1, w3, w2 (quantize_expert_weights). w1, w3, w2 are what the
 weight gradients are returned for; their values are not read (any float dtype, or a zero-stride stand-in of their
 shape: moe/experts.py). fmt: the FP8 format's name (fp8_formats.fp8_format(device).name).
@@ -49,17 +52,29 @@ def moe_experts_fp8(
     w2_EFH,
     qw: Fp8ExpertWeights,
     fmt: str,
+    *,
+    wgrad: str = "auto",
+    autotune: bool = False,
 ):
     """out[t] = sum_k w[t,k] * expert_{e(t,k)}(x[t]) with FP8 expert GEMMs; gradients for x, the weights and the
     routing weights as moe_experts gives them."""
     return experts(
-        fmt, x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH,
-        qw, None,
+        fmt, wgrad, autotune, x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF,
+        w3_EHF, w2_EFH, qw, None,
     )  # fmt: skip
 
 
 def grouped_swiglu_fp8(
-    x_NH: torch.Tensor | Fp8Rows, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E, qw: Fp8ExpertWeights, fmt: str
+    x_NH: torch.Tensor | Fp8Rows,
+    w1_EHF,
+    w3_EHF,
+    w2_EFH,
+    tokens_per_expert_E,
+    qw: Fp8ExpertWeights,
+    fmt: str,
+    *,
+    wgrad: str = "auto",
+    autotune: bool = False,
 ):
     """Per expert e: (silu(x w1_e) * (x w3_e)) w2_e over its rows, with FP8 GEMMs; x_NH rows, or Fp8Rows that
     arrive quantised (module docstring)."""
@@ -69,7 +84,9 @@ def grouped_swiglu_fp8(
         x_NH = x_NH.stand_in
     else:
         x_q = None
-    return experts(fmt, x_NH, None, None, None, None, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, qw, x_q)
+    return experts(
+        fmt, wgrad, autotune, x_NH, None, None, None, None, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, qw, x_q
+    )
 
 
 def _checked_rows(rows: Fp8Rows, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -140,6 +140,7 @@ def fp8_swiglu_up_fwd(
     store_h: bool,
     fmt: str,
     out_dtype: torch.dtype,
+    autotune: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h1, h3, aq, scale_a): h1, h3 (N, F) in out_dtype ((0, F) unless store_h) and a = silu(h1) * h3 quantised
     in 1 x G groups. Rows are xq[token_ids_N] when token_ids_N is given, else xq. scale*_EFH: block scales
@@ -195,12 +196,15 @@ def fp8_swiglu_up_fwd(
             **_launch(cfg, xq.dtype),
         )
 
-    launch(tiles.pick("fp8_up", xq.dtype, xq.device, hidden, ffn, num_rows, num_experts, launch))
+    launch(tiles.pick("fp8_up", xq.dtype, xq.device, hidden, ffn, num_rows, num_experts, launch, autotune))
     return h1, h3, aq, scale_a
 
 
 @fp8_swiglu_up_fwd.register_fake
-def _(xq, scale_x, token_ids_N, w1_EFH, w3_EFH, scale1_EFH, scale3_EFH, tokens_per_expert_E, store_h, fmt, out_dtype):
+def _(
+    xq, scale_x, token_ids_N, w1_EFH, w3_EFH, scale1_EFH, scale3_EFH, tokens_per_expert_E, store_h, fmt, out_dtype,
+    autotune=False,
+):  # fmt: skip
     num_rows = token_ids_N.shape[0] if token_ids_N is not None else xq.shape[0]
     ffn = w1_EFH.shape[1]
     h = xq.new_empty(num_rows if store_h else 0, ffn, dtype=out_dtype)
@@ -212,7 +216,7 @@ def _(xq, scale_x, token_ids_N, w1_EFH, w3_EFH, scale1_EFH, scale3_EFH, tokens_p
     )
 
 
-def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dtype, kernel) -> torch.Tensor:
+def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dtype, kernel, autotune) -> torch.Tensor:
     _check_fp8("a1", a1, 2)
     _check_fp8("b1_ENK", b1_ENK, 3)
     _check_groups(counts_E, b1_ENK)
@@ -278,7 +282,7 @@ def _fp8_mm(a1, sa1, b1_ENK, sb1, a2, sa2, b2_ENK, sb2, counts_E, idx_N, out_dty
             **_launch(cfg, a1.dtype),
         )
 
-    launch(tiles.pick(kernel, a1.dtype, a1.device, depth, width, num_rows, num_experts, launch))
+    launch(tiles.pick(kernel, a1.dtype, a1.device, depth, width, num_rows, num_experts, launch, autotune))
     return c
 
 
@@ -295,6 +299,7 @@ def fp8_grouped_mm(
     tokens_per_expert_E: torch.Tensor,
     out_dtype: torch.dtype,
     input_grad: bool,
+    autotune: bool = False,
 ) -> torch.Tensor:
     """c[rows of e] = a1[rows of e] @ b1_ENK[e]^T (+ the same for a2, b2), out_dtype; the a's FP8 in 1 x G groups
     (scale_a: (rows, cdiv(K, G))), the b's FP8 in G x G blocks, K-major (a column slice of N is a view), scale_b
@@ -313,11 +318,15 @@ def fp8_grouped_mm(
         None,
         out_dtype,
         "fp8_dx" if input_grad else "fp8_mm",
+        autotune,
     )
 
 
 @fp8_grouped_mm.register_fake
-def _(a1, scale_a1, b1_ENK, scale_b1, a2, scale_a2, b2_ENK, scale_b2, tokens_per_expert_E, out_dtype, input_grad):
+def _(
+    a1, scale_a1, b1_ENK, scale_b1, a2, scale_a2, b2_ENK, scale_b2, tokens_per_expert_E, out_dtype, input_grad,
+    autotune=False,
+):  # fmt: skip
     return a1.new_empty(a1.shape[0], b1_ENK.shape[1], dtype=out_dtype)
 
 
@@ -334,6 +343,7 @@ def fp8_swiglu_down_bwd(
     tokens_per_expert_E: torch.Tensor,
     reuse_h: bool,
     fmt: str,
+    autotune: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh1, dh3, a_scaled, grad_row_weights, dhq, scale_dh): grouped_gemm.swiglu_down_bwd with FP8 inputs (gq in
     1 x G groups, read at rows token_ids_N when given; w2_EFH, the FP8 w2 in its own layout, with scale2_EFH indexed
@@ -359,6 +369,7 @@ def fp8_swiglu_down_bwd(
         token_ids_N,
         h1_NF.dtype,
         "fp8_down_bwd",
+        autotune,
     )
     dh3, a = (h3_NF, h1_NF) if reuse_h else (torch.empty_like(h1_NF), torch.empty_like(h1_NF))
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
@@ -391,7 +402,10 @@ def fp8_swiglu_down_bwd(
 
 
 @fp8_swiglu_down_bwd.register_fake
-def _(gq, scale_g, token_ids_N, w2_EFH, scale2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, reuse_h, fmt):
+def _(
+    gq, scale_g, token_ids_N, w2_EFH, scale2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, reuse_h, fmt,
+    autotune=False,
+):  # fmt: skip
     num_rows, ffn = h1_NF.shape
     num_w = num_rows if row_weights_N is not None else 0
     return (

@@ -29,7 +29,7 @@ from xmoe.kernels._common import cdiv
 from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd, input_grad_operands
 from xmoe.kernels.fp8_quant import GROUP, Fp8ExpertWeights, quantize_rows
 from xmoe.kernels.fp8_rows import dequantize_rows
-from xmoe.kernels.fp8_wgrad import ColumnGroups, column_groups, fp8_wgrad, quantize_cols, use_fp8_wgrad
+from xmoe.kernels.fp8_wgrad import ColumnGroups, column_groups, fp8_wgrad, quantize_cols
 from xmoe.kernels.gemm_sets import RowWgrad, gathers, span
 
 
@@ -41,6 +41,7 @@ class ColWgrad(NamedTuple):
     counts_E: torch.Tensor
     num_rows: int
     fmt: str
+    autotune: bool
 
     @property
     def gather(self) -> bool:
@@ -55,7 +56,7 @@ class ColWgrad(NamedTuple):
         groups, awq, s_aw = pending
         pending.clear()
         gq_t, s_gt = quantize_cols(grad, token_ids_N, groups.bounds_3E, groups.expert_J, self.fmt)
-        dw2 = fp8_wgrad(awq, s_aw, gq_t, s_gt, groups.bounds_3E, self.fmt, grad.dtype)
+        dw2 = fp8_wgrad(awq, s_aw, gq_t, s_gt, groups.bounds_3E, self.fmt, grad.dtype, self.autotune)
         del awq, s_aw, gq_t, s_gt
         return dw2, groups
 
@@ -67,7 +68,7 @@ class ColWgrad(NamedTuple):
         dw = []
         for dh in (dh1, dh3):
             dhq_t, s_dht = quantize_cols(dh, None, groups.bounds_3E, groups.expert_J, self.fmt)
-            dw.append(fp8_wgrad(xq_t, s_xt, dhq_t, s_dht, groups.bounds_3E, self.fmt, gemms.dtype))
+            dw.append(fp8_wgrad(xq_t, s_xt, dhq_t, s_dht, groups.bounds_3E, self.fmt, gemms.dtype, self.autotune))
             del dhq_t, s_dht
         return dw[0], dw[1]
 
@@ -75,23 +76,26 @@ class ColWgrad(NamedTuple):
 class Fp8Gemms(NamedTuple):
     """The experts' GEMMs in FP8 (module docstring). qw: the weights' FP8 copies (in the backward only those it
     reads: w13_EHF, w2_EFH, scale13, scale2); fmt: the format's name; dtype: the activations'; x_q: the input rows
-    as (values, scales) where they arrive quantised, else None."""
+    as (values, scales) where they arrive quantised, else None; wgrad, autotune: kernels.wgrad and
+    kernels.autotune, as the Function was handed them."""
 
     qw: Fp8ExpertWeights
     fmt: str
     dtype: torch.dtype
     x_q: tuple[torch.Tensor, torch.Tensor] | None
+    wgrad: str
+    autotune: bool
 
     @property
     def quantum(self) -> int:
         return GROUP  # column chunks of y and dx start on the weights' scale blocks
 
     @classmethod
-    def restore(cls, tensors: list[torch.Tensor], fmt: str, dtype: torch.dtype) -> Fp8Gemms:
+    def restore(cls, tensors: list[torch.Tensor], fmt: str, dtype: torch.dtype, wgrad: str, autotune: bool) -> Fp8Gemms:
         """From what ``saved`` gave."""
         q13, q2, s13, s2, *x_q = tensors
         qw = Fp8ExpertWeights(None, None, None, w13_EHF=q13, w2_EFH=q2, scale13=s13, scale2=s2)  # type: ignore[arg-type]
-        return cls(qw, fmt, dtype, (x_q[0], x_q[1]) if x_q else None)
+        return cls(qw, fmt, dtype, (x_q[0], x_q[1]) if x_q else None, wgrad, autotune)
 
     def saved(self) -> tuple[torch.Tensor, ...]:
         # the weights' other copies are held by their maker (once per step); only these are read in backward
@@ -122,6 +126,7 @@ class Fp8Gemms(NamedTuple):
             store_h,
             self.fmt,
             self.dtype,
+            self.autotune,
         )
         return h1, h3, (aq, scale_a)
 
@@ -129,7 +134,7 @@ class Fp8Gemms(NamedTuple):
         w2, s2 = self.qw.w2_EHF, self.qw.scale2.transpose(1, 2)
         g0, g1 = c0 // GROUP, cdiv(c1, GROUP)
         w2, s2 = span(w2, 1, c0, c1), span(s2, 1, g0, g1)
-        return fp8_grouped_mm(a[0], a[1], w2, s2, None, None, None, None, counts_E, self.dtype, False)
+        return fp8_grouped_mm(a[0], a[1], w2, s2, None, None, None, None, counts_E, self.dtype, False, self.autotune)
 
     def grad_rows(self, grad: torch.Tensor, fused: bool) -> torch.Tensor:
         return grad.contiguous()
@@ -137,8 +142,9 @@ class Fp8Gemms(NamedTuple):
     def swiglu_bwd(self, grad, token_ids_N, h1, h3, row_w_N, counts_E, reuse, gather):
         gq, scale_g = quantize_rows(grad, self.fmt)
         dh1, dh3, a_w, grad_w_N, dhq, scale_dh = fp8_swiglu_down_bwd(
-            gq, scale_g, token_ids_N, self.qw.w2_EFH, self.qw.scale2, h1, h3, row_w_N, counts_E, reuse, self.fmt
-        )
+            gq, scale_g, token_ids_N, self.qw.w2_EFH, self.qw.scale2, h1, h3, row_w_N, counts_E, reuse, self.fmt,
+            self.autotune,
+        )  # fmt: skip
         del gq, scale_g
         return dh1, dh3, a_w, grad_w_N, (dhq, scale_dh), None
 
@@ -148,7 +154,7 @@ class Fp8Gemms(NamedTuple):
         b1, sb1 = span(b1, 1, c0, c1), span(sb1, 1, g0, g1)
         if a2 is not None:
             b2, sb2 = span(b2, 1, c0, c1), span(sb2, 1, g0, g1)
-        return fp8_grouped_mm(a1, sa1, b1, sb1, a2, sa2, b2, sb2, counts_E, self.dtype, True)
+        return fp8_grouped_mm(a1, sa1, b1, sb1, a2, sa2, b2, sb2, counts_E, self.dtype, True, self.autotune)
 
     def wgrad_rows(self, x, token_ids_N, gather: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.x_q is not None:  # the rows arrived quantised: their weight gradients read them dequantised
@@ -156,5 +162,7 @@ class Fp8Gemms(NamedTuple):
         return (x.index_select(0, token_ids_N), None) if gather and token_ids_N is not None else (x, token_ids_N)
 
     def weight_grads(self, x, token_ids_N, counts_E, num_rows: int) -> RowWgrad | ColWgrad:
-        gather = gathers(x, token_ids_N, counts_E, num_rows, self.hidden, self.ffn)
-        return ColWgrad(counts_E, num_rows, self.fmt) if use_fp8_wgrad() else RowWgrad(counts_E, gather)
+        if self.wgrad == "fp8":  # kernels.wgrad = "fp8": the weight gradients in FP8 too
+            return ColWgrad(counts_E, num_rows, self.fmt, self.autotune)
+        gather = gathers(x, token_ids_N, counts_E, num_rows, self.hidden, self.ffn, self.wgrad)
+        return RowWgrad(counts_E, gather, self.wgrad, self.autotune)

@@ -28,17 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from xmoe.kernels import tiles
+from xmoe.kernels import launches, tiles
 from xmoe.kernels._common import cdiv, check_device, check_index, interpreting, kernel_op
 from xmoe.kernels.fp8_gemm import _check_fp8, _descriptors, _format_of, _launch, uses_tma
 from xmoe.kernels.fp8_quant import FORMATS, GROUP, _group_scale, _store_fp8, format_constexprs
 from xmoe.kernels.tiles import TileConfig
-
-
-def use_fp8_wgrad() -> bool:
-    """Whether the FP8 experts' backward computes its weight gradients in FP8: kernels.wgrad = "fp8" (the run's
-    kernels section, ``tiles.OPTIONS``); otherwise they stay bf16, by the engine grouped_wgrad.wgrad_engine picks."""
-    return tiles.OPTIONS.wgrad == "fp8"
 
 
 class ColumnGroups(NamedTuple):
@@ -245,9 +239,11 @@ def fp8_wgrad(
     bounds_3E: torch.Tensor,
     fmt: str,
     out_dtype: torch.dtype,
+    autotune: bool = False,
 ) -> torch.Tensor:
     """c (E, M, NC) in out_dtype: c[e] = A_e^T B_e from aq_MP, bq_NP = quantize_cols of A (N, M) and B (N, NC) over
-    the same column_groups (bounds_3E), scale_a (J, M) and scale_b (J, NC) their scales."""
+    the same column_groups (bounds_3E), scale_a (J, M) and scale_b (J, NC) their scales. ``autotune``: the
+    caller's kernels.autotune (tiles.pick)."""
     _check_fp8("aq_MP", aq_MP, 2)
     _check_fp8("bq_NP", bq_NP, 2)
     check_index("bounds_3E", bounds_3E, 2)
@@ -258,6 +254,7 @@ def fp8_wgrad(
         )
     consts = _format_of(aq_MP, fmt)
     del consts  # checked: the kernel takes FP8 values as they are
+    launches.count("wgrad", "fp8")
     (width_a, cols), width_b, experts = aq_MP.shape, bq_NP.shape[0], bounds_3E.shape[1]
     aq_MP, bq_NP = aq_MP.contiguous(), bq_NP.contiguous()
     c = torch.empty(experts, width_a, width_b, dtype=out_dtype, device=aq_MP.device)
@@ -294,10 +291,10 @@ def fp8_wgrad(
             **_launch(cfg, aq_MP.dtype),
         )
 
-    launch(tiles.pick("fp8_wgrad", aq_MP.dtype, aq_MP.device, width_a, width_b, cols, experts, launch))
+    launch(tiles.pick("fp8_wgrad", aq_MP.dtype, aq_MP.device, width_a, width_b, cols, experts, launch, autotune))
     return c
 
 
 @fp8_wgrad.register_fake
-def _(aq_MP, scale_a, bq_NP, scale_b, bounds_3E, fmt, out_dtype):
+def _(aq_MP, scale_a, bq_NP, scale_b, bounds_3E, fmt, out_dtype, autotune=False):
     return aq_MP.new_empty(bounds_3E.shape[1], aq_MP.shape[0], bq_NP.shape[0], dtype=out_dtype)

@@ -1,5 +1,8 @@
 """The bf16 GEMM set of the routed experts' autograd Function (experts_fn.py), and the engine of the weight
 gradients in the activations' dtype, which the FP8 set (fp8_gemm_set.py) uses too unless kernels.wgrad = "fp8".
+Both sets carry the choices their GEMMs run under as values (``wgrad``: kernels.wgrad; ``autotune``:
+kernels.autotune), handed in by the Function, which has them from the op's caller, and pass them on to the
+launchers as arguments: nothing in a backward reads a module-level option.
 
 # T tokens, H hidden, F expert ffn, E experts, N kept rows (expert-major)
 
@@ -32,26 +35,36 @@ def span(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 
 
 def gathers(
-    x: torch.Tensor, token_ids_N: torch.Tensor | None, counts_E: torch.Tensor, num_rows: int, hidden: int, ffn: int
+    x: torch.Tensor,
+    token_ids_N: torch.Tensor | None,
+    counts_E: torch.Tensor,
+    num_rows: int,
+    hidden: int,
+    ffn: int,
+    wgrad: str,
 ) -> bool:
     """Whether the fused backward gathers rows by token id before its weight gradients in the activations' dtype
-    (the Hopper engine, grouped_wgrad.wgrad_engine, takes rows in expert order); the grouped path has them so."""
-    return token_ids_N is not None and wgrad_engine(x, num_rows, counts_E.shape[0], hidden, ffn) == "grouped_mm"
+    (the Hopper engine, grouped_wgrad.wgrad_engine for kernels.wgrad ``wgrad``, takes rows in expert order); the
+    grouped path has them so."""
+    return token_ids_N is not None and wgrad_engine(x, num_rows, counts_E.shape[0], hidden, ffn, wgrad) == "grouped_mm"
 
 
 class RowWgrad(NamedTuple):
     """Weight gradients in the activations' dtype (grouped_wgrad). ``gather``: rows gathered by token id first.
     w2_begin / w2_end bracket the moment the backward frees w a (between them nothing of dW2 is alive but the
-    result); w13 reads x's rows as the GEMM set gives them (``wgrad_rows``)."""
+    result); w13 reads x's rows as the GEMM set gives them (``wgrad_rows``). ``wgrad``, ``autotune``: the
+    kernels section's, for grouped_wgrad."""
 
     counts_E: torch.Tensor
     gather: bool
+    wgrad: str
+    autotune: bool
 
     def w2_begin(self, a_w, grad, token_ids_N, g_rows) -> list:
         """dW2 from w a and the output gradient's rows: g_rows as the SwiGLU backward read them, or (None) read
         here, gathered by token id on the Hopper path (freed when this returns)."""
         rows, ids = g_rows if g_rows is not None else self.rows(grad, token_ids_N)
-        return [grouped_wgrad(a_w, None, rows, None, ids, self.counts_E)[0]]
+        return [grouped_wgrad(a_w, None, rows, None, ids, self.counts_E, self.wgrad, self.autotune)[0]]
 
     def w2_end(self, pending: list, grad, token_ids_N) -> tuple[torch.Tensor, None]:
         return pending.pop(), None
@@ -59,7 +72,7 @@ class RowWgrad(NamedTuple):
     def w13(self, kept, gemms, x, token_ids_N, dh1, dh3) -> tuple[torch.Tensor, torch.Tensor]:
         """(dW1, dW3): one pass over x's rows (two accumulators); gathered rows are freed when this returns."""
         rows, ids = gemms.wgrad_rows(x, token_ids_N, self.gather)
-        return grouped_wgrad(rows, ids, dh1, dh3, None, self.counts_E)
+        return grouped_wgrad(rows, ids, dh1, dh3, None, self.counts_E, self.wgrad, self.autotune)
 
     def rows(self, t: torch.Tensor, token_ids_N: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, row ids) of t as the weight gradients read them: gathered (ids None) or read by token id."""
@@ -68,11 +81,14 @@ class RowWgrad(NamedTuple):
 
 class Bf16Gemms(NamedTuple):
     """The experts' GEMMs in the activations' dtype (module docstring), over the weights w1, w3 (E, H, F) and
-    w2 (E, F, H) themselves; the stage methods are experts_fn.py's."""
+    w2 (E, F, H) themselves, under kernels.wgrad ``wgrad`` and kernels.autotune ``autotune``; the stage methods are
+    experts_fn.py's."""
 
     w1_EHF: torch.Tensor
     w3_EHF: torch.Tensor
     w2_EFH: torch.Tensor
+    wgrad: str
+    autotune: bool
 
     @property
     def quantum(self) -> int:
@@ -87,32 +103,34 @@ class Bf16Gemms(NamedTuple):
         return self.w1_EHF.shape[2]
 
     def saved(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self)
+        return self.w1_EHF, self.w3_EHF, self.w2_EFH
 
     def rows_in(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def up(self, x, token_ids_N, counts_E, store_h) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return swiglu_up_fwd(x, token_ids_N, self.w1_EHF, self.w3_EHF, counts_E, store_h)
+        return swiglu_up_fwd(x, token_ids_N, self.w1_EHF, self.w3_EHF, counts_E, store_h, self.autotune)
 
     def down(self, a, counts_E, c0: int, c1: int) -> torch.Tensor:
-        return grouped_mm(a, span(self.w2_EFH, 2, c0, c1), None, None, counts_E)
+        return grouped_mm(a, span(self.w2_EFH, 2, c0, c1), None, None, counts_E, self.autotune)
 
     def grad_rows(self, grad: torch.Tensor, fused: bool) -> torch.Tensor:
         # the grouped path's kernels make their own operands contiguous where they need it
         return grad.contiguous() if fused else grad
 
     def swiglu_bwd(self, grad, token_ids_N, h1, h3, row_w_N, counts_E, reuse, gather):
-        g_rows = RowWgrad(counts_E, gather).rows(grad, token_ids_N)  # gathered: the same rows then feed dW2
-        dh1, dh3, a_w, grad_w_N = swiglu_down_bwd(*g_rows, self.w2_EFH, h1, h3, row_w_N, counts_E, reuse)
+        # gathered: the same rows then feed dW2
+        g_rows = RowWgrad(counts_E, gather, self.wgrad, self.autotune).rows(grad, token_ids_N)
+        dh1, dh3, a_w, grad_w_N = swiglu_down_bwd(*g_rows, self.w2_EFH, h1, h3, row_w_N, counts_E, reuse, self.autotune)
         return dh1, dh3, a_w, grad_w_N, (dh1, dh3), g_rows
 
     def input_grad(self, dh, counts_E, c0: int, c1: int) -> torch.Tensor:
         w1t, w3t = (span(w.transpose(1, 2), 2, c0, c1) for w in (self.w1_EHF, self.w3_EHF))
-        return grouped_mm(dh[0], w1t, dh[1], w3t, counts_E)
+        return grouped_mm(dh[0], w1t, dh[1], w3t, counts_E, self.autotune)
 
     def wgrad_rows(self, x, token_ids_N, gather: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return (x.index_select(0, token_ids_N), None) if gather and token_ids_N is not None else (x, token_ids_N)
 
     def weight_grads(self, x, token_ids_N, counts_E, num_rows: int) -> RowWgrad:
-        return RowWgrad(counts_E, gathers(x, token_ids_N, counts_E, num_rows, self.hidden, self.ffn))
+        gather = gathers(x, token_ids_N, counts_E, num_rows, self.hidden, self.ffn, self.wgrad)
+        return RowWgrad(counts_E, gather, self.wgrad, self.autotune)

@@ -9,8 +9,9 @@ without a host sync, are in grouped_gemm_kernels.py.
   grouped_mm       c = a1 b1_e (+ a2 b2_e): y = a w2_e, dx = dh1 w1_e^T + dh3 w3_e^T (_grouped_mm_kernel)
   swiglu_down_bwd  da = g w2_e^T (_grouped_mm_kernel), then dh1, dh3, the combine-weighted a and the combine-weight
                    gradient in one elementwise pass (_swiglu_bwd_kernel)
-Each GEMM's tile is tiles.pick's for the kernel name it passes (up_fwd, mm, dx, down_bwd); fp8_gemm.py and
-grouped_wgrad.py launch over the same tile maps with the same launch options (tile_map, _launch_kwargs).
+Each GEMM's tile is tiles.pick's for the kernel name it passes (up_fwd, mm, dx, down_bwd), tuned where the caller's
+``autotune`` (its kernels.autotune) says so; fp8_gemm.py and grouped_wgrad.py launch over the same tile maps with the
+same launch options (tile_map, _launch_kwargs).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def swiglu_up_fwd(
     w3_EHF: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
     store_h: bool,
+    autotune: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h1, h3, a) of shape (N, F); rows are x[token_ids_N] when token_ids_N is given, else x. h1/h3 are (0, F)
     unless store_h."""
@@ -131,19 +133,19 @@ def swiglu_up_fwd(
             **_launch_kwargs(cfg, x.dtype),
         )
 
-    launch(tiles.pick("up_fwd", x.dtype, x.device, hidden, ffn, num_rows, num_experts, launch))
+    launch(tiles.pick("up_fwd", x.dtype, x.device, hidden, ffn, num_rows, num_experts, launch, autotune))
     return h1, h3, a
 
 
 @swiglu_up_fwd.register_fake
-def _(x, token_ids_N, w1_EHF, w3_EHF, tokens_per_expert_E, store_h):
+def _(x, token_ids_N, w1_EHF, w3_EHF, tokens_per_expert_E, store_h, autotune=False):
     num_rows = token_ids_N.shape[0] if token_ids_N is not None else x.shape[0]
     ffn = w1_EHF.shape[2]
     h_rows = num_rows if store_h else 0
     return x.new_empty(h_rows, ffn), x.new_empty(h_rows, ffn), x.new_empty(num_rows, ffn)
 
 
-def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, kernel: str) -> torch.Tensor:
+def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, kernel: str, autotune: bool) -> torch.Tensor:
     check_float("a1", a1, 2)
     check_float("b1_EKN", b1_EKN, 3)
     _check_experts(a1, tokens_per_expert_E, b1_EKN, *([b2_EKN] if a2 is not None else []))
@@ -183,7 +185,7 @@ def _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, idx_N, kernel: str)
             **_launch_kwargs(cfg, a1.dtype),
         )
 
-    launch(tiles.pick(kernel, a1.dtype, a1.device, depth, width, num_rows, num_experts, launch))
+    launch(tiles.pick(kernel, a1.dtype, a1.device, depth, width, num_rows, num_experts, launch, autotune))
     return c
 
 
@@ -194,14 +196,15 @@ def grouped_mm(
     a2: torch.Tensor | None,
     b2_EKN: torch.Tensor | None,
     tokens_per_expert_E: torch.Tensor,
+    autotune: bool = False,
 ) -> torch.Tensor:
     """c[rows of e] = a1[rows of e] @ b1_EKN[e] (+ a2[rows of e] @ b2_EKN[e]); b may be a strided view (a
     transpose, a column slice)."""
-    return _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, None, "mm" if a2 is None else "dx")
+    return _grouped_mm(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, None, "mm" if a2 is None else "dx", autotune)
 
 
 @grouped_mm.register_fake
-def _(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E):
+def _(a1, b1_EKN, a2, b2_EKN, tokens_per_expert_E, autotune=False):
     return a1.new_empty(a1.shape[0], b1_EKN.shape[2])
 
 
@@ -215,6 +218,7 @@ def swiglu_down_bwd(
     row_weights_N: torch.Tensor | None,
     tokens_per_expert_E: torch.Tensor,
     reuse_h: bool,
+    autotune: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dh1, dh3, a_scaled, grad_row_weights) given the gradient g of y = (row_weights *) (silu(h1) * h3) w2.
 
@@ -229,7 +233,7 @@ def swiglu_down_bwd(
     h1_NF, h3_NF = h1_NF.contiguous(), h3_NF.contiguous()
     num_rows, ffn = h1_NF.shape
     has_w = row_weights_N is not None
-    da = _grouped_mm(g, w2_EFH.transpose(1, 2), None, None, tokens_per_expert_E, token_ids_N, "down_bwd")
+    da = _grouped_mm(g, w2_EFH.transpose(1, 2), None, None, tokens_per_expert_E, token_ids_N, "down_bwd", autotune)
     dh1 = da  # the elementwise pass writes dh1 over da
     dh3, a = (h3_NF, h1_NF) if reuse_h else (torch.empty_like(h1_NF), torch.empty_like(h1_NF))
     grad_w = torch.empty(num_rows if has_w else 0, dtype=torch.float32, device=h1_NF.device)
@@ -258,7 +262,7 @@ def swiglu_down_bwd(
 
 
 @swiglu_down_bwd.register_fake
-def _(g, token_ids_N, w2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, reuse_h):
+def _(g, token_ids_N, w2_EFH, h1_NF, h3_NF, row_weights_N, tokens_per_expert_E, reuse_h, autotune=False):
     num_w = h1_NF.shape[0] if row_weights_N is not None else 0
     return (
         torch.empty_like(h1_NF),

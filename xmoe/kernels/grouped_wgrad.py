@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xmoe.kernels import tiles
+from xmoe.kernels import launches, tiles
 from xmoe.kernels._common import cdiv, check_device, check_index, kernel_op
 from xmoe.kernels.grouped_gemm import _launch_kwargs, tile_map
 from xmoe.kernels.tiles import TileConfig
@@ -291,9 +291,12 @@ def grouped_wgrad(
     b2: torch.Tensor | None,
     b_idx_N: torch.Tensor | None,
     tokens_per_expert_E: torch.Tensor,
+    wgrad: str = "auto",
+    autotune: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(c1, c2): c[e] = A_e^T B_e over expert e's rows, A rows = a[a_idx_N] (or a), B rows = b[b_idx_N] (or b).
-    c2 is empty when b2 is None. Without row ids, where ``wgrad_engine`` says so, by torch._grouped_mm."""
+    c2 is empty when b2 is None. Without row ids, where ``wgrad_engine`` says so for ``wgrad`` (the caller's
+    kernels.wgrad), by torch._grouped_mm; else by the Triton kernels, their tiles tuned with ``autotune``."""
     if a_idx_N is not None and b_idx_N is not None:
         raise ValueError("grouped_wgrad gathers the rows of a or of b, not both")
     a, b1 = a.contiguous(), b1.contiguous()
@@ -305,12 +308,11 @@ def grouped_wgrad(
     num_experts = tokens_per_expert_E.shape[0]
     width_a, width_b = a.shape[1], b1.shape[1]
     num_rows = a_idx_N.shape[0] if a_idx_N is not None else a.shape[0]
-    if (
-        a_idx_N is None
-        and b_idx_N is None
-        and num_experts > 0
-        and wgrad_engine(a, num_rows, num_experts, width_a, width_b) == "grouped_mm"
-    ):
+    engine = "triton"
+    if a_idx_N is None and b_idx_N is None and num_experts > 0:
+        engine = wgrad_engine(a, num_rows, num_experts, width_a, width_b, wgrad)
+    launches.count("wgrad", engine, 1 if b2 is None else 2)
+    if engine == "grouped_mm":
         offs_E = torch.cumsum(tokens_per_expert_E, 0, dtype=torch.int32)
         return (
             grouped_mm_wgrad(a, b1, offs_E),
@@ -328,7 +330,7 @@ def grouped_wgrad(
     def launch(cfg: TileConfig) -> None:
         _launch_wgrad(cfg, tokens_per_expert_E, num_rows, *operands)
 
-    launch(tiles.pick(kernel, a.dtype, a.device, width_a, width_b, num_rows, num_experts, launch))
+    launch(tiles.pick(kernel, a.dtype, a.device, width_a, width_b, num_rows, num_experts, launch, autotune))
     return c1, c2
 
 
@@ -385,7 +387,7 @@ def _launch_wgrad(cfg, counts_E, num_rows, a, a_idx_N, b1, b2, b_idx_N, c1, c2) 
 
 
 @grouped_wgrad.register_fake
-def _(a, a_idx_N, b1, b2, b_idx_N, tokens_per_expert_E):
+def _(a, a_idx_N, b1, b2, b_idx_N, tokens_per_expert_E, wgrad="auto", autotune=False):
     num_experts = tokens_per_expert_E.shape[0]
     return (
         a.new_empty(num_experts, a.shape[1], b1.shape[1]),
@@ -404,17 +406,16 @@ def _is_sm90(device_index: int) -> bool:
     return torch.version.cuda is not None and torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, ffn: int) -> str:
+def wgrad_engine(x: torch.Tensor, num_rows: int, num_experts: int, hidden: int, ffn: int, mode: str) -> str:
     """ "grouped_mm" or "triton": what computes the weight gradients for these operands (grouped_wgrad without row
     ids; the fused backward gathers its rows first when this says "grouped_mm"). hidden, ffn: the two widths.
 
-    ``tiles.OPTIONS.wgrad`` (a run's ``kernels.wgrad``): "triton" always the kernels above; "grouped_mm"
-    torch._grouped_mm wherever it runs (bf16; on CPU also fp32 in builds with its CPU kernel; tests use this on
-    CPU); "auto" (default) grouped_mm on sm_90 in bf16 with at least GROUPED_MM_MIN_EXPERTS experts averaging at
-    most GROUPED_MM_MAX_ROWS_PER_EXPERT rows; "fp8" (FP8 weight gradients, fp8_wgrad.py) as "auto" for the
-    bf16 ones it does not concern. Either way H and F must be multiples of 8 (its 16-byte stride rule)
-    and there must be rows; otherwise "triton"."""
-    mode = tiles.OPTIONS.wgrad
+    ``mode`` (the caller's ``kernels.wgrad``, from the Kernels value its layer was built with: choice.py):
+    "triton" always the kernels above; "grouped_mm" torch._grouped_mm wherever it runs (bf16; on CPU also fp32 in
+    builds with its CPU kernel; tests use this on CPU); "auto" grouped_mm on sm_90 in bf16 with at least
+    GROUPED_MM_MIN_EXPERTS experts averaging at most GROUPED_MM_MAX_ROWS_PER_EXPERT rows; "fp8" (FP8 weight
+    gradients, fp8_wgrad.py) as "auto" for the bf16 ones it does not concern. Either way H and F must be multiples
+    of 8 (its 16-byte stride rule) and there must be rows; otherwise "triton"."""
     usable = (
         hasattr(torch, "_grouped_mm")
         and hidden % 8 == 0

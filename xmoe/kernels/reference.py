@@ -139,8 +139,9 @@ def _contiguous_grad(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
-    """SwiGLU experts over uneven, contiguous row groups (expert e owns tokens_per_expert_E[e] rows)."""
+def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E, *, wgrad: str = "auto", autotune: bool = False):
+    """SwiGLU experts over uneven, contiguous row groups (expert e owns tokens_per_expert_E[e] rows). ``wgrad`` and
+    ``autotune`` (how the Triton backend's kernels compute) change nothing here: autograd computes every gradient."""
     hidden, ffn = w1_EHF.shape[1], w1_EHF.shape[2]
     aligned = hidden % 8 == 0 and ffn % 8 == 0  # _grouped_mm needs 16-byte aligned strides
     if _grouped_mm_ok(x_NH.device.type, x_NH.dtype) and aligned and x_NH.shape[0] > 0:
@@ -162,12 +163,14 @@ def grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E):
 
 
 def moe_experts(
-    x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, ops=None
-):
-    """gather -> grouped SwiGLU -> combine, unfused, through ``ops`` (a backend module; default this one)."""
+    x_TH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK, tokens_per_expert_E, w1_EHF, w3_EHF, w2_EFH, ops=None,
+    *, wgrad: str = "auto", autotune: bool = False,
+):  # fmt: skip
+    """gather -> grouped SwiGLU -> combine, unfused, through ``ops`` (a backend module; default this one), its
+    grouped SwiGLU under ``wgrad`` and ``autotune``."""
     ops = ops or _THIS
     x_NH = ops.gather_rows(x_TH, token_ids_N, row_of_slot_TK)
-    y_NH = ops.grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E)
+    y_NH = ops.grouped_swiglu(x_NH, w1_EHF, w3_EHF, w2_EFH, tokens_per_expert_E, wgrad=wgrad, autotune=autotune)
     return ops.combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK)
 
 

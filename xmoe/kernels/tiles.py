@@ -20,10 +20,11 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
   5. Otherwise the heuristic: the H200 sweep winners (benchmarks/results/layer/sweep_tiles.md) with 64-row tiles where
      experts average fewer than 64 rows, and pipeline stages cut until they fit the GPU's shared memory (an
      A100 has 164 KB per block against the H200's 227 KB; AMD GPUs 64 KB).
-What is chosen (autotuning, and the weight-gradient engine of grouped_wgrad.py) is a ``KernelConfig``
-(xmoe/config.py, a run's ``kernels`` section): ``OPTIONS``, the environment's defaults unless a caller applies
-another with ``use_options`` (the trainer does, for its run, and so do the other commands that run the model:
-choice.py; ``source`` says in words where the picks come from).
+Whether to autotune is the caller's: ``pick`` takes it as an argument, which the launchers take from the ops that
+call them (a run's ``kernels.autotune``, carried by the ``Kernels`` value its layers were built with: choice.py).
+``source`` says in words where the picks of a run will come from; every pick counts where it came from
+(launches.py), so that what ran can be told from what was predicted. ``force`` is the one module-level switch: a
+hook for tests and sweeps that run chosen tiles.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import ClassVar
 
 import torch
 
-from xmoe.config import KernelConfig
+from xmoe.kernels import launches
 from xmoe.kernels._common import interpreting, next_pow2
 
 
@@ -157,28 +158,8 @@ INTERPRETER_CONFIG = TileConfig(32, 32, 32, 4, 1)  # few programs: the interpret
 FP32_CONFIG = TileConfig(64, 64, 32, 4, 2)
 
 
-OPTIONS = KernelConfig()  # what the kernels run under when no caller applied a config: the environment's defaults
 _FORCED: dict[str, TileConfig] = {}
-_PICKED: dict[tuple, TileConfig] = {}
-
-
-@contextlib.contextmanager
-def use_options(config: KernelConfig | None = None, **changes) -> Iterator[KernelConfig]:
-    """Run the kernels under ``config`` (a run's kernels section), or under OPTIONS with ``changes`` (e.g.
-    ``wgrad="triton"``, validated as the config validates them), until the block ends; picks made under other
-    options are not reused. A module attribute set for a block, not an argument (it would have to pass through
-    the custom ops) nor a context variable (torch.compile cannot trace ContextVar.get into one graph, torch 2.13)."""
-    global OPTIONS
-    names = list(KernelConfig.__dataclass_fields__)
-    for name in changes:
-        if name not in names:
-            raise ValueError(f"unknown kernel option {name!r}; the options are {names}")
-    saved = OPTIONS
-    OPTIONS = replace(config or OPTIONS, **changes)
-    try:
-        yield OPTIONS
-    finally:
-        OPTIONS = saved
+_PICKED: dict[tuple, tuple[TileConfig, str]] = {}  # (shape class, device index, autotune) -> (config, its source)
 
 
 @contextlib.contextmanager
@@ -294,40 +275,54 @@ def pick(
     num_rows: int,
     num_experts: int,
     run: Callable[[TileConfig], object] | None = None,
+    autotune: bool = False,
 ) -> TileConfig:
-    """The config for one launch (see the module docstring for the order). ``run(cfg)`` launches the kernel with
-    cfg; autotuning calls it, so pass it only when the launch writes nothing but its own outputs."""
-    if kernel in _FORCED:
-        return _FORCED[kernel]
-    if interpreting():
-        return INTERPRETER_CONFIG
-    if dtype == torch.float32:
-        return FP32_CONFIG
-    key = shape_class(kernel, depth, width, num_rows, num_experts)
-    memo = (key, device.index, OPTIONS.autotune)
-    cfg = _PICKED.get(memo)
-    if cfg is not None:
-        return cfg
-    max_shared, table = device_budget(device)
-    cfg = table.get(key) or neighbour(table, key) or heuristic(kernel, num_rows, num_experts, max_shared, width)
-    if OPTIONS.autotune and device.type == "cuda" and run is not None:
-        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-            return cfg  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
-        cache = _DiskCache.for_device(device)
-        cfg = cache.get(key) or cache.put(key, _tune(kernel, run, max_shared) or cfg)
-    _PICKED[memo] = cfg
+    """The config for one launch (see the module docstring for the order), counted by where it came from
+    (launches.py: the launchers call this once per launch, just before launching). ``autotune``: the caller's
+    kernels.autotune; ``run(cfg)`` launches the kernel with cfg, which autotuning calls, so pass it only when the
+    launch writes nothing but its own outputs."""
+    cfg, where = _pick(kernel, dtype, device, depth, width, num_rows, num_experts, run, autotune)
+    launches.count("tiles", where)
     return cfg
 
 
-def source(dtype: torch.dtype, device: torch.device) -> str:
+def _pick(kernel, dtype, device, depth, width, num_rows, num_experts, run, autotune) -> tuple[TileConfig, str]:
+    if kernel in _FORCED:
+        return _FORCED[kernel], "forced"
+    if interpreting():
+        return INTERPRETER_CONFIG, "interpreter"
+    if dtype == torch.float32:
+        return FP32_CONFIG, "fp32"
+    key = shape_class(kernel, depth, width, num_rows, num_experts)
+    memo = (key, device.index, autotune)
+    picked = _PICKED.get(memo)
+    if picked is not None:
+        return picked
+    max_shared, table = device_budget(device)
+    cfg, where = table.get(key), "table"
+    if cfg is None:
+        cfg, where = neighbour(table, key), "neighbour"
+    if cfg is None:
+        cfg, where = heuristic(kernel, num_rows, num_experts, max_shared, width), "heuristic"
+    if autotune and device.type == "cuda" and run is not None:
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return cfg, where  # no timing inside a trace or a CUDA-graph capture; the next eager call tunes
+        cache = _DiskCache.for_device(device)
+        cfg, where = cache.get(key) or cache.put(key, _tune(kernel, run, max_shared) or cfg), "autotune"
+    _PICKED[memo] = (cfg, where)
+    return cfg, where
+
+
+def source(dtype: torch.dtype, device: torch.device, autotune: bool = False) -> str:
     """Where ``pick`` takes the configs of launches in ``dtype`` on ``device`` from, in the run header's words (the
-    order of ``pick``): "interpreter", "fp32", "autotune", "table <GPU name>" (the shipped table; a class next to
-    one of its classes, or else the heuristic, for classes it lacks) or "heuristic"."""
+    order of ``pick``): "interpreter", "fp32", "autotune" (with ``autotune``, kernels.autotune), "table <GPU name>"
+    (the shipped table; a class next to one of its classes, or else the heuristic, for classes it lacks) or
+    "heuristic"."""
     if interpreting():
         return "interpreter"
     if dtype == torch.float32:
         return "fp32"
-    if OPTIONS.autotune and device.type == "cuda":
+    if autotune and device.type == "cuda":
         return "autotune"
     name = _gpu_name(device) if device.type == "cuda" else ""
     return f"table {name}" if name and shipped_table(name) else "heuristic"

@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from xmoe.config import ModelConfig
+from xmoe.kernels.choice import Kernels, resolve_kernels
 from xmoe.model import init as param_init
 from xmoe.model.attention import KVCache, make_attention
 from xmoe.model.documents import Documents
@@ -59,17 +60,19 @@ class Block(nn.Module):
     set, from outside, what to recompute in backward (``recompute``: "none"; "moe": the FFN branch of MoE blocks;
     "full": the whole block) and compile each branch as a region (``torch.compile`` of the bound method): the
     checkpoint stays outside the compiled code and the module's own call, hooks included, stays eager. With a
-    ``cache`` (generation: no gradients) the block runs plainly.
+    ``cache`` (generation: no gradients) the block runs plainly. ``kernels``: an MoE block's (MoELayer's).
     """
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, moe: bool | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, moe: bool | None = None, kernels: Kernels | None = None
+    ) -> None:
         super().__init__()
         self.is_moe = layer_id >= cfg.first_k_dense if moe is None else moe
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = make_attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if self.is_moe:
-            self.ffn: nn.Module = MoELayer(cfg.moe)
+            self.ffn: nn.Module = MoELayer(cfg.moe, kernels=kernels)
         else:
             self.ffn = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)
         self.recompute = "none"
@@ -135,25 +138,32 @@ class Transformer(nn.Module):
 
     Low precision: keep parameters fp32 and use autocast or FSDP's MixedPrecisionPolicy. ``model.to(bf16)``
     also casts the rotary tables to bf16 (positions past ~256 then lose angle precision).
+
+    ``kernels``: what every MoE block runs (xmoe/kernels/choice.py), one value for all of them; None:
+    ``resolve_kernels(cfg.moe.kernel_backend)``, for the default device under the environment's kernels section.
+    ``xmoe.build_model`` builds on the meta device with its target device's, from the run's ``KernelConfig``.
     """
 
     rope_cos: torch.Tensor  # buffers (register_buffer below)
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, *, loss_chunk_tokens: int = 4096) -> None:
+    def __init__(self, cfg: ModelConfig, *, loss_chunk_tokens: int = 4096, kernels: Kernels | None = None) -> None:
         super().__init__()
         if loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens ({loss_chunk_tokens}) must be >= 0 (0 disables chunking)")
         self.cfg = cfg
         self.loss_chunk_tokens = loss_chunk_tokens
+        if kernels is None and cfg.mtp_moe:  # some block is an MoE block: one value for all of them
+            kernels = resolve_kernels(cfg.moe.kernel_backend)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, kernels=kernels) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.mtp = nn.ModuleList(
-            MTPModule(cfg, Block(cfg, cfg.num_layers + d, moe=cfg.mtp_moe)) for d in range(cfg.mtp_depth)
+            MTPModule(cfg, Block(cfg, cfg.num_layers + d, moe=cfg.mtp_moe, kernels=kernels))
+            for d in range(cfg.mtp_depth)
         )
         for d, module in enumerate(self.mtp, 1):  # an MTP block's real tokens: those with a target d ahead
             for layer in moe_layers(module):

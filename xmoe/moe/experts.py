@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xmoe.dispatch.routing import RoutingPlan
-from xmoe.kernels import get_ops
+from xmoe.kernels.choice import Kernels, resolve_kernels
 from xmoe.kernels.fp8_rows import Fp8Rows
 from xmoe.moe.weights import CopyWriter, ExpertWeights
 
@@ -23,7 +23,11 @@ class RoutedExperts(nn.Module):
     per optimizer step (``step_copies``, called by xmoe/moe/step.py's MoEStep), else once per forward.
 
     ``expert_weights`` (xmoe/moe/weights.py) owns what a step computes with: the compute copies of w1, w3, w2,
-    their gradients' way into the fp32 .grad and the copies the optimizer writes for the next step."""
+    their gradients' way into the fp32 .grad and the copies the optimizer writes for the next step.
+
+    ``kernels``: the layer's (xmoe/kernels/choice.py): the backend's ops, and the weight-gradient engine and tile
+    autotuning the Triton ops are called with (None: the "auto" backend on the default device under the
+    environment's kernels section)."""
 
     def __init__(
         self,
@@ -31,11 +35,11 @@ class RoutedExperts(nn.Module):
         hidden_size: int,
         ffn_hidden_size: int,
         init_std: float = 0.02,
-        kernel_backend: str = "auto",
+        kernels: Kernels | None = None,
         fp8: bool = False,
     ):
         super().__init__()
-        self.kernel_backend = kernel_backend
+        self.kernels = kernels if kernels is not None else resolve_kernels()
         self.init_std = init_std
         self.fp8 = fp8
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -54,7 +58,7 @@ class RoutedExperts(nn.Module):
         """The weight copies one optimizer step's micro-batches share (MoEStep calls this when the step opens):
         ExpertWeights.step_copies, whose detached copies' gradients this module's kernel backend adds into the fp32
         .grad."""
-        return self.expert_weights.step_copies(dtype, get_ops(self.kernel_backend, self.w1.device))
+        return self.expert_weights.step_copies(dtype, self.kernels.ops)
 
     def forward(
         self,
@@ -74,24 +78,28 @@ class RoutedExperts(nn.Module):
         if isinstance(x, Fp8Rows):
             raise ValueError("rows dispatched in FP8 reach bf16 experts dequantised; Fp8Rows are for FP8 experts")
         w1, w3, w2 = self.expert_weights.compute(x.dtype, casts)
-        ops = get_ops(self.kernel_backend, x.device)
+        k = self.kernels
         if plan is not None:
-            return ops.moe_experts(
-                x, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, tokens_per_expert_E, w1, w3, w2
-            )
+            return k.ops.moe_experts(
+                x, weights_TK, plan.token_ids_N, plan.slot_ids_N, plan.row_of_slot_TK, tokens_per_expert_E, w1, w3, w2,
+                wgrad=k.wgrad, autotune=k.autotune,
+            )  # fmt: skip
         if x.dim() == 3:  # the padded baseline: equal-capacity groups, one batched matmul per weight
             return torch.bmm(F.silu(torch.bmm(x, w1)) * torch.bmm(x, w3), w2)
-        return ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E)
+        return k.ops.grouped_swiglu(x, w1, w3, w2, tokens_per_expert_E, wgrad=k.wgrad, autotune=k.autotune)
 
     def _forward_fp8(self, x, tokens_per_expert_E, plan, weights_TK, casts):
         from xmoe.kernels.fp8_quant import fp8_format
 
+        k = self.kernels  # how the Triton ops compute: the kernels section this module was built with
         fmt = fp8_format(x.q.device if isinstance(x, Fp8Rows) else x.device).name  # refuses devices without FP8
         if isinstance(x, Fp8Rows):  # dispatched in FP8: the rows as they arrived, quantised once
             from xmoe.kernels import fp8_experts
 
             w1, w3, w2, qw = self.expert_weights.compute_fp8(fmt, casts)
-            return fp8_experts.grouped_swiglu_fp8(x, w1, w3, w2, tokens_per_expert_E, qw, fmt)
+            return fp8_experts.grouped_swiglu_fp8(
+                x, w1, w3, w2, tokens_per_expert_E, qw, fmt, wgrad=k.wgrad, autotune=k.autotune
+            )
         if x.dim() != 2:
             raise ValueError(
                 "FP8 experts take rows (N, H) or tokens with a plan, not the padded baseline's "
@@ -113,8 +121,12 @@ class RoutedExperts(nn.Module):
                 w2,
                 qw,
                 fmt,
+                wgrad=k.wgrad,
+                autotune=k.autotune,
             )
-        return fp8_experts.grouped_swiglu_fp8(x, w1, w3, w2, tokens_per_expert_E, qw, fmt)
+        return fp8_experts.grouped_swiglu_fp8(
+            x, w1, w3, w2, tokens_per_expert_E, qw, fmt, wgrad=k.wgrad, autotune=k.autotune
+        )
 
 
 def _drop_waiting_copies(module: nn.Module, incompatible_keys: object) -> None:

@@ -15,6 +15,7 @@ from xmoe.config import MoEConfig
 from xmoe.dispatch.base import Dispatcher
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.padded import PaddedDispatcher
+from xmoe.kernels.choice import Kernels, resolve_kernels
 from xmoe.moe.balance import GlobalCounts
 from xmoe.moe.experts import RoutedExperts, SwiGLU
 from xmoe.moe.routed import OVERLAP_MODES, routed_and_shared
@@ -42,11 +43,12 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_out, grad_aux, None
 
 
-def make_dispatcher(cfg: MoEConfig) -> Dispatcher:
-    """The single-rank dispatcher named by the config (parallel ones are installed by xmoe.parallel)."""
+def make_dispatcher(cfg: MoEConfig, kernels: Kernels) -> Dispatcher:
+    """The single-rank dispatcher named by the config, with the layer's kernels (parallel ones are installed by
+    xmoe.parallel)."""
     if cfg.dispatcher == "padded":
         return PaddedDispatcher()
-    return LocalDispatcher(cfg.kernel_backend)
+    return LocalDispatcher(kernels)
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
@@ -78,18 +80,32 @@ class MoELayer(nn.Module):
     inside an optimizer step (``moe_step``, set by
     xmoe/moe/step.py's MoEStep) the layer also reports them there, and takes from it the step's aux-loss scale, expert
     weight casts, real-token mask and the global balance scope's counts.
+
+    ``kernels``: what the layer's router, experts and dispatcher run (xmoe/kernels/choice.py: the backend's ops, the
+    weight-gradient engine, tile autotuning), resolved once where the layer is built and used wherever it runs;
+    None: ``resolve_kernels(cfg.kernel_backend)``, for the default device under the environment's kernels section
+    as it is now. ``build_model`` passes its device's, from the run's ``KernelConfig``.
     """
 
-    def __init__(self, cfg: MoEConfig, dispatcher: Dispatcher | None = None):
+    def __init__(self, cfg: MoEConfig, dispatcher: Dispatcher | None = None, *, kernels: Kernels | None = None):
         super().__init__()
         self.cfg = cfg
-        self.router = Router(cfg)
+        if kernels is None:
+            kernels = resolve_kernels(cfg.kernel_backend)
+        elif kernels.requested != cfg.kernel_backend:
+            raise ValueError(
+                f"the kernels given to this MoE layer were resolved for kernel_backend {kernels.requested!r}, its "
+                f"config names {cfg.kernel_backend!r}: resolve them for the config's "
+                "(resolve_kernels(cfg.kernel_backend, ...))"
+            )
+        self.kernels = kernels
+        self.router = Router(cfg, kernels)
         self.experts = RoutedExperts(
             cfg.num_experts,
             cfg.hidden_size,
             cfg.ffn_hidden_size,
             cfg.init_std,
-            cfg.kernel_backend,
+            kernels,
             fp8=cfg.fp8 == "experts",
         )
         self.shared_experts = (
@@ -97,7 +113,7 @@ class MoELayer(nn.Module):
         )
         # Qwen2-MoE: a per-token sigmoid gate on the shared experts' output
         self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
-        self.dispatcher: Dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg)
+        self.dispatcher: Dispatcher = dispatcher if dispatcher is not None else make_dispatcher(cfg, kernels)
         # what overlaps the expert-parallel all-to-alls (moe/routed.py); set with the parallel dispatcher from outside
         self.overlap_mode = "off"
         self.overlap_chunks = 2
@@ -124,6 +140,7 @@ class MoELayer(nn.Module):
             )
         if not x.is_floating_point():
             raise ValueError(f"MoELayer expects a floating-point input, got dtype {x.dtype}")
+        self.kernels.check_device(x.device)
         if self.check_finite and not bool(torch.isfinite(x).all()):
             raise ValueError(
                 f"MoELayer input of shape {tuple(x.shape)} holds NaN or inf values "

@@ -31,7 +31,7 @@ from torch import nn
 
 from xmoe.config import MoEConfig
 from xmoe.dispatch.routing import count_ids
-from xmoe.kernels import get_ops
+from xmoe.kernels.choice import Kernels, resolve_kernels
 from xmoe.moe.balance import GlobalCounts, balance_probs, global_balance_loss, group_balance_loss, real_counts, z_loss
 from xmoe.moe.node_limit import NodeLimit
 
@@ -52,11 +52,15 @@ class RouterOutput(NamedTuple):
 
 
 class Router(nn.Module):
+    """``kernels``: the layer's (xmoe/kernels/choice.py), whose backend may fuse the selection (``router_topk``);
+    None: resolved for ``cfg.kernel_backend`` on the default device under the environment's kernels section."""
+
     expert_bias: torch.Tensor  # a buffer (register_buffer below)
 
-    def __init__(self, cfg: MoEConfig):
+    def __init__(self, cfg: MoEConfig, kernels: Kernels | None = None):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels if kernels is not None else resolve_kernels(cfg.kernel_backend)
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         # persistent: checkpoints (DCP) save and restore it with the weights
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -104,7 +108,7 @@ class Router(nn.Module):
         # way (kernels/router_topk.py) within its limits (router_topk_supports); the torch path below is the
         # reference and the fallback (its speed against the torch path: benchmarks/results/layer/bench_router.md); the
         # kernel has no node limit.
-        ops = get_ops(cfg.kernel_backend, logits_TE.device)
+        ops = self.kernels.ops
         kernel = self.node_limit is None and hasattr(ops, "router_topk")
         if kernel and ops.router_topk_supports(cfg.num_experts, cfg.top_k, cfg.num_expert_groups):
             weights_TK, ids_TK, scores_TK = ops.router_topk(

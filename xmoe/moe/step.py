@@ -30,7 +30,8 @@ What passes between the step and each layer while it is open (``moe/layer.py: La
                   step's micro-batches so far on every rank (moe/balance.py's GlobalCounts), which the balance loss
                   takes its expert frequencies from; each forward adds its micro-batch's with one all-reduce of E + 1
                   integers when there are several processes
-and, once per step, the dispatchers' traffic counters (read and reset by finish()).
+and, once per step, the dispatchers' traffic counters (read and reset by finish()) and what the experts' Triton
+GEMMs launched since the step was made (xmoe/kernels/launches.py: tile sources, weight-gradient engines).
 
 The global scope is not causal within one forward: the frequencies of the whole step are known only after its last
 micro-batch, whose backward has long run by then. Micro-batch a therefore balances against the step's counts so far
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from xmoe.dispatch.base import add_counters
+from xmoe.kernels import launches
 from xmoe.moe.balance import GlobalCounts
 from xmoe.moe.layer import LayerStep, MoELayer, moe_layers
 
@@ -64,12 +66,15 @@ class StepStats:
     the experts computed (slots kept after capacity dropping, padding tokens' included), summed; load_LE: the real
     tokens' routed slots per expert per layer (int64, this rank's, before dropping), summed over the micro-batches,
     None without MoE layers; traffic: the dispatchers' counters summed over layers, ``max_*`` ones their maximum
-    (Python numbers; {} when no dispatcher counts)."""
+    (Python numbers; {} when no dispatcher counts); launches: what the Triton GEMMs of this process launched during
+    the step, {"tiles": {source: launches}, "wgrad": {engine: weight gradients}} (xmoe/kernels/launches.py; {}
+    where none ran: the torch backend)."""
 
     aux: torch.Tensor
     rows: torch.Tensor
     load_LE: torch.Tensor | None
     traffic: dict[str, int] = field(default_factory=dict)
+    launches: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class MoEStep:
@@ -105,6 +110,7 @@ class MoEStep:
         self._aux = torch.zeros((), device=device)
         self._rows = torch.zeros((), dtype=torch.long, device=device)
         self._load_LE: torch.Tensor | None = None
+        self._launched = launches.snapshot()
 
     def __enter__(self) -> MoEStep:
         """The layers report to this step; their experts' weight copies are made now (with gradients on: a step
@@ -164,7 +170,10 @@ class MoEStep:
                 dist.all_reduce(load_LE)
             for layer, load_E in zip(self._layers, load_LE, strict=False):
                 layer.router.update_bias(load_E)
-        return StepStats(self._aux / self.micro_batches, self._rows, self._load_LE, self._take_traffic())
+        traffic = self._take_traffic()
+        return StepStats(
+            self._aux / self.micro_batches, self._rows, self._load_LE, traffic, launches.since(self._launched)
+        )
 
     def _take_traffic(self) -> dict[str, int]:
         """The dispatchers' counters since the last step, summed over layers (they count with no sync)."""

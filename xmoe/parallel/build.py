@@ -1,7 +1,8 @@
 """One construction pipeline for every model xmoe runs: the trainer, `xmoe eval / generate / export`, the simulated
 rank of `xmoe plan memory --measure`, the benchmarks and the tests.
 
-  1. the model on the meta device: shapes only, nothing allocated
+  1. the model on the meta device: shapes only, nothing allocated; its MoE layers built with the kernel choices
+     resolved once for the target device (xmoe/kernels/choice.py: ``Kernels``, from the run's ``KernelConfig``)
   2. parallelism from outside, in the fixed order: TP (attention, dense FFN; tensor.py) -> SSMB (MoE blocks on 1/tp
      of the tokens; ssmb.py) -> EP (experts sliced over "ep", all-to-all dispatch) + FSDP2 (experts over "dp", dense
      weights over "dp_ep"; expert_parallel.py), still on the meta device
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from xmoe.config import ModelConfig
+from xmoe.config import KernelConfig, ModelConfig
+from xmoe.kernels.choice import resolve_kernels
 from xmoe.model.transformer import Transformer
 from xmoe.moe.experts import use_one_process
 from xmoe.moe.weights import CopyWriter
@@ -95,16 +97,21 @@ def build_model(
     loss_chunk_tokens: int = 4096,
     ep_overlap: str = "off",
     ep_chunks: int = 2,
+    kernels: KernelConfig | None = None,
 ) -> BuiltModel:
     """Steps 1-7 for ``cfg`` on ``device`` (``dims``: a built ParallelDims for several processes, else None).
 
     ``init_from``: a Hugging Face directory whose weights replace the initial values (``cfg`` must be its
     architecture). ``recompute`` (config.RECOMPUTE_MODES) and ``compile`` (config.COMPILE_MODES): regions.py.
     ``param_dtype``: the parameters' compute dtype (bf16 on GPUs; None: their own): FSDP2's mixed precision, or on
-    one process the dtype of the routed experts' copies the optimizer writes (step 7)."""
+    one process the dtype of the routed experts' copies the optimizer writes (step 7).
+    ``kernels``: the run's kernels section (None: the environment's defaults), resolved here once with
+    ``cfg.moe.kernel_backend`` for ``device`` into the value every MoE layer, its router, experts and dispatchers are
+    built with (xmoe/kernels/choice.py)."""
     device = torch.device(device)
+    resolved = resolve_kernels(cfg.moe.kernel_backend, kernels, device) if cfg.mtp_moe else None  # any MoE block
     with torch.device("meta"):
-        model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens)
+        model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens, kernels=resolved)
     ddp = parallelize(
         model,
         dims,
@@ -140,7 +147,7 @@ def build_model(
     ep, tp = (dims.ep, dims.tp) if dims is not None else (1, 1)
     compiled = regions.should_compile(compile, device, ep, tp)
     if compiled:
-        regions.apply_compile(model, device)
+        regions.apply_compile(model)
     one_process = dims is None or dims.world_size == 1
     copy_writers = use_one_process(model, param_dtype) if one_process else []
     return BuiltModel(model, wrapped, compiled, copy_writers)

@@ -42,6 +42,7 @@ from torch import nn
 from xmoe.dispatch.alltoall import AllToAllDispatcher
 from xmoe.dispatch.hierarchical import HierarchicalDispatcher
 from xmoe.dispatch.padded import PaddedAllToAllDispatcher
+from xmoe.kernels.choice import Kernels
 from xmoe.moe.layer import moe_layers
 from xmoe.moe.node_limit import node_limit
 from xmoe.parallel.dims import DENSE_AXIS, ParallelDims
@@ -50,10 +51,11 @@ from xmoe.parallel.grads import scale_weight_grads
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
-def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernel_backend: str = "auto") -> HierarchicalDispatcher:
-    """RBD over the "ep" group of a built ``ParallelDims``, nodes from its node size (launcher numbering)."""
+def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernels: Kernels) -> HierarchicalDispatcher:
+    """RBD over the "ep" group of a built ``ParallelDims``, nodes from its node size (launcher numbering), with the
+    layer's ``kernels``."""
     nodes = [dims.node_of(r) for r in dims.group_ranks("ep")]
-    return HierarchicalDispatcher(dims.group("ep"), num_experts, nodes, kernel_backend)
+    return HierarchicalDispatcher(dims.group("ep"), num_experts, nodes, kernels)
 
 
 def ep_group_nodes(dims: ParallelDims) -> list[int]:
@@ -75,7 +77,8 @@ def ep_group_nodes(dims: ParallelDims) -> list[int]:
 
 def shard_experts(model: nn.Module, dims: ParallelDims, ep_overlap: str = "off", ep_chunks: int = 2) -> nn.Module:
     """Step 1 only: slice every MoELayer's experts over "ep" (DTensor Shard(0)) and install the all-to-all dispatcher,
-    with what overlaps its all-to-alls (``ep_overlap``, ``ep_chunks``: moe/routed.py).
+    built with the layer's kernels (``layer.kernels``), with what overlaps its all-to-alls (``ep_overlap``,
+    ``ep_chunks``: moe/routed.py).
 
     Works on real or meta tensors (no communication: every rank slices the full weights it holds, so real ones must
     be identical on all ranks, e.g. from one seed; xmoe/parallel/build.py shards meta tensors and initialises each
@@ -106,11 +109,11 @@ def shard_experts(model: nn.Module, dims: ParallelDims, ep_overlap: str = "off",
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
             setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         if cfg.dispatcher == "rbd":  # two-stage hierarchical dispatch over the nodes the EP group spans
-            layer.dispatcher = rbd_dispatcher(dims, cfg.num_experts, cfg.kernel_backend)
+            layer.dispatcher = rbd_dispatcher(dims, cfg.num_experts, layer.kernels)
         elif cfg.dispatcher == "padded":  # the capacity-buffer baseline, DeepSpeed-MoE style
             layer.dispatcher = PaddedAllToAllDispatcher(dims.group("ep"))
         else:
-            layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, cfg.kernel_backend, nodes)
+            layer.dispatcher = AllToAllDispatcher(dims.group("ep"), cfg.num_experts, layer.kernels, nodes)
         if cfg.dispatch_dtype == "fp8" and not isinstance(layer.dispatcher, PaddedAllToAllDispatcher):
             layer.dispatcher.use_fp8(to_experts=cfg.fp8 == "experts")  # FP8 experts take the rows as they arrive
         # the padded baseline moves its buffers whole (nothing of it overlaps, as in the systems it stands for)

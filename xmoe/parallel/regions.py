@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from xmoe.config import COMPILE_MODES, RECOMPUTE_MODES
-from xmoe.kernels import get_ops
 from xmoe.model.transformer import Block, Transformer
 
 log = logging.getLogger(__name__)
@@ -50,14 +49,13 @@ def should_compile(setting: str, device: torch.device, ep: int = 1, tp: int = 1)
     return device.type == "cuda" and ep == 1 and tp == 1
 
 
-def apply_compile(model: Transformer, device: torch.device, fullgraph: bool = False) -> None:
-    """torch.compile each block's branches and the model's loss head, in place (bound methods replaced).
+def apply_compile(model: Transformer, fullgraph: bool = False) -> None:
+    """torch.compile each block's branches and the model's loss head, in place (bound methods replaced). The MoE
+    layers' kernels are a frozen value each was built with (xmoe/kernels/choice.py), which the compiled regions
+    take as constants.
 
     ``fullgraph=True`` makes a graph break an error (the tests use it; training leaves it off, so that an
     unsupported combination such as the CPU torch backend's host-sized expert loop still runs, split in two)."""
-    for layer in model.moe_layers():
-        # resolve the kernel backends eagerly: a compiled region traces the resolved-table lookup only
-        get_ops(layer.cfg.kernel_backend, device)
     for block in blocks(model):  # the compiled callables replace the bound methods on the instances
         block.attn_branch = torch.compile(block.attn_branch, fullgraph=fullgraph)  # type: ignore[method-assign]
         block.ffn_branch = torch.compile(block.ffn_branch, fullgraph=fullgraph)  # type: ignore[method-assign]

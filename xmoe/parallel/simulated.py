@@ -39,7 +39,7 @@ def plan_counts(model: nn.Module, imbalance: float) -> int:
     for layer in moe_layers(model):
         d = layer.dispatcher
         if type(d) is AllToAllDispatcher:
-            layer.dispatcher = PlannedCounts(d.group, d.num_experts, d.kernel_backend, d.node_of_rank)
+            layer.dispatcher = PlannedCounts(d.group, d.num_experts, d.kernels, d.node_of_rank)
             layer.dispatcher.imbalance = imbalance
             swapped += 1
         elif not d.fuses_experts:

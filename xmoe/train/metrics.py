@@ -116,12 +116,12 @@ _FORMATS = {
 
 
 def format_progress(step: int, total_steps: int, values: dict[str, Any]) -> str:
-    """``step 40/300 | loss 3.214 | aux 0.010 | lr 2.9e-03 | 12.3k tok/s | ...`` (None values and lists, such as the
-    per-layer expert counts, skipped)."""
+    """``step 40/300 | loss 3.214 | aux 0.010 | lr 2.9e-03 | 12.3k tok/s | ...`` (None values, lists, such as the
+    per-layer expert counts, and tables, such as the kernels' launch counts, skipped)."""
     parts = [f"step {step}/{total_steps}"]
     parts += [fmt(values[k]) for k, fmt in _FORMATS.items() if values.get(k) is not None]
     for k, v in values.items():
-        if k not in _FORMATS and k not in ("step", "elapsed_s") and v is not None and not isinstance(v, list):
+        if k not in _FORMATS and k not in ("step", "elapsed_s") and v is not None and not isinstance(v, (list, dict)):
             parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
     return " | ".join(parts)
 
@@ -207,7 +207,7 @@ class MetricsLogger:
     """Rank 0 appends one JSON line per ``log`` to ``out_dir/metrics.jsonl`` and shows progress.
 
     Keys: ``step``, the values passed (canonical: loss, aux_loss, lr, grad_norm, tokens_per_s, tflops,
-    paper_tflops, mfu, mem_bytes, imbalance, dead_experts, hot_experts; TFLOP/s per GPU) and ``elapsed_s``
+    paper_tflops, mfu, mem_bytes, imbalance, dead_experts, hot_experts, launches; TFLOP/s per GPU) and ``elapsed_s``
     (training wall time,
     cumulative across resumes). Each line is flushed, so a crash loses nothing already logged. Progress is
     a tqdm bar when stderr is a TTY, else one plain line per ``log`` on ``stream``, or through the "xmoe" logger

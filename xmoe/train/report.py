@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from xmoe.config import RunConfig
 from xmoe.dispatch.base import add_counters
+from xmoe.kernels import launches
 from xmoe.moe.step import StepStats
 from xmoe.train import expert_load, metrics
 
@@ -36,6 +37,8 @@ class Window:
     rows: torch.Tensor = field(init=False)  # routed rows the experts computed, summed
     load_LE: torch.Tensor | None = None  # real tokens' slots per expert per layer, summed (None: no MoE layers)
     traffic: dict[str, int] = field(default_factory=dict)  # the dispatchers' counters, summed (max_*: their maximum)
+    # what the experts' Triton GEMMs launched on this rank, summed (StepStats.launches; {} where none ran)
+    launched: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rows = torch.zeros((), dtype=torch.long, device=self.device)
@@ -46,6 +49,7 @@ class Window:
         if stats.load_LE is not None:
             self.load_LE = stats.load_LE if self.load_LE is None else self.load_LE + stats.load_LE
         add_counters(self.traffic, stats.traffic)
+        launches.add(self.launched, stats.launches)
 
     def exclude(self, since: float) -> None:
         """The time from ``since`` until now (an evaluation, a checkpoint) is not training time."""
@@ -78,8 +82,9 @@ class Reporter:
     """The run's words: ``announce`` at the start, ``log_window`` at each logging step, ``finish`` at the end.
     ``dataset``: the training data (its ``name``, ``vocab_size`` and, for the synthetic source, ``loss_floor`` and
     ``unigram_entropy``); ``preset``: the preset the model came from ("" for none); ``kernels``: the run's kernel
-    choices as resolved on its device (xmoe.kernels.choice), named in the header and recorded in the summary;
-    ``memory``: the memory pre-flight's line for the header."""
+    choices as resolved on its device (xmoe.kernels.choice), named in the header and recorded in the summary beside
+    what the kernels launched from the header on (``launches``: xmoe/kernels/launches.py); ``memory``: the memory
+    pre-flight's line for the header."""
 
     def __init__(
         self,
@@ -99,12 +104,14 @@ class Reporter:
         self.run, self.out_dir, self.logger = run, out_dir, logger
         self.memory = memory  # the pre-flight's line (xmoe.train.preflight), None when it did not run
         self.rank, self.world, self.device = rank, world, device
-        self.dataset, self.preset, self.kernels = dataset, preset, kernels
+        self.dataset, self.preset, self.kernel_choice = dataset, preset, kernels
         self.optimizer = optimizer
         self.flop_dims = metrics.FlopDims.from_model_config(run.model, run.train.seq_len)
+        self.launched = launches.snapshot()  # what the Triton GEMMs launched before the run: not the run's
 
     def announce(self, n_params: int, micro_batch: int, accum: int, dp_size: int, compiled: bool, step: int) -> None:
         """The run's header (rank 0): the model, the data and the batch, where it writes."""
+        self.launched = launches.snapshot()
         if self.rank:
             return
         t, m = self.run.train, self.run.model
@@ -117,7 +124,7 @@ class Reporter:
             f"compiled regions {'on' if compiled else 'off'}, recompute {t.recompute}"
             + (f", {self.optimizer}" if self.optimizer else "")
             + (f", expert-parallel overlap {self._overlap()}" if self.run.parallel.ep > 1 else ""),
-            self.kernels.describe(),
+            self.kernel_choice.describe(),
         ]
         if self.memory:
             lines.append(self.memory)
@@ -160,6 +167,8 @@ class Reporter:
         seconds = time.perf_counter() - window.start
         record = dict(loss=loss_v, aux_loss=aux_v, lr=lr, grad_norm=gnorm_v, **self._rates(window, rows_v, seconds))
         record.update(comm_metrics(window.traffic, window.steps))
+        if window.launched:  # rank 0's, as its traffic: {"tiles": {source: launches}, "wgrad": {engine: products}}
+            record["launches"] = window.launched
         load_LE = None
         if window.load_LE is not None:
             load_LE = np.asarray(load_v, dtype=np.float64).reshape(window.load_LE.shape).astype(np.int64)
@@ -233,7 +242,7 @@ class Reporter:
             status=status,
             title=f"{self.out_dir} ({self._model_text()})",
             step=step,
-            info={"kernels": self.kernels.record()},
+            info={"kernels": self.kernel_choice.record(), "launches": launches.since(self.launched)},
         )
         if self.rank == 0:
             if floor is not None and isinstance(summary.get("final_loss"), float):

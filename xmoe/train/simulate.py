@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from xmoe.config import KernelConfig, ModelConfig, ParallelConfig, kernel_config
+from xmoe.kernels import launches
 from xmoe.kernels.choice import describe_record, resolve_layer
 from xmoe.model_config import KernelBackend
 from xmoe.parallel.build import build_model
@@ -70,6 +71,7 @@ class Measurement:
     compute_ms_per_step: float
     tokens_per_s: float  # this rank's tokens per second that compute alone would allow
     kernels: dict[str, Any]  # the kernels section and what it resolved to (KernelChoice.record)
+    launches: dict[str, dict[str, int]]  # what the Triton GEMMs launched over the steps (xmoe/kernels/launches.py)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"note": NOTE}
@@ -129,8 +131,8 @@ def measure_rank(
     of ``micro_batch`` sequences of ``seq_len`` tokens, in a fake world of its own (the module docstring).
     ``simulate=False``: in the process group this process already belongs to, for real (the same measurement of
     a real run's rank: the tests compare the two). ``ssmb``: with tp > 1, the MoE blocks on 1/tp of the tokens.
-    ``kernels``: the kernels section the steps run under, as the trainer runs its own (None: the environment's
-    defaults)."""
+    ``kernels``: the kernels section the rank's model is built with, as the trainer builds its own (None: the
+    environment's defaults)."""
     if steps < 3:
         raise ValueError(f"--steps ({steps}) must be >= 3: a warm-up step, a measured step, then timed ones")
     dev = torch.device(
@@ -140,10 +142,11 @@ def measure_rank(
     world = parallel.world_size
     tokens = micro_batch * seq_len // (parallel.tp if ssmb else 1)  # what the MoE blocks of a rank route
     dtype = torch.bfloat16 if autocast else torch.float32  # the trainer's, for its kernel choice
-    choice = resolve_layer(cfg.moe, kernels or KernelConfig(), tokens, dev, dtype, ep=parallel.ep)
-    # the run's kernels section, as the trainer's loop runs under it
-    with _world(simulate, world, rank), choice.applied():
-        rank_run = _RankRun(cfg, parallel, rank, dev, seed=seed, ssmb=ssmb, recompute=recompute)
+    kernels = kernels or KernelConfig()
+    choice = resolve_layer(cfg.moe, kernels, tokens, dev, dtype, ep=parallel.ep)
+    before = launches.snapshot()
+    with _world(simulate, world, rank):
+        rank_run = _RankRun(cfg, parallel, rank, dev, seed=seed, ssmb=ssmb, recompute=recompute, kernels=kernels)
         ms, peak, by_kind = rank_run.measure(micro_batch, seq_len, steps, simulate, imbalance, lr, weight_decay)
     layout = dict(
         world=world,
@@ -153,7 +156,8 @@ def measure_rank(
         layers=cfg.num_layers,
     )
     tokens_per_s = micro_batch * seq_len / (ms / 1e3)
-    return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, tokens_per_s, choice.record())
+    launched = launches.since(before)
+    return Measurement(layout, str(dev), steps, int(peak), by_kind, ms, tokens_per_s, choice.record(), launched)
 
 
 class _RankRun:
@@ -169,7 +173,9 @@ class _RankRun:
         seed: int,
         ssmb: bool,
         recompute: str,
+        kernels: KernelConfig,
     ) -> None:
+        # model_cfg, kernel_config: not "cfg" / "kernels", the MoE modules' attribute names (tests/test_seam.py)
         self.model_cfg, self.parallel, self.dev, self.seed, self.ssmb, self.recompute = (
             cfg,
             parallel,
@@ -178,6 +184,7 @@ class _RankRun:
             ssmb,
             recompute,
         )
+        self.kernel_config = kernels
         self.world, self.autocast = parallel.world_size, dev.type == "cuda"
         self.dims = None
         if self.world > 1:
@@ -227,6 +234,7 @@ class _RankRun:
             ssmb=self.ssmb,
             param_dtype=torch.bfloat16 if autocast else None,
             recompute=self.recompute,
+            kernels=self.kernel_config,
         )
         if simulate:
             plan_counts(built.model, imbalance)

@@ -110,7 +110,7 @@ class Trainer:
         self.local_batch, self.micro_batch, _ = run.batch_layout()
         assert self.dp_size == run.parallel.dp * run.parallel.ep  # the ranks batch_layout split the batch over
         self.autocast = self.device.type == "cuda"
-        self.kernels = resolve_choice(run, self.device, torch.bfloat16 if self.autocast else torch.float32)
+        self.kernel_choice = resolve_choice(run, self.device, torch.bfloat16 if self.autocast else torch.float32)
 
         # 1. the data (checked against the model's vocabulary)
         self._load_data(run)
@@ -136,6 +136,7 @@ class Trainer:
             compile=t.compile,
             ep_overlap=run.parallel.ep_overlap,  # as resolved by the pre-flight
             ep_chunks=par.ep_chunks,
+            kernels=run.kernels,  # resolved once, for this device, into the value every MoE layer is built with
         )
         self.model, self.wrapped, self.compiled = built.model, built.wrapped, built.compiled
         self.optimizer = build_optimizer(
@@ -163,7 +164,7 @@ class Trainer:
             device=self.device,
             dataset=self.dataset,
             preset=run.preset,
-            kernels=self.kernels,
+            kernels=self.kernel_choice,
             optimizer=describe_optimizer(self.optimizer),
             memory=self.memory_line,
         )
@@ -243,7 +244,7 @@ class Trainer:
         config = {
             **asdict(self.run),
             "data": {**asdict(self.run.data), **self.data_info},
-            "kernels": self.kernels.record(),
+            "kernels": self.kernel_choice.record(),
         }
         return ckpt.save_checkpoint(
             self.run_dir,
@@ -304,7 +305,7 @@ class Trainer:
         safety.NonFiniteError on a NaN / inf loss or gradient norm (nothing saved after it)."""
         try:
             guard = safety.RunGuard(self.device, self.run.train.nonfinite_skips, self.run.parallel.timeout)
-            with guard, self.kernels.applied():
+            with guard:
                 return self._train(guard)
         except (RuntimeError, MemoryError) as exc:
             if not oom.is_out_of_memory(exc):
