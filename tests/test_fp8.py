@@ -23,7 +23,7 @@ import torch
 from xmoe import MoEConfig, MoELayer
 from xmoe.config import KernelConfig
 from xmoe.dispatch.routing import build_plan
-from xmoe.kernels import fp8_quant, tiles
+from xmoe.kernels import fp8_quant, launches, tiles
 from xmoe.kernels.choice import resolve_kernels
 from xmoe.kernels.fp8_experts import grouped_swiglu_fp8, moe_experts_fp8
 from xmoe.kernels.fp8_gemm import fp8_grouped_mm, fp8_swiglu_down_bwd, fp8_swiglu_up_fwd, input_grad_operands
@@ -388,7 +388,7 @@ def _layer_grads(layer, x, g):
 
 
 @pytest.mark.parametrize("wgrad", ["auto", "fp8"])
-def test_fp8_layer_close_to_unquantised_layer(wgrad):
+def test_fp8_layer_close_to_unquantised_layer(wgrad, monkeypatch):
     torch.manual_seed(0)
     kw = dict(hidden_size=256, ffn_hidden_size=192, num_experts=4, top_k=2, num_shared_experts=0)
     exact = MoELayer(MoEConfig(**kw, kernel_backend="torch"))
@@ -398,7 +398,11 @@ def test_fp8_layer_close_to_unquantised_layer(wgrad):
     assert fp8.experts.fp8 and "fp8=experts" in repr(fp8)
     x, g = torch.randn(2, 24, 256, generator=_gen(33)), torch.randn(2, 24, 256, generator=_gen(34))
     want = _layer_grads(exact, x, g)
+    monkeypatch.setenv("XMOE_WGRAD", "auto" if wgrad == "fp8" else "fp8")  # the environment, now: not what runs
+    before = launches.snapshot()
     got = _layer_grads(fp8, x, g)
+    # dW2, dW1, dW3 by the engine the layer was built with: fp8_wgrad, or the bf16 Triton kernels ("auto" off sm_90)
+    assert launches.since(before)["wgrad"] == {"fp8" if wgrad == "fp8" else "triton": 3}
     errs = {name: _rel(got[name], want[name]) for name in FP8_BOUND}
     for name, bound in FP8_BOUND.items():
         assert 1e-3 < errs[name] < bound, (name, errs[name])  # quantised (not exact), and within the stated bound

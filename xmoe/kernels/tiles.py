@@ -23,8 +23,8 @@ two at or above them) and the rows per expert (N // E, also a power of two). How
 Whether to autotune is the caller's: ``pick`` takes it as an argument, which the launchers take from the ops that
 call them (a run's ``kernels.autotune``, carried by the ``Kernels`` value its layers were built with: choice.py).
 ``source`` says in words where the picks of a run will come from; every pick counts where it came from
-(launches.py), so that what ran can be told from what was predicted. ``force`` is the one module-level switch: a
-hook for tests and sweeps that run chosen tiles.
+(launches.py), so that what ran can be told from what was predicted. ``force`` is this module's one switch: a hook
+for tests and sweeps that run chosen tiles, which no run sets.
 """
 
 from __future__ import annotations
