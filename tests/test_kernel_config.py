@@ -233,6 +233,33 @@ def test_a_layer_moved_where_auto_names_another_backend_is_refused():
         MoELayer(cfg, kernels=resolve_kernels("auto"))
 
 
+def test_a_layer_moved_to_another_device_type_takes_its_auto_choice_along():
+    # built for a GPU (auto -> triton, a weight-gradient engine chosen), then moved: .to() resolves the same choice
+    # for the device it lands on, in the layer and everything it hands its kernels to; a named backend stays
+    from xmoe.kernels import reference, triton_ops
+    from xmoe.moe.layer import MoELayer
+
+    cfg = MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4, top_k=2)
+    layer = MoELayer(cfg, kernels=Kernels("auto", "triton", triton_ops, "cuda", "grouped_mm", True))
+    layer.to(CPU)
+    k = layer.kernels
+    assert (k.requested, k.backend, k.ops, k.device_type, k.wgrad, k.autotune) == (
+        "auto",
+        "torch",
+        reference,
+        "cpu",
+        "grouped_mm",
+        True,
+    )
+    assert layer.router.kernels is k and layer.experts.kernels is k and layer.dispatcher.kernels is k
+    assert layer(torch.randn(2, 3, 16)).shape == (2, 3, 16)
+    named = MoELayer(
+        MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4, top_k=2, kernel_backend="torch"),
+        kernels=Kernels("torch", "torch", reference, "cuda", "auto", False),
+    )
+    assert named.to(CPU).kernels.device_type == "cuda"  # named outright: nothing to resolve again
+
+
 # ---------------------------------------------------------------------- the other commands that run the model
 
 

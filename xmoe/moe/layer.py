@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from xmoe.config import MoEConfig
+from xmoe.config import KernelConfig, MoEConfig
 from xmoe.dispatch.base import Dispatcher
 from xmoe.dispatch.local import LocalDispatcher
 from xmoe.dispatch.padded import PaddedDispatcher
@@ -131,6 +131,23 @@ class MoELayer(nn.Module):
         # token d + 1 ahead: its real tokens are those with a target at depth d (MoEStep.set_real_tokens' ``ahead``)
         self.positions_ahead = 0
         self.last_stats: dict[str, torch.Tensor] = {}
+
+    def _apply(self, fn, recurse=True):
+        """A move (``.to``, ``.cuda``, ``to_empty``) carries the layer's kernel choice along: moved to a device type
+        where ``kernel_backend = "auto"`` names another backend (a layer built on the CPU, then ``.cuda()``), the
+        same choice (auto, its weight-gradient engine and autotuning) is resolved for the new device, as if the
+        layer had been built there. A backend named outright stays what it is."""
+        out = super()._apply(fn, recurse)
+        device, kernels = self.experts.w1.device, self.kernels
+        if device.type not in (kernels.device_type, "meta") and kernels.requested == "auto":
+            config = KernelConfig(wgrad=kernels.wgrad, autotune=kernels.autotune)
+            self._use_kernels(resolve_kernels("auto", config, device))
+        return out
+
+    def _use_kernels(self, kernels: Kernels) -> None:
+        self.kernels = self.router.kernels = self.experts.kernels = kernels
+        if hasattr(self.dispatcher, "kernels"):
+            self.dispatcher.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
