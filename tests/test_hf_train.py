@@ -319,6 +319,7 @@ def test_a_checkpoint_being_read_is_not_pruned_by_the_running_trainer(imported_r
 
 def test_a_checkpoint_pruned_before_it_is_pinned_is_picked_again(imported_run, monkeypatch):
     from xmoe import infer
+    from xmoe.kernels.choice import recorded_config
     from xmoe.train import checkpoint as ckpt
 
     run = imported_run
@@ -329,7 +330,7 @@ def test_a_checkpoint_pruned_before_it_is_pinned_is_picked_again(imported_run, m
         picks.append(found.name)
         if len(picks) == 1:  # the trainer saves step 3 and prunes step 2 between the pick and the pin
             meta = ckpt.read_meta(found)
-            model, _ = infer._run_model(found, meta, "cpu")
+            model, _, _ = infer._run_model(found, meta, "cpu", recorded_config(meta["config"]))
             ckpt.save_checkpoint(run, 3, model, keep_last=1, config=meta["config"])
         return found
 
