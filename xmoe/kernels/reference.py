@@ -80,10 +80,11 @@ def combine_rows(y_NH, weights_TK, token_ids_N, slot_ids_N, row_of_slot_TK):
 def _probe_cpu_grouped_mm() -> bool:
     """Whether this torch build runs torch._grouped_mm on CPU in fp32, backward included (a tiny call).
 
-    The first get_ops call imports this module, and that call may come from inside a model's forward: under
-    no_grad, autocast, or an activation checkpoint, whose saved-tensor hooks would count the probe's saved
-    tensors as the forward's (the recompute, importing nothing, then saves fewer and checkpoint refuses). So the
-    probe runs with gradients on, autocast off and saved tensors kept plainly, whatever its caller set."""
+    It runs when this module is first imported, where a backend is first resolved (a layer built, or moved to another
+    device), which may be inside a caller's no_grad, autocast, or an activation checkpoint, whose saved-tensor hooks
+    would count the probe's saved tensors as the forward's (the recompute, importing nothing, then saves fewer and
+    checkpoint refuses). So the probe runs with gradients on, autocast off and saved tensors kept plainly, whatever
+    its caller set."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
