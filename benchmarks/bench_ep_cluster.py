@@ -13,10 +13,10 @@ rank runs this script's rank mode over the whole grid (the model is built again 
 each are warm-up). The CPU ranks compute under bf16 autocast, so rows travel as on GPUs (2 bytes a value; FP8
 dispatch 1 byte plus the scales). Measured per case: the step's wall time (the slowest rank; median of the timed
 steps) and the host time blocked in the expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted
-all-to-alls' waits, the count exchange and its host sync; the mean over ranks), which on CPUs is the communication
-no compute hid. The planner (xmoe/plan/step_time.py) predicts every case from the link rate measured before the run
-(shared by a node's ranks), the compute of the overlap-off case of the same dispatcher and dtype (its step minus its
-exposed time) and the routed and shared experts' forward times measured in it.
+all-to-alls' waits, the blocking exchanges, the count exchange and its host sync; the mean over ranks), which on
+CPUs is the communication no compute hid. The planner (xmoe/plan/step_time.py) predicts every case from the link
+rate measured before the run (shared by a node's ranks), the compute of the overlap-off case of the same dispatcher
+and dtype (its step minus its exposed time) and the routed and shared experts' forward times measured in it.
 Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
 """
 

@@ -36,8 +36,10 @@ import torch.distributed as dist
 
 
 def _all_to_all(x_NH: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """A blocking all-to-all: on CPUs the host waits in it for the whole exchange (timed by WaitTimer)."""
     out_MH = x_NH.new_empty((sum(output_splits),) + tuple(x_NH.shape[1:]))
-    dist.all_to_all_single(out_MH, x_NH.contiguous(), output_splits, input_splits, group=group)
+    x_NH = x_NH.contiguous()
+    _timed(lambda: dist.all_to_all_single(out_MH, x_NH, output_splits, input_splits, group=group))
     return out_MH
 
 
@@ -116,8 +118,9 @@ def splits_to_host(send_counts_PE: torch.Tensor, recv_counts_PE: torch.Tensor) -
 
 class WaitTimer:
     """Host time spent blocked in the expert-parallel exchanges of this process (the posted exchanges' waits, the
-    count exchange and its host sync): the exposed communication of a CPU (gloo) run. On GPUs a wait only makes
-    the compute stream wait, so the host time says nothing there; profile instead. Off unless ``enabled``."""
+    blocking ones (RBD's ids, routing weights and second stage), the count exchange and its host sync): the
+    exposed communication of a CPU (gloo) run. On GPUs a wait only makes the compute stream wait, so the host
+    time says nothing there; profile instead. Off unless ``enabled``."""
 
     enabled = False
     seconds = 0.0
