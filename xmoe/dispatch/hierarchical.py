@@ -295,8 +295,8 @@ class HierarchicalDispatcher(PhasedDispatcher):
     def _stage1(
         self, x_TH: torch.Tensor, units: SourceUnits, key1: torch.Tensor, splits: tuple[list[int], list[int]], ops
     ) -> tuple[torch.Tensor, Exchange, torch.Tensor, Stage1]:
-        """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit; the rows
-        posted, their ids exchanged while the rows travel."""
+        """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit; their ids
+        exchanged, then the rows posted."""
         send, recv = splits
         num_tokens, top_k = units.ids_TK.shape
         unit_slot = rows_by_key(key1, sum(send))
@@ -305,8 +305,10 @@ class HierarchicalDispatcher(PhasedDispatcher):
         unit_of_slot = torch.where(units.valid_TK, table_src.gather(1, units.unit_head_k_TK), -1)
         in_unit = unit_of_slot[token_of_unit] == torch.arange(unit_slot.numel(), device=x_TH.device)[:, None]
         ids_send = torch.where(in_unit, units.ids_TK[token_of_unit], -1).to(torch.int32)
-        link, ex = post_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group, self.encoding)
+        # the ids first (a few bytes a row), then the rows posted: a blocking exchange on the group after the posted
+        # one would queue behind it (gloo's and NCCL's collectives of one group run in order) and wait for the rows
         ids1 = all_to_all_plain(ids_send, recv, send, self.group).long()
+        link, ex = post_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group, self.encoding)
         return (
             link,
             ex,
