@@ -112,30 +112,6 @@ def _fsdp_units(cfg: ModelConfig, par: ParallelConfig, precision: str) -> _Units
     return _Units(layers, root, embed, V * H)
 
 
-def _fsdp_moments(
-    cfg: ModelConfig,
-    par: ParallelConfig,
-    units: _Units,
-    acts: _LayerActivations,
-    recompute: str,
-    precision: str,
-    kernel: str,
-    ssmb: bool,
-) -> list[tuple[str, dict[str, float]]]:
-    """Every moment of one FSDP2 training step that can hold its peak, as (label, bytes by term): the loss, each
-    layer's FFN and attention branches in backward order, the end of backward, the optimizer step."""
-    walk = _BackwardWalk(cfg, par, units, acts, recompute, precision, kernel, ssmb)
-    walk.loss()
-    for i in reversed(range(len(units.layers))):
-        if units.layers[i].experts:
-            walk.moe_layer(i)
-        else:
-            walk.dense_layer(i)
-    walk.end_of_backward()
-    walk.at("optimizer step", grads=GRAD_BYTES * walk.params, adam_step=_adam_step(cfg, par, precision, sharded=True))
-    return walk.moments
-
-
 class _BackwardWalk:
     """One FSDP2 step walked backward, moment by moment: what stays gathered, prefetched, reduced and in flight, and
     the activations still held (``left``), as the backward frees them layer by layer."""
@@ -155,6 +131,7 @@ class _BackwardWalk:
         self.cfg, self.units, self.acts, self.kernel, self.ssmb = cfg, units, acts, kernel, ssmb
         self.b, self.T, self.tp = activation_bytes(precision), acts.tokens, par.tp
         self.params = sum(u.shard for u in units.all())
+        self.adam_step = _adam_step(cfg, par, precision, sharded=True)  # the optimizer step's transient
         self.base = {"params": MASTER_BYTES * self.params, "optimizer": ADAM_BYTES * self.params}
         self.moments: list[tuple[str, dict[str, float]]] = []
         self.residual = RESIDUAL_BYTES * self.T * H
@@ -184,6 +161,19 @@ class _BackwardWalk:
 
     def at(self, label: str, **terms: float) -> None:
         self.moments.append((label, self.base | terms))
+
+    def step_moments(self) -> list[tuple[str, dict[str, float]]]:
+        """Every moment of one FSDP2 training step that can hold its peak, as (label, bytes by term): the loss, each
+        layer's FFN and attention branches in backward order, the end of backward, the optimizer step."""
+        self.loss()
+        for i in reversed(range(len(self.units.layers))):
+            if self.units.layers[i].experts:
+                self.moe_layer(i)
+            else:
+                self.dense_layer(i)
+        self.end_of_backward()
+        self.at("optimizer step", grads=GRAD_BYTES * self.params, adam_step=self.adam_step)
+        return self.moments
 
     def loss(self) -> None:
         """The loss: the log-softmax's backward (bf16 logits, fp32 log-probabilities and both gradients, or all

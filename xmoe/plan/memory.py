@@ -28,7 +28,7 @@ Conventions: the trainer's (xmoe/parallel/build.py, expert_parallel.py; docs/pla
     buffers, experts, shared experts) is replicated over TP without SSMB and runs on T/tp tokens with SSMB.
     Recompute: "moe" keeps each MoE block's fp32 input (4*T*H), "full" each block's; backward rebuilds the layer
     in hand.
-  * The peak. Backward walks the FSDP2 units in reverse order (``fsdp_memory._fsdp_moments``); at each moment the
+  * The peak. Backward walks the FSDP2 units in reverse order (``fsdp_memory._BackwardWalk``); at each moment the
     live bytes are the sharded states, the root's gathered weights and gradient, the sharded gradients of the units
     already reduced, the one reduce-scatter input FSDP2 keeps in flight, the saved activations of the layers not
     yet done, and the unit in hand: its gathered weights and unsharded gradients, the all-gather buffer of the unit
@@ -47,7 +47,7 @@ from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
 from xmoe.dispatch.base import experts_per_rank
 from xmoe.model.counting import block_kinds, count_params
 from xmoe.parallel.dims import ParallelDims
-from xmoe.plan.fsdp_memory import _fsdp_moments, _fsdp_units, _Unit, _Units
+from xmoe.plan.fsdp_memory import _BackwardWalk, _fsdp_units, _Unit, _Units
 from xmoe.plan.terms import (
     GRAD_BYTES,
     _LayerActivations,
@@ -318,7 +318,7 @@ def _peak(
         wrapper = "FSDP2"
         units = _fsdp_units(cfg, parallel, precision)
         label, terms = max(
-            _fsdp_moments(cfg, parallel, units, acts, recompute, precision, kernel, ssmb),
+            _BackwardWalk(cfg, parallel, units, acts, recompute, precision, kernel, ssmb).step_moments(),
             key=lambda moment: sum(moment[1].values()),
         )
         expert_params = sum(u.shard for u in units.experts())

@@ -182,7 +182,7 @@ def _fp32_replica(
     cfg: ModelConfig, acts: _LayerActivations, recompute: str, kernel: str, accumulation: int = 1
 ) -> TrainerMemory:
     """estimate_trainer_memory's walk for an fp32 eager replica (the trainer on a CPU): no casts, fp32 gradients
-    made directly, and each block's activation gradients (as in _fsdp_moments) as its transient; with
+    made directly, and each block's activation gradients (as in fsdp_memory's step_moments) as its transient; with
     ``accumulation`` > 1 every gradient exists throughout the last micro-batch's backward."""
     H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     T, b, moe = acts.tokens, 4, cfg.moe
