@@ -6,17 +6,18 @@ where given), each beside the planner's prediction for the measured link and the
 
 The defaults size the model so that its flat all-to-alls take about as long as its compute on a 2-core machine
 running 4 ranks (the link 0.3 Gbit/s each way per node), with few dense weights: FSDP2's all-gathers and reduce-
-scatters of the dense weights (attention, embedding, shared experts, routers) cross the same shaped link, and at a
-1024-token vocabulary and width 512 they took longer than the all-to-alls themselves. Needs root
-(benchmarks/emulated_cluster.py). Each node count is one emulated cluster and one torchrun per node, in which every
-rank runs this script's rank mode over the whole grid (the model is built again for each case; the first steps of
-each are warm-up). The CPU ranks compute under bf16 autocast, so rows travel as on GPUs (2 bytes a value; FP8
-dispatch 1 byte plus the scales). Measured per case: the step's wall time (the slowest rank; median of the timed
-steps) and the host time blocked in the expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted
-all-to-alls' waits, the blocking exchanges, the count exchange and its host sync; the mean over ranks), which on
-CPUs is the communication no compute hid. The planner (xmoe/plan/step_time.py) predicts every case from the link
-rate measured before the run (shared by a node's ranks), the compute of the overlap-off case of the same dispatcher
-and dtype (its step minus its exposed time) and the routed and shared experts' forward times measured in it.
+scatters of the dense weights (attention, embedding, shared experts, routers) cross the same shaped link, and their
+bytes grow with the width squared and the vocabulary while the all-to-alls' grow with the width and the tokens, so a
+small width and vocabulary keep the link for the all-to-alls. Needs root (benchmarks/emulated_cluster.py). Each node
+count is one emulated cluster and one torchrun per node, in which every rank runs this script's rank mode over the
+whole grid (the model is built again for each case; the first steps of each are warm-up). The CPU ranks compute
+under bf16 autocast, so rows travel as on GPUs (2 bytes a value; FP8 dispatch 1 byte plus the scales). Measured per
+case: the step's wall time (the slowest rank; median of the timed steps) and the host time blocked in the
+expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted all-to-alls' waits, the blocking exchanges, the
+count exchange and its host sync; the mean over ranks), which on CPUs is the communication no compute hid. The
+planner (xmoe/plan/step_time.py) predicts every case from the link rate measured before the run (shared by a node's
+ranks), the compute of the overlap-off case of the same dispatcher and dtype (its step minus its exposed time) and
+the routed and shared experts' forward times measured in it.
 Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
 """
 
