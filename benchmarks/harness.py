@@ -250,16 +250,18 @@ def run_xmoe_train(*args: str) -> tuple[list[dict] | None, str, float, str]:
     return records, command, wall, error
 
 
-def run_xmoe_train_output(*args: str) -> tuple[list[dict] | None, str, float, str, str]:
-    """run_xmoe_train, and the run's standard output (its header, with the memory pre-flight's line) last."""
+def run_xmoe_train_output(*args: str, source: str | None = None) -> tuple[list[dict] | None, str, float, str, str]:
+    """run_xmoe_train, and the run's standard output (its header, with the memory pre-flight's line) last.
+    ``source``: another checkout of xmoe to run instead of the one on the path (a baseline of the same call)."""
     import subprocess
     import tempfile
     import time
 
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(Path(source).resolve())}
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "xmoe", "train", *args, "--out", out]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=source, env=env)
         wall = time.perf_counter() - start
         command = " ".join(["python"] + cmd[1:]).replace(out, "RUN_DIR")
         if proc.returncode:
