@@ -4,7 +4,9 @@ Every rank builds the same global problem from one seed (all ranks' tokens and t
 through the HierarchicalDispatcher, and checks outputs, all gradients, the rows its experts see and the traffic
 counters against the flat AllToAllDispatcher, LocalDispatcher on one process, and xmoe.plan.comm.count_rows. One
 gloo world of 4 ranks serves several node maps (2 x 2, 4 x 1, 1 x 4, and an uneven 3 + 1): the node map is a
-dispatcher argument, so no new processes are needed for each. A world of 8 ranks covers 4 nodes x 2.
+dispatcher argument, so no new processes are needed for each. A world of 8 ranks covers 4 nodes x 2. These runs
+give the dispatcher its node and side groups, as training does; the layer test below runs without them (every
+exchange on the EP group).
 """
 
 from __future__ import annotations
@@ -179,18 +181,36 @@ def _check_counters(disp, plan, node_map, rank, top_k, where):
     assert both[0] == both[1], where
 
 
+def _extra_groups(node_map: list[int], rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's node group, a twin of the world) for a node map, made as ParallelDims.rbd_groups makes them:
+    every rank calls new_group for every group, in one order."""
+    node_group = None
+    for node in sorted(set(node_map)):
+        ranks = [r for r, n in enumerate(node_map) if n == node]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            node_group = group
+    assert node_group is not None
+    return node_group, dist.new_group(list(range(len(node_map))))
+
+
 def _dispatcher_body(rank: int, world_size: int, layouts: list[tuple[list[int], list[tuple[int, int]]]]):
     gen = torch.Generator().manual_seed(1234)
     hidden, ffn, num_tokens = 5, 4, 9
     with pytest.raises(ValueError, match="node_of_rank has 3 entries"):
         HierarchicalDispatcher(dist.group.WORLD, 4 * world_size, [0, 0, 1], TORCH)
     for node_map, configs in layouts:
+        # the second stage on the node's own group and the ids / weights on a twin of the EP group, as trained
+        node_group, side_group = _extra_groups(node_map, rank)
+        if len(set(node_map)) > 1:  # a node group that is not this rank's node is refused
+            with pytest.raises(ValueError, match="RBD's extra group holds global ranks"):
+                HierarchicalDispatcher(dist.group.WORLD, world_size, node_map, TORCH, side_group, side_group)
         for num_local, top_k in configs:
             num_experts = num_local * world_size
             mine = slice(rank * num_local, (rank + 1) * num_local)
             w1, w3 = (torch.randn(num_experts, hidden, ffn, dtype=torch.float64, generator=gen) for _ in range(2))
             w2 = torch.randn(num_experts, ffn, hidden, dtype=torch.float64, generator=gen)
-            disp = HierarchicalDispatcher(dist.group.WORLD, num_experts, node_map, TORCH)
+            disp = HierarchicalDispatcher(dist.group.WORLD, num_experts, node_map, TORCH, node_group, side_group)
             flat = AllToAllDispatcher(dist.group.WORLD, num_experts, TORCH)
             for name, ids_RTK, capacity in _routings(node_map, num_experts, top_k, num_tokens, gen):
                 k = ids_RTK.shape[-1]

@@ -13,9 +13,10 @@ dispatch:
      per-expert counts, the stage-1 rows, and the stage-2 rows each pilot's GPU will forward / receive, which the
      source knows), then ONE host sync of every split size.
   3. stage 1, all-to-all-v over the EP group: pilots cross nodes, direct rows stay inside, rows to self are copied.
-  4. stage 2, all-to-all-v whose non-zero splits are all intra-node: a pilot's GPU forwards one replica per other
-     GPU of its node hosting the token's experts, ids masked to that GPU. No collective at all when no node holds
-     two ranks of the group, or one node holds them all.
+  4. stage 2, all-to-all-v inside the node (on the node's own process group where one is given: it never waits
+     on another node, nor behind rows posted on the EP group): a pilot's GPU forwards one replica per other GPU of
+     its node hosting the token's experts, ids masked to that GPU. No collective at all when no node holds two
+     ranks of the group, or one node holds them all.
   5. each GPU expands its received rows to its local experts, expert-major: flat's rows, in another order.
 combine, the reverse, every sum in a fixed order (ops.combine_rows: k in order, fp32 accumulation, no atomics):
   6. router weights reach the rows' GPUs (stage 1 then 2, one autograd node: _SendWeights; they travel here since
@@ -29,6 +30,11 @@ sums back in stages 2 and 1), backward 6; with one stage 5 and 3 (flat: 3 and 2)
 (2P + 2Q + 7 ints: all split sizes, the expanded-row count, the counters); combine and backward reuse them. No
 (tokens x experts) structure: metadata is O(T K + M K) ints, deduplicated by sorting each token's K keys and
 marking run heads, which needs no host sync (torch.unique would).
+
+Groups: collectives of one process group run in order, so a blocking exchange issued on the EP group after rows
+posted there (another chunk's, or the combine's) waits for them. The blocking exchanges therefore run elsewhere
+where ParallelDims.rbd_groups provides the groups: stage 1's ids and the weights on a twin of the EP group, all of
+stage 2 on the node's group; only the rows of stage 1 (posted) and the counts use the EP group itself.
 
 Backward order: every rank must enter backward's collectives in the same order. The row path and combine's chain
 are linear; the weights' node is a side branch, so it takes the dispatched rows as extra inputs ("anchors"):
@@ -74,33 +80,34 @@ from xmoe.kernels.choice import Kernels
 
 
 class _SendWeights(torch.autograd.Function):
-    """Router weights (T, K) -> the received rows' weights (M, K): stage 1 then stage 2, in ONE autograd node, so
-    its two backward all-to-alls keep a fixed order; the anchors (the dispatched rows) order it before them."""
+    """Router weights (T, K) -> the received rows' weights (M, K): stage 1 (on the dispatcher's side group) then stage
+    2 (its node group), in ONE autograd node, so its two backward all-to-alls keep a fixed order; the anchors (the
+    dispatched rows) order it before them."""
 
     @staticmethod
-    def forward(ctx, weights_TK, c: DispatchContext, group, *anchors):
-        ctx.c, ctx.group, ctx.num_anchors = c, group, len(anchors)
+    def forward(ctx, weights_TK, c: DispatchContext, disp: HierarchicalDispatcher, *anchors):
+        ctx.c, ctx.disp, ctx.num_anchors = c, disp, len(anchors)
         s1, s2 = c.stage1, c.stage2
         w_UK = torch.where(s1.in_unit_UK, weights_TK.gather(1, s1.units.perm_TK)[s1.token_of_unit_U], 0)
-        w1_MK = all_to_all_plain(w_UK, s1.splits[1], s1.splits[0], group)
+        w1_MK = all_to_all_plain(w_UK, s1.splits[1], s1.splits[0], disp.side_group)
         if s2 is None:
             return w1_MK
         w2_send = torch.where(s2.rep_mask_U2K, w1_MK[s2.rep_src_U2], 0)
-        return torch.cat([w1_MK, all_to_all_plain(w2_send, s2.splits[1], s2.splits[0], group)])
+        return torch.cat([w1_MK, all_to_all_plain(w2_send, *disp._stage2_args(s2.splits))])
 
     @staticmethod
     def backward(ctx, grad_MK):
-        s1, s2, group = ctx.c.stage1, ctx.c.stage2, ctx.group
+        s1, s2, disp = ctx.c.stage1, ctx.c.stage2, ctx.disp
         if not ctx.needs_input_grad[0]:  # weights without gradient on every rank: no collective either
             return None, None, None, *(None for _ in range(ctx.num_anchors))
         grad1 = grad_MK[: s1.num_recv]
         if s2 is not None:
-            back2 = all_to_all_plain(grad_MK[s1.num_recv :].contiguous(), s2.splits[0], s2.splits[1], group)
+            back2 = all_to_all_plain(grad_MK[s1.num_recv :].contiguous(), *disp._stage2_args(s2.splits, reverse=True))
             # a slot's gradient is non-zero on exactly one GPU (the one hosting its expert): a gather, no atomics
             cols = torch.arange(grad1.shape[1], device=grad1.device)
             covered = s2.rep_of_slot_M1K >= 0
             grad1 = torch.where(covered, back2[s2.rep_of_slot_M1K.clamp(min=0), cols] if back2.numel() else 0, grad1)
-        back1 = all_to_all_plain(grad1.contiguous(), s1.splits[0], s1.splits[1], group)
+        back1 = all_to_all_plain(grad1.contiguous(), s1.splits[0], s1.splits[1], disp.side_group)
         units = s1.units
         top_k = units.ids_TK.shape[1]
         cols = torch.arange(top_k, device=back1.device)
@@ -112,7 +119,9 @@ class _SendWeights(torch.autograd.Function):
 
 class HierarchicalDispatcher(PhasedDispatcher):
     """RBD over ``ep_group`` (interface: xmoe/dispatch/base.py). ``node_of_rank[p]``: node label of EP rank p;
-    ``kernels``: the layer's (choice.py), whose ops gather and sum the rows.
+    ``kernels``: the layer's (choice.py), whose ops gather and sum the rows; ``node_group``: this rank's node's
+    members of ``ep_group`` (stage 2), ``side_group``: a twin of ``ep_group`` (ids and weights); either None: that
+    traffic on ``ep_group`` (see "Groups" above).
 
     ``stats`` accumulates :class:`RBDStats` over calls; ``last_stats`` holds the latest layer call's (dispatch +
     combine) as a dict of Python numbers. Neither costs a host sync of its own.
@@ -126,6 +135,8 @@ class HierarchicalDispatcher(PhasedDispatcher):
         num_experts: int,
         node_of_rank: Sequence[int],
         kernels: Kernels,
+        node_group: dist.ProcessGroup | None = None,
+        side_group: dist.ProcessGroup | None = None,
     ):
         self.group = ep_group
         self.num_ranks = dist.get_world_size(ep_group)
@@ -143,11 +154,41 @@ class HierarchicalDispatcher(PhasedDispatcher):
         self.local_index = [self.ranks_of_node[n].index(p) for p, n in enumerate(self.node_of_rank)]
         # replicas exist only if some node holds two ranks AND some node is remote
         self.two_stage = len(labels) > 1 and self.width > 1
+        # the blocking exchanges off the EP group, where they would queue behind the rows posted there: the ids and
+        # weights of stage 1 on a twin of it, stage 2 on this node's own group (members in EP-rank order)
+        self.side_group = ep_group if side_group is None else self._checked(side_group, list(range(self.num_ranks)))
+        self.node_members: list[int] | None = None  # EP ranks of node_group, or None: stage 2 on the EP group
+        self.node_group = ep_group
+        if node_group is not None:
+            self.node_members = self.ranks_of_node[self.my_node]
+            self.node_group = self._checked(node_group, self.node_members)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.encoding: Encoding | None = None  # how stage 1's rows travel (use_fp8 sets one)
         self.stats = RBDStats()
         self.last_stats: dict[str, float] = {}
         self._last = RBDStats()
+
+    def _checked(self, group: dist.ProcessGroup, members: list[int]) -> dist.ProcessGroup:
+        """``group``, refused unless it holds exactly these EP ranks (global ranks, ascending)."""
+        ep_ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+        want = [ep_ranks[p] if ep_ranks is not None else p for p in members]
+        have = dist.get_process_group_ranks(group)
+        if have != want:
+            raise ValueError(
+                f"RBD's extra group holds global ranks {have}, expected {want} (EP ranks {members} of this rank's "
+                "group): build it with ParallelDims.rbd_groups()"
+            )
+        return group
+
+    def _stage2_args(self, splits: tuple[list[int], list[int]], reverse: bool = False) -> tuple[list, list, Any]:
+        """(output splits, input splits, group) of a stage-2 exchange (``reverse``: the partial sums going back):
+        on the node's own group, the splits cut to its members (stage 2 sends nothing beyond the node)."""
+        send, recv = splits
+        if reverse:
+            send, recv = recv, send
+        if self.node_members is not None:
+            send, recv = [send[p] for p in self.node_members], [recv[p] for p in self.node_members]
+        return recv, send, self.node_group
 
     def use_fp8(self, to_experts: bool) -> None:
         """Stage 1's rows (those that cross nodes) travel in FP8 (fp8_dispatch.py), dequantised on arrival: stage 2
@@ -307,7 +348,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         ids_send = torch.where(in_unit, units.ids_TK[token_of_unit], -1).to(torch.int32)
         # the ids first (a few bytes a row), then the rows posted: a blocking exchange on the group after the posted
         # one would queue behind it (gloo's and NCCL's collectives of one group run in order) and wait for the rows
-        ids1 = all_to_all_plain(ids_send, recv, send, self.group).long()
+        ids1 = all_to_all_plain(ids_send, recv, send, self.side_group).long()
         link, ex = post_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group, self.encoding)
         return (
             link,
@@ -329,7 +370,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         self, x1: torch.Tensor, ids1: torch.Tensor, splits: tuple[list[int], list[int]], ops
     ) -> tuple[torch.Tensor, torch.Tensor, Stage2]:
         """4. stage 2: a replica per (received row, other GPU of this node hosting its experts)."""
-        send, recv = splits
+        send = splits[0]
         num_recv1, top_k = ids1.shape
         device, num_local, ep_rank = x1.device, self.num_local_experts, self.ep_rank
         valid1 = ids1 >= 0
@@ -341,8 +382,8 @@ class HierarchicalDispatcher(PhasedDispatcher):
         table_rep = index_table(rep_slot, (num_recv1, top_k))
         rep_mask = rank1[rep_src] == rank1.view(-1)[rep_slot][:, None]
         ids2_send = torch.where(rep_mask, ids1[rep_src], -1).to(torch.int32)
-        x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), recv, send, self.group)
-        ids2 = all_to_all_plain(ids2_send, recv, send, self.group).long()
+        x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), *self._stage2_args(splits))
+        ids2 = all_to_all_plain(ids2_send, *self._stage2_args(splits)).long()
         arange_K = torch.arange(top_k, device=device).expand(num_recv1, top_k)
         head_k = torch.where(head1, arange_K, -1).cummax(dim=1).values.clamp(min=0)
         rows_M1 = torch.arange(num_recv1, device=device)
@@ -383,13 +424,13 @@ class HierarchicalDispatcher(PhasedDispatcher):
         # 6. weights to the rows' GPUs; each GPU's weighted sum of a received row's local experts
         # the anchors leave the context here: held there until backward they would keep the (M, H) rows alive
         anchors, ctx.anchors = ctx.anchors, ()
-        w_MK = _SendWeights.apply(weights_TK, ctx, self.group, *anchors)
+        w_MK = _SendWeights.apply(weights_TK, ctx, self, *anchors)
         partial_MH = ops.combine_rows(y_NH, w_MK, local.token_ids_N, local.slot_ids_N, local.table_loc_MK)
         # 7. replicas' partials back to the pilot: own partial and replicas' summed in expert (= k) order
         node_MH = partial_MH
         if s2 is not None:
             m1 = s1.num_recv
-            back_MH = all_to_all_rows(partial_MH[m1:], s2.splits[0], s2.splits[1], self.group)
+            back_MH = all_to_all_rows(partial_MH[m1:], *self._stage2_args(s2.splits, reverse=True))
             rows = torch.cat([partial_MH[:m1], back_MH])
             owner = torch.cat([torch.arange(m1, device=y_NH.device), s2.rep_src_U2])
             slots = torch.cat([s2.own_slot_M1, s2.rep_slot_U2])

@@ -1,5 +1,6 @@
 """Parallel degrees -> rank layout -> device meshes: the one place that builds xmoe's meshes, and with them the
-process groups of their axes, which everything else asks for by axis name. Besides them, the trainer makes the world
+process groups of their axes, which everything else asks for by axis name (and RBD's node and side groups,
+``rbd_groups``). Besides them, the trainer makes the world
 group from the launcher's environment (train/launch.py; a simulated rank's fake world: train/simulate.py) and the
 stop vote's gloo group (train/safety.py: off the training collectives' stream), and its watchdog opens a connection
 of its own to the launcher's store (train/watchdog.py).
@@ -84,6 +85,7 @@ class ParallelDims:
     grid: torch.Tensor = field(init=False, repr=False)
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)  # once built
     dense_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)  # ("dp_ep", "tp")
+    _rbd_groups: tuple | None = field(default=None, init=False, repr=False)  # (node group, side group), once made
 
     def __post_init__(self) -> None:
         if self.dp * self.ep * self.tp != self.world_size:
@@ -242,6 +244,30 @@ class ParallelDims:
 
     def group(self, axis: str) -> torch.distributed.ProcessGroup:
         return self.submesh(axis).get_group()
+
+    def rbd_groups(self) -> tuple[torch.distributed.ProcessGroup | None, torch.distributed.ProcessGroup | None]:
+        """RBD's two extra groups for this rank: (its node's ranks within its EP group, for the second stage that
+        never leaves the node; a twin of its EP group, for the small blocking exchanges of token ids and routing
+        weights). Collectives of one group run in order, so on the EP group itself these would queue behind the
+        rows already posted there and wait for them (docs/expert-parallel.md). A collective call the first time:
+        every rank makes every group of the world, in one order; later calls return the same pair. (None, None)
+        on the simulated rank's fake backend, whose single process has no peers to wait for."""
+        if self._rbd_groups is None:
+            self.submesh("ep")  # the mesh exists (the same error as the other group queries otherwise)
+            dist = torch.distributed
+            found: list = [None, None]
+            if dist.get_backend() != "fake":
+                timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
+                for ep_ranks in self.all_groups("ep"):
+                    by_node: dict[int, list[int]] = {}
+                    for r in ep_ranks:
+                        by_node.setdefault(self.node_of(r), []).append(r)
+                    for index, ranks in enumerate([*by_node.values(), ep_ranks]):
+                        group = dist.new_group(ranks, timeout=timeout)  # every rank calls it, member or not
+                        if self.rank in ranks:
+                            found[1 if index == len(by_node) else 0] = group
+            self._rbd_groups = (found[0], found[1])
+        return self._rbd_groups
 
 
 def set_timeout(group: torch.distributed.ProcessGroup, seconds: float) -> None:
