@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from xmoe.config import ModelConfig, ParallelConfig
 from xmoe.model.counting import block_kinds, count_params
+from xmoe.plan.rank_run import RankRun
 from xmoe.plan.terms import (
     ADAM_BYTES,
     GRAD_BYTES,
@@ -16,7 +17,6 @@ from xmoe.plan.terms import (
     RESIDUAL_BYTES,
     _adam_step,
     _keeps,
-    _LayerActivations,
     activation_bytes,
     mtp_activations,
     norm_activations,
@@ -116,28 +116,19 @@ class _BackwardWalk:
     """One FSDP2 step walked backward, moment by moment: what stays gathered, prefetched, reduced and in flight, and
     the activations still held (``left``), as the backward frees them layer by layer."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        par: ParallelConfig,
-        units: _Units,
-        acts: _LayerActivations,
-        recompute: str,
-        precision: str,
-        kernel: str,
-        ssmb: bool,
-    ) -> None:
+    def __init__(self, run: RankRun, units: _Units) -> None:
+        cfg, acts, kernel = run.cfg, run.acts, run.kernel
         H, L, moe = cfg.hidden_size, len(units.layers), cfg.moe
-        self.cfg, self.units, self.acts, self.kernel, self.ssmb = cfg, units, acts, kernel, ssmb
-        self.b, self.T, self.tp = activation_bytes(precision), acts.tokens, par.tp
+        self.run, self.cfg, self.units = run, cfg, units
+        self.b, self.T, self.tp = run.b, run.tokens, run.parallel.tp
         self.params = sum(u.shard for u in units.all())
-        self.adam_step = _adam_step(cfg, par, precision, sharded=True)  # the optimizer step's transient
+        self.adam_step = _adam_step(cfg, run.parallel, run.precision, sharded=True)  # the optimizer step's transient
         self.base = {"params": MASTER_BYTES * self.params, "optimizer": ADAM_BYTES * self.params}
         self.moments: list[tuple[str, dict[str, float]]] = []
         self.residual = RESIDUAL_BYTES * self.T * H
         attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
         self.plans = [
-            _keeps(recompute, attn_b, moe_b if layer.experts else dense_b, self.residual, layer.experts is not None)
+            _keeps(run.recompute, attn_b, moe_b if layer.experts else dense_b, self.residual, layer.experts is not None)
             for layer in units.layers
         ]
         # a multi-token-prediction module keeps its norms' and projection's activations beside its block's, until
@@ -233,7 +224,7 @@ class _BackwardWalk:
         layer, (_, ffn_regen, ffn_done, attn_regen, attn_done) = self.units.layers[i], self.plans[i]
         block, experts, router = layer.block, layer.experts, layer.router or _NO_UNIT
         assert experts is not None
-        root, nxt, acts = self.root, self._next_weights(i), self.acts
+        root, nxt, acts = self.root, self._next_weights(i), self.run.acts
         moe_side = block.width * layer.moe_side
         self.at(
             f"layer {i} MoE backward",
@@ -245,9 +236,9 @@ class _BackwardWalk:
             grads_unit=moe_side,
             transient=self.residual + self.combine_grad,
         )
-        average = experts.weights / 3 if self.ssmb and self.tp > 1 else 0.0
+        average = experts.weights / 3 if self.run.ssmb and self.tp > 1 else 0.0
         live = self.left + ffn_regen - acts.moe.get("combine_buffer", 0.0)
-        hidden = acts.moe.get("expert_hidden", 0.0) if self.kernel == "torch" else 0.0
+        hidden = acts.moe.get("expert_hidden", 0.0) if self.run.kernel == "torch" else 0.0
         for grads_made, freed in ((experts.weights / 3, 0.0), (experts.weights, hidden)):
             self.at(
                 f"layer {i} MoE backward",

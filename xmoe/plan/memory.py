@@ -1,7 +1,8 @@
 """Per-GPU memory model of training a preset: what the trainer allocates, moment by moment, and its peak
 (``estimate_memory``; the search for layouts that fit over it: ``layouts.py``). Its parts: ``terms.py`` (bytes per
-element, the activations each sub-block saves), ``fsdp_memory.py`` (FSDP2's units, the moments of a step) and
-``trainer_memory.py`` (a whole replica: `xmoe train` on one GPU, a CPU process, a DDP rank).
+element, the activations each sub-block saves), ``rank_run.py`` (how a rank runs the step: built once, handed to
+the rest), ``fsdp_memory.py`` (FSDP2's units, the moments of a step) and ``trainer_memory.py`` (a whole replica:
+`xmoe train` on one GPU, a CPU process, a DDP rank).
 
 # T tokens per rank per micro-batch (micro_batch * seq), H hidden, F expert ffn, E experts (E_local = E / ep on a
 # rank), K top-k, N routed rows a rank computes (T_moe * K when dropless), C capacity per expert (padded baseline),
@@ -43,19 +44,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
-from xmoe.dispatch.base import experts_per_rank
+from xmoe.config import ModelConfig, ParallelConfig
 from xmoe.model.counting import block_kinds, count_params
 from xmoe.parallel.dims import ParallelDims
 from xmoe.plan.fsdp_memory import _BackwardWalk, _fsdp_units, _Unit, _Units
-from xmoe.plan.terms import (
-    GRAD_BYTES,
-    _LayerActivations,
-    activation_bytes,
-    attention_activations,
-    dense_ffn_activations,
-    moe_activations,
-)
+from xmoe.plan.rank_run import RankRun
+from xmoe.plan.terms import GRAD_BYTES
 from xmoe.plan.trainer_memory import _replica_peak
 
 GIB = 2**30
@@ -159,28 +153,6 @@ class MemoryBreakdown:
         }
 
 
-def _validate(cfg: ModelConfig, par: ParallelConfig, micro_batch: int, seq_len: int, ssmb: bool) -> None:
-    """The checks a user can fail."""
-    world = par.world_size
-    node = par.gpus_per_node or world
-    if par.tp > node:
-        raise ValueError(f"tp ({par.tp}) must be <= gpus per node ({node}): TP needs the intra-node links")
-    if world > node and world % node:
-        raise ValueError(f"gpus ({world}) must be a multiple of gpus per node ({node}); use whole nodes")
-    experts_per_rank(cfg.moe.num_experts, par.ep)
-    if cfg.num_heads % par.tp:
-        raise ValueError(f"tp ({par.tp}) must divide num_heads ({cfg.num_heads})")
-    if micro_batch < 1:
-        raise ValueError(f"micro_batch ({micro_batch}) must be >= 1")
-    if not 0 < seq_len <= cfg.max_seq_len:
-        raise ValueError(f"seq_len ({seq_len}) must be in [1, max_seq_len={cfg.max_seq_len}]")
-    if ssmb and par.tp > 1 and (micro_batch * seq_len) % par.tp:
-        raise ValueError(
-            f"SSMB splits micro_batch*seq ({micro_batch * seq_len}) tokens over tp ({par.tp}); "
-            "make it divisible or pass --no-ssmb"
-        )
-
-
 def estimate_memory(
     cfg: ModelConfig,
     parallel: ParallelConfig,
@@ -202,20 +174,21 @@ def estimate_memory(
     a CPU run); the module docstring gives the model. ``accumulation``: micro-batches per optimizer step, whose
     gradients a replica (one process, DDP) holds throughout the last one's backward (FSDP2 layouts: not modelled,
     their moments are those of one micro-batch)."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute ({recompute!r}) must be one of {RECOMPUTE_MODES}")
-    if imbalance < 1.0:
-        raise ValueError(f"imbalance ({imbalance}) is max/mean rows per rank and must be >= 1")
-    activation_bytes(precision)  # an unknown precision refused before anything else
-    seq_len = cfg.max_seq_len if seq_len is None else seq_len
-    _validate(cfg, parallel, micro_batch, seq_len, ssmb)
-    tp = parallel.tp
-    T = micro_batch * seq_len
-    T_moe = T // tp if ssmb and tp > 1 else T
-    acts = _activations(cfg, parallel, T, T_moe, padded, capacity_factor, imbalance, kernel, precision)
-    wrapper, units, label, terms, expert_params, dense_params = _peak(
-        cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel, ssmb, accumulation
+    run = RankRun(
+        cfg,
+        parallel,
+        micro_batch=micro_batch,
+        seq_len=cfg.max_seq_len if seq_len is None else seq_len,
+        recompute=recompute,
+        precision=precision,
+        kernel=kernel,
+        ssmb=ssmb,
+        padded=padded,
+        capacity_factor=capacity_factor,
+        imbalance=imbalance,
+        accumulation=accumulation,
     )
+    wrapper, units, label, terms, expert_params, dense_params = _peak(run)
     fields = dict.fromkeys(set(TERMS.values()), 0.0)
     for term, value in terms.items():
         fields[TERMS[term]] += value
@@ -223,123 +196,65 @@ def estimate_memory(
         name=name,
         parallel=parallel,
         micro_batch=micro_batch,
-        seq_len=seq_len,
+        seq_len=run.seq_len,
         recompute=recompute,
         padded=padded,
         capacity_factor=capacity_factor,
-        ssmb=ssmb and tp > 1,
-        tokens=T,
-        moe_tokens=T_moe,
+        ssmb=ssmb and parallel.tp > 1,
+        tokens=run.tokens,
+        moe_tokens=run.moe_tokens,
         dense_params=dense_params,
         expert_params=expert_params,
         reserve=reserve_gib * GIB,
-        traffic=_traffic(cfg, parallel, units, precision, acts.rows),
-        attention_layer=acts.attention,
-        ffn_layer=acts.moe or acts.dense,
+        traffic=_traffic(run, units),
+        attention_layer=run.acts.attention,
+        ffn_layer=run.acts.moe or run.acts.dense,
         precision=precision,
         wrapper=wrapper,
         peak_at=label,
         peak_terms=terms,
-        notes=_notes(cfg, tp, ssmb, imbalance, padded, T),
+        notes=_notes(run),
         **fields,
     )
 
 
-def _notes(cfg: ModelConfig, tp: int, ssmb: bool, imbalance: float, padded: bool, T: int) -> tuple[str, ...]:
+def _notes(run: RankRun) -> tuple[str, ...]:
     """What the plan assumes that the reader should know."""
+    cfg, tp = run.cfg, run.parallel.tp
     notes = []
-    if tp > 1 and not ssmb:
-        notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {T} tokens")
-    if imbalance == 1.0 and not padded and sum(block_kinds(cfg)):  # any MoE block, multi-token prediction's too
+    if tp > 1 and not run.ssmb:
+        notes.append(f"without SSMB all {tp} TP ranks run the MoE block on the same {run.tokens} tokens")
+    if run.imbalance == 1.0 and not run.padded and sum(block_kinds(cfg)):  # any MoE block, multi-token prediction's too
         notes.append("PFT rows assume balanced routing (T*K rows per rank); pass imbalance for hot ranks")
     if cfg.moe.fp8 != "off":
         notes.append(f"moe.fp8={cfg.moe.fp8!r}: planned as bf16 experts (the FP8 weight copies are not modelled)")
     return tuple(notes)
 
 
-def _activations(
-    cfg: ModelConfig,
-    parallel: ParallelConfig,
-    T: int,
-    T_moe: int,
-    padded: bool,
-    capacity_factor: float | None,
-    imbalance: float,
-    kernel: str,
-    precision: str,
-) -> _LayerActivations:
-    """One layer's saved activations by sub-block (attention, MoE, dense FFN) and the rows a rank computes."""
-    tp, ep = parallel.tp, parallel.ep
-    b, autocast = activation_bytes(precision), precision == "bf16"
-    n_moe = sum(block_kinds(cfg))
-    n_dense = len(block_kinds(cfg)) - n_moe
-    attn = attention_activations(T, cfg.hidden_size, cfg.num_heads, tp, b, autocast)
-    moe_act = (
-        moe_activations(
-            cfg.moe,
-            T_moe,
-            ep=ep,
-            padded=padded,
-            capacity_factor=capacity_factor,
-            imbalance=imbalance,
-            kernel=kernel,
-            b=b,
-            router_fp32=True,
-        )
-        if n_moe
-        else {}
-    )
-    dense_act = dense_ffn_activations(T, cfg.hidden_size, cfg.ffn_hidden_size, tp, b, autocast) if n_dense else {}
-    rows = moe_act.get("dispatch_buffer", 0.0) / b / cfg.hidden_size  # rows a rank computes (E*C padded)
-    if moe_act and ep == 1 and kernel == "triton" and not padded:
-        # one EP rank: the local dispatcher lets the Triton experts fuse gather, SwiGLU and combine, keeping the
-        # tokens they read and no dispatch or combine buffer (as block_activations' fused path)
-        moe_act.update(dispatch_buffer=b * T_moe * cfg.hidden_size, combine_buffer=0.0)
-    return _LayerActivations(attn, moe_act, dense_act, rows, T)
-
-
-def _peak(
-    cfg: ModelConfig,
-    parallel: ParallelConfig,
-    acts: _LayerActivations,
-    micro_batch: int,
-    seq_len: int,
-    recompute: str,
-    precision: str,
-    kernel: str,
-    ssmb: bool,
-    accumulation: int,
-) -> tuple[str, _Units | None, str, dict[str, float], float, float]:
+def _peak(run: RankRun) -> tuple[str, _Units | None, str, dict[str, float], float, float]:
     """(wrapper, FSDP2 units or None, the peak's moment, its bytes by term, expert and dense parameters per rank):
     the FSDP2 walk where experts or heads are sharded, else a replica's (one process, DDP)."""
-    tp, ep = parallel.tp, parallel.ep
+    cfg, parallel = run.cfg, run.parallel
     units = None
-    if parallel.world_size > 1 and (tp > 1 or ep > 1):
+    if parallel.world_size > 1 and (parallel.tp > 1 or parallel.ep > 1):
         wrapper = "FSDP2"
-        units = _fsdp_units(cfg, parallel, precision)
-        label, terms = max(
-            _BackwardWalk(cfg, parallel, units, acts, recompute, precision, kernel, ssmb).step_moments(),
-            key=lambda moment: sum(moment[1].values()),
-        )
+        units = _fsdp_units(cfg, parallel, run.precision)
+        label, terms = max(_BackwardWalk(run, units).step_moments(), key=lambda moment: sum(moment[1].values()))
         expert_params = sum(u.shard for u in units.experts())
         dense_params = sum(u.shard for u in units.all()) - expert_params
     else:
         wrapper = "DDP" if parallel.world_size > 1 else "none"
-        label, terms = _replica_peak(
-            cfg, parallel, acts, micro_batch, seq_len, recompute, precision, kernel, accumulation
-        )
+        label, terms = _replica_peak(run)
         routed = count_params(cfg).total_by_part["routed_experts"]
         expert_params, dense_params = routed, count_params(cfg).total - routed
     return wrapper, units, label, terms, expert_params, dense_params
 
 
-def _traffic(
-    cfg: ModelConfig, par: ParallelConfig, units: _Units | None, precision: str, rows: float
-) -> dict[str, float]:
+def _traffic(run: RankRun, units: _Units | None) -> dict[str, float]:
     """Bytes each GPU sends per micro-batch (a ring sends (G-1)/G of a collective's bytes over a group of G):
     FSDP2 all-gathers every unit forward and backward at its gathered width and reduce-scatters its gradients in
     fp32; DDP all-reduces the fp32 gradients (twice (G-1)/G); the expert all-to-alls move the rows."""
-    ep, world = par.ep, par.world_size
+    cfg, ep, world = run.cfg, run.parallel.ep, run.parallel.world_size
     out = {"fsdp_dense": 0.0, "fsdp_experts": 0.0, "ddp": 0.0, "all_to_all": 0.0}
     if units is not None:  # FSDP2
 
@@ -352,7 +267,7 @@ def _traffic(
         out["ddp"] = 2 * GRAD_BYTES * count_params(cfg).total * (world - 1) / world
     n_moe = sum(block_kinds(cfg))
     # dispatch + combine, forward and backward; (ep-1)/ep of the rows leave the GPU
-    out["all_to_all"] = 4 * n_moe * rows * cfg.hidden_size * activation_bytes(precision) * (ep - 1) / ep
+    out["all_to_all"] = 4 * n_moe * run.acts.rows * cfg.hidden_size * run.b * (ep - 1) / ep
     return out
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xmoe.config import RECOMPUTE_MODES, ModelConfig, ParallelConfig
+from xmoe.config import RECOMPUTE_MODES, ModelConfig
 from xmoe.model.counting import block_kinds, count_params
 from xmoe.model.flops import attention_matrix_params
+from xmoe.plan.rank_run import RankRun
 from xmoe.plan.terms import (
     ADAM_BYTES,
     GRAD_BYTES,
@@ -18,7 +19,6 @@ from xmoe.plan.terms import (
     RESIDUAL_BYTES,
     _adam_step,
     _keeps,
-    _LayerActivations,
     attention_activations,
     dense_ffn_activations,
     moe_activations,
@@ -178,61 +178,51 @@ def _trainer_blocks(
     return blocks
 
 
-def _fp32_replica(
-    cfg: ModelConfig, acts: _LayerActivations, recompute: str, kernel: str, accumulation: int = 1
-) -> TrainerMemory:
+def _fp32_replica(run: RankRun) -> TrainerMemory:
     """estimate_trainer_memory's walk for an fp32 eager replica (the trainer on a CPU): no casts, fp32 gradients
     made directly, and each block's activation gradients (as in fsdp_memory's step_moments) as its transient; with
-    ``accumulation`` > 1 every gradient exists throughout the last micro-batch's backward."""
+    ``run.accumulation`` > 1 every gradient exists throughout the last micro-batch's backward."""
+    cfg, acts = run.cfg, run.acts
     H, V, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
     T, b, moe = acts.tokens, 4, cfg.moe
     parts = count_params(cfg, expert_matrices=3).total_by_part
     residual = RESIDUAL_BYTES * T * H
-    rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if kernel == "torch" else 2 * moe.ffn_hidden_size))
+    rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if run.kernel == "torch" else 2 * moe.ffn_hidden_size))
     weights = _block_weights(cfg, parts)
     attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
     blocks = []
     for i, is_moe in enumerate(block_kinds(cfg)):
-        kept, regen, *_ = _keeps(recompute, attn_b, moe_b if is_moe else dense_b, residual, is_moe)
+        kept, regen, *_ = _keeps(run.recompute, attn_b, moe_b if is_moe else dense_b, residual, is_moe)
         kept += mtp_activations(T, H, b) if i >= L else 0.0
         transient = residual + (rows_grad if is_moe else 2 * b * T * cfg.ffn_hidden_size)
         blocks.append((kept, regen, GRAD_BYTES * weights[i], transient))
     tail = norm_activations(T, H) + b * T * H
     head = parts["head"] or parts["embedding"]
     loss = 12 * min(T, LOSS_CHUNK_TOKENS) * V + GRAD_BYTES * head * cfg.mtp_depth  # as estimate_trainer_memory
-    accumulating = accumulation > 1
+    accumulating = run.accumulation > 1
     start = sum(parts.values()) if accumulating else head
     return _backward_walk(12 * sum(parts.values()), blocks, GRAD_BYTES * start, tail, loss, accumulating)
 
 
-def _replica_peak(
-    cfg: ModelConfig,
-    par: ParallelConfig,
-    acts: _LayerActivations,
-    micro_batch: int,
-    seq_len: int,
-    recompute: str,
-    precision: str,
-    kernel: str,
-    accumulation: int = 1,
-) -> tuple[str, dict[str, float]]:
+def _replica_peak(run: RankRun) -> tuple[str, dict[str, float]]:
     """The peak of a whole replica: the trainer on one process, or a DDP rank (the same plus DDP's fp32 gradient
     buckets, as large as the gradients): the larger of backward's and the optimizer step's. bf16:
     estimate_trainer_memory (compiled regions, as the trainer runs them with ep = tp = 1 on a GPU); fp32: the same
-    backward walk over the eager fp32 blocks. ``accumulation``: micro-batches per optimizer step."""
+    backward walk over the eager fp32 blocks."""
+    cfg, par = run.cfg, run.parallel
     parts = count_params(cfg, expert_matrices=3).total_by_part
     P = sum(parts.values())
-    if precision == "bf16":
+    if run.precision == "bf16":
         m = estimate_trainer_memory(
             cfg,
-            micro_batch=micro_batch,
-            seq_len=seq_len,
-            recompute=recompute,
-            accumulation=accumulation,
-            fused=kernel == "triton",
+            micro_batch=run.micro_batch,
+            seq_len=run.seq_len,
+            recompute=run.recompute,
+            accumulation=run.accumulation,
+            fused=run.kernel == "triton",
         )
     else:
-        m = _fp32_replica(cfg, acts, recompute, kernel, accumulation)
+        m = _fp32_replica(run)
     buckets = GRAD_BYTES * P if par.world_size > 1 else 0.0
     states = {"params": MASTER_BYTES * P, "optimizer": ADAM_BYTES * P, "buckets": buckets}
     backward = states | {
@@ -241,7 +231,7 @@ def _replica_peak(
         "activations": m.activations,
         "transient": m.working,
     }
-    step = states | {"grads": GRAD_BYTES * P, "adam_step": _adam_step(cfg, par, precision, sharded=False)}
+    step = states | {"grads": GRAD_BYTES * P, "adam_step": _adam_step(cfg, par, run.precision, sharded=False)}
     blocks = cfg.num_layers + cfg.mtp_depth
     where = f"backward, {m.blocks_done} of {blocks} blocks done" if m.blocks_done else "loss backward"
     return max((where, backward), ("optimizer step", step), key=lambda moment: sum(moment[1].values()))
