@@ -129,6 +129,47 @@ def test_loss_and_gradients_equal_a_float64_loop(depth: int, documents) -> None:
     assert model.mtp[0].eh_proj.weight.grad.norm() > 0
 
 
+def test_each_depths_moe_layer_counts_the_positions_with_a_target_at_its_depth() -> None:
+    """The training step marks each MTP block's real tokens by the model's own depth targets: position i counts at
+    depth d when i + d < S, target i + d is not ignored and input i + d is in i's document (a loop here); the loads
+    of one step, per MoE layer, are K slots per real token."""
+    from xmoe.train.loader import Batch
+    from xmoe.train.step import forward_backward
+
+    depth, documents = 2, [[6, 1, 8], [15], [2, 13]]
+    model = _model(depth)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (3, S), generator=gen)
+    targets = torch.randint(0, VOCAB, (3, S), generator=gen)
+    targets[0, 4] = targets[1, 13] = targets[2, 0] = IGNORE_INDEX
+    segments = torch.stack(
+        [torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(row)]) for row in documents]
+    )
+    want = [[[targets[b, i].item() != IGNORE_INDEX for i in range(S)] for b in range(3)]]
+    for d in range(1, depth + 1):
+        want.append(
+            [
+                [
+                    i + d < S and targets[b, i + d] != IGNORE_INDEX and segments[b, i + d] == segments[b, i]
+                    for i in range(S)
+                ]
+                for b in range(3)
+            ]
+        )
+    valid, ahead = model.real_tokens(targets, segments)
+    assert ahead is not None and sorted(ahead) == [1, 2]
+    for got, mask in zip([valid, ahead[1], ahead[2]], want, strict=True):
+        assert got.tolist() == mask
+    assert _model(0).real_tokens(targets)[1] is None
+
+    _, moe = forward_backward(model, model, iter([Batch(tokens, targets, segments)]), 1, torch.device("cpu"), False)
+    stats = moe.finish()
+    K = model.cfg.moe.top_k
+    assert stats.load_LE is not None
+    # the main model's one MoE layer, then one per depth
+    assert stats.load_LE.sum(dim=1).tolist() == [K * sum(map(sum, mask)) for mask in want]
+
+
 def test_depth_zero_is_the_model_without_prediction_modules() -> None:
     plain, with_mtp = _model(0), _model(1, mtp_loss_weight=0.0)
     assert not [n for n, _ in plain.named_parameters() if "mtp" in n]

@@ -292,6 +292,16 @@ class Transformer(nn.Module):
         weighted = self.cfg.mtp_loss_weight * mean
         return weighted - weighted.detach()
 
+    def real_tokens(
+        self, targets_BS: torch.Tensor, segments_BS: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
+        """The positions whose targets count, as MoEStep.set_real_tokens takes them: the main loss's, and for each
+        multi-token-prediction depth d the positions with a target at depth d (depth_targets, which the depth's loss
+        reads), by d (None without MTP)."""
+        depths = range(1, len(self.mtp) + 1)
+        ahead = {d: depth_targets(targets_BS, d, segments_BS) != IGNORE_INDEX for d in depths} if depths else None
+        return targets_BS != IGNORE_INDEX, ahead
+
     def take_mtp_loss(self) -> torch.Tensor | None:
         """The mean over depths of the MTP losses L_d, averaged over the training forwards since the last call (a
         device tensor, no host sync), or None when none ran; the count restarts."""

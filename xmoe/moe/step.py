@@ -8,7 +8,7 @@ optimizer step and asks it; nothing in xmoe/train/ sets or reads an attribute of
     moe = MoEStep(model, A, device, cast_dtype=torch.bfloat16)
     with moe:                                   # the layers report to it; each expert stack is cast once
         for each of the A micro-batches:
-            moe.set_real_tokens(targets != IGNORE_INDEX)   # which positions count in the balance losses and loads
+            moe.set_real_tokens(*model.real_tokens(targets))  # which positions count in the balance losses and loads
             (model(inputs, targets) / A).backward()
             moe.end_micro_batch()               # the micro-batch's routing statistics, added on the device
     optimizer.step()
@@ -132,7 +132,8 @@ class MoEStep:
         """Which positions of the next micro-batch are real tokens (bool (B, S), True where the target counts: the
         training step passes ``targets != IGNORE_INDEX``); None: all of them (the default). ``ahead``: for the MoE
         layers of multi-token-prediction blocks (``positions_ahead`` = d), the positions with a target at depth d
-        by d (xmoe/model/mtp.py: depth_targets); a depth not given counts ``valid_BS``."""
+        by d (xmoe/model/mtp.py: depth_targets; ``Transformer.real_tokens`` gives both); a depth not given counts
+        ``valid_BS``."""
         for layer, slot in zip(self._layers, self._slots, strict=True):
             depth = layer.positions_ahead
             slot.real_tokens = ahead[depth] if depth and ahead is not None and depth in ahead else valid_BS

@@ -14,8 +14,6 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from xmoe.model.loss import IGNORE_INDEX
-from xmoe.model.mtp import depth_targets
 from xmoe.model.transformer import Transformer
 from xmoe.moe.step import MoEStep
 from xmoe.parallel.dims import ParallelDims
@@ -51,7 +49,7 @@ def forward_backward(
             sources = getattr(batch, "sources_B", None)
             kwargs = {} if segments is None else {"segments_BS": segments.to(device, non_blocking=True)}
             # positions without a target count in no balance; an MTP block's, those without one at its depth
-            moe.set_real_tokens(targets != IGNORE_INDEX, _depth_masks(model, targets, kwargs.get("segments_BS")))
+            moe.set_real_tokens(*model.real_tokens(targets, kwargs.get("segments_BS")))
             no_sync = micro < accum - 1 and hasattr(wrapped, "no_sync")
             watch = (
                 source_losses.watching(model, targets, sources)
@@ -70,16 +68,6 @@ def forward_backward(
 # folds_clipping's decisions: optimizer -> (its groups' fused flags, the parameter sequence, its length, the decision)
 _Decision = tuple[tuple[bool, ...], Sequence[torch.Tensor], int, bool]
 _FOLDS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Decision] = weakref.WeakKeyDictionary()
-
-
-def _depth_masks(
-    model: Transformer, targets_BS: torch.Tensor, segments_BS: torch.Tensor | None
-) -> dict[int, torch.Tensor] | None:
-    """For each multi-token-prediction depth d, the positions with a target at depth d (None without MTP)."""
-    depth = len(model.mtp)  # the MTP modules, one per depth
-    if depth == 0:
-        return None
-    return {d: depth_targets(targets_BS, d, segments_BS) != IGNORE_INDEX for d in range(1, depth + 1)}
 
 
 def folds_clipping(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
