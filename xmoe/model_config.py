@@ -332,8 +332,9 @@ class ModelConfig:
         return None
 
     @property
-    def mtp_moe(self) -> bool:
-        """Whether the multi-token-prediction blocks are MoE blocks: they take the kind of the model's last layer."""
+    def has_moe(self) -> bool:
+        """Whether the model has MoE blocks: the layers from ``first_k_dense`` on, so its last layer, and then the
+        multi-token-prediction blocks, which take the last layer's kind; False for an all-dense model."""
         return self.num_layers > self.first_k_dense
 
     @property

@@ -212,7 +212,7 @@ def load_pretrained(
     hf, cfg = read_model_config(path, max_seq_len)
     check_sizes(path, hf, cfg)  # before anything is allocated: sizes the weights do not hold are refused
     # the MoE layers' kernels for the device the model runs on (the environment's kernels section)
-    kernels = resolve_kernels(cfg.moe.kernel_backend, device=device) if cfg.mtp_moe else None
+    kernels = resolve_kernels(cfg.moe.kernel_backend, device=device) if cfg.has_moe else None
     with torch.device("meta"):
         model = Transformer(cfg, kernels=kernels)
     model.to_empty(device=device)

@@ -261,7 +261,7 @@ def _problems(cfg: ModelConfig, family: str) -> list[str]:
         problems.append("qkv_bias=True (the family has no attention biases)")
     if cfg.mtp_depth and family != "deepseek_v3":
         problems.append(f"mtp_depth={cfg.mtp_depth} (only deepseek_v3 stores multi-token-prediction modules)")
-    if cfg.mtp_depth and not cfg.mtp_moe:
+    if cfg.mtp_depth and not cfg.has_moe:
         problems.append("mtp_depth with every layer dense (DeepSeek-V3's prediction modules are MoE layers)")
     if family == "deepseek_v3":
         if moe.score_func != "sigmoid" or moe.num_shared_experts == 0:

@@ -58,7 +58,7 @@ def tensor_names(cfg: ModelConfig, family: str) -> Iterator[tuple[str, str, str 
         for name in ("enorm", "hnorm", "eh_proj"):
             yield f"{x}{name}.weight", f"{h}{name}.weight", None
         yield x + "norm.weight", h + "shared_head.norm.weight", None
-        yield from _block_names(cfg, family, x + "block.", h, cfg.mtp_moe)
+        yield from _block_names(cfg, family, x + "block.", h, cfg.has_moe)
         yield "embed.weight", h + "embed_tokens.weight", SHARED_COPY
         yield "embed.weight" if cfg.tie_embeddings else "head.weight", h + "shared_head.head.weight", SHARED_COPY
 

@@ -93,7 +93,7 @@ def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
     _check_matrices(expert_matrices)
     H, V, m, moe, D = cfg.hidden_size, cfg.vocab_size, expert_matrices, cfg.moe, cfg.mtp_depth
     L = cfg.num_layers + D  # blocks: the multi-token-prediction blocks are of the last layer's kind
-    n_moe = cfg.num_layers - cfg.first_k_dense + (D if cfg.mtp_moe else 0)
+    n_moe = cfg.num_layers - cfg.first_k_dense + (D if cfg.has_moe else 0)
     expert = m * H * moe.ffn_hidden_size
     total = {
         "embedding": V * H,
@@ -112,7 +112,8 @@ def count_params(cfg: ModelConfig, expert_matrices: int = 3) -> ParamCount:
 
 def block_kinds(cfg: ModelConfig) -> list[bool]:
     """Whether each block is an MoE block, in forward order: the layers, then the multi-token-prediction blocks."""
-    return [i >= cfg.first_k_dense for i in range(cfg.num_layers)] + [cfg.mtp_moe] * cfg.mtp_depth
+    # a multi-token-prediction block takes the last layer's kind: MoE when the model has any MoE block
+    return [i >= cfg.first_k_dense for i in range(cfg.num_layers)] + [cfg.has_moe] * cfg.mtp_depth
 
 
 def paper_params(cfg: ModelConfig) -> tuple[float, float]:

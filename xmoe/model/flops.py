@@ -96,7 +96,7 @@ class FlopDims:
             attn_proj_params=attention_matrix_params(model) if model.attention == "mla" else 0,
             v_head_dim=model.v_head_dim if model.attention == "mla" else 0,
             mtp_depth=model.mtp_depth,
-            mtp_moe=model.mtp_moe,
+            mtp_moe=model.has_moe,  # the last layer's kind
         )
 
 

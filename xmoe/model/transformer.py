@@ -153,7 +153,7 @@ class Transformer(nn.Module):
             raise ValueError(f"loss_chunk_tokens ({loss_chunk_tokens}) must be >= 0 (0 disables chunking)")
         self.cfg = cfg
         self.loss_chunk_tokens = loss_chunk_tokens
-        if kernels is None and cfg.mtp_moe:  # some block is an MoE block: one value for all of them
+        if kernels is None and cfg.has_moe:  # one value for all the MoE blocks
             kernels = resolve_kernels(cfg.moe.kernel_backend)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, kernels=kernels) for i in range(cfg.num_layers))
@@ -162,7 +162,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         self.mtp = nn.ModuleList(
-            MTPModule(cfg, Block(cfg, cfg.num_layers + d, moe=cfg.mtp_moe, kernels=kernels))
+            MTPModule(cfg, Block(cfg, cfg.num_layers + d, moe=cfg.has_moe, kernels=kernels))  # the last layer's kind
             for d in range(cfg.mtp_depth)
         )
         for d, module in enumerate(self.mtp, 1):  # an MTP block's real tokens: those with a target d ahead

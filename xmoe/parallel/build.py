@@ -109,7 +109,7 @@ def build_model(
     ``cfg.moe.kernel_backend`` for ``device`` into the value every MoE layer, its router, experts and dispatchers are
     built with (xmoe/kernels/choice.py)."""
     device = torch.device(device)
-    resolved = resolve_kernels(cfg.moe.kernel_backend, kernels, device) if cfg.mtp_moe else None  # any MoE block
+    resolved = resolve_kernels(cfg.moe.kernel_backend, kernels, device) if cfg.has_moe else None
     with torch.device("meta"):
         model = Transformer(cfg, loss_chunk_tokens=loss_chunk_tokens, kernels=resolved)
     ddp = parallelize(

@@ -202,9 +202,9 @@ def _breakdown(cfg, m, gpu_mem: float) -> list[str]:
         f"  {'total':<{13 + width}}{m.total / scale:>8.2f}   of {gpu_mem:g} GiB: "
         + (f"fits ({free / GIB:.2f} GiB free)" if free >= 0 else f"does NOT fit ({-free / GIB:.2f} GiB over)"),
         f"one layer's saved activations ({layer_unit}; attention on {m.tokens} tokens, "
-        f"{'MoE block' if cfg.first_k_dense < cfg.num_layers else 'FFN'} on {m.moe_tokens})",
+        f"{'MoE block' if cfg.has_moe else 'FFN'} on {m.moe_tokens})",
         "  attention: " + _terms(m.attention_layer, layer_scale),
-        ("  MoE block: " if cfg.first_k_dense < cfg.num_layers else "  FFN: ") + _terms(m.ffn_layer, layer_scale),
+        ("  MoE block: " if cfg.has_moe else "  FFN: ") + _terms(m.ffn_layer, layer_scale),
     ]
     if m.wrapper != "none":
         lines.append(_traffic_line(m))
