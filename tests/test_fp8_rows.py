@@ -216,3 +216,29 @@ def test_fp8_routed_experts_module_takes_quantised_rows():
         results.append([y, x_in.grad, experts.w1.grad, experts.w3.grad, experts.w2.grad])
     for name, a, b in zip(["y", "dx", "dw1", "dw3", "dw2"], *results, strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_carrying_side_bytes_round_trip(fp8):
+    """Row payloads with K int32 ids appended (comm.carrying, RBD's stage 1): every arrival (none, one row, a subset
+    in another order: slices of the payload, as a receive buffer holds them) gives back the rows (bitwise as the
+    base encoding alone gives them) and the ids exactly, at widths whose byte offsets are not multiples of 4."""
+    from xmoe.dispatch.comm import carrying
+    from xmoe.dispatch.fp8_dispatch import fp8_encoding
+
+    gen = torch.Generator().manual_seed(3)
+    for hidden in (5, 130):
+        x_NH = torch.randn(6, hidden, generator=gen).to(torch.bfloat16)
+        ids_NK = torch.randint(-1, 1000, (6, 3), generator=gen, dtype=torch.int32)
+        base = fp8_encoding(False) if fp8 else None
+        enc = carrying(ids_NK, base)
+        payload = enc.encode(x_NH)
+        like = x_NH.new_empty((0, hidden))
+        for rows in ([], [4], [5, 0, 2]):
+            index = torch.tensor(rows, dtype=torch.long)
+            got, (extra, ids_back) = enc.decode(payload[index] if rows else payload[:0], like)
+            assert torch.equal(ids_back, ids_NK[index]) and extra is None
+            want = base.decode(base.encode(x_NH)[index], like)[0] if base is not None else x_NH[index]
+            assert got.dtype == x_NH.dtype and torch.equal(got, want), (hidden, rows)
+            if rows and not fp8:
+                assert torch.equal(got, x_NH[index])

@@ -150,6 +150,43 @@ class Encoding:
     decode: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
 
 
+def carrying(side_NC: torch.Tensor, base: Encoding | None = None) -> Encoding:
+    """An Encoding that appends ``side_NC``'s bytes to each row's payload (``base``'s, else the row itself): a few
+    numbers a row (token ids) ride in the posted exchange instead of a blocking one of their own. The decode's extra
+    output is (``base``'s extra, the received (M, C) side rows in ``side_NC``'s dtype). Forward only: gradients
+    travel as rows, without it."""
+    side_bytes = _as_bytes(side_NC)
+    kept: dict[str, torch.dtype] = {}
+
+    def encode(x_NH: torch.Tensor) -> torch.Tensor:
+        payload = base.encode(x_NH) if base is not None else x_NH.detach()
+        kept["dtype"] = payload.dtype
+        return torch.cat([_as_bytes(payload), side_bytes], dim=1)
+
+    def decode(payload_MW: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        width = payload_MW.shape[1] - side_bytes.shape[1]
+        main = bytes_as(payload_MW[:, :width], kept["dtype"])
+        side = bytes_as(payload_MW[:, width:], side_NC.dtype)
+        if base is None:
+            return main, (None, side)
+        rows, extra = base.decode(main, like)
+        return rows, (extra, side)
+
+    return Encoding(encode, decode)
+
+
+def _as_bytes(x_NC: torch.Tensor) -> torch.Tensor:
+    """(N, C) -> (N, C * itemsize) uint8, the same memory."""
+    return x_NC.contiguous().view(torch.uint8)
+
+
+def bytes_as(bytes_MC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Columns of a byte payload read as ``dtype``: copied to a fresh tensor first, since a slice of one or no rows
+    counts as contiguous while keeping the payload's row stride and offset, which a dtype view cannot take."""
+    fresh = torch.empty(bytes_MC.shape, dtype=torch.uint8, device=bytes_MC.device)
+    return fresh.copy_(bytes_MC).view(dtype)
+
+
 class Exchange:
     """One posted all-to-all of rows and, in backward, its reverse: what ``post_rows`` and ``wait_rows`` share.
     ``extra`` is what the encoding's decode returned beside the rows (None without an encoding)."""

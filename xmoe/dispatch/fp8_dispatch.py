@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from xmoe.dispatch.comm import Encoding
+from xmoe.dispatch.comm import Encoding, bytes_as
 from xmoe.kernels.fp8_rows import Fp8Rows, dequantize_rows, quantize_rows, stand_in_rows
 
 GROUP = 128
@@ -50,8 +50,8 @@ def fp8_encoding(to_experts: bool) -> Encoding:
     def decode(payload: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, Any]:
         hidden = like.shape[1]
         fp8_dtype = _fp8_dtype(state["fmt"])
-        q = payload[:, :hidden].contiguous().view(fp8_dtype)
-        scale = payload[:, hidden:].contiguous().view(torch.float32)
+        q = bytes_as(payload[:, :hidden], fp8_dtype)
+        scale = bytes_as(payload[:, hidden:], torch.float32)
         if to_experts:
             return stand_in_rows(q, like.dtype), (q, scale)
         return dequantize_rows(q, scale, like.dtype), None

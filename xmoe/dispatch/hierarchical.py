@@ -25,16 +25,18 @@ combine, the reverse, every sum in a fixed order (ops.combine_rows: k in order, 
   7. replicas' partial sums return to the pilot's GPU (reverse stage 2), added to its own in expert order.
   8. one row per unit returns (reverse stage 1); the source sums a token's units in (node, expert) order.
 
-Collectives per layer call: forward 9 (counts; rows + ids in stages 1 and 2; weights in stages 1 and 2; partial
-sums back in stages 2 and 1), backward 6; with one stage 5 and 3 (flat: 3 and 2). Host syncs: ONE, in step 2
+Collectives per layer call: forward 8 (counts; stage 1's rows with their ids inside the payload; stage 2's rows
+and ids; weights in stages 1 and 2; partial sums back in stages 2 and 1), backward 6; with one stage 4 and 3
+(flat: 3 and 2). Host syncs: ONE, in step 2
 (2P + 2Q + 7 ints: all split sizes, the expanded-row count, the counters); combine and backward reuse them. No
 (tokens x experts) structure: metadata is O(T K + M K) ints, deduplicated by sorting each token's K keys and
 marking run heads, which needs no host sync (torch.unique would).
 
 Groups: collectives of one process group run in order, so a blocking exchange issued on the EP group after rows
-posted there (another chunk's, or the combine's) waits for them. The blocking exchanges therefore run elsewhere
-where ParallelDims.rbd_groups provides the groups: stage 1's ids and the weights on a twin of the EP group, all of
-stage 2 on the node's group; only the rows of stage 1 (posted) and the counts use the EP group itself.
+posted there (another chunk's, or the combine's) waits for them. Stage 1's ids therefore ride inside its posted
+rows (comm.carrying: K int32 a row appended to the payload), and the other blocking exchanges run elsewhere where
+ParallelDims.rbd_groups provides the groups: the weights' stage 1 on a twin of the EP group, all of stage 2 on the
+node's group; only the posted rows of stage 1 and of the combine's return, and the counts, use the EP group.
 
 Backward order: every rank must enter backward's collectives in the same order. The row path and combine's chain
 are linear; the weights' node is a side branch, so it takes the dispatched rows as extra inputs ("anchors"):
@@ -55,6 +57,7 @@ from xmoe.dispatch.comm import (
     Exchange,
     all_to_all_plain,
     all_to_all_rows,
+    carrying,
     exchange_counts,
     host_list,
     post_rows,
@@ -120,7 +123,7 @@ class _SendWeights(torch.autograd.Function):
 class HierarchicalDispatcher(PhasedDispatcher):
     """RBD over ``ep_group`` (interface: xmoe/dispatch/base.py). ``node_of_rank[p]``: node label of EP rank p;
     ``kernels``: the layer's (choice.py), whose ops gather and sum the rows; ``node_group``: this rank's node's
-    members of ``ep_group`` (stage 2), ``side_group``: a twin of ``ep_group`` (ids and weights); either None: that
+    members of ``ep_group`` (stage 2), ``side_group``: a twin of ``ep_group`` (the weights); either None: that
     traffic on ``ep_group`` (see "Groups" above).
 
     ``stats`` accumulates :class:`RBDStats` over calls; ``last_stats`` holds the latest layer call's (dispatch +
@@ -230,17 +233,17 @@ class HierarchicalDispatcher(PhasedDispatcher):
 
     def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: RBDRoute) -> PostedDispatch:
         """3. stage 1 posted: pilots cross nodes, direct rows stay inside (their ids exchanged meanwhile)."""
-        link, ex, ids1, stage1 = self._stage1(x_TH, route.units, route.key1, route.counts.stage1, self.kernels.ops)
+        link, ex, stage1 = self._stage1(x_TH, route.units, route.key1, route.counts.stage1, self.kernels.ops)
         width = x_TH.shape[1] * x_TH.element_size() if self.encoding is None else wire_width(x_TH.shape[1])
         row_bytes = width + 4 * route.units.ids_TK.shape[1]  # a row, its K int32 ids
-        return PostedDispatch(link, ex, route.counts, stage1, ids1, row_bytes)
+        return PostedDispatch(link, ex, route.counts, stage1, row_bytes)
 
     def dispatch_end(self, posted: PostedDispatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """4.-5. stage 2 inside the node, then each GPU's rows expanded to its experts."""
         ops = self.kernels.ops
         counts = posted.counts
         x1 = wait_rows(posted.link, posted.exchange)
-        ids1 = posted.ids1
+        ids1 = posted.exchange.extra[1].long()  # the ids rode in the rows' payload (comm.carrying)
         anchors: tuple[torch.Tensor, ...]
         x_loc, ids_loc, anchors, stage2 = x1, ids1, (x1,), None
         if counts.stage2 is not None:  # 4.
@@ -335,9 +338,9 @@ class HierarchicalDispatcher(PhasedDispatcher):
 
     def _stage1(
         self, x_TH: torch.Tensor, units: SourceUnits, key1: torch.Tensor, splits: tuple[list[int], list[int]], ops
-    ) -> tuple[torch.Tensor, Exchange, torch.Tensor, Stage1]:
-        """3. stage 1: unit rows in (destination rank, token, k) order, with their ids masked to the unit; their ids
-        exchanged, then the rows posted."""
+    ) -> tuple[torch.Tensor, Exchange, Stage1]:
+        """3. stage 1 posted: unit rows in (destination rank, token, k) order, each with its ids masked to the unit
+        inside the same payload (a blocking exchange of their own would be a point where every rank waits)."""
         send, recv = splits
         num_tokens, top_k = units.ids_TK.shape
         unit_slot = rows_by_key(key1, sum(send))
@@ -346,14 +349,11 @@ class HierarchicalDispatcher(PhasedDispatcher):
         unit_of_slot = torch.where(units.valid_TK, table_src.gather(1, units.unit_head_k_TK), -1)
         in_unit = unit_of_slot[token_of_unit] == torch.arange(unit_slot.numel(), device=x_TH.device)[:, None]
         ids_send = torch.where(in_unit, units.ids_TK[token_of_unit], -1).to(torch.int32)
-        # the ids first (a few bytes a row), then the rows posted: a blocking exchange on the group after the posted
-        # one would queue behind it (gloo's and NCCL's collectives of one group run in order) and wait for the rows
-        ids1 = all_to_all_plain(ids_send, recv, send, self.side_group).long()
-        link, ex = post_rows(ops.gather_rows(x_TH, token_of_unit, table_src), recv, send, self.group, self.encoding)
+        rows = ops.gather_rows(x_TH, token_of_unit, table_src)
+        link, ex = post_rows(rows, recv, send, self.group, carrying(ids_send, self.encoding))
         return (
             link,
             ex,
-            ids1,
             Stage1(
                 splits=splits,
                 units=units,
@@ -362,7 +362,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
                 table_src_TK=table_src,
                 unit_of_slot_TK=unit_of_slot,
                 in_unit_UK=in_unit,
-                num_recv=ids1.shape[0],
+                num_recv=sum(recv),
             ),
         )
 

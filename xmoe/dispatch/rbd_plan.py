@@ -123,13 +123,12 @@ class RBDRoute:
 
 @dataclass
 class PostedDispatch:
-    """Stage 1 of a dispatch in flight (its ids already here)."""
+    """Stage 1 of a dispatch in flight (its rows' ids inside the same exchange)."""
 
     link: torch.Tensor
     exchange: Exchange
     counts: Counts
     stage1: Stage1
-    ids1: torch.Tensor
     row_bytes: int
 
 

@@ -247,9 +247,9 @@ class ParallelDims:
 
     def rbd_groups(self) -> tuple[torch.distributed.ProcessGroup | None, torch.distributed.ProcessGroup | None]:
         """RBD's two extra groups for this rank: (its node's ranks within its EP group, for the second stage that
-        never leaves the node; a twin of its EP group, for the small blocking exchanges of token ids and routing
-        weights). Collectives of one group run in order, so on the EP group itself these would queue behind the
-        rows already posted there and wait for them (docs/expert-parallel.md). A collective call the first time:
+        never leaves the node; a twin of its EP group, for the blocking exchange of the routing weights).
+        Collectives of one group run in order, so on the EP group itself these would queue behind the rows
+        already posted there and wait for them (docs/expert-parallel.md). A collective call the first time:
         every rank makes every group of the world, in one order; later calls return the same pair. (None, None)
         on the simulated rank's fake backend, whose single process has no peers to wait for."""
         if self._rbd_groups is None:

@@ -53,7 +53,7 @@ EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 def rbd_dispatcher(dims: ParallelDims, num_experts: int, kernels: Kernels) -> HierarchicalDispatcher:
     """RBD over the "ep" group of a built ``ParallelDims``, nodes from its node size (launcher numbering), with the
-    layer's ``kernels``; its second stage on the node's own group, its ids and weights on a twin of the EP group
+    layer's ``kernels``; its second stage on the node's own group, its routing weights on a twin of the EP group
     (``ParallelDims.rbd_groups``: a collective call the first time, made by every rank alike)."""
     nodes = [dims.node_of(r) for r in dims.group_ranks("ep")]
     node_group, side_group = dims.rbd_groups()
