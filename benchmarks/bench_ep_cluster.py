@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=DISPATCHERS)
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        type=_case_arg,
+        metavar="D:T:M:O",
+        help="exactly these cases instead of the grid, e.g. rbd:fp8:1:chunks (dispatcher pft|rbd, dtype, node limit, "
+        "overlap); today's path (pft:bf16:0:off) is measured first where not named",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per cluster run (default 1800)")
     p.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)  # what torchrun runs on every rank
     p.add_argument("--raw", help=argparse.SUPPRESS)
@@ -76,8 +84,22 @@ def _parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------------ rank mode
 
 
+def _case_arg(text: str) -> dict:
+    """--cases' D:T:M:O, checked."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[0] not in ("pft", "rbd") or parts[1] not in DTYPES or parts[3] not in MODES:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected pft|rbd:{'|'.join(DTYPES)}:M:{'|'.join(MODES)}")
+    if not parts[2].isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: the node limit ({parts[2]!r}) must be 0 (off) or a count")
+    return dict(dispatcher=parts[0], dtype=parts[1], node_limit=int(parts[2]), mode=parts[3])
+
+
 def _cases(args, nodes: int) -> list[dict]:
-    """The grid; a node limit of the cluster's node count or more binds nothing and is left out."""
+    """The grid (or --cases, today's path first); a node limit of the cluster's node count or more binds nothing
+    and is left out."""
+    if args.cases:
+        today = dict(dispatcher="pft", dtype="bf16", node_limit=0, mode="off")
+        return [c for c in ([today] if today not in args.cases else []) + args.cases if c["node_limit"] < nodes]
     limits = [m for m in args.node_limits if m < nodes]
     grid = itertools.product(args.dispatchers, args.dtypes, limits, args.modes)
     return [dict(dispatcher=d, dtype=t, node_limit=m, mode=o) for d, t, m, o in grid]
@@ -374,7 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_mode:
         rank_main(args)
         return 0
-    return launcher_main(args, argv)
+    from benchmarks.emulated_cluster import Interrupted
+
+    try:
+        return launcher_main(args, argv)
+    except Interrupted as e:  # the cluster already stopped every node and removed what it made
+        print(
+            f"bench_ep_cluster.py: {e}; every node stopped, everything removed (the cases measured so far are in "
+            f"{args.out})",
+            file=sys.stderr,
+        )
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

@@ -270,3 +270,22 @@ def test_cleanup_removes_what_a_killed_run_left(net):
     assert done.returncode == 0 and f"removed 3 namespace(s) of pid {owner.pid}" in done.stdout, done.stdout
     assert _marked_pids(marker) == []
     assert _host_state(mine=[owner.pid]) == before
+
+
+def test_bench_ep_cluster_cases_list_today_first(capsys):
+    """bench_ep_cluster --cases: exactly the named cases, today's path (flat, bf16, no limit, no overlap) measured
+    first where not named, limits the cluster cannot bind left out; a malformed case is one line of argparse."""
+    from benchmarks import bench_ep_cluster
+
+    parser = bench_ep_cluster._parser()
+    args = parser.parse_args(["--cases", "rbd:fp8:1:chunks", "pft:bf16:2:shared"])
+    assert bench_ep_cluster._cases(args, 2) == [
+        dict(dispatcher="pft", dtype="bf16", node_limit=0, mode="off"),
+        dict(dispatcher="rbd", dtype="fp8", node_limit=1, mode="chunks"),
+    ]
+    assert len(bench_ep_cluster._cases(args, 4)) == 3
+    named = parser.parse_args(["--cases", "rbd:bf16:0:off", "pft:bf16:0:off"])
+    assert [c["dispatcher"] for c in bench_ep_cluster._cases(named, 2)] == ["rbd", "pft"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cases", "rbd:fp16:1:off"])
+    assert "expected pft|rbd" in capsys.readouterr().err
