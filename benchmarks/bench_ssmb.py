@@ -77,16 +77,17 @@ def model_config(args):
     )
 
 
-def build(cfg, dims, device, dtype, ssmb: bool, recompute: bool):
+def build(cfg, dims, device, dtype, kernels, ssmb: bool, recompute: bool):
     """TP then SSMB by hand, not through xmoe.parallel.build: the recompute baseline wraps each MoE block between
-    the two (so that SSMB's scatter runs before the checkpoint), a layout the trainer does not build."""
+    the two (so that SSMB's scatter runs before the checkpoint), a layout the trainer does not build. ``kernels``:
+    the resolved kernel choice every MoE layer is built with."""
     from xmoe.model.transformer import Transformer
     from xmoe.parallel.ssmb import apply_ssmb
     from xmoe.parallel.tensor import apply_tensor_parallel
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(cfg)
+        model = Transformer(cfg, kernels=kernels)
     model.to(dtype)
     model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()  # angles stay fp32
     apply_tensor_parallel(model, dims)
@@ -120,23 +121,23 @@ def predicted(cfg, world: int, micro_batch: int, seq: int, ssmb: bool, recompute
 
 def run_setting(name: str, cfg, dims, device, args, micro_batch: int) -> dict:
     from xmoe.bench import saved_activation_bytes
-    from xmoe.kernels import get_ops
+    from xmoe.kernels.choice import resolve_kernels
     from xmoe.model.flops import FlopDims, train_flops
 
     ssmb, recompute = SETTINGS[name]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     world, T = dist.get_world_size(), micro_batch * args.seq
-    kernel = "triton" if get_ops("auto", device).__name__.endswith("triton_ops") else "torch"
+    kernels = resolve_kernels(cfg.moe.kernel_backend, device=device)  # the model's, resolved once
     row = {
         "setting": name,
         "tp": world,
         "micro_batch": micro_batch,
         "tokens": T,
-        **predicted(cfg, world, micro_batch, args.seq, ssmb, recompute, kernel, dtype.itemsize),
+        **predicted(cfg, world, micro_batch, args.seq, ssmb, recompute, kernels.backend, dtype.itemsize),
     }
     model = step = None
     try:
-        model = build(cfg, dims, device, dtype, ssmb, recompute)
+        model = build(cfg, dims, device, dtype, kernels, ssmb, recompute)
         gen = torch.Generator(device=device).manual_seed(1)  # the same tokens on every TP rank: one data shard
         tokens = torch.randint(0, cfg.vocab_size, (micro_batch, args.seq + 1), device=device, generator=gen)
         losses = []

@@ -142,10 +142,12 @@ def test_refusals_and_the_trainers_choice():
     with pytest.raises(ValueError, match="amsgrad"):
         opt.step()
     groups = param_groups(model, 0.1)
-    assert type(build_optimizer(groups, torch.device("cpu"), lr=1e-3)) is torch.optim.AdamW
-    gpu = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-3)  # built, not stepped
+    assert type(build_optimizer(groups, torch.device("cpu"), lr=1e-3, backend="torch")) is torch.optim.AdamW
+    gpu = build_optimizer(
+        param_groups(model, 0.1), torch.device("cuda"), lr=1e-3, backend="triton"
+    )  # built, not stepped
     assert isinstance(gpu, TritonAdamW)
-    torch_backend = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-3, kernel_backend="torch")
+    torch_backend = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-3, backend="torch")
     assert type(torch_backend) is torch.optim.AdamW and torch_backend.param_groups[0]["fused"]
 
 
@@ -172,8 +174,10 @@ def test_a_loaded_state_keeps_the_optimizers_implementation():
     # the saving optimizer's fused / foreach flags come with its state: each built optimizer keeps its own, so a
     # Triton AdamW's checkpoint resumed where torch's fused AdamW runs (FSDP2) stays fused, and the other way round
     model, grads = _model_and_grads(7)
-    ours = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-2)  # built, not stepped
-    theirs = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-2, kernel_backend="torch")
+    ours = build_optimizer(
+        param_groups(model, 0.1), torch.device("cuda"), lr=1e-2, backend="triton"
+    )  # built, not stepped
+    theirs = build_optimizer(param_groups(model, 0.1), torch.device("cuda"), lr=1e-2, backend="torch")
     source = TritonAdamW(param_groups(model, 0.1), lr=1e-2)
     _run(source, model, grads[:1])
     theirs.load_state_dict(source.state_dict())
@@ -189,8 +193,13 @@ def test_the_optimizer_setting_chooses_or_refuses(monkeypatch):
 
     model, _ = _model_and_grads(8)
     cuda = torch.device("cuda")  # built, not stepped
-    assert type(build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, choice="torch")) is torch.optim.AdamW
-    mine = build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")  # interpreter
+    assert (
+        type(build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, backend="triton", choice="torch"))
+        is torch.optim.AdamW
+    )
+    mine = build_optimizer(
+        param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, backend="torch", choice="triton"
+    )  # interpreter
     assert isinstance(mine, TritonAdamW) and describe_optimizer(mine) == "optimizer xmoe Triton AdamW"
     cached = TritonAdamW(param_groups(model, 0.1), lr=1e-3, copies=use_one_process(model, torch.float16))
     assert "next fp16 copies" in describe_optimizer(cached)
@@ -198,16 +207,18 @@ def test_the_optimizer_setting_chooses_or_refuses(monkeypatch):
     sharded = torch.nn.Parameter(torch.zeros(4))
     sharded.to_local = lambda: sharded  # what marks a DTensor here
     with pytest.raises(ValueError, match=r"include DTensors.*'auto' or 'torch'"):
-        build_optimizer([{"params": [sharded]}], cuda, lr=1e-3, choice="triton")
-    assert type(build_optimizer([{"params": [sharded]}], cuda, lr=1e-3)) is torch.optim.AdamW  # auto
+        build_optimizer([{"params": [sharded]}], cuda, lr=1e-3, backend="triton", choice="triton")
+    assert type(build_optimizer([{"params": [sharded]}], cuda, lr=1e-3, backend="triton")) is torch.optim.AdamW  # auto
     half = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
     with pytest.raises(ValueError, match="other dtypes or layouts"):
-        build_optimizer([{"params": [half]}], cuda, lr=1e-3, choice="triton")
+        build_optimizer([{"params": [half]}], cuda, lr=1e-3, backend="triton", choice="triton")
     monkeypatch.setattr(_common, "interpreting", lambda: False)
     with pytest.raises(ValueError, match=r"runs on a GPU.*not on cpu"):
-        build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, choice="triton")
+        build_optimizer(param_groups(model, 0.1), torch.device("cpu"), lr=1e-3, backend="torch", choice="triton")
     with pytest.raises(ValueError, match="must be 'auto', 'torch' or 'triton'"):
-        build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, choice="sgd")
+        build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, backend="triton", choice="sgd")
+    with pytest.raises(ValueError, match=r"backend \('auto'\) must be a resolved one"):
+        build_optimizer(param_groups(model, 0.1), cuda, lr=1e-3, backend="auto")  # resolved once, by the caller
 
 
 @pytest.mark.parametrize("shape", [(2, 136, 200), (1, 128, 128), (3, 40, 260)])  # uneven, whole, narrow blocks

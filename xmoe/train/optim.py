@@ -143,17 +143,19 @@ def build_optimizer(
     *,
     lr: float,
     betas: tuple[float, float] = (0.9, 0.999),
-    kernel_backend: str = "auto",
+    backend: str,
     copies: Sequence[tuple[torch.Tensor, CopyWriter]] = (),
     choice: str = "auto",
 ) -> torch.optim.Optimizer:
     """The trainer's AdamW (``choice``: train.optimizer). "auto": ``TritonAdamW`` on a GPU with the Triton backend
+    (``backend``: the run's moe.kernel_backend as resolved for ``device``, "torch" or "triton": its KernelChoice's)
     and plain tensors (one process, or DDP), else torch's (fused on a GPU: FSDP2 and expert parallelism hold
     DTensors). "torch": torch's. "triton": xmoe's, or a ValueError saying why it cannot step these parameters
     here. ``copies`` (BuiltModel.copy_writers) only reach the Triton one."""
-    from xmoe.kernels import resolve_backend
     from xmoe.kernels._common import interpreting
 
+    if backend not in ("torch", "triton"):  # a setting such as "auto" is resolved once, by the caller's choice
+        raise ValueError(f"backend ({backend!r}) must be a resolved one, 'torch' or 'triton' (KernelChoice.backend)")
     params = [p for g in groups for p in g["params"]]
     plain = all(steppable(p) for p in params)
     if choice == "triton":
@@ -171,7 +173,7 @@ def build_optimizer(
             )
     elif choice not in ("auto", "torch"):
         raise ValueError(f"optimizer choice ({choice!r}) must be 'auto', 'torch' or 'triton'")
-    auto = choice == "auto" and device.type == "cuda" and plain and resolve_backend(kernel_backend, device) == "triton"
+    auto = choice == "auto" and device.type == "cuda" and plain and backend == "triton"
     optimizer: torch.optim.Optimizer
     if choice == "triton" or auto:
         optimizer = TritonAdamW(groups, lr=lr, betas=betas, copies=copies)

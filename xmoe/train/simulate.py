@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from xmoe.config import KernelConfig, ModelConfig, ParallelConfig, kernel_config
 from xmoe.kernels import launches
-from xmoe.kernels.choice import describe_record, resolve_layer
+from xmoe.kernels.choice import KernelChoice, describe_record, resolve_layer
 from xmoe.model_config import KernelBackend
 from xmoe.parallel.build import build_model
 from xmoe.parallel.dims import ParallelDims
@@ -146,7 +146,7 @@ def measure_rank(
     choice = resolve_layer(cfg.moe, kernels, tokens, dev, dtype, ep=parallel.ep)
     before = launches.snapshot()
     with _world(simulate, world, rank):
-        rank_run = _RankRun(cfg, parallel, rank, dev, seed=seed, ssmb=ssmb, recompute=recompute, kernels=kernels)
+        rank_run = _RankRun(cfg, parallel, rank, dev, seed=seed, ssmb=ssmb, recompute=recompute, choice=choice)
         ms, peak, by_kind = rank_run.measure(micro_batch, seq_len, steps, simulate, imbalance, lr, weight_decay)
     layout = dict(
         world=world,
@@ -173,9 +173,9 @@ class _RankRun:
         seed: int,
         ssmb: bool,
         recompute: str,
-        kernels: KernelConfig,
+        choice: KernelChoice,
     ) -> None:
-        # model_cfg, kernel_config: not "cfg" / "kernels", the MoE modules' attribute names (tests/test_seam.py)
+        # model_cfg, kernel_choice: not "cfg" / "kernels", the MoE modules' attribute names (tests/test_seam.py)
         self.model_cfg, self.parallel, self.dev, self.seed, self.ssmb, self.recompute = (
             cfg,
             parallel,
@@ -184,7 +184,7 @@ class _RankRun:
             ssmb,
             recompute,
         )
-        self.kernel_config = kernels
+        self.kernel_choice = choice  # the kernels section, and the backend it resolved to on ``dev``
         self.world, self.autocast = parallel.world_size, dev.type == "cuda"
         self.dims = None
         if self.world > 1:
@@ -234,7 +234,7 @@ class _RankRun:
             ssmb=self.ssmb,
             param_dtype=torch.bfloat16 if autocast else None,
             recompute=self.recompute,
-            kernels=self.kernel_config,
+            kernels=self.kernel_choice.config,
         )
         if simulate:
             plan_counts(built.model, imbalance)
@@ -243,7 +243,7 @@ class _RankRun:
             param_groups(built.wrapped, weight_decay),
             dev,
             lr=lr,
-            kernel_backend=cfg.moe.kernel_backend,
+            backend=self.kernel_choice.backend,
             copies=built.copy_writers,
         )
         return built, optimizer

@@ -144,7 +144,7 @@ class Trainer:
             self.device,
             lr=t.lr,
             betas=(t.beta1, t.beta2),
-            kernel_backend=run.model.moe.kernel_backend,
+            backend=self.kernel_choice.backend,  # moe.kernel_backend as resolved above
             copies=built.copy_writers,  # on one process: the experts' copies for the next step, written in its pass
             choice=t.optimizer,
         )
