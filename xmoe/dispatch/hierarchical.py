@@ -19,9 +19,9 @@ dispatch:
      ranks of the group, or one node holds them all.
   5. each GPU expands its received rows to its local experts, expert-major: flat's rows, in another order.
 combine, the reverse, every sum in a fixed order (ops.combine_rows: k in order, fp32 accumulation, no atomics):
-  6. router weights reach the rows' GPUs (stage 1 then 2, one autograd node: _SendWeights; they travel here since
-     the dispatcher interface hands them to combine only); each GPU sums its experts' outputs of a row, WEIGHTED:
-     the only place weights are applied.
+  6. router weights reach the rows' GPUs (stage 1 then 2, one autograd node: rbd_exchange.send_weights; they
+     travel here since the dispatcher interface hands them to combine only); each GPU sums its experts' outputs of
+     a row, WEIGHTED: the only place weights are applied.
   7. replicas' partial sums return to the pilot's GPU (reverse stage 2), added to its own in expert order.
   8. one row per unit returns (reverse stage 1); the source sums a token's units in (node, expert) order.
 
@@ -36,7 +36,8 @@ Groups: collectives of one process group run in order, so a blocking exchange is
 posted there (another chunk's, or the combine's) waits for them. Stage 1's ids therefore ride inside its posted
 rows (comm.carrying: K int32 a row appended to the payload), and the other blocking exchanges run elsewhere where
 ParallelDims.rbd_groups provides the groups: the weights' stage 1 on a twin of the EP group, all of stage 2 on the
-node's group; only the posted rows of stage 1 and of the combine's return, and the counts, use the EP group.
+node's group (rbd_exchange.RBDGroups); only the posted rows of stage 1 and of the combine's return, and the counts,
+use the EP group.
 
 Backward order: every rank must enter backward's collectives in the same order. The row path and combine's chain
 are linear; the weights' node is a side branch, so it takes the dispatched rows as extra inputs ("anchors"):
@@ -64,6 +65,7 @@ from xmoe.dispatch.comm import (
     wait_rows,
 )
 from xmoe.dispatch.fp8_dispatch import fp8_encoding, wire_width
+from xmoe.dispatch.rbd_exchange import RBDGroups, send_weights, sum_rows
 from xmoe.dispatch.rbd_plan import (
     Counts,
     DispatchContext,
@@ -80,44 +82,6 @@ from xmoe.dispatch.rbd_plan import (
 from xmoe.dispatch.rbd_units import SourceUnits, index_table, rows_by_key, shift_right, source_units
 from xmoe.dispatch.routing import RoutingPlan, count_ids
 from xmoe.kernels.choice import Kernels
-
-
-class _SendWeights(torch.autograd.Function):
-    """Router weights (T, K) -> the received rows' weights (M, K): stage 1 (on the dispatcher's side group) then stage
-    2 (its node group), in ONE autograd node, so its two backward all-to-alls keep a fixed order; the anchors (the
-    dispatched rows) order it before them."""
-
-    @staticmethod
-    def forward(ctx, weights_TK, c: DispatchContext, disp: HierarchicalDispatcher, *anchors):
-        ctx.c, ctx.disp, ctx.num_anchors = c, disp, len(anchors)
-        s1, s2 = c.stage1, c.stage2
-        w_UK = torch.where(s1.in_unit_UK, weights_TK.gather(1, s1.units.perm_TK)[s1.token_of_unit_U], 0)
-        w1_MK = all_to_all_plain(w_UK, s1.splits[1], s1.splits[0], disp.side_group)
-        if s2 is None:
-            return w1_MK
-        w2_send = torch.where(s2.rep_mask_U2K, w1_MK[s2.rep_src_U2], 0)
-        return torch.cat([w1_MK, all_to_all_plain(w2_send, *disp._stage2_args(s2.splits))])
-
-    @staticmethod
-    def backward(ctx, grad_MK):
-        s1, s2, disp = ctx.c.stage1, ctx.c.stage2, ctx.disp
-        if not ctx.needs_input_grad[0]:  # weights without gradient on every rank: no collective either
-            return None, None, None, *(None for _ in range(ctx.num_anchors))
-        grad1 = grad_MK[: s1.num_recv]
-        if s2 is not None:
-            back2 = all_to_all_plain(grad_MK[s1.num_recv :].contiguous(), *disp._stage2_args(s2.splits, reverse=True))
-            # a slot's gradient is non-zero on exactly one GPU (the one hosting its expert): a gather, no atomics
-            cols = torch.arange(grad1.shape[1], device=grad1.device)
-            covered = s2.rep_of_slot_M1K >= 0
-            grad1 = torch.where(covered, back2[s2.rep_of_slot_M1K.clamp(min=0), cols] if back2.numel() else 0, grad1)
-        back1 = all_to_all_plain(grad1.contiguous(), s1.splits[0], s1.splits[1], disp.side_group)
-        units = s1.units
-        top_k = units.ids_TK.shape[1]
-        cols = torch.arange(top_k, device=back1.device)
-        flat = (s1.unit_of_slot_TK * top_k + cols).clamp(min=0)
-        grad_sorted = torch.where(units.valid_TK, back1.reshape(-1)[flat] if back1.numel() else 0, 0)
-        grad_TK = torch.zeros_like(grad_sorted).scatter(1, units.perm_TK, grad_sorted)  # perm: one write per slot
-        return grad_TK, None, None, *(None for _ in range(ctx.num_anchors))
 
 
 class HierarchicalDispatcher(PhasedDispatcher):
@@ -157,41 +121,13 @@ class HierarchicalDispatcher(PhasedDispatcher):
         self.local_index = [self.ranks_of_node[n].index(p) for p, n in enumerate(self.node_of_rank)]
         # replicas exist only if some node holds two ranks AND some node is remote
         self.two_stage = len(labels) > 1 and self.width > 1
-        # the blocking exchanges off the EP group, where they would queue behind the rows posted there: the ids and
-        # weights of stage 1 on a twin of it, stage 2 on this node's own group (members in EP-rank order)
-        self.side_group = ep_group if side_group is None else self._checked(side_group, list(range(self.num_ranks)))
-        self.node_members: list[int] | None = None  # EP ranks of node_group, or None: stage 2 on the EP group
-        self.node_group = ep_group
-        if node_group is not None:
-            self.node_members = self.ranks_of_node[self.my_node]
-            self.node_group = self._checked(node_group, self.node_members)
+        # the blocking exchanges off the EP group, where they would queue behind the rows posted there
+        self.groups = RBDGroups.of(ep_group, self.ranks_of_node[self.my_node], node_group, side_group)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.encoding: Encoding | None = None  # how stage 1's rows travel (use_fp8 sets one)
         self.stats = RBDStats()
         self.last_stats: dict[str, float] = {}
         self._last = RBDStats()
-
-    def _checked(self, group: dist.ProcessGroup, members: list[int]) -> dist.ProcessGroup:
-        """``group``, refused unless it holds exactly these EP ranks (global ranks, ascending)."""
-        ep_ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-        want = [ep_ranks[p] if ep_ranks is not None else p for p in members]
-        have = dist.get_process_group_ranks(group)
-        if have != want:
-            raise ValueError(
-                f"RBD's extra group holds global ranks {have}, expected {want} (EP ranks {members} of this rank's "
-                "group): build it with ParallelDims.rbd_groups()"
-            )
-        return group
-
-    def _stage2_args(self, splits: tuple[list[int], list[int]], reverse: bool = False) -> tuple[list, list, Any]:
-        """(output splits, input splits, group) of a stage-2 exchange (``reverse``: the partial sums going back):
-        on the node's own group, the splits cut to its members (stage 2 sends nothing beyond the node)."""
-        send, recv = splits
-        if reverse:
-            send, recv = recv, send
-        if self.node_members is not None:
-            send, recv = [send[p] for p in self.node_members], [recv[p] for p in self.node_members]
-        return recv, send, self.node_group
 
     def use_fp8(self, to_experts: bool) -> None:
         """Stage 1's rows (those that cross nodes) travel in FP8 (fp8_dispatch.py), dequantised on arrival: stage 2
@@ -382,8 +318,8 @@ class HierarchicalDispatcher(PhasedDispatcher):
         table_rep = index_table(rep_slot, (num_recv1, top_k))
         rep_mask = rank1[rep_src] == rank1.view(-1)[rep_slot][:, None]
         ids2_send = torch.where(rep_mask, ids1[rep_src], -1).to(torch.int32)
-        x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), *self._stage2_args(splits))
-        ids2 = all_to_all_plain(ids2_send, *self._stage2_args(splits)).long()
+        x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), *self.groups.stage2(splits))
+        ids2 = all_to_all_plain(ids2_send, *self.groups.stage2(splits)).long()
         arange_K = torch.arange(top_k, device=device).expand(num_recv1, top_k)
         head_k = torch.where(head1, arange_K, -1).cummax(dim=1).values.clamp(min=0)
         rows_M1 = torch.arange(num_recv1, device=device)
@@ -424,17 +360,17 @@ class HierarchicalDispatcher(PhasedDispatcher):
         # 6. weights to the rows' GPUs; each GPU's weighted sum of a received row's local experts
         # the anchors leave the context here: held there until backward they would keep the (M, H) rows alive
         anchors, ctx.anchors = ctx.anchors, ()
-        w_MK = _SendWeights.apply(weights_TK, ctx, self, *anchors)
+        w_MK = send_weights(weights_TK, ctx, self.groups, anchors)
         partial_MH = ops.combine_rows(y_NH, w_MK, local.token_ids_N, local.slot_ids_N, local.table_loc_MK)
         # 7. replicas' partials back to the pilot: own partial and replicas' summed in expert (= k) order
         node_MH = partial_MH
         if s2 is not None:
             m1 = s1.num_recv
-            back_MH = all_to_all_rows(partial_MH[m1:], *self._stage2_args(s2.splits, reverse=True))
+            back_MH = all_to_all_rows(partial_MH[m1:], *self.groups.stage2(s2.splits, reverse=True))
             rows = torch.cat([partial_MH[:m1], back_MH])
             owner = torch.cat([torch.arange(m1, device=y_NH.device), s2.rep_src_U2])
             slots = torch.cat([s2.own_slot_M1, s2.rep_slot_U2])
-            node_MH = _sum_rows(ops, rows, owner, slots, s2.table_node_M1K)
+            node_MH = sum_rows(ops, rows, owner, slots, s2.table_node_M1K)
         # 8. one row per unit back to its source, posted
         link, ex = post_rows(node_MH, s1.splits[0], s1.splits[1], self.group)
         self._record_combine(ctx, y_NH.shape[1] * y_NH.element_size(), weights_TK.shape[1] * weights_TK.element_size())
@@ -444,7 +380,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         """8. (continued) a token's units summed in (node, expert) order."""
         s1 = posted.stage1
         back_UH = wait_rows(posted.link, posted.exchange)
-        return _sum_rows(self.kernels.ops, back_UH, s1.token_of_unit_U, s1.unit_slot_U, s1.table_src_TK)
+        return sum_rows(self.kernels.ops, back_UH, s1.token_of_unit_U, s1.unit_slot_U, s1.table_src_TK)
 
     # ---- counters: host numbers only, from the one sync of dispatch ----------------------------------------
 
@@ -459,25 +395,3 @@ class HierarchicalDispatcher(PhasedDispatcher):
             stats.bytes_intra += intra
             stats.bytes_inter += inter
         self.last_stats = self._last.as_dict()
-
-
-class _SumRows(torch.autograd.Function):
-    """out[m] = sum over k of rows[table[m, k]], k in order, fp32 accumulation (ops.combine_rows, unit weights).
-    Each row feeds exactly one (owner, slot), so the backward is a gather by owner; unlike combine_rows' own
-    autograd it saves no (rows, H) tensor for a weight gradient nobody needs."""
-
-    @staticmethod
-    def forward(ctx, rows_RH, owner_R, slot_R, table_MK, ops):
-        ctx.save_for_backward(owner_R, table_MK)
-        ctx.ops = ops
-        ones_MK = torch.ones(table_MK.shape, dtype=torch.float32, device=rows_RH.device)
-        return ops.combine_rows(rows_RH, ones_MK, owner_R, slot_R, table_MK)  # grad mode is off in forward
-
-    @staticmethod
-    def backward(ctx, grad_MH):
-        owner_R, table_MK = ctx.saved_tensors
-        return ctx.ops.gather_rows(grad_MH.contiguous(), owner_R, table_MK), None, None, None, None
-
-
-def _sum_rows(ops, rows_RH, owner_R, slot_R, table_MK) -> torch.Tensor:
-    return _SumRows.apply(rows_RH, owner_R, slot_R, table_MK, ops)
