@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_case_arg,
         metavar="D:T:M:O",
         help="exactly these cases instead of the grid, e.g. rbd:fp8:1:chunks (dispatcher pft|rbd, dtype, node limit, "
-        "overlap); today's path (pft:bf16:0:off) is measured first where not named",
+        "overlap); today's path (pft:bf16:0:off) is measured first where not named; a case's prediction needs its "
+        "group's overlap-off case (its compute) in the list",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per cluster run (default 1800)")
     p.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)  # what torchrun runs on every rank
@@ -380,10 +381,14 @@ def _markdown(report: dict) -> str:
         for r in rows:
             speed = f"{today['step_ms'] / r['step_ms']:.2f}x" if today else ""
             traffic = r.get("traffic", {})
+            # no prediction without its group's overlap-off case (its compute), e.g. --cases that leave it out
+            predicted, error = (
+                (f"{r['predicted_ms']:.0f}", f"{100 * r['error']:+.0f}%") if "predicted_ms" in r else ("-", "-")
+            )
             lines.append(
                 f"| {'flat' if r['dispatcher'] == 'pft' else 'RBD'} | {r['dtype']} | {r['node_limit'] or 'off'} | "
-                f"{r['mode']} | {r['step_ms']:.0f} | {r['exposed_ms']:.0f} | {r.get('predicted_ms', 0):.0f} | "
-                f"{100 * r.get('error', 0):+.0f}% | {speed} | {_bytes_sent(traffic) / 1e6:.1f} | "
+                f"{r['mode']} | {r['step_ms']:.0f} | {r['exposed_ms']:.0f} | {predicted} | "
+                f"{error} | {speed} | {_bytes_sent(traffic) / 1e6:.1f} | "
                 f"{traffic.get('rows_inter', 0):.0f} | {traffic.get('max_token_nodes', 0):.0f} |"
             )
         lines += ["", "Traffic per rank and timed step (the ranks' mean; the most nodes: the largest on any rank).", ""]
