@@ -137,6 +137,24 @@ def _update(
     )
 
 
+def _check_triton_choice(params: list[torch.Tensor], plain: bool, device: torch.device) -> None:
+    """train.optimizer = "triton" refused, saying why, where xmoe's AdamW cannot step these parameters here."""
+    from xmoe.kernels._common import interpreting
+
+    if not plain:
+        sharded = any(hasattr(p, "to_local") for p in params)
+        what = "DTensors (FSDP2, expert or tensor parallelism)" if sharded else "other dtypes or layouts"
+        raise ValueError(
+            f"train.optimizer='triton' steps contiguous fp32 plain tensors, and this run's parameters include "
+            f"{what}: use train.optimizer='auto' or 'torch'"
+        )
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"train.optimizer='triton' runs on a GPU (or CPU tensors under TRITON_INTERPRET=1), not on "
+            f"{device.type}: use train.optimizer='auto' or 'torch'"
+        )
+
+
 def build_optimizer(
     groups: list[dict],
     device: torch.device,
@@ -152,25 +170,13 @@ def build_optimizer(
     and plain tensors (one process, or DDP), else torch's (fused on a GPU: FSDP2 and expert parallelism hold
     DTensors). "torch": torch's. "triton": xmoe's, or a ValueError saying why it cannot step these parameters
     here. ``copies`` (BuiltModel.copy_writers) only reach the Triton one."""
-    from xmoe.kernels._common import interpreting
 
     if backend not in ("torch", "triton"):  # a setting such as "auto" is resolved once, by the caller's choice
         raise ValueError(f"backend ({backend!r}) must be a resolved one, 'torch' or 'triton' (KernelChoice.backend)")
     params = [p for g in groups for p in g["params"]]
     plain = all(steppable(p) for p in params)
     if choice == "triton":
-        if not plain:
-            sharded = any(hasattr(p, "to_local") for p in params)
-            what = "DTensors (FSDP2, expert or tensor parallelism)" if sharded else "other dtypes or layouts"
-            raise ValueError(
-                f"train.optimizer='triton' steps contiguous fp32 plain tensors, and this run's parameters include "
-                f"{what}: use train.optimizer='auto' or 'torch'"
-            )
-        if device.type != "cuda" and not interpreting():
-            raise ValueError(
-                f"train.optimizer='triton' runs on a GPU (or CPU tensors under TRITON_INTERPRET=1), not on "
-                f"{device.type}: use train.optimizer='auto' or 'torch'"
-            )
+        _check_triton_choice(params, plain, device)
     elif choice not in ("auto", "torch"):
         raise ValueError(f"optimizer choice ({choice!r}) must be 'auto', 'torch' or 'triton'")
     auto = choice == "auto" and device.type == "cuda" and plain and backend == "triton"
