@@ -72,3 +72,26 @@ def test_the_benchmarks_read_what_fit_auto_changed(monkeypatch):
         expected["recompute"] = changed.train.recompute
     assert fit_auto_change(f"xmoe train: ...\n{line}\nwriting to runs/x/") == expected
     assert fit_auto_change("memory: planned peak 1.00 GiB of 8.00 GiB of host memory available") == {}
+
+
+def test_bench_train_baseline_is_named_by_its_own_checkout(tmp_path):
+    """bench_train --baseline: the commit is the baseline checkout's own HEAD (never that of a repository the folder
+    merely lies inside, which would label the baseline with this checkout's commit), else --baseline-commit, and
+    --fit is passed only to an xmoe whose `train` has it."""
+    import subprocess
+
+    from benchmarks.bench_train import baseline_source
+
+    inside = tmp_path / "repo" / "copy"
+    (inside / "xmoe" / "train").mkdir(parents=True)
+    (inside / "xmoe" / "train" / "cli.py").write_text('parser.add_argument("--steps")\n')
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path / "repo")]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "outer"], check=True)
+    assert baseline_source(str(inside)) == {"dir": str(inside), "commit": "unknown", "fits": False}
+    assert baseline_source(str(inside), "abc1234")["commit"] == "abc1234"
+    (inside / "xmoe" / "train" / "cli.py").write_text('parser.add_argument(\n    "--fit",\n)\n')
+    subprocess.run(["git", "-C", str(inside), "init", "-q"], check=True)
+    subprocess.run([*git[:-2], "-C", str(inside), "commit", "-q", "--allow-empty", "-m", "own"], check=True)
+    own = subprocess.run(["git", "-C", str(inside), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert baseline_source(str(inside)) == {"dir": str(inside), "commit": own.stdout.strip(), "fits": True}
