@@ -79,7 +79,7 @@ class LinkMeasurement:
     def describe(self) -> str:
         return (
             f"link node {self.src} -> node {self.dst}: {self.gbit:.3f} Gbit/s ({self.mbyte_s:.1f} MB/s) over "
-            f"{self.nbytes / 2**20:.0f} MiB; round trip {self.rtt_ms:.3f} ms (median, min {self.rtt_min_ms:.3f})"
+            f"{_size(self.nbytes)}; round trip {self.rtt_ms:.3f} ms (median, min {self.rtt_min_ms:.3f})"
         )
 
 
@@ -114,3 +114,8 @@ def measure(
     # the timed message's answer costs one ping's round trip on top of the transfer
     transfer_s = max(data["seconds"] - rtt_s, 1e-9)
     return LinkMeasurement(src, dst, nbytes, nbytes * 8 / transfer_s, rtt_s * 1e3, min(data["rtts"]) * 1e3)
+
+
+def _size(nbytes: int) -> str:
+    """8 MiB, 256 KiB: a message size as measured (a size below 1 MiB is not '0 MiB')."""
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
