@@ -23,11 +23,10 @@ from xmoe.dispatch.rbd_plan import DispatchContext
 
 @dataclass(frozen=True)
 class RBDGroups:
-    """The groups of one RBD dispatcher: ``ep`` (its EP group: posted rows, counts), ``side`` (a twin of it: the
-    routing weights' stage 1) and ``node`` (stage 2) with ``node_members``, the EP ranks it holds in order (None:
-    stage 2 on ``ep``, its splits uncut)."""
+    """Where one RBD dispatcher's blocking exchanges run (its posted rows and counts stay on its EP group): ``side``
+    (a twin of the EP group: the routing weights' stage 1) and ``node`` (stage 2) with ``node_members``, the EP
+    ranks it holds in order (None: stage 2 on the EP group, its splits uncut)."""
 
-    ep: dist.ProcessGroup | None
     side: dist.ProcessGroup | None
     node: dist.ProcessGroup | None
     node_members: tuple[int, ...] | None
@@ -56,8 +55,8 @@ class RBDGroups:
 
         side = ep_group if side_group is None else checked(side_group, range(dist.get_world_size(ep_group)))
         if node_group is None:
-            return cls(ep_group, side, ep_group, None)
-        return cls(ep_group, side, checked(node_group, my_node_ranks), tuple(my_node_ranks))
+            return cls(side, ep_group, None)
+        return cls(side, checked(node_group, my_node_ranks), tuple(my_node_ranks))
 
     def stage2(self, splits: tuple[list[int], list[int]], reverse: bool = False) -> tuple[list[int], list[int], Any]:
         """(output splits, input splits, group) of a stage-2 exchange (``reverse``: the partial sums going back):

@@ -255,18 +255,19 @@ class ParallelDims:
         if self._rbd_groups is None:
             self.submesh("ep")  # the mesh exists (the same error as the other group queries otherwise)
             dist = torch.distributed
-            found: list = [None, None]
+            node_group = side_group = None
             if dist.get_backend() != "fake":
                 timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
                 for ep_ranks in self.all_groups("ep"):
                     by_node: dict[int, list[int]] = {}
                     for r in ep_ranks:
                         by_node.setdefault(self.node_of(r), []).append(r)
-                    for index, ranks in enumerate([*by_node.values(), ep_ranks]):
+                    for ranks in by_node.values():
                         group = dist.new_group(ranks, timeout=timeout)  # every rank calls it, member or not
-                        if self.rank in ranks:
-                            found[1 if index == len(by_node) else 0] = group
-            self._rbd_groups = (found[0], found[1])
+                        node_group = group if self.rank in ranks else node_group
+                    group = dist.new_group(ep_ranks, timeout=timeout)
+                    side_group = group if self.rank in ep_ranks else side_group
+            self._rbd_groups = (node_group, side_group)
         return self._rbd_groups
 
 
