@@ -1,4 +1,5 @@
-"""The torch backend's grouped SwiGLU (the CPU path of `xmoe train`) against a float64 per-expert loop.
+"""The torch backend's grouped SwiGLU (the CPU path of `xmoe train`) against a float64 per-expert loop, and its
+row sums (combine_rows, gather_rows' backward) against a float64 loop over the kept slots.
 
 # N rows, H hidden, F expert ffn, E experts
 
@@ -68,3 +69,39 @@ def test_import_probe_saves_nothing_under_outer_saved_tensor_hooks():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         reference._probe_cpu_grouped_mm()
     assert packed == []
+
+
+def _sums64(rows_NH, table_TK, weights_TK):
+    out = torch.zeros(table_TK.shape[0], rows_NH.shape[1], dtype=torch.float64)
+    for t in range(table_TK.shape[0]):
+        for k in range(table_TK.shape[1]):
+            if table_TK[t, k] >= 0:
+                out[t] += float(weights_TK[t, k]) * rows_NH[table_TK[t, k]].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keep", [1.0, 0.3, 0.0])
+def test_row_sums_read_kept_slots_only(dtype, keep):
+    """RBD's tables keep few of a row's K slots: the CPU pass reads only those, equal bit for bit to the dense pass
+    (every slot, zero weights) on finite rows and to the float64 loop within rounding; a row that only dropped
+    slots point at may hold inf without reaching any token (the dense pass multiplies it by 0: NaN)."""
+    g = torch.Generator().manual_seed(int(keep * 10))
+    T, K, H = 23, 5, 40
+    kept = torch.rand(T, K, generator=g) < keep
+    kept[0] = False  # a token with no kept slot
+    num_rows = int(kept.sum()) + 1  # row 0 only ever pointed at by dropped slots (clamped -1)
+    table = torch.full((T, K), -1, dtype=torch.long)
+    table[kept] = 1 + torch.randperm(num_rows - 1, generator=g)
+    rows = torch.randn(num_rows, H, generator=g).to(dtype)
+    weights = torch.rand(T, K, generator=g)
+    for w in (weights, None):
+        ref = _sums64(rows, table, w if w is not None else torch.ones(T, K))
+        sparse = reference._sum_rows_per_token(rows, table, w, sparse=True)
+        dense = reference._sum_rows_per_token(rows, table, w, sparse=False)
+        assert sparse.dtype == dtype and torch.equal(sparse, dense)
+        assert _rel(sparse, ref) < (1e-6 if dtype == torch.float32 else 1e-2) or ref.norm() == 0
+        assert torch.all(sparse[0] == 0)
+    rows[0] = float("inf")
+    assert torch.isfinite(reference._sum_rows_per_token(rows, table, weights, sparse=True)).all()
+    assert not torch.isfinite(reference._sum_rows_per_token(rows, table, weights, sparse=False)).all()

@@ -15,7 +15,8 @@ and, for the gradients of the routed experts' compute-dtype weight copies:
   accumulate_grad(grad, update, dtype) -> grad + update                into grad, or update in dtype if None
 
 Determinism: gather's backward and combine's forward both sum a token's K rows by looping over k in a fixed
-order, so no floating-point atomics (index_add_ / scatter_add_) are involved anywhere.
+order, so no floating-point atomics are involved anywhere (on CPU each k's step is one index_add_ that writes a
+token's row at most once).
 """
 
 from __future__ import annotations
@@ -26,15 +27,30 @@ import torch
 import torch.nn.functional as F
 
 
-def _sum_rows_per_token(rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor, weights_TK=None) -> torch.Tensor:
-    """out[t] = sum_k weights[t,k] * rows[row[t,k]] over kept slots, accumulated in fp32, k in order."""
+def _sum_rows_per_token(
+    rows_NH: torch.Tensor, row_of_slot_TK: torch.Tensor, weights_TK=None, sparse: bool | None = None
+) -> torch.Tensor:
+    """out[t] = sum_k weights[t,k] * rows[row[t,k]] over kept slots, accumulated in fp32, k in order.
+
+    On CPU only the kept slots are read: RBD's tables keep a few of a row's K slots, and reading every (t, k) made
+    its CPU ranks copy and multiply K full (T, H) blocks per call. Elsewhere every (t, k) is read with a zero
+    weight where dropped, which needs no host sync (``sparse`` forces either). Both add the same numbers in the same
+    order; only the dense pass turns a dropped slot's row holding inf or NaN into NaN."""
     num_tokens, top_k = row_of_slot_TK.shape
     acc_TH = torch.zeros(num_tokens, rows_NH.shape[1], dtype=torch.float32, device=rows_NH.device)
     if rows_NH.shape[0] == 0:
         return acc_TH.to(rows_NH.dtype)
+    sparse = rows_NH.device.type == "cpu" if sparse is None else sparse
     for k in range(top_k):
         row_T = row_of_slot_TK[:, k]
         kept_T = row_T >= 0
+        if sparse:
+            t_kept = kept_T.nonzero().squeeze(1)
+            vals = rows_NH[row_T[t_kept]].float()
+            if weights_TK is not None:
+                vals = vals * weights_TK[t_kept, k].float()[:, None]
+            acc_TH.index_add_(0, t_kept, vals)  # each token at most once per k: no two writes to one row
+            continue
         w_T = kept_T.to(torch.float32) if weights_TK is None else weights_TK[:, k].float() * kept_T
         acc_TH += rows_NH[row_T.clamp(min=0)].float() * w_T[:, None]
     return acc_TH.to(rows_NH.dtype)
