@@ -114,6 +114,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4, help="layers of the small preset's shape (default 4)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per micro-batch (default 16384)")
+    p.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096], help="sequence lengths (default 2048 4096)")
     p.add_argument("--check-only", action="store_true", help="only the attention check")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -121,19 +122,24 @@ def main() -> int:
         return 0
     checks = check_attention()
     rows: list[dict] = []
-    if not args.check_only:
-        for seq in (2048, 4096):
-            base = time_model(args, seq, None, 0)
-            rows.append(base)
-            for mean in (512.0, 2048.0):
-                rows.append(time_model(args, seq, mean, 0))
-                rows[-1]["vs_concat"] = base["ms"] / rows[-1]["ms"]  # throughput against the causal path
-            mtp = time_model(args, seq, None, 1)
-            # its time over depth 0's, beside its FLOPs over depth 0's (xmoe's formula, the same seq and batch)
-            mtp["time_ratio"] = mtp["ms"] / base["ms"]
-            mtp["flop_ratio"] = mtp["model_tflops"] * mtp["ms"] / (base["model_tflops"] * base["ms"])
-            rows.append(mtp)
     meta = environment() | {"layers": args.layers, "tokens": args.tokens, "checks": checks}
+    _write(rows, meta, checks)
+    for seq in [] if args.check_only else args.seqs:
+        base = time_model(args, seq, None, 0)
+        rows.append(base)
+        for mean in (512.0, 2048.0):
+            rows.append(time_model(args, seq, mean, 0))
+            rows[-1]["vs_concat"] = base["ms"] / rows[-1]["ms"]  # throughput against the causal path
+        mtp = time_model(args, seq, None, 1)
+        # its time over depth 0's, beside its FLOPs over depth 0's (xmoe's formula, the same seq and batch)
+        mtp["time_ratio"] = mtp["ms"] / base["ms"]
+        mtp["flop_ratio"] = mtp["model_tflops"] * mtp["ms"] / (base["model_tflops"] * base["ms"])
+        rows.append(mtp)
+        _write(rows, meta, checks)  # after each length: a run cut short keeps what it measured
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+def _write(rows: list[dict], meta: dict, checks: list[dict]) -> None:
     columns = ["seq", "documents", "mtp_depth", "ms", "tokens_per_s", "model_tflops", "vs_concat", "time_ratio"]
     columns.append("flop_ratio")
     notes = "Check (flex vs dense mask, relative errors): " + "; ".join(
@@ -142,7 +148,6 @@ def main() -> int:
     write_results(
         "bench_documents", rows, columns, meta, "Document masking and multi-token prediction", notes, topic="train"
     )
-    return 0 if all(c["ok"] for c in checks) else 1
 
 
 if __name__ == "__main__":

@@ -448,6 +448,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("check_gpu: skipped, triton is not installed")
         return 0
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's root
     from benchmarks.harness import environment, out_dir
 
     all_ok, report = True, []

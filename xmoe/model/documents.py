@@ -170,7 +170,12 @@ def document_attention(
     head g serves query heads [g * N/G, (g + 1) * N/G)."""
     grouped = k_BGSD.shape[1] != q_BNSD.shape[1]
     if docs.block_mask is not None:
-        return _compiled_flex()(q_BNSD, k_BGSD, v_BGSDv, block_mask=docs.block_mask, scale=scale, enable_gqa=grouped)
+        # fp32 with q/k wider than 128 (MLA's 192): the default tiles need more shared memory than a Hopper block has
+        wide = q_BNSD.dtype == torch.float32 and q_BNSD.shape[-1] > 128
+        options = {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1} if wide else None
+        return _compiled_flex()(
+            q_BNSD, k_BGSD, v_BGSDv, block_mask=docs.block_mask, scale=scale, enable_gqa=grouped, kernel_options=options
+        )
     if grouped:
         repeat = q_BNSD.shape[1] // k_BGSD.shape[1]
         k_BGSD, v_BGSDv = k_BGSD.repeat_interleave(repeat, dim=1), v_BGSDv.repeat_interleave(repeat, dim=1)
