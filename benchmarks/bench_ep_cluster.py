@@ -16,8 +16,10 @@ case: the step's wall time (the slowest rank; median of the timed steps) and the
 expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted all-to-alls' waits, the blocking exchanges, the
 count exchange and its host sync; the mean over ranks), which on CPUs is the communication no compute hid. The
 planner (xmoe/plan/step_time.py) predicts every case from the link rate measured before the run (shared by a node's
-ranks), the compute of the overlap-off case of the same dispatcher and dtype (its step minus its exposed time) and
-the routed and shared experts' forward times measured in it.
+ranks), the compute of the overlap-off case of the same dispatcher and dtype and the routed and shared experts'
+forward times measured in it. That compute is the case's step less the exposed time of its least-waiting rank: the
+rank the others wait for, whose compute sets the step (the mean rank's would count the others' waits for it, the
+ranks' skew, as communication).
 Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
 """
 
@@ -182,6 +184,8 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         case,
         step_ms=1e3 * statistics.median(step_s),
         exposed_ms=1e3 * statistics.mean(statistics.median(r["exposed"]) for r in per_rank),
+        # the rank that waits least is the one the others wait for: its step less this is the critical compute
+        least_exposed_ms=1e3 * min(statistics.median(r["exposed"]) for r in per_rank),
         experts_fwd_ms=1e3 * statistics.mean(r["experts"] for r in per_rank) / max(1, args.layers),
         shared_fwd_ms=1e3 * statistics.mean(r["shared"] for r in per_rank) / max(1, args.layers),
         traffic={k: _over_ranks(k, [r["traffic"].get(k, 0) for r in per_rank]) for k in per_rank[0]["traffic"]},
@@ -283,7 +287,7 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
             cfg,
             tokens,
             ep=world,
-            compute_ms=base["step_ms"] - base["exposed_ms"],
+            compute_ms=base["step_ms"] - base.get("least_exposed_ms", base["exposed_ms"]),
             experts_ms=base["experts_fwd_ms"],
         )
         tech = Techniques(row["dispatcher"], row["mode"], args.chunks, row["dtype"], est.max_nodes_per_token)

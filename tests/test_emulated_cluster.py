@@ -289,3 +289,20 @@ def test_bench_ep_cluster_cases_list_today_first(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--cases", "rbd:fp16:1:off"])
     assert "expected pft|rbd" in capsys.readouterr().err
+
+
+def test_bench_ep_cluster_predicts_from_the_critical_rank():
+    """The planner's compute for a case is its overlap-off twin's step less the exposed time of the rank that waits
+    least (the one the others wait for): the same case with that rank waiting 100 ms less is predicted 100 ms
+    longer, and a row from before the field existed falls back to the ranks' mean."""
+    from benchmarks import bench_ep_cluster
+
+    args = bench_ep_cluster._parser().parse_args(["--cases", "pft:bf16:0:off"])
+    row = dict(dispatcher="pft", dtype="bf16", node_limit=0, mode="off", step_ms=3000.0, exposed_ms=1200.0)
+    row.update(least_exposed_ms=1000.0, experts_fwd_ms=20.0)
+    variants = [dict(row), dict(row, least_exposed_ms=900.0), {k: v for k, v in row.items() if k != "least_exposed_ms"}]
+    for r in variants:  # each its own run: a case's compute comes from the first overlap-off row of its group
+        bench_ep_cluster.predictions(args, [r], nodes=2, link_bytes_s=36e6, rtt_ms=0.1)
+    assert variants[1]["predicted_ms"] - variants[0]["predicted_ms"] == pytest.approx(100.0)
+    assert variants[0]["predicted_ms"] - variants[2]["predicted_ms"] == pytest.approx(200.0)
+    assert variants[0]["error"] == pytest.approx(3000.0 / variants[0]["predicted_ms"] - 1)
