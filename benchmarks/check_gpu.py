@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without PYTHONPATH
+
 TOLERANCE = 1e-2
 # name: (T, H, F, E, K, capacity, routing)
 CASES = {
@@ -448,7 +450,6 @@ def main(argv=None) -> int:
     except ImportError:
         print("check_gpu: skipped, triton is not installed")
         return 0
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's root
     from benchmarks.harness import environment, out_dir
 
     all_ok, report = True, []

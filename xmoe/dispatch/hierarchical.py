@@ -168,7 +168,7 @@ class HierarchicalDispatcher(PhasedDispatcher):
         ]
 
     def dispatch_begin(self, x_TH: torch.Tensor, plan: RoutingPlan, route: RBDRoute) -> PostedDispatch:
-        """3. stage 1 posted: pilots cross nodes, direct rows stay inside (their ids exchanged meanwhile)."""
+        """3. stage 1 posted: pilots cross nodes, direct rows stay inside (each row's ids in the same payload)."""
         link, ex, stage1 = self._stage1(x_TH, route.units, route.key1, route.counts.stage1, self.kernels.ops)
         width = x_TH.shape[1] * x_TH.element_size() if self.encoding is None else wire_width(x_TH.shape[1])
         row_bytes = width + 4 * route.units.ids_TK.shape[1]  # a row, its K int32 ids
@@ -318,8 +318,9 @@ class HierarchicalDispatcher(PhasedDispatcher):
         table_rep = index_table(rep_slot, (num_recv1, top_k))
         rep_mask = rank1[rep_src] == rank1.view(-1)[rep_slot][:, None]
         ids2_send = torch.where(rep_mask, ids1[rep_src], -1).to(torch.int32)
-        x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), *self.groups.stage2(splits))
-        ids2 = all_to_all_plain(ids2_send, *self.groups.stage2(splits)).long()
+        on_node = self.groups.stage2(splits)  # (output splits, input splits, group)
+        x2 = all_to_all_rows(ops.gather_rows(x1, rep_src, table_rep), *on_node)
+        ids2 = all_to_all_plain(ids2_send, *on_node).long()
         arange_K = torch.arange(top_k, device=device).expand(num_recv1, top_k)
         head_k = torch.where(head1, arange_K, -1).cummax(dim=1).values.clamp(min=0)
         rows_M1 = torch.arange(num_recv1, device=device)

@@ -90,8 +90,9 @@ class RankRun:
         """One layer's saved activations by sub-block (attention, MoE, dense FFN) and the rows a rank computes."""
         cfg, tp, ep, b = self.cfg, self.parallel.tp, self.parallel.ep, self.b
         T, T_moe, autocast = self.tokens, self.moe_tokens, self.precision == "bf16"
-        n_moe = sum(block_kinds(cfg))
-        n_dense = len(block_kinds(cfg)) - n_moe
+        kinds = block_kinds(cfg)
+        n_moe = sum(kinds)
+        n_dense = len(kinds) - n_moe
         attn = attention_activations(T, cfg.hidden_size, cfg.num_heads, tp, b, autocast)
         moe_act = (
             moe_activations(
