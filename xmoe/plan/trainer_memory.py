@@ -89,9 +89,9 @@ def _backward_walk(
     loss_chunk: float,
     accumulating: bool = False,
 ) -> TrainerMemory:
-    """The peak of a replica's backward: the loss chunk at its start, then block by block top-down, each freeing
-    its saved activations while its gradients appear (with ``accumulating`` every gradient exists throughout, in
-    ``start_grads``). ``blocks``: (saved, rebuilt in backward, gradient bytes, transient) per block, bottom first."""
+    """The peak of an fp32 replica's backward (``_fp32_replica``; the bf16 trainer's is ``_branch_walk``): the loss
+    chunk at its start, then block by block top-down, each freeing its saved activations while its gradients appear
+    (with ``accumulating`` every gradient exists throughout, in ``start_grads``). ``blocks``: (saved, rebuilt in backward, gradient bytes, transient) per block, bottom first."""
     saved_left = sum(saved for saved, *_ in blocks)
     best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
     grads = start_grads
@@ -102,6 +102,64 @@ def _backward_walk(
             best = here
         grads += made
         saved_left -= saved
+    return best
+
+
+@dataclass(frozen=True)
+class _BlockBackward:
+    """What one block of the bf16 trainer holds and makes during its backward (bytes): ``_keeps``'s five terms
+    (kept while it waits; rebuilt for and freed after its FFN branch, then its attention branch), the fp32 gradients
+    of each branch, and the bf16 weight gradients each branch's backward makes: all of them at once before they
+    are added into fp32 (``ffn_cast``, ``attn_cast``), and of the FFN's routed experts the one bf16 matrix still
+    waiting when the last of its fp32 gradients is made (``ffn_cast_last``: the experts' backward returns all three
+    at once, and moe/weights.py adds them into fp32 one matrix at a time)."""
+
+    kept: float
+    ffn_rebuilt: float
+    ffn_freed: float
+    attn_rebuilt: float
+    attn_freed: float
+    ffn_grad: float
+    attn_grad: float
+    ffn_cast: float
+    ffn_cast_last: float
+    attn_cast: float
+
+
+def _branch_walk(
+    states: float,
+    blocks: list[_BlockBackward],
+    start_grads: float,
+    tail: float,
+    loss_chunk: float,
+    act_grad: float,
+    accumulating: bool = False,
+) -> TrainerMemory:
+    """The peak of the bf16 trainer's backward, branch by branch: the loss chunk at its start, then each block
+    top-down, its FFN branch before its attention branch. Two moments per branch: inside its backward (what it
+    keeps and rebuilt, every bf16 weight gradient it makes, the gradients of the blocks above) and after it (its
+    saved tensors freed, its fp32 gradients made, the last bf16 matrix waiting). ``act_grad``: the activation
+    gradients alive throughout (the fp32 residual stream's and the branch input's). With ``accumulating`` every
+    gradient exists throughout, in ``start_grads``."""
+    saved_left = sum(blk.kept for blk in blocks)
+    best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
+    grads = start_grads
+
+    def moment(grads_now: float, saved_now: float, working: float, j: int) -> None:
+        nonlocal best
+        here = TrainerMemory(states, grads_now, saved_now, working + act_grad, j)
+        if here.total > best.total:
+            best = here
+
+    for j, blk in enumerate(reversed(blocks), 1):
+        ffn_grad, attn_grad = (0.0, 0.0) if accumulating else (blk.ffn_grad, blk.attn_grad)
+        moment(grads, saved_left + blk.ffn_rebuilt, blk.ffn_cast, j)
+        grads += ffn_grad
+        saved_left -= blk.ffn_freed
+        moment(grads, saved_left + blk.attn_rebuilt, blk.ffn_cast_last, j)
+        moment(grads, saved_left + blk.attn_rebuilt, blk.attn_cast, j)
+        grads += attn_grad
+        saved_left -= blk.attn_freed
     return best
 
 
@@ -119,12 +177,14 @@ def estimate_trainer_memory(
 
     * states: fp32 parameters (4 B), AdamW's two fp32 moments (8 B), and the bf16 copies of the routed experts made
       once per step (2 B per expert weight);
-    * the last micro-batch's backward walks the blocks top-down (``_backward_walk``): the LM head's fp32 gradient
-      first, then each block frees its saved activations while its fp32 parameter gradients appear (with
-      ``accumulation`` > 1 every gradient exists from the first micro-batch on). The peak is the largest sum of
-      gradients plus activations of the blocks left plus the transient of the block in hand: its bf16 weight
-      gradients before they are added into fp32, and with recompute its activations rebuilt; or the loss chunk's
-      logits at the start of backward;
+    * the last micro-batch's backward walks the blocks top-down, each block's FFN branch before its attention
+      branch (``_branch_walk``): the LM head's fp32 gradient first, then each branch frees its saved activations
+      while its fp32 parameter gradients appear (with ``accumulation`` > 1 every gradient exists from the first
+      micro-batch on). The peak is the largest sum of gradients plus activations left plus the transient of the
+      branch in hand (its bf16 weight gradients before they are added into fp32, with recompute its activations
+      rebuilt, and the activation gradients); or the loss chunk's logits at the start of backward. On the small
+      shape at micro-batch 8 it is the moment after the first block's FFN: every gradient but that block's
+      attention's, its attention's saved tensors, one bf16 expert matrix's gradient;
     * saved activations per block: block_activations. "moe" keeps the MoE branch's fp32 input instead of its
       activations, "full" only each block's fp32 input.
     benchmarks/memory_fit.py measures the peaks this predicts (docs/training-speed.md has the table).
@@ -150,31 +210,44 @@ def estimate_trainer_memory(
     # what the backward starts with: the same sum), and the fp32 head gradient each multi-token-prediction depth's
     # loss made in its forward, until the losses' backward adds them into the head's
     loss_chunk = 12 * min(T, LOSS_CHUNK_TOKENS) * V + 4 * head * cfg.mtp_depth
-    return _backward_walk(states, blocks, start_grads, tail, loss_chunk, accumulating)
+    # the fp32 residual stream's gradient and the bf16 gradient of the branch's input, alive beside each branch
+    act_grad = (RESIDUAL_BYTES + b) * T * H
+    return _branch_walk(states, blocks, start_grads, tail, loss_chunk, act_grad, accumulating)
 
 
 def _trainer_blocks(
     cfg: ModelConfig, parts: dict[str, int], T: int, recompute: str, compiled: bool, fused: bool, b: int
-) -> list[tuple[float, float, float, float]]:
-    """Per block of the trainer's model: (saved, rebuilt in backward, fp32 gradient bytes, bf16 weight-gradient
-    transient)."""
-    H = cfg.hidden_size
-    blocks: list[tuple[float, float, float, float]] = []
+) -> list[_BlockBackward]:
+    """Per block of the trainer's model, bottom first: what its backward holds and makes (_BlockBackward)."""
+    H, moe = cfg.hidden_size, cfg.moe
     kinds = block_kinds(cfg)
-    for i, weights in enumerate(_block_weights(cfg, parts)):
-        is_moe = kinds[i]
+    attn_w = parts["attention"] / len(kinds) + 2 * H  # + the block's two RMSNorm weights
+    ffn_w = [w - attn_w for w in _block_weights(cfg, parts)]  # a multi-token-prediction module's own with its FFN
+    blocks: list[_BlockBackward] = []
+    for i, is_moe in enumerate(kinds):
         attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
-        saved: float
-        regen: float
-        if recompute == "full":
-            saved, regen = 4 * T * H, attn + ffn
-        elif recompute == "moe" and is_moe:
-            saved, regen = attn + 4 * T * H, ffn
-        else:
-            saved, regen = attn + ffn, 0.0
+        kept, ffn_rebuilt, ffn_freed, attn_rebuilt, attn_freed = _keeps(
+            recompute, attn, ffn, RESIDUAL_BYTES * T * H, is_moe
+        )
         if i >= cfg.num_layers:  # a multi-token-prediction module's own norms and projection are never recomputed
-            saved += mtp_activations(T, H, b)
-        blocks.append((saved, regen, 4 * weights, b * weights))
+            extra = mtp_activations(T, H, b)
+            kept, attn_freed = kept + extra, attn_freed + extra
+        # the routed experts' bf16 copies get their gradients from one autograd node, three matrices at once
+        matrix = moe.num_experts * H * moe.ffn_hidden_size if is_moe else 0.0
+        blocks.append(
+            _BlockBackward(
+                kept,
+                ffn_rebuilt,
+                ffn_freed,
+                attn_rebuilt,
+                attn_freed,
+                ffn_grad=GRAD_BYTES * ffn_w[i],
+                attn_grad=GRAD_BYTES * attn_w,
+                ffn_cast=b * ffn_w[i],
+                ffn_cast_last=b * matrix,
+                attn_cast=b * attn_w,
+            )
+        )
     return blocks
 
 
