@@ -4,9 +4,10 @@ mask, then whole-model forward + backward time beside the plain causal model.
     PYTHONPATH=. python benchmarks/bench_documents.py            # skips without a CUDA GPU
     PYTHONPATH=. python benchmarks/bench_documents.py --check-only
 
-1. Check (xmoe/model/documents.py): multi-head (16 x 128), grouped-query (16 query, 4 key/value heads) and latent
+1. Check (xmoe/model/documents.py; bf16 MHA and GQA take the packed variable-length flash kernel, the rest
+   FlexAttention's block mask): multi-head (16 x 128), grouped-query (16 query, 4 key/value heads) and latent
    attention's widths (q/k 192, v 128), S = 2085 (not a multiple of the 128-position block) in rows of random
-   documents (mean 300 positions): ``document_attention`` with the batch's FlexAttention block mask against the dense
+   documents (mean 300 positions): ``document_attention`` with the batch's Documents against the dense
    (B, 1, S, S) mask through SDPA on the same GPU, output and q / k / v gradients, fp32 (TF32 off) and bf16, relative
    to the dense result's norm; exits 1 past the tolerances.
 2. Whole model: the small preset's shape (H 2048, 64 experts of width 1408, top-6) with --layers layers, compiled
@@ -53,7 +54,7 @@ def random_segments(batch: int, seq: int, mean: float, seed: int, device) -> tor
 
 
 def check_attention() -> list[dict]:
-    from xmoe.model.documents import Documents, document_attention, document_visible, rotary_positions
+    from xmoe.model.documents import Documents, document_attention, document_visible, packs, rotary_positions
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device, B, S = torch.device("cuda"), 2, 2085
@@ -76,6 +77,7 @@ def check_attention() -> list[dict]:
                 results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
             errors = [rel_err(got, want) for got, want in zip(*results, strict=True)]
             row = {"attention": name, "dtype": str(dtype).removeprefix("torch."), "out": errors[0]}
+            row["path"] = "packed" if packs(q, k, v, flex) else "flex"
             row.update(dq=errors[1], dk=errors[2], dv=errors[3], ok=max(errors) < TOLERANCE[dtype])
             rows.append(row)
             print(row, flush=True)
@@ -143,7 +145,7 @@ def _write(rows: list[dict], meta: dict, checks: list[dict]) -> None:
     columns = ["seq", "documents", "mtp_depth", "ms", "tokens_per_s", "model_tflops", "vs_concat", "time_ratio"]
     columns.append("flop_ratio")
     notes = "Check (flex vs dense mask, relative errors): " + "; ".join(
-        f"{c['attention']} {c['dtype']} out {c['out']:.1e} dq {c['dq']:.1e}" for c in checks
+        f"{c['attention']} {c['dtype']} ({c.get('path', 'flex')}) out {c['out']:.1e} dq {c['dq']:.1e}" for c in checks
     )
     write_results(
         "bench_documents", rows, columns, meta, "Document masking and multi-token prediction", notes, topic="train"
