@@ -91,7 +91,8 @@ def _backward_walk(
 ) -> TrainerMemory:
     """The peak of an fp32 replica's backward (``_fp32_replica``; the bf16 trainer's is ``_branch_walk``): the loss
     chunk at its start, then block by block top-down, each freeing its saved activations while its gradients appear
-    (with ``accumulating`` every gradient exists throughout, in ``start_grads``). ``blocks``: (saved, rebuilt in backward, gradient bytes, transient) per block, bottom first."""
+    (with ``accumulating`` every gradient exists throughout, in ``start_grads``). ``blocks``: (saved, rebuilt in
+    backward, gradient bytes, transient) per block, bottom first."""
     saved_left = sum(saved for saved, *_ in blocks)
     best = TrainerMemory(states, start_grads, saved_left + tail, loss_chunk, 0)
     grads = start_grads
