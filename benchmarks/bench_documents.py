@@ -4,10 +4,9 @@ mask, then whole-model forward + backward time beside the plain causal model.
     PYTHONPATH=. python benchmarks/bench_documents.py            # skips without a CUDA GPU
     PYTHONPATH=. python benchmarks/bench_documents.py --check-only
 
-1. Check (xmoe/model/documents.py; bf16 MHA and GQA take the packed variable-length flash kernel, the rest
-   FlexAttention's block mask): multi-head (16 x 128), grouped-query (16 query, 4 key/value heads) and latent
+1. Check (xmoe/model/documents.py): multi-head (16 x 128), grouped-query (16 query, 4 key/value heads) and latent
    attention's widths (q/k 192, v 128), S = 2085 (not a multiple of the 128-position block) in rows of random
-   documents (mean 300 positions): ``document_attention`` with the batch's Documents against the dense
+   documents (mean 300 positions): ``document_attention`` with the batch's FlexAttention block mask against the dense
    (B, 1, S, S) mask through SDPA on the same GPU, output and q / k / v gradients, fp32 (TF32 off) and bf16, relative
    to the dense result's norm; exits 1 past the tolerances.
 2. Whole model: the small preset's shape (H 2048, 64 experts of width 1408, top-6) with --layers layers, compiled
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 from pathlib import Path
 
@@ -54,7 +54,7 @@ def random_segments(batch: int, seq: int, mean: float, seed: int, device) -> tor
 
 
 def check_attention() -> list[dict]:
-    from xmoe.model.documents import Documents, document_attention, document_visible, packs, rotary_positions
+    from xmoe.model.documents import Documents, document_attention, document_visible, rotary_positions
 
     torch.backends.cuda.matmul.allow_tf32 = False
     device, B, S = torch.device("cuda"), 2, 2085
@@ -77,7 +77,6 @@ def check_attention() -> list[dict]:
                 results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
             errors = [rel_err(got, want) for got, want in zip(*results, strict=True)]
             row = {"attention": name, "dtype": str(dtype).removeprefix("torch."), "out": errors[0]}
-            row["path"] = "packed" if packs(q, k, v, flex) else "flex"
             row.update(dq=errors[1], dk=errors[2], dv=errors[3], ok=max(errors) < TOLERANCE[dtype])
             rows.append(row)
             print(row, flush=True)
@@ -92,7 +91,12 @@ def time_model(args, seq: int, mean: float | None, mtp_depth: int) -> dict:
     cfg = get_preset("small")
     cfg = dataclasses.replace(cfg, num_layers=args.layers, max_seq_len=max(seq, cfg.max_seq_len), mtp_depth=mtp_depth)
     device = torch.device("cuda")
-    torch.cuda.empty_cache()  # the previous case's model is gone: its caching blocks go back too
+    # the previous case's model: the compiler's caches hold its compiled regions (and through them its weights)
+    # until reset; then its caching blocks go back too
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
     model = build_model(cfg, device, compile="on").model
     batch = args.tokens // seq
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
@@ -108,6 +112,7 @@ def time_model(args, seq: int, mean: float | None, mtp_depth: int) -> dict:
     flops = train_flops(FlopDims.from_model_config(cfg, seq), batch)
     row = {"seq": seq, "documents": "concat" if mean is None else f"mask, mean {mean:g}", "mtp_depth": mtp_depth}
     row.update(ms=ms, tokens_per_s=batch * seq / ms * 1e3, model_tflops=flops / ms / 1e9)
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(row, flush=True)
     return row
 
@@ -143,9 +148,9 @@ def main() -> int:
 
 def _write(rows: list[dict], meta: dict, checks: list[dict]) -> None:
     columns = ["seq", "documents", "mtp_depth", "ms", "tokens_per_s", "model_tflops", "vs_concat", "time_ratio"]
-    columns.append("flop_ratio")
+    columns += ["flop_ratio", "peak_gib"]
     notes = "Check (flex vs dense mask, relative errors): " + "; ".join(
-        f"{c['attention']} {c['dtype']} ({c.get('path', 'flex')}) out {c['out']:.1e} dq {c['dq']:.1e}" for c in checks
+        f"{c['attention']} {c['dtype']} out {c['out']:.1e} dq {c['dq']:.1e}" for c in checks
     )
     write_results(
         "bench_documents", rows, columns, meta, "Document masking and multi-token prediction", notes, topic="train"

@@ -1,6 +1,5 @@
 """FlexAttention's tile and kernel options for document-masked attention, one attention layer on one GPU, beside
-SDPA's causal kernel and the packed variable-length flash kernel: what xmoe/model/documents.py picks for bf16 is
-chosen from this table.
+SDPA's causal kernel: what xmoe/model/documents.py picks for bf16 is chosen from this table.
 
     python benchmarks/bench_flex_options.py                     # skips without a CUDA GPU
     python benchmarks/bench_flex_options.py --seqs 2048 --means 512
@@ -8,9 +7,7 @@ chosen from this table.
 Per sequence length (--tokens positions per call, so B = tokens / seq), bf16, 16 heads of 128 (the small preset's
 attention): forward + backward of ``flex_attention`` (compiled, as documents.py calls it) with the batch's document
 block mask for each candidate of ``OPTIONS``, and of ``scaled_dot_product_attention(is_causal=True)`` on the same
-q, k, v (the concatenated path's attention), and of ``packed_attention`` (torch's variable-length flash kernel over
-the documents laid end to end, where this torch has it). Every candidate compiles afresh (torch._dynamo.reset), so
-none runs past the compiler's recompile limit. Documents: lengths drawn from an exponential distribution of mean
+q, k, v (the concatenated path's attention). Documents: lengths drawn from an exponential distribution of mean
 --means (seeded), as bench_documents.py draws them. Each candidate's output and gradients are compared with the
 default options' (relative to their norm); a candidate that fails to compile is reported, not fatal.
 Writes bench_flex_options.json / .md under benchmarks/results/train (or $XMOE_RESULTS_DIR).
@@ -31,16 +28,16 @@ from benchmarks.harness import environment, markdown_table, rel_err, time_ms, wr
 OPTIONS: dict[str, dict | None] = {
     "default": None,
     "rows_safe": {"ROWS_GUARANTEED_SAFE": True},
-    "tma": {"USE_TMA": True},
-    "contiguous": {"BLOCKS_ARE_CONTIGUOUS": True},
-    "fwd_128x128": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-    "fwd_128x64_w8": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    "rows_safe_tma": {"ROWS_GUARANTEED_SAFE": True, "USE_TMA": True},
+    "rows_safe_contiguous": {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True},
+    "fwd_128x128": {"ROWS_GUARANTEED_SAFE": True, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    "fwd_128x64_w8": {"ROWS_GUARANTEED_SAFE": True, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
 }
 
 
 def time_case(seq: int, mean: float, tokens: int, names: list[str]) -> list[dict]:
     from benchmarks.bench_documents import random_segments
-    from xmoe.model.documents import Documents, _compiled_flex, document_block_mask, packed_attention, packs
+    from xmoe.model.documents import _compiled_flex, document_block_mask
 
     device, N, D = torch.device("cuda"), 16, 128
     B = max(1, tokens // seq)
@@ -63,26 +60,20 @@ def time_case(seq: int, mean: float, tokens: int, names: list[str]) -> list[dict
     rows = [{"seq": seq, "mean": mean, "options": "sdpa causal", "ms": time_ms(lambda: run(sdpa))}]
     print(rows[-1], flush=True)
     reference = None
-    docs = Documents.build(segments, segments)
-    candidates = [*names, "packed (varlen flash)"] if packs(q, k, v, docs) else names
-    for name in candidates:
-        torch._dynamo.reset()
-        opts = OPTIONS.get(name)
+    for name in names:
+        torch._dynamo.reset()  # each candidate compiles afresh: none runs past the compiler's recompile limit
+        opts = OPTIONS[name]
 
         def flex(opts=opts):
             return _compiled_flex()(q, k, v, block_mask=mask, kernel_options=opts)
 
-        def packed():
-            return packed_attention(q, k, v, docs)
-
         row: dict = {"seq": seq, "mean": mean, "options": name}
-        fn = flex if name in OPTIONS else packed
         try:
-            got = run(fn)
+            got = run(flex)
             if reference is None:
                 reference = got
             row["max_rel_err"] = max(rel_err(a, b) for a, b in zip(got, reference, strict=True))
-            row["ms"] = time_ms(lambda fn=fn: run(fn))
+            row["ms"] = time_ms(lambda flex=flex: run(flex))
             row["vs_sdpa"] = rows[0]["ms"] / row["ms"]
         except Exception as exc:  # a candidate this GPU or torch cannot build: reported, the sweep goes on
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"

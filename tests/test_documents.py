@@ -23,7 +23,6 @@ from xmoe.model.documents import (
     document_attention,
     document_block_mask,
     document_mask_mod,
-    document_starts,
     document_visible,
     rotary_positions,
 )
@@ -200,77 +199,6 @@ def test_flex_attention_with_the_block_mask_equals_the_dense_mask() -> None:
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
         flex = flex_attention(q, k, v, block_mask=document_block_mask(segments, 16), scale=0.3, enable_gqa=True)
     assert _rel(flex, dense) < 1e-12
-
-
-def test_document_starts_mark_every_document_of_the_flattened_batch() -> None:
-    # rows laid end to end: each row starts a document, and so does each change of segment inside a row
-    segments = _segments(DOC_LENGTHS)
-    lengths = [n for row in DOC_LENGTHS for n in row]
-    want = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    assert torch.equal(document_starts(segments), want)
-    # a row whose first document continues the previous row's index still starts anew
-    same = torch.zeros(2, 5, dtype=torch.int32)
-    assert document_starts(same).tolist() == [0, 5, 10]
-
-
-def _varlen_by_loop(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size, enable_gqa=False, scale=None):
-    """torch's variable-length attention by its description, in float64: each [cu[i], cu[i+1]) of the packed
-    (T, heads, D) tensors causal on its own."""
-    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and max_q == max_k
-    pieces = []
-    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
-        assert 0 < b - a <= max_q
-        q_d, k_d, v_d = (x[a:b].transpose(0, 1).double() for x in (q, k, v))
-        out = F.scaled_dot_product_attention(q_d, k_d, v_d, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-        pieces.append(out.transpose(0, 1))
-    return torch.cat(pieces).to(q.dtype)
-
-
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_the_packed_path_equals_the_dense_mask(monkeypatch, kv_heads: int) -> None:
-    # GPUs take torch's variable-length flash kernel for bf16 MHA / GQA; here a float64 loop of its description
-    # stands in for it, so what is checked is xmoe's side: the rows laid end to end, the documents' starts, the
-    # layout back, and gradients through all of it, against the dense mask
-    from xmoe.model import documents
-
-    monkeypatch.setattr(documents, "_varlen_call", lambda: (_varlen_by_loop, {"window_size": (-1, 0)}, True, True))
-    segments = _segments(DOC_LENGTHS)
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (
-        torch.randn(3, n, 17, 8, generator=gen).to(torch.bfloat16).requires_grad_() for n in (4, kv_heads, kv_heads)
-    )
-    grad = torch.randn(3, 4, 17, 8, generator=gen).to(torch.bfloat16)
-    positions = rotary_positions(segments)
-    packed = Documents(positions, cu_seqlens=document_starts(segments))
-    assert documents.packs(q, k, v, packed, 0.3)
-    got = document_attention(q, k, v, packed, 0.3)
-    got_grads = torch.autograd.grad(got, (q, k, v), grad)
-    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    want = document_attention(q64, k64, v64, Documents(positions, visible_B1SS=document_visible(segments)), 0.3)
-    want_grads = torch.autograd.grad(want, (q64, k64, v64), grad.double())
-    assert got.shape == want.shape and _rel(got, want) < 1e-2
-    assert all(_rel(g, w) < 2e-2 for g, w in zip(got_grads, want_grads, strict=True))
-    # fp32, keys wider than values (MLA), or no starts: the block mask / dense path instead
-    assert not documents.packs(q.float(), k.float(), v.float(), packed)
-    assert not documents.packs(q, k, v[..., :6], packed)
-    assert not documents.packs(q, k, v, Documents(positions))
-
-
-def test_latent_attention_asks_for_no_document_starts(monkeypatch) -> None:
-    from xmoe.model import documents
-
-    built = []
-    real_build = Documents.build.__func__
-
-    def spy(cls, segments_BS, tokens_BS, packed=True):
-        built.append(packed)
-        return real_build(cls, segments_BS, tokens_BS, packed)
-
-    monkeypatch.setattr(documents.Documents, "build", classmethod(spy))
-    tokens = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(7))
-    for variant in ("gqa", "mla"):
-        Transformer(_cfg(variant))(tokens, segments_BS=_segments(DOC_LENGTHS))
-    assert built == [True, False]
 
 
 @pytest.mark.parametrize(

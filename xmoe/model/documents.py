@@ -13,11 +13,6 @@ non-decreasing along the row. Then, for positions p and q of one row:
 so a row holding documents A and B computes exactly what A and B would compute as rows of their own. ``Documents``
 holds what the attention of every layer needs, built once per batch by ``Documents.build``:
 
-* on CUDA devices, with attention whose keys and values have the queries' width (MHA, GQA) in bf16 or fp16, the
-  documents packed end to end (``cu_seqlens``: where each document of the flattened batch starts) for torch's
-  variable-length flash attention (``torch.nn.attention.varlen``), causal inside each document: the flash kernel
-  of the concatenated path, with no mask evaluated and nothing computed across documents. Finding the starts
-  reads their count on the host once per batch. Otherwise (MLA's wider q/k, fp32, a torch without it):
 * on CUDA devices, a FlexAttention ``BlockMask`` (``document_block_mask``): per (row, query block, key block)
   whether the block is empty (skipped), full (no mask evaluated) or partial (the mask evaluated per element). It is
   derived from the documents of each block's first and last positions, O(B * nQ * nK) work with no host
@@ -138,44 +133,6 @@ def document_visible(segments_BS: torch.Tensor) -> torch.Tensor:
     return ((segments_BS[:, :, None] == segments_BS[:, None, :]) & causal_SS)[:, None]
 
 
-def document_starts(segments_BS: torch.Tensor) -> torch.Tensor:
-    """(number of documents + 1,) int32: where each document starts in the batch flattened row after row (a row
-    starts a document too), then B * S. One host read (the number of documents)."""
-    starts_BS = torch.ones_like(segments_BS, dtype=torch.bool)
-    starts_BS[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
-    total = torch.tensor([segments_BS.numel()], device=segments_BS.device)
-    cu = torch.cat((starts_BS.flatten().nonzero().flatten(), total)).to(torch.int32)
-    torch._dynamo.maybe_mark_dynamic(cu, 0)  # compiled regions take a new batch's count without a recompile
-    return cu
-
-
-@functools.cache
-def _varlen_call():
-    """(varlen_attn, its causal keyword arguments, whether it takes enable_gqa, whether it takes scale), or None where
-    this torch has no variable-length attention (its causal flag changed name between torch releases)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    import inspect
-
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
-
-
-def packs(
-    q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSDv: torch.Tensor, docs: Documents, scale: float | None = None
-) -> bool:
-    """Whether ``document_attention`` takes the variable-length flash kernel for these tensors (module docstring)."""
-    call = _varlen_call()
-    if docs.cu_seqlens is None or call is None or q_BNSD.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    grouped = k_BGSD.shape[1] != q_BNSD.shape[1]
-    widths = q_BNSD.shape[-1] == k_BGSD.shape[-1] == v_BGSDv.shape[-1] <= 256
-    return widths and (call[2] or not grouped) and (call[3] or scale is None)
-
-
 def uses_flex(device: torch.device) -> bool:
     """Whether documents on ``device`` take FlexAttention (CUDA and ROCm GPUs) rather than the dense mask."""
     return device.type == "cuda"
@@ -189,17 +146,13 @@ class Documents:
     positions_BS: torch.Tensor
     block_mask: Any = None
     visible_B1SS: torch.Tensor | None = None
-    cu_seqlens: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, segments_BS: torch.Tensor, tokens_BS: torch.Tensor, packed: bool = True) -> Documents:
-        """``packed``: the model's attention can take the packed flash kernel (keys and values as wide as the
-        queries), so the documents' starts are found too."""
+    def build(cls, segments_BS: torch.Tensor, tokens_BS: torch.Tensor) -> Documents:
         check_segments(segments_BS, tokens_BS)
         positions_BS = rotary_positions(segments_BS)
         if uses_flex(segments_BS.device):
-            starts = document_starts(segments_BS) if packed and _varlen_call() is not None else None
-            return cls(positions_BS, block_mask=document_block_mask(segments_BS), cu_seqlens=starts)
+            return cls(positions_BS, block_mask=document_block_mask(segments_BS))
         return cls(positions_BS, visible_B1SS=document_visible(segments_BS))
 
 
@@ -216,8 +169,6 @@ def document_attention(
     """softmax(q k^T * scale) v over the positions of each query's own document (scale None: 1/sqrt(D)); key/value
     head g serves query heads [g * N/G, (g + 1) * N/G)."""
     grouped = k_BGSD.shape[1] != q_BNSD.shape[1]
-    if packs(q_BNSD, k_BGSD, v_BGSDv, docs, scale):
-        return packed_attention(q_BNSD, k_BGSD, v_BGSDv, docs, scale)
     if docs.block_mask is not None:
         # fp32 with q/k wider than 128 (MLA's 192): the default tiles need more shared memory than a Hopper block has
         wide = q_BNSD.dtype == torch.float32 and q_BNSD.shape[-1] > 128
@@ -229,24 +180,3 @@ def document_attention(
         repeat = q_BNSD.shape[1] // k_BGSD.shape[1]
         k_BGSD, v_BGSDv = k_BGSD.repeat_interleave(repeat, dim=1), v_BGSDv.repeat_interleave(repeat, dim=1)
     return F.scaled_dot_product_attention(q_BNSD, k_BGSD, v_BGSDv, attn_mask=docs.visible_B1SS, scale=scale)
-
-
-def packed_attention(
-    q_BNSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, docs: Documents, scale: float | None = None
-) -> torch.Tensor:
-    """document_attention by torch's variable-length flash kernel: the B rows laid end to end as B * S positions
-    (a view where the heads' layout allows), each document of ``docs.cu_seqlens`` causal on its own."""
-    call = _varlen_call()
-    assert call is not None and docs.cu_seqlens is not None  # packs() said so
-    varlen_attn, causal, has_gqa, _ = call
-    B, N, S, _ = q_BNSD.shape
-
-    def flat(x_BnSd: torch.Tensor) -> torch.Tensor:
-        return x_BnSd.transpose(1, 2).reshape(B * S, x_BnSd.shape[1], x_BnSd.shape[-1])
-
-    extra: dict[str, Any] = {"enable_gqa": True} if has_gqa and k_BGSD.shape[1] != N else {}
-    if scale is not None:
-        extra["scale"] = scale
-    cu = docs.cu_seqlens
-    out_TND = varlen_attn(flat(q_BNSD), flat(k_BGSD), flat(v_BGSD), cu, cu, S, S, **causal, **extra)
-    return out_TND.view(B, S, N, -1).transpose(1, 2)

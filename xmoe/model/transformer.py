@@ -256,8 +256,7 @@ class Transformer(nn.Module):
                     "segments cannot be combined with a KV cache: generation continues one document per row, whose "
                     "positions start at 0; pass segments_BS=None"
                 )
-            # latent attention's keys are wider than its values: the packed flash kernel cannot take them
-            docs = Documents.build(segments_BS, tokens_BS, packed=self.cfg.attention != "mla")
+            docs = Documents.build(segments_BS, tokens_BS)
             # per row: (B, 1, S, D/2), broadcast over the heads
             cos_SD2, sin_SD2 = self.rope_cos[docs.positions_BS][:, None], self.rope_sin[docs.positions_BS][:, None]
         h_BSH = embedded_BSH = self.embed(tokens_BS)
