@@ -235,8 +235,9 @@ def rank_main(args) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     par = ParallelConfig(ep=world, gpus_per_node=local)
     dims = ParallelDims.from_config(par, world, rank=rank, node_size=local).build_mesh("cpu")
+    latency = collective_latency(world, local)
     for case in _cases(args, world // local):
-        row = _run_case(args, dims, world, rank, case)
+        row = _run_case(args, dims, world, rank, case) | latency
         gc.collect()  # the case's model, optimizer and graphs, before the next one is built
         if rank == 0:  # each row as it comes: a run cut short keeps what it measured
             print(json.dumps(row), flush=True)
@@ -245,6 +246,37 @@ def rank_main(args) -> None:
                     f.write(json.dumps(row) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def collective_latency(world: int, local: int, reps: int = 30) -> dict:
+    """The fixed cost of one collective on this cluster, as the planner's Network takes it (its latency terms):
+    the median time of an all-to-all of one value per pair, over every rank (``inter_lat_ms``: its pairs cross
+    nodes) and over each node's ranks at once (``intra_lat_ms``), the mean over ranks. On an emulated cluster this
+    is mostly the processes' turns on the shared cores, which a link's round trip does not show."""
+    import torch
+    import torch.distributed as dist
+
+    nodes = world // local
+    node_groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
+    mine = node_groups[dist.get_rank() // local]
+
+    def median_ms(group, size: int) -> float:
+        send, recv = torch.zeros(size), torch.empty(size)
+        times = []
+        dist.barrier()
+        for i in range(reps + 3):
+            start = time.perf_counter()
+            dist.all_to_all_single(recv, send, group=group)
+            if i >= 3:  # the first calls set up the pairs' connections
+                times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+
+    measured = [median_ms(None, world), median_ms(mine, local)]
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, measured)
+    return dict(
+        inter_lat_ms=statistics.mean(m[0] for m in per_rank), intra_lat_ms=statistics.mean(m[1] for m in per_rank)
+    )
 
 
 # ---------------------------------------------------------------------------------------- the planner's view
@@ -259,10 +291,14 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
 
     world = nodes * args.ranks_per_node
     # a node's link is shared by its ranks: each rank's share of it; inside a node, loopback (fast, unshaped)
-    network = Network(
-        intra_bw=20.0, inter_bw=link_bytes_s / 1e9 / args.ranks_per_node, intra_lat=50.0, inter_lat=1e3 * rtt_ms / 2
-    )
     for row in rows:
+        # the collectives' fixed cost measured on the cluster (collective_latency), else the link's half round trip
+        network = Network(
+            intra_bw=20.0,
+            inter_bw=link_bytes_s / 1e9 / args.ranks_per_node,
+            intra_lat=1e3 * row.get("intra_lat_ms", 0.05),
+            inter_lat=1e3 * row.get("inter_lat_ms", rtt_ms / 2),
+        )
         group = (row["dispatcher"], row["dtype"], row["node_limit"])
         base = next(
             (r for r in rows if r["mode"] == "off" and (r["dispatcher"], r["dtype"], r["node_limit"]) == group), None

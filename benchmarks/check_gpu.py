@@ -100,10 +100,10 @@ def fit_case(name, case, free_bytes, kind):
 
 
 def _sized(name, kind):
-    """fit_case on what this process could allocate now (the device's free memory plus what torch's caching
-    allocator holds unused), the change printed."""
-    free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    case, change = fit_case(name, CASES[name], free, kind)
+    """fit_case on this GPU's free memory now, the change printed. The caching allocator's unused blocks go back to
+    the device first: mem_get_info counts them as taken, and an earlier case's leave tens of GiB there."""
+    torch.cuda.empty_cache()
+    case, change = fit_case(name, CASES[name], torch.cuda.mem_get_info()[0], kind)
     if change:
         print(f"     {kind} {name}: {change}", flush=True)
     return case

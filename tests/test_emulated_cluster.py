@@ -291,6 +291,26 @@ def test_bench_ep_cluster_cases_list_today_first(capsys):
     assert "expected pft|rbd" in capsys.readouterr().err
 
 
+def test_bench_ep_cluster_charges_the_measured_collective_latency():
+    """A row carrying the cluster's measured fixed cost of a collective (collective_latency) is predicted with it:
+    flat with overlap off runs five collectives per MoE layer call, every one crossing nodes (the count exchange,
+    dispatch, combine and their two backward exchanges), none hidden, so 10 ms more per collective is 5 x layers x
+    10 ms more per step; RBD runs more collectives, so it pays more."""
+    from benchmarks import bench_ep_cluster
+
+    args = bench_ep_cluster._parser().parse_args(["--cases", "pft:bf16:0:off"])
+    base = dict(dtype="bf16", node_limit=0, mode="off", step_ms=3000.0, exposed_ms=1200.0, experts_fwd_ms=20.0)
+    base.update(least_exposed_ms=1000.0, intra_lat_ms=0.05)
+    added = {}
+    for dispatcher in ("pft", "rbd"):
+        rows = [dict(base, dispatcher=dispatcher, inter_lat_ms=lat) for lat in (1.0, 11.0)]
+        for r in rows:
+            bench_ep_cluster.predictions(args, [r], nodes=2, link_bytes_s=36e6, rtt_ms=0.1)
+        added[dispatcher] = rows[1]["predicted_ms"] - rows[0]["predicted_ms"]
+    assert added["pft"] == pytest.approx(5 * args.layers * 10.0)
+    assert added["rbd"] > added["pft"]
+
+
 def test_bench_ep_cluster_predicts_from_the_critical_rank():
     """The planner's compute for a case is its overlap-off twin's step less the exposed time of the rank that waits
     least (the one the others wait for): the same case with that rank waiting 100 ms less is predicted 100 ms
