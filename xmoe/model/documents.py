@@ -39,6 +39,12 @@ FLEX_BLOCK = 128  # FlexAttention's default sparse block: its kernels tile a blo
 def check_segments(segments_BS: Any, tokens_BS: torch.Tensor) -> None:
     """ValueError naming the problem unless ``segments_BS`` is an integer tensor of the tokens' shape and device,
     >= 0 and non-decreasing along each row. The values' check reads one flag on the host."""
+    check_segments_layout(segments_BS, tokens_BS)
+    check_segment_values(segments_BS)
+
+
+def check_segments_layout(segments_BS: Any, tokens_BS: torch.Tensor) -> None:
+    """check_segments' type, shape and device checks: nothing read from the device."""
     shape = tuple(tokens_BS.shape)
     if not isinstance(segments_BS, torch.Tensor) or segments_BS.dtype not in (torch.int32, torch.int64):
         got = segments_BS.dtype if isinstance(segments_BS, torch.Tensor) else type(segments_BS).__name__
@@ -47,7 +53,11 @@ def check_segments(segments_BS: Any, tokens_BS: torch.Tensor) -> None:
         raise ValueError(f"segments shape {tuple(segments_BS.shape)} must equal the tokens' shape {shape}")
     if segments_BS.device != tokens_BS.device:
         raise ValueError(f"segments are on {segments_BS.device} but the tokens on {tokens_BS.device}; move them")
-    bad_BS = segments_BS.diff(dim=1, prepend=segments_BS.new_zeros(shape[0], 1)) < 0
+
+
+def check_segment_values(segments_BS: torch.Tensor) -> None:
+    """check_segments' value check: >= 0 and non-decreasing along each row (one flag read on the host)."""
+    bad_BS = segments_BS.diff(dim=1, prepend=segments_BS.new_zeros(segments_BS.shape[0], 1)) < 0
     if bool(bad_BS.any()):
         row, pos = (int(i) for i in bad_BS.nonzero()[0])
         where = (
@@ -149,11 +159,17 @@ class Documents:
 
     @classmethod
     def build(cls, segments_BS: torch.Tensor, tokens_BS: torch.Tensor) -> Documents:
-        check_segments(segments_BS, tokens_BS)
+        """The batch's Documents; ValueError for bad segments (check_segments) before anything uses them. The values
+        are checked last: on a GPU their host read waits for the device, and by then the masks' kernels are queued
+        behind the previous step's work rather than launched on an idle device after it."""
+        check_segments_layout(segments_BS, tokens_BS)
         positions_BS = rotary_positions(segments_BS)
         if uses_flex(segments_BS.device):
-            return cls(positions_BS, block_mask=document_block_mask(segments_BS))
-        return cls(positions_BS, visible_B1SS=document_visible(segments_BS))
+            docs = cls(positions_BS, block_mask=document_block_mask(segments_BS))
+        else:
+            docs = cls(positions_BS, visible_B1SS=document_visible(segments_BS))
+        check_segment_values(segments_BS)
+        return docs
 
 
 @functools.cache
