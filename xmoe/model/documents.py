@@ -36,15 +36,9 @@ import torch.nn.functional as F
 FLEX_BLOCK = 128  # FlexAttention's default sparse block: its kernels tile a block of 128 by their own tiles
 
 
-def check_segments(segments_BS: Any, tokens_BS: torch.Tensor) -> None:
-    """ValueError naming the problem unless ``segments_BS`` is an integer tensor of the tokens' shape and device,
-    >= 0 and non-decreasing along each row. The values' check reads one flag on the host."""
-    check_segments_layout(segments_BS, tokens_BS)
-    check_segment_values(segments_BS)
-
-
 def check_segments_layout(segments_BS: Any, tokens_BS: torch.Tensor) -> None:
-    """check_segments' type, shape and device checks: nothing read from the device."""
+    """ValueError naming the problem unless ``segments_BS`` is an integer tensor of the tokens' shape and device;
+    nothing read from the device (the values: check_segment_values)."""
     shape = tuple(tokens_BS.shape)
     if not isinstance(segments_BS, torch.Tensor) or segments_BS.dtype not in (torch.int32, torch.int64):
         got = segments_BS.dtype if isinstance(segments_BS, torch.Tensor) else type(segments_BS).__name__
@@ -56,7 +50,8 @@ def check_segments_layout(segments_BS: Any, tokens_BS: torch.Tensor) -> None:
 
 
 def check_segment_values(segments_BS: torch.Tensor) -> None:
-    """check_segments' value check: >= 0 and non-decreasing along each row (one flag read on the host)."""
+    """ValueError naming the first bad position unless ``segments_BS`` is >= 0 and non-decreasing along each row
+    (one flag read on the host)."""
     bad_BS = segments_BS.diff(dim=1, prepend=segments_BS.new_zeros(segments_BS.shape[0], 1)) < 0
     if bool(bad_BS.any()):
         row, pos = (int(i) for i in bad_BS.nonzero()[0])
@@ -159,7 +154,8 @@ class Documents:
 
     @classmethod
     def build(cls, segments_BS: torch.Tensor, tokens_BS: torch.Tensor) -> Documents:
-        """The batch's Documents; ValueError for bad segments (check_segments) before anything uses them. The values
+        """The batch's Documents; ValueError for bad segments (check_segments_layout, check_segment_values) before
+        anything uses them. The values
         are checked last: on a GPU their host read waits for the device, and by then the masks' kernels are queued
         behind the previous step's work rather than launched on an idle device after it."""
         check_segments_layout(segments_BS, tokens_BS)

@@ -66,9 +66,10 @@ def block_activations(
     return attn_bytes, sum(ffn.values()) + b * shared_w + 4 * T * H
 
 
-def _block_weights(cfg: ModelConfig, parts: dict[str, int]) -> list[float]:
-    """Parameters of each block, from the one parameter count (attention variants, shared-expert widths included);
-    a multi-token-prediction block with its module's projection and norms."""
+def _block_weights(cfg: ModelConfig, parts: dict[str, int]) -> list[tuple[float, float]]:
+    """Parameters of each block as (attention branch, FFN branch), from the one parameter count (attention variants,
+    shared-expert widths included); a multi-token-prediction block's FFN share with its module's projection and
+    norms."""
     kinds, H = block_kinds(cfg), cfg.hidden_size
     n_moe = sum(kinds)
     attn_w = parts["attention"] / len(kinds) + 2 * H  # + the block's two RMSNorm weights
@@ -76,7 +77,7 @@ def _block_weights(cfg: ModelConfig, parts: dict[str, int]) -> list[float]:
     dense_w = parts["dense_ffn"] / max(1, len(kinds) - n_moe)
     mtp_w = parts["mtp"] / max(1, cfg.mtp_depth)
     return [
-        attn_w + (moe_w if is_moe else dense_w) + (mtp_w if i >= cfg.num_layers else 0.0)
+        (attn_w, (moe_w if is_moe else dense_w) + (mtp_w if i >= cfg.num_layers else 0.0))
         for i, is_moe in enumerate(kinds)
     ]
 
@@ -157,8 +158,8 @@ def _branch_walk(
         moment(grads, saved_left + blk.ffn_rebuilt, blk.ffn_cast, j)
         grads += ffn_grad
         saved_left -= blk.ffn_freed
-        moment(grads, saved_left + blk.attn_rebuilt, blk.ffn_cast_last, j)
-        moment(grads, saved_left + blk.attn_rebuilt, blk.attn_cast, j)
+        # after the FFN: its last bf16 expert matrix waiting, then the attention's bf16 weight gradients
+        moment(grads, saved_left + blk.attn_rebuilt, max(blk.ffn_cast_last, blk.attn_cast), j)
         grads += attn_grad
         saved_left -= blk.attn_freed
     return best
@@ -221,11 +222,8 @@ def _trainer_blocks(
 ) -> list[_BlockBackward]:
     """Per block of the trainer's model, bottom first: what its backward holds and makes (_BlockBackward)."""
     H, moe = cfg.hidden_size, cfg.moe
-    kinds = block_kinds(cfg)
-    attn_w = parts["attention"] / len(kinds) + 2 * H  # + the block's two RMSNorm weights
-    ffn_w = [w - attn_w for w in _block_weights(cfg, parts)]  # a multi-token-prediction module's own with its FFN
     blocks: list[_BlockBackward] = []
-    for i, is_moe in enumerate(kinds):
+    for i, (is_moe, (attn_w, ffn_w)) in enumerate(zip(block_kinds(cfg), _block_weights(cfg, parts), strict=True)):
         attn, ffn = block_activations(cfg, T, i, compiled=compiled, fused=fused, b=b)
         kept, ffn_rebuilt, ffn_freed, attn_rebuilt, attn_freed = _keeps(
             recompute, attn, ffn, RESIDUAL_BYTES * T * H, is_moe
@@ -242,9 +240,9 @@ def _trainer_blocks(
                 ffn_freed,
                 attn_rebuilt,
                 attn_freed,
-                ffn_grad=GRAD_BYTES * ffn_w[i],
+                ffn_grad=GRAD_BYTES * ffn_w,
                 attn_grad=GRAD_BYTES * attn_w,
-                ffn_cast=b * ffn_w[i],
+                ffn_cast=b * ffn_w,
                 ffn_cast_last=b * matrix,
                 attn_cast=b * attn_w,
             )
@@ -262,7 +260,7 @@ def _fp32_replica(run: RankRun) -> TrainerMemory:
     parts = count_params(cfg, expert_matrices=3).total_by_part
     residual = RESIDUAL_BYTES * T * H
     rows_grad = b * acts.rows * (2 * H + (moe.ffn_hidden_size if run.kernel == "torch" else 2 * moe.ffn_hidden_size))
-    weights = _block_weights(cfg, parts)
+    weights = [attn_w + ffn_w for attn_w, ffn_w in _block_weights(cfg, parts)]
     attn_b, moe_b, dense_b = (sum(d.values()) for d in (acts.attention, acts.moe, acts.dense))
     blocks = []
     for i, is_moe in enumerate(block_kinds(cfg)):
