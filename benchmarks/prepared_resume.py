@@ -6,6 +6,10 @@
 3. the same run SIGKILLed once its log passes --kill-at (after its checkpoint at N/2), then `--resume`d to N;
 4. every step's loss of 3 against 2, bit for bit. Results: benchmarks/results/data/prepared_resume{tag}.{json,md}.
 
+Every run trains with --deterministic (train.deterministic) unless --nondeterministic: on a GPU, attention's default
+backward adds with atomics, so two uninterrupted runs may already differ in the last bits (the "again" run, 2 once
+more, shows whether they do).
+
     PYTHONPATH=. python benchmarks/prepared_resume.py --mb 1024 --steps 100 --workers 16
 """
 
@@ -60,8 +64,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--tag", default="")
+    parser.add_argument(
+        "--nondeterministic", action="store_true", help="train without --deterministic (torch's default algorithms)"
+    )
     parser.add_argument("train_args", nargs="*", help="more `xmoe train` flags (after --)")
     args = parser.parse_args()
+    if not args.nondeterministic:
+        args.train_args = ["--deterministic", *args.train_args]
     kill_at = args.steps // 2 + max(1, args.steps // 10)  # past the checkpoint at half-way
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

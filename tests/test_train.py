@@ -53,6 +53,34 @@ def test_resume_is_bit_identical(tmp_path):
     assert all(a[s] == b[s] for s in range(1, 9)), (a, b)  # exactly equal, not approximately
 
 
+def test_deterministic_flag_holds_for_the_run_only(tmp_path, monkeypatch):
+    import torch
+
+    from xmoe.train import trainer
+
+    seen = []
+    original = trainer.Trainer._forward_backward
+
+    def forward_backward(self, accum):
+        seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return original(self, accum)
+
+    monkeypatch.setattr(trainer.Trainer, "_forward_backward", forward_backward)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(full, "--steps", "4", "--log-every", "1", "--ckpt-every", "2")
+    assert seen and not any(on for on, _ in seen)  # off unless asked
+    seen.clear()
+    train(part, "--steps", "2", "--log-every", "1", "--ckpt-every", "2", "--deterministic")
+    train(part, "--steps", "4", "--log-every", "1", "--ckpt-every", "2", "--deterministic", "--resume")
+    assert len(seen) == 4 and all(on and cublas == ":4096:8" for on, cublas in seen), seen
+    assert not torch.are_deterministic_algorithms_enabled()  # as it was once the run ended
+    meta = json.loads((part / "checkpoints" / "step_000004" / "meta.json").read_text())
+    assert meta["config"]["train"]["deterministic"] is True
+    a, b = losses(full), losses(part)
+    assert all(a[s] == b[s] for s in range(1, 5)), (a, b)
+
+
 def torchrun(nproc: int, out: Path, *extra: str) -> None:
     # --standalone: torchrun picks a free port itself (no race between finding a port and binding it)
     cmd = [

@@ -81,6 +81,12 @@ def _run_directory_arguments(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--log-every", type=int, help=f"log every N steps (default {TINY.log_every})")
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to --out")
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the same run twice gives the same bits on a GPU too (train.deterministic: torch's deterministic "
+        "algorithms, e.g. attention's backward without atomics; some speed lost)",
+    )
 
 
 def _model_and_data_arguments(g: argparse._ArgumentGroup) -> None:

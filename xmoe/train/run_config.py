@@ -269,6 +269,8 @@ def _sections(args: argparse.Namespace, file: dict[str, Any], init_from: str | N
     sections["train"].update({k: v for k, v in flags.items() if v is not None})
     if args.tensorboard:
         sections["train"]["tensorboard"] = True
+    if getattr(args, "deterministic", False):
+        sections["train"]["deterministic"] = True
     for field, value in (("wgrad", getattr(args, "wgrad", None)), ("autotune", getattr(args, "autotune", None))):
         if value is not None:
             sections["kernels"][field] = value

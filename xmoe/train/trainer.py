@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
@@ -54,6 +55,31 @@ from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 log = logging.getLogger(__name__)
 
 
+def deterministic_algorithms() -> Callable[[], None]:
+    """``train.deterministic``: torch's deterministic algorithms from here on (on GPUs: attention's backward
+    without atomic adds, cuBLAS with a fixed workspace, the compiler choosing kernels without timing them), as a
+    warning where an op has no deterministic version. Set before anything runs on the GPU (cuBLAS reads its
+    workspace setting once). Returns what restores the previous settings."""
+    import torch._inductor.config as inductor_config
+
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        inductor_config.deterministic,
+    )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    inductor_config.deterministic = True
+
+    def restore() -> None:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark, inductor_config.deterministic = before[2], before[3]
+
+    return restore
+
+
 class Trainer:
     def __init__(
         self,
@@ -77,7 +103,10 @@ class Trainer:
         resume = resume or resume_from is not None
         # every use of the run directory goes through this one object (rank 0 holds its lock)
         self.run_dir = RunDir.open(out_dir, resume=resume, overwrite=overwrite)
+        self._restore_determinism: Callable[[], None] | None = None
         try:
+            if run.train.deterministic:  # before anything runs on the GPU
+                self._restore_determinism = deterministic_algorithms()
             if run.init_from and self.rank == 0:  # under the lock: a second trainer cannot interleave its copies
                 keep_imported_files(run.init_from, self.out_dir)
             self._setup(run, resume, resume_from, allow_changes, fit)
@@ -92,8 +121,11 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (train() does it when it ends; a run that has written nothing yet takes its
-        partial outputs back and restores the run it was replacing)."""
+        partial outputs back and restores the run it was replacing) and torch's determinism setting as it was."""
         self.run_dir.close()
+        if self._restore_determinism is not None:
+            self._restore_determinism()
+            self._restore_determinism = None
 
     def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool, fit: str) -> None:
         par = run.parallel
