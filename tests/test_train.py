@@ -62,7 +62,13 @@ def test_deterministic_flag_holds_for_the_run_only(tmp_path, monkeypatch):
     original = trainer.Trainer._forward_backward
 
     def forward_backward(self, accum):
-        seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        on = torch.are_deterministic_algorithms_enabled()
+        # SDPA's kernels whose backward adds with atomics are off exactly while the setting is on
+        assert (
+            torch.backends.cuda.cudnn_sdp_enabled() is not on
+            and torch.backends.cuda.mem_efficient_sdp_enabled() is not on
+        )
+        seen.append((on, os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
         return original(self, accum)
 
     monkeypatch.setattr(trainer.Trainer, "_forward_backward", forward_backward)
@@ -75,6 +81,7 @@ def test_deterministic_flag_holds_for_the_run_only(tmp_path, monkeypatch):
     train(part, "--steps", "4", "--log-every", "1", "--ckpt-every", "2", "--deterministic", "--resume")
     assert len(seen) == 4 and all(on and cublas == ":4096:8" for on, cublas in seen), seen
     assert not torch.are_deterministic_algorithms_enabled()  # as it was once the run ended
+    assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     meta = json.loads((part / "checkpoints" / "step_000004" / "meta.json").read_text())
     assert meta["config"]["train"]["deterministic"] is True
     a, b = losses(full), losses(part)

@@ -108,8 +108,8 @@ class TrainConfig:
     # and checkpoint steps' existing host syncs); N > 0 skips up to N such steps in a row without updating the
     # weights (this needs one host sync per step) and stops at the (N+1)-th
     nonfinite_skips: int = 0
-    # the same run twice gives the same bits on a GPU too (torch's deterministic algorithms, e.g. attention's
-    # backward without atomics; the compiler's choices made without timing them); costs some speed
+    # the same run twice gives the same bits on a GPU too (torch's deterministic algorithms, SDPA's flash and
+    # plain kernels only, the compiler's choices made without timing them); costs some speed
     deterministic: bool = False
     section: ClassVar[str] = "train"
 

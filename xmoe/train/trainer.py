@@ -56,26 +56,35 @@ log = logging.getLogger(__name__)
 
 
 def deterministic_algorithms() -> Callable[[], None]:
-    """``train.deterministic``: torch's deterministic algorithms from here on (on GPUs: attention's backward
-    without atomic adds, cuBLAS with a fixed workspace, the compiler choosing kernels without timing them), as a
-    warning where an op has no deterministic version. Set before anything runs on the GPU (cuBLAS reads its
-    workspace setting once). Returns what restores the previous settings."""
+    """``train.deterministic``: torch's deterministic algorithms from here on, as a warning where an op has none
+    (on GPUs: cuBLAS with a fixed workspace, flash attention's deterministic backward, the compiler choosing
+    kernels without timing them), and SDPA without its cuDNN and memory-efficient kernels, which torch does not
+    count as deterministic (it drops cuDNN's itself only where such ops are errors, not warnings). Set before
+    anything runs on the GPU (cuBLAS reads its workspace setting once). Returns what restores the previous
+    settings."""
     import torch._inductor.config as inductor_config
 
+    cuda = torch.backends.cuda
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cudnn.benchmark,
         inductor_config.deterministic,
+        cuda.cudnn_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
     )
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
     inductor_config.deterministic = True
+    cuda.enable_cudnn_sdp(False)
+    cuda.enable_mem_efficient_sdp(False)
 
     def restore() -> None:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.benchmark, inductor_config.deterministic = before[2], before[3]
+        cuda.enable_cudnn_sdp(before[4])
+        cuda.enable_mem_efficient_sdp(before[5])
 
     return restore
 
