@@ -16,8 +16,9 @@ case: the step's wall time (the slowest rank; median of the timed steps) and the
 expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted all-to-alls' waits, the blocking exchanges, the
 count exchange and its host sync; the mean over ranks), which on CPUs is the communication no compute hid. The
 planner (xmoe/plan/step_time.py) predicts every case from the link rate measured before the run (shared by a node's
-ranks), the compute of the overlap-off case of the same dispatcher and dtype and the routed and shared experts'
-forward times measured in it. That compute is the case's step less the exposed time of its least-waiting rank: the
+ranks), a collective's fixed cost measured on the cluster's ranks amid compute (collective_latency), the compute
+of the overlap-off case of the same dispatcher and dtype and the routed and shared experts' forward times measured
+in it. That compute is the case's step less the exposed time of its least-waiting rank: the
 rank the others wait for, whose compute sets the step (the mean rank's would count the others' waits for it, the
 ranks' skew, as communication).
 Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
@@ -77,6 +78,13 @@ def _parser() -> argparse.ArgumentParser:
         help="exactly these cases instead of the grid, e.g. rbd:fp8:1:chunks (dispatcher pft|rbd, dtype, node limit, "
         "overlap); today's path (pft:bf16:0:off) is measured first where not named; a case's prediction needs its "
         "group's overlap-off case (its compute) in the list",
+    )
+    p.add_argument(
+        "--sync-segment-ms",
+        type=float,
+        default=150.0,
+        help="compute between collectives when measuring a collective's fixed cost amid compute (default 150: about "
+        "a default step's compute over its collectives)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per cluster run (default 1800)")
     p.add_argument("--rank-mode", action="store_true", help=argparse.SUPPRESS)  # what torchrun runs on every rank
@@ -235,7 +243,7 @@ def rank_main(args) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     par = ParallelConfig(ep=world, gpus_per_node=local)
     dims = ParallelDims.from_config(par, world, rank=rank, node_size=local).build_mesh("cpu")
-    latency = collective_latency(world, local)
+    latency = collective_latency(world, local, args.sync_segment_ms)
     for case in _cases(args, world // local):
         row = _run_case(args, dims, world, rank, case) | latency
         gc.collect()  # the case's model, optimizer and graphs, before the next one is built
@@ -248,19 +256,27 @@ def rank_main(args) -> None:
     dist.destroy_process_group()
 
 
-def collective_latency(world: int, local: int, reps: int = 30) -> dict:
-    """The fixed cost of one collective on this cluster, as the planner's Network takes it (its latency terms):
-    the median time of an all-to-all of one value per pair, over every rank (``inter_lat_ms``: its pairs cross
-    nodes) and over each node's ranks at once (``intra_lat_ms``), the mean over ranks. On an emulated cluster this
-    is mostly the processes' turns on the shared cores, which a link's round trip does not show."""
+def collective_latency(world: int, local: int, segment_ms: float, reps: int = 30) -> dict:
+    """The fixed cost of one collective on this cluster, as the planner's Network takes it (its latency terms), over
+    every rank (``inter_lat_ms``: its pairs cross nodes) and over each node's ranks at once (``intra_lat_ms``), the
+    mean over ranks: what an all-to-all of one value per pair adds to a loop of compute segments of ``segment_ms``
+    (every rank computing, as in a step). On an emulated cluster whose ranks outnumber its cores, that is mostly
+    the processes' turns on the shared cores: a rank reaches the collective when the scheduler lets it, and the
+    others wait. Also recorded: that difference alone (``*_amid_lat_ms``) and the same all-to-all back to back
+    with nothing between (``*_idle_lat_ms``); the latency taken is the larger of the two."""
     import torch
     import torch.distributed as dist
 
     nodes = world // local
     node_groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
     mine = node_groups[dist.get_rank() // local]
+    a = torch.randn(256, 256)
 
-    def median_ms(group, size: int) -> float:
+    def matmuls(n: int) -> None:
+        for _ in range(n):
+            a @ a
+
+    def idle_ms(group, size: int) -> float:
         send, recv = torch.zeros(size), torch.empty(size)
         times = []
         dist.barrier()
@@ -271,12 +287,44 @@ def collective_latency(world: int, local: int, reps: int = 30) -> dict:
                 times.append(time.perf_counter() - start)
         return 1e3 * statistics.median(times)
 
-    measured = [median_ms(None, world), median_ms(mine, local)]
+    # a segment's matmuls, timed with every rank computing at once
+    dist.barrier()
+    start = time.perf_counter()
+    matmuls(100)
+    per_matmul = (time.perf_counter() - start) / 100
+    count = max(1, round(segment_ms / 1e3 / per_matmul))
+    loops = max(4, reps * 2 // 3)
+
+    def amid_compute_ms(group, size: int) -> float:
+        send, recv = torch.zeros(size), torch.empty(size)
+
+        def loop(collective: bool) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(loops):
+                matmuls(count)
+                if collective:
+                    dist.all_to_all_single(recv, send, group=group)
+            dist.barrier()
+            return time.perf_counter() - start
+
+        dist.all_to_all_single(recv, send, group=group)  # the pairs' connections
+        return 1e3 * max(0.0, loop(True) - loop(False)) / loops
+
+    measured = [
+        amid_compute_ms(None, world),
+        amid_compute_ms(mine, local),
+        idle_ms(None, world),
+        idle_ms(mine, local),
+    ]
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, measured)
-    return dict(
-        inter_lat_ms=statistics.mean(m[0] for m in per_rank), intra_lat_ms=statistics.mean(m[1] for m in per_rank)
-    )
+    keys = ("inter_amid_lat_ms", "intra_amid_lat_ms", "inter_idle_lat_ms", "intra_idle_lat_ms")
+    out = {k: statistics.mean(m[i] for m in per_rank) for i, k in enumerate(keys)} | {"lat_segment_ms": segment_ms}
+    # amid compute the collective costs at least its own time (a smaller difference of the loops is their noise)
+    for where in ("inter", "intra"):
+        out[f"{where}_lat_ms"] = max(out[f"{where}_amid_lat_ms"], out[f"{where}_idle_lat_ms"])
+    return out
 
 
 # ---------------------------------------------------------------------------------------- the planner's view
@@ -409,6 +457,16 @@ def _markdown(report: dict) -> str:
             cluster["link"],
             "",
         ]
+        if rows and "inter_lat_ms" in rows[0]:
+            r = rows[0]
+            lines += [
+                f"A collective's fixed cost, the planner's latency terms (collective_latency): across nodes "
+                f"{r['inter_lat_ms']:.2f} ms, inside a node {r['intra_lat_ms']:.2f} ms; the larger of what it "
+                f"adds amid compute segments of {r.get('lat_segment_ms', 0):.0f} ms "
+                f"({r.get('inter_amid_lat_ms', 0):.2f} and {r.get('intra_amid_lat_ms', 0):.2f} ms) and its time "
+                f"back to back ({r.get('inter_idle_lat_ms', 0):.2f} and {r.get('intra_idle_lat_ms', 0):.2f} ms).",
+                "",
+            ]
         lines += [
             "| dispatcher | dispatch | node limit | overlap | step ms | exposed ms | predicted ms | error | vs today "
             "| MB sent per step | inter-node rows | most nodes a token reached |",
