@@ -43,6 +43,7 @@ from xmoe.parallel.dims import ParallelDims
 from xmoe.parallel.tensor import check_tensor_parallel
 from xmoe.train import checkpoint as ckpt
 from xmoe.train import metrics, oom, preflight, safety
+from xmoe.train.determinism import deterministic_algorithms
 from xmoe.train.launch import init_distributed
 from xmoe.train.loader import TokenLoader
 from xmoe.train.optim import build_optimizer, describe_optimizer, lr_at, param_groups
@@ -53,40 +54,6 @@ from xmoe.train.rundir import RunDir, RunDirError
 from xmoe.train.step import clip_gradients, forward_backward, optimizer_step
 
 log = logging.getLogger(__name__)
-
-
-def deterministic_algorithms() -> Callable[[], None]:
-    """``train.deterministic``: torch's deterministic algorithms from here on, as a warning where an op has none
-    (on GPUs: cuBLAS with a fixed workspace, flash attention's deterministic backward, the compiler choosing
-    kernels without timing them), and SDPA without its cuDNN and memory-efficient kernels, which torch does not
-    count as deterministic (it drops cuDNN's itself only where such ops are errors, not warnings). Set before
-    anything runs on the GPU (cuBLAS reads its workspace setting once). Returns what restores the previous
-    settings."""
-    import torch._inductor.config as inductor_config
-
-    cuda = torch.backends.cuda
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cudnn.benchmark,
-        inductor_config.deterministic,
-        cuda.cudnn_sdp_enabled(),
-        cuda.mem_efficient_sdp_enabled(),
-    )
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    inductor_config.deterministic = True
-    cuda.enable_cudnn_sdp(False)
-    cuda.enable_mem_efficient_sdp(False)
-
-    def restore() -> None:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cudnn.benchmark, inductor_config.deterministic = before[2], before[3]
-        cuda.enable_cudnn_sdp(before[4])
-        cuda.enable_mem_efficient_sdp(before[5])
-
-    return restore
 
 
 class Trainer:
