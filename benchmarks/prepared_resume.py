@@ -6,9 +6,9 @@
 3. the same run SIGKILLed once its log passes --kill-at (after its checkpoint at N/2), then `--resume`d to N;
 4. every step's loss of 3 against 2, bit for bit. Results: benchmarks/results/data/prepared_resume{tag}.{json,md}.
 
-Every run trains with --deterministic (train.deterministic) unless --nondeterministic: on a GPU, attention's default
-backward adds with atomics, so two uninterrupted runs may already differ in the last bits (the "again" run, 2 once
-more, shows whether they do).
+Every run trains with --deterministic (train.deterministic) unless --nondeterministic: torch's default GPU algorithms
+are not all deterministic (SDPA's cuDNN attention among them), so two uninterrupted runs may already differ in the
+last bits (the "again" run, 2 once more, shows whether they do).
 
     PYTHONPATH=. python benchmarks/prepared_resume.py --mb 1024 --steps 100 --workers 16
 """

@@ -31,6 +31,7 @@ def deterministic_algorithms() -> Callable[[], None]:
         inductor_config.deterministic,
         cuda.cudnn_sdp_enabled(),
         cuda.mem_efficient_sdp_enabled(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     )
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -44,5 +45,7 @@ def deterministic_algorithms() -> Callable[[], None]:
         torch.backends.cudnn.benchmark, inductor_config.deterministic = before[2], before[3]
         cuda.enable_cudnn_sdp(before[4])
         cuda.enable_mem_efficient_sdp(before[5])
+        if before[6] is None:  # cuBLAS has read it already: this only leaves the environment as it was
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
     return restore

@@ -98,10 +98,12 @@ class Trainer:
     def close(self) -> None:
         """Release the run directory (train() does it when it ends; a run that has written nothing yet takes its
         partial outputs back and restores the run it was replacing) and torch's determinism setting as it was."""
-        self.run_dir.close()
-        if self._restore_determinism is not None:
-            self._restore_determinism()
-            self._restore_determinism = None
+        try:
+            self.run_dir.close()
+        finally:
+            if self._restore_determinism is not None:
+                self._restore_determinism()
+                self._restore_determinism = None
 
     def _setup(self, run: RunConfig, resume: bool, resume_from: str | None, allow_changes: bool, fit: str) -> None:
         par = run.parallel
