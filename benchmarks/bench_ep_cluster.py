@@ -159,7 +159,7 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
     timed = {"experts": 0.0, "shared": 0.0, "calls": 0}
     layers = [m for m in built.model.modules() if type(m).__name__ == "MoELayer"]
     _time_experts(layers, timed)
-    steps, exposed = [], []
+    steps, exposed, kinds = [], [], []
     loss = torch.zeros(())
     for step in range(args.warmup + args.steps):
         dist.barrier()
@@ -172,10 +172,12 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
+        by_kind = dict(WaitTimer.by_kind)
         waited, WaitTimer.enabled = WaitTimer.reset(), False
         if step >= args.warmup:
             steps.append(elapsed)
             exposed.append(waited)
+            kinds.append(by_kind)
         elif step == args.warmup - 1:
             _reset_counters(layers)  # the traffic of the timed steps only
     # the slowest rank's step, the ranks' mean exposed time, this rank's traffic per timed step
@@ -185,7 +187,14 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         stats = layer.dispatcher.stats
         add_counters(traffic, stats.as_dict() if stats is not None else {})  # max_* counters: their maximum
     traffic = {k: v if k.startswith("max_") else v / args.steps for k, v in traffic.items()}
-    mine = dict(steps=steps, exposed=exposed, experts=timed["experts"], shared=timed["shared"], traffic=traffic)
+    mine = dict(
+        steps=steps,
+        exposed=exposed,
+        kinds={k: statistics.median(s.get(k, 0.0) for s in kinds) for k in ("posted", "blocking", "counts")},
+        experts=timed["experts"],
+        shared=timed["shared"],
+        traffic=traffic,
+    )
     dist.all_gather_object(per_rank, mine)
     step_s = [max(r["steps"][i] for r in per_rank) for i in range(args.steps)]
     return dict(
@@ -194,6 +203,8 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         exposed_ms=1e3 * statistics.mean(statistics.median(r["exposed"]) for r in per_rank),
         # the rank that waits least is the one the others wait for: its step less this is the critical compute
         least_exposed_ms=1e3 * min(statistics.median(r["exposed"]) for r in per_rank),
+        # the exposed time by kind (comm.WaitTimer.by_kind): each rank's median over the timed steps, their mean
+        exposed_by_kind_ms={k: 1e3 * statistics.mean(r["kinds"][k] for r in per_rank) for k in per_rank[0]["kinds"]},
         experts_fwd_ms=1e3 * statistics.mean(r["experts"] for r in per_rank) / max(1, args.layers),
         shared_fwd_ms=1e3 * statistics.mean(r["shared"] for r in per_rank) / max(1, args.layers),
         traffic={k: _over_ranks(k, [r["traffic"].get(k, 0) for r in per_rank]) for k in per_rank[0]["traffic"]},
@@ -378,6 +389,7 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
         pred = predict_step(est, compute, tech, top_k=args.top_k)
         row["predicted_ms"] = pred.step_ms
         row["predicted_exposed_ms"] = pred.exposed_ms
+        row["predicted_network_ms"] = pred.network_ms
         row["error"] = row["step_ms"] / pred.step_ms - 1
 
 
@@ -490,6 +502,29 @@ def _markdown(report: dict) -> str:
                 f"{traffic.get('rows_inter', 0):.0f} | {traffic.get('max_token_nodes', 0):.0f} |"
             )
         lines += ["", "Traffic per rank and timed step (the ranks' mean; the most nodes: the largest on any rank).", ""]
+        if rows and "exposed_by_kind_ms" in rows[0]:
+            lines += [
+                "Exposed time by kind (ms per step, the ranks' mean) beside the planner's: the waits of posted "
+                "exchanges, the blocking exchanges, the count exchange and its host sync; the planner's exposed "
+                "time and its network time (all of the step's collectives, hidden or not).",
+                "",
+                "| dispatcher | node limit | overlap | posted | blocking | counts | exposed | planner's exposed "
+                "| planner's network |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in rows:
+                k = r["exposed_by_kind_ms"]
+                planned = (
+                    (f"{r['predicted_exposed_ms']:.0f}", f"{r['predicted_network_ms']:.0f}")
+                    if "predicted_network_ms" in r
+                    else ("-", "-")
+                )
+                lines.append(
+                    f"| {'flat' if r['dispatcher'] == 'pft' else 'RBD'} | {r['node_limit'] or 'off'} | {r['mode']} | "
+                    f"{k['posted']:.0f} | {k['blocking']:.0f} | {k['counts']:.0f} | {r['exposed_ms']:.0f} | "
+                    f"{planned[0]} | {planned[1]} |"
+                )
+            lines.append("")
     return "\n".join(lines)
 
 

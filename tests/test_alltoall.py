@@ -184,6 +184,7 @@ def _layer_body(rank: int, world_size: int, dispatcher: str = "pft"):
     import copy
 
     from xmoe.config import MoEConfig, ParallelConfig
+    from xmoe.dispatch.comm import WaitTimer
     from xmoe.moe.layer import MoELayer
     from xmoe.parallel.dims import ParallelDims
     from xmoe.parallel.expert_parallel import shard_experts
@@ -222,8 +223,15 @@ def _layer_body(rank: int, world_size: int, dispatcher: str = "pft"):
 
         layer = shard_experts(copy.deepcopy(ref), dims)
         x = x_R[rank].clone().requires_grad_(True)
+        WaitTimer.enabled, _ = True, WaitTimer.reset()
         out = layer(x)
         (out * g_R[rank]).sum().backward()
+        kinds, waited = dict(WaitTimer.by_kind), WaitTimer.seconds
+        WaitTimer.enabled, _ = False, WaitTimer.reset()
+        # the time blocked in the exchanges, by kind: the counts and their host sync (none where the capacity fixes
+        # the sizes), then the rows
+        assert ("counts" in kinds) is (dispatcher != "padded") and {"posted", "blocking"} & set(kinds), kinds
+        assert set(kinds) <= {"posted", "blocking", "counts"} and sum(kinds.values()) == pytest.approx(waited), kinds
 
         where = f"{name} rank={rank}"
         assert rel_err(out, ref_out[rank]) < LAYER_TOL, where

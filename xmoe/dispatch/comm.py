@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ def _all_to_all(x_NH: torch.Tensor, output_splits: list[int], input_splits: list
     """A blocking all-to-all: on CPUs the host waits in it for the whole exchange (timed by WaitTimer)."""
     out_MH = x_NH.new_empty((sum(output_splits),) + tuple(x_NH.shape[1:]))
     x_NH = x_NH.contiguous()
-    _timed(lambda: dist.all_to_all_single(out_MH, x_NH, output_splits, input_splits, group=group))
+    _timed(lambda: dist.all_to_all_single(out_MH, x_NH, output_splits, input_splits, group=group), "blocking")
     return out_MH
 
 
@@ -91,14 +91,14 @@ def exchange_counts(send_counts_PE: torch.Tensor, group: dist.ProcessGroup | Non
     if send_counts_PE.shape[0] == 1:
         return send_counts_PE
     recv_counts_PE = torch.empty_like(send_counts_PE)
-    _timed(lambda: dist.all_to_all_single(recv_counts_PE, send_counts_PE.contiguous(), group=group))
+    _timed(lambda: dist.all_to_all_single(recv_counts_PE, send_counts_PE.contiguous(), group=group), "counts")
     return recv_counts_PE
 
 
 def host_list(values: torch.Tensor) -> list[Any]:
     """``values.tolist()``: the host synchronisation of an expert-parallel layer call (timed by WaitTimer: on CPUs
     it also waits for the count exchange's peers)."""
-    return _timed(values.tolist)
+    return _timed(values.tolist, "counts")
 
 
 def splits_to_host(send_counts_PE: torch.Tensor, recv_counts_PE: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -120,25 +120,31 @@ class WaitTimer:
     """Host time spent blocked in the expert-parallel exchanges of this process (the posted exchanges' waits, the
     blocking ones (RBD's ids, routing weights and second stage), the count exchange and its host sync): the
     exposed communication of a CPU (gloo) run. On GPUs a wait only makes the compute stream wait, so the host
-    time says nothing there; profile instead. Off unless ``enabled``."""
+    time says nothing there; profile instead. Off unless ``enabled``. ``by_kind`` splits it: "posted" (the waits of
+    posted exchanges), "blocking" (blocking exchanges of rows, ids and weights), "counts" (the count exchange and
+    the host sync that reads it)."""
 
     enabled = False
     seconds = 0.0
+    by_kind: ClassVar[dict[str, float]] = {}
 
     @classmethod
     def reset(cls) -> float:
-        spent, cls.seconds = cls.seconds, 0.0
+        """The seconds since the last reset (``by_kind`` cleared too)."""
+        spent, cls.seconds, cls.by_kind = cls.seconds, 0.0, {}
         return spent
 
 
-def _timed(fn: Callable[[], Any]) -> Any:
+def _timed(fn: Callable[[], Any], kind: str) -> Any:
     if not WaitTimer.enabled:
         return fn()
     start = time.perf_counter()
     try:
         return fn()
     finally:
-        WaitTimer.seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        WaitTimer.seconds += spent
+        WaitTimer.by_kind[kind] = WaitTimer.by_kind.get(kind, 0.0) + spent
 
 
 @dataclass
@@ -212,7 +218,7 @@ class Exchange:
     def wait(self) -> torch.Tensor:
         assert self.received is not None, "waited for an exchange that was not posted"
         if self.work is not None:
-            _timed(self.work.wait)
+            _timed(self.work.wait, "posted")
         received, self.received, self.work, self.sent = self.received, None, None, None
         return received
 
