@@ -159,11 +159,12 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
     timed = {"experts": 0.0, "shared": 0.0, "calls": 0}
     layers = [m for m in built.model.modules() if type(m).__name__ == "MoELayer"]
     _time_experts(layers, timed)
-    steps, exposed, kinds = [], [], []
+    steps, exposed, kinds, events = [], [], [], []
     loss = torch.zeros(())
     for step in range(args.warmup + args.steps):
         dist.barrier()
         WaitTimer.enabled, _ = True, WaitTimer.reset()
+        WaitTimer.events = []
         timed.update(experts=0.0, shared=0.0, calls=0)
         start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -178,8 +179,10 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
             steps.append(elapsed)
             exposed.append(waited)
             kinds.append(by_kind)
+            events.append(WaitTimer.events)
         elif step == args.warmup - 1:
             _reset_counters(layers)  # the traffic of the timed steps only
+        WaitTimer.events = None
     # the slowest rank's step, the ranks' mean exposed time, this rank's traffic per timed step
     per_rank = [None] * world
     traffic: dict = {}
@@ -194,6 +197,7 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         experts=timed["experts"],
         shared=timed["shared"],
         traffic=traffic,
+        events=events,
     )
     dist.all_gather_object(per_rank, mine)
     step_s = [max(r["steps"][i] for r in per_rank) for i in range(args.steps)]
@@ -205,11 +209,39 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         least_exposed_ms=1e3 * min(statistics.median(r["exposed"]) for r in per_rank),
         # the exposed time by kind (comm.WaitTimer.by_kind): each rank's median over the timed steps, their mean
         exposed_by_kind_ms={k: 1e3 * statistics.mean(r["kinds"][k] for r in per_rank) for k in per_rank[0]["kinds"]},
+        **_arrivals([r["events"] for r in per_rank]),
         experts_fwd_ms=1e3 * statistics.mean(r["experts"] for r in per_rank) / max(1, args.layers),
         shared_fwd_ms=1e3 * statistics.mean(r["shared"] for r in per_rank) / max(1, args.layers),
         traffic={k: _over_ranks(k, [r["traffic"].get(k, 0) for r in per_rank]) for k in per_rank[0]["traffic"]},
         loss=float(loss.detach()),
     )
+
+
+def _arrivals(events_R: list[list[list[tuple]]]) -> dict:
+    """The collectives waited in place (blocking exchanges and count exchanges: events with their group's ranks),
+    each rank's wait split into waiting for the group's last member to arrive and the exchange after that, per step
+    (the median over timed steps, the mean over ranks). The i-th such event of every rank is the same program point
+    (every rank runs one program); perf_counter is one clock for every process of a machine."""
+    if not events_R or not events_R[0]:
+        return {}
+    arrive, after = [], []
+    for steps in events_R:
+        mine_a, mine_b = [], []
+        for step, evs in enumerate(steps):
+            own = [e for e in evs if e[3] is not None]
+            others = {r: [e for e in events_R[r][step] if e[3] is not None] for r in range(len(events_R))}
+            if any(len(v) != len(own) for v in others.values()):
+                return {}  # not one program order: nothing to match
+            a = b = 0.0
+            for i, (_, start, end, ranks) in enumerate(own):
+                last = max(others[r][i][1] for r in ranks)
+                a += max(0.0, last - start)
+                b += end - max(start, last)
+            mine_a.append(a)
+            mine_b.append(b)
+        arrive.append(statistics.median(mine_a))
+        after.append(statistics.median(mine_b))
+    return dict(in_place_arrival_ms=1e3 * statistics.mean(arrive), in_place_exchange_ms=1e3 * statistics.mean(after))
 
 
 def _over_ranks(key: str, values: list) -> float:
@@ -508,10 +540,11 @@ def _markdown(report: dict) -> str:
                 "exchanges, the blocking exchanges, the count exchange and its host sync; the planner's exposed "
                 "time and its network time (all of the step's collectives, hidden or not).",
                 "",
-                "| dispatcher | node limit | overlap | posted | blocking | counts | exposed | planner's exposed "
-                "| planner's network |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "| dispatcher | node limit | overlap | posted | blocking | counts | of blocking and counts: waiting "
+                "for the last to arrive | and exchanging after | exposed | planner's exposed | planner's network |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
+            nan = float("nan")
             for r in rows:
                 k = r["exposed_by_kind_ms"]
                 planned = (
@@ -521,7 +554,9 @@ def _markdown(report: dict) -> str:
                 )
                 lines.append(
                     f"| {'flat' if r['dispatcher'] == 'pft' else 'RBD'} | {r['node_limit'] or 'off'} | {r['mode']} | "
-                    f"{k['posted']:.0f} | {k['blocking']:.0f} | {k['counts']:.0f} | {r['exposed_ms']:.0f} | "
+                    f"{k['posted']:.0f} | {k['blocking']:.0f} | {k['counts']:.0f} | "
+                    f"{r.get('in_place_arrival_ms', nan):.0f} | {r.get('in_place_exchange_ms', nan):.0f} | "
+                    f"{r['exposed_ms']:.0f} | "
                     f"{planned[0]} | {planned[1]} |"
                 )
             lines.append("")

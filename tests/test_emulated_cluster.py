@@ -326,3 +326,19 @@ def test_bench_ep_cluster_predicts_from_the_critical_rank():
     assert variants[1]["predicted_ms"] - variants[0]["predicted_ms"] == pytest.approx(100.0)
     assert variants[0]["predicted_ms"] - variants[2]["predicted_ms"] == pytest.approx(200.0)
     assert variants[0]["error"] == pytest.approx(3000.0 / variants[0]["predicted_ms"] - 1)
+
+
+def test_bench_ep_cluster_splits_in_place_waits_at_the_last_arrival():
+    """_arrivals: a collective waited in place splits into waiting for its group's last member (from each rank's
+    own start) and the exchange after it; posted waits (no group recorded) are left out; ranks whose timed
+    collectives do not line up give nothing."""
+    from benchmarks.bench_ep_cluster import _arrivals
+
+    # rank 0 arrives at 1.0, rank 1 at 1.5, both leave at 2.0; rank 2 waits alone in its own group from 1.2 to 1.4
+    r0 = [[("blocking", 1.0, 2.0, (0, 1)), ("posted", 2.0, 2.5, None)]]
+    r1 = [[("blocking", 1.5, 2.0, (0, 1)), ("posted", 2.0, 2.2, None)]]
+    r2 = [[("counts", 1.2, 1.4, (2,))]]
+    got = _arrivals([r0, r1, r2])
+    assert got["in_place_arrival_ms"] == pytest.approx(1e3 * (0.5 + 0 + 0) / 3)
+    assert got["in_place_exchange_ms"] == pytest.approx(1e3 * (0.5 + 0.5 + 0.2) / 3)
+    assert _arrivals([r0, [[]]]) == {}  # rank 1 timed no collective in place: nothing to match

@@ -39,7 +39,7 @@ def _all_to_all(x_NH: torch.Tensor, output_splits: list[int], input_splits: list
     """A blocking all-to-all: on CPUs the host waits in it for the whole exchange (timed by WaitTimer)."""
     out_MH = x_NH.new_empty((sum(output_splits),) + tuple(x_NH.shape[1:]))
     x_NH = x_NH.contiguous()
-    _timed(lambda: dist.all_to_all_single(out_MH, x_NH, output_splits, input_splits, group=group), "blocking")
+    _timed(lambda: dist.all_to_all_single(out_MH, x_NH, output_splits, input_splits, group=group), "blocking", group)
     return out_MH
 
 
@@ -91,7 +91,7 @@ def exchange_counts(send_counts_PE: torch.Tensor, group: dist.ProcessGroup | Non
     if send_counts_PE.shape[0] == 1:
         return send_counts_PE
     recv_counts_PE = torch.empty_like(send_counts_PE)
-    _timed(lambda: dist.all_to_all_single(recv_counts_PE, send_counts_PE.contiguous(), group=group), "counts")
+    _timed(lambda: dist.all_to_all_single(recv_counts_PE, send_counts_PE.contiguous(), group=group), "counts", group)
     return recv_counts_PE
 
 
@@ -122,11 +122,13 @@ class WaitTimer:
     exposed communication of a CPU (gloo) run. On GPUs a wait only makes the compute stream wait, so the host
     time says nothing there; profile instead. Off unless ``enabled``. ``by_kind`` splits it: "posted" (the waits of
     posted exchanges), "blocking" (blocking exchanges of rows, ids and weights), "counts" (the count exchange and
-    the host sync that reads it)."""
+    the host sync that reads it). ``events``, when a list: each timed wait appended as (kind, start, end, ranks),
+    perf_counter seconds and, for a collective waited in place, the global ranks of its group (else None)."""
 
     enabled = False
     seconds = 0.0
     by_kind: ClassVar[dict[str, float]] = {}
+    events: ClassVar[list[tuple[str, float, float, tuple[int, ...] | None]] | None] = None
 
     @classmethod
     def reset(cls) -> float:
@@ -135,16 +137,21 @@ class WaitTimer:
         return spent
 
 
-def _timed(fn: Callable[[], Any], kind: str) -> Any:
+def _timed(fn: Callable[[], Any], kind: str, group: Any = False) -> Any:
+    """``fn()``, its time added to WaitTimer's when enabled; ``group``: the process group of a collective waited in
+    place (None: the world), recorded with an event."""
     if not WaitTimer.enabled:
         return fn()
     start = time.perf_counter()
     try:
         return fn()
     finally:
-        spent = time.perf_counter() - start
-        WaitTimer.seconds += spent
-        WaitTimer.by_kind[kind] = WaitTimer.by_kind.get(kind, 0.0) + spent
+        end = time.perf_counter()
+        WaitTimer.seconds += end - start
+        WaitTimer.by_kind[kind] = WaitTimer.by_kind.get(kind, 0.0) + end - start
+        if WaitTimer.events is not None:
+            ranks = None if group is False else tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            WaitTimer.events.append((kind, start, end, ranks))
 
 
 @dataclass
