@@ -224,17 +224,17 @@ def _arrivals(events_R: list[list[list[tuple]]]) -> dict:
     (every rank runs one program); perf_counter is one clock for every process of a machine."""
     if not events_R or not events_R[0]:
         return {}
+    # each rank's in-place collectives of each step, filtered once
+    in_place = [[[e for e in evs if e[3] is not None] for evs in steps] for steps in events_R]
+    if any(len(steps[i]) != len(in_place[0][i]) for steps in in_place for i in range(len(steps))):
+        return {}  # not one program order: nothing to match
     arrive, after = [], []
-    for steps in events_R:
+    for steps in in_place:
         mine_a, mine_b = [], []
-        for step, evs in enumerate(steps):
-            own = [e for e in evs if e[3] is not None]
-            others = {r: [e for e in events_R[r][step] if e[3] is not None] for r in range(len(events_R))}
-            if any(len(v) != len(own) for v in others.values()):
-                return {}  # not one program order: nothing to match
+        for step, own in enumerate(steps):
             a = b = 0.0
             for i, (_, start, end, ranks) in enumerate(own):
-                last = max(others[r][i][1] for r in ranks)
+                last = max(in_place[r][step][i][1] for r in ranks)
                 a += max(0.0, last - start)
                 b += end - max(start, last)
             mine_a.append(a)

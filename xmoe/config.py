@@ -109,7 +109,7 @@ class TrainConfig:
     # weights (this needs one host sync per step) and stops at the (N+1)-th
     nonfinite_skips: int = 0
     # the same run twice gives the same bits on a GPU too (torch's deterministic algorithms, SDPA's flash and
-    # plain kernels only, the compiler's choices made without timing them); costs some speed
+    # plain kernels only, the compiler's choices made without timing them); may cost speed
     deterministic: bool = False
     section: ClassVar[str] = "train"
 

@@ -85,7 +85,7 @@ def _run_directory_arguments(g: argparse._ArgumentGroup) -> None:
         "--deterministic",
         action="store_true",
         help="the same run twice gives the same bits on a GPU too (train.deterministic: torch's deterministic "
-        "algorithms, SDPA's flash and plain kernels only; some speed lost)",
+        "algorithms, SDPA's flash and plain kernels only; may cost speed)",
     )
 
 
