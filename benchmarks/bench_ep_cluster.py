@@ -16,7 +16,8 @@ case: the step's wall time (the slowest rank; median of the timed steps) and the
 expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted all-to-alls' waits, the blocking exchanges, the
 count exchange and its host sync; the mean over ranks), which on CPUs is the communication no compute hid. The
 planner (xmoe/plan/step_time.py) predicts every case from the link rate measured before the run (shared by a node's
-ranks), a collective's fixed cost measured on the cluster's ranks amid compute (collective_latency), the compute
+ranks), a collective's fixed cost measured on the cluster's ranks (collective_latency: amid compute where the ranks
+outnumber the cores and take turns on them, else back to back), the compute
 of the overlap-off case of the same dispatcher and dtype and the routed and shared experts' forward times measured
 in it. That compute is the case's step less the exposed time of its least-waiting rank: the
 rank the others wait for, whose compute sets the step (the mean rank's would count the others' waits for it, the
@@ -364,9 +365,15 @@ def collective_latency(world: int, local: int, segment_ms: float, reps: int = 30
     dist.all_gather_object(per_rank, measured)
     keys = ("inter_amid_lat_ms", "intra_amid_lat_ms", "inter_idle_lat_ms", "intra_idle_lat_ms")
     out = {k: statistics.mean(m[i] for m in per_rank) for i, k in enumerate(keys)} | {"lat_segment_ms": segment_ms}
-    # amid compute the collective costs at least its own time (a smaller difference of the loops is their noise)
+    # Ranks that outnumber the cores take turns on them, and a collective waits for the last rank's turn: then the
+    # cost amid compute is the planner's latency (never less than the collective's own time; a smaller difference of
+    # the loops is their noise). With a core per rank there are no turns, and the difference of two loops of seconds
+    # is noise of tens of ms (0-61 ms per collective over 8 and 4 ranks on 16 cores): the time back to back is taken.
+    out["lat_cores"] = os.cpu_count() or 1
+    out["lat_contended"] = world > out["lat_cores"]
     for where in ("inter", "intra"):
-        out[f"{where}_lat_ms"] = max(out[f"{where}_amid_lat_ms"], out[f"{where}_idle_lat_ms"])
+        amid = out[f"{where}_amid_lat_ms"] if out["lat_contended"] else 0.0
+        out[f"{where}_lat_ms"] = max(amid, out[f"{where}_idle_lat_ms"])
     return out
 
 
@@ -503,12 +510,20 @@ def _markdown(report: dict) -> str:
         ]
         if rows and "inter_lat_ms" in rows[0]:
             r = rows[0]
+            seg = f"amid compute segments of {r.get('lat_segment_ms', 0):.0f} ms"
+            amid = f"{r.get('inter_amid_lat_ms', 0):.2f} and {r.get('intra_amid_lat_ms', 0):.2f} ms"
+            idle = f"{r.get('inter_idle_lat_ms', 0):.2f} and {r.get('intra_idle_lat_ms', 0):.2f} ms"
+            ranks = cluster["nodes"] * report["settings"]["ranks_per_node"]
+            if r.get("lat_contended", True):
+                how = f"the larger of what it adds {seg} ({amid}) and its time back to back ({idle})"
+            else:
+                how = (
+                    f"with {ranks} ranks on {r['lat_cores']} cores no rank waits for a core: its time back to back "
+                    f"({idle}); what it added {seg} ({amid}) is the two loops' noise, not used"
+                )
             lines += [
                 f"A collective's fixed cost, the planner's latency terms (collective_latency): across nodes "
-                f"{r['inter_lat_ms']:.2f} ms, inside a node {r['intra_lat_ms']:.2f} ms; the larger of what it "
-                f"adds amid compute segments of {r.get('lat_segment_ms', 0):.0f} ms "
-                f"({r.get('inter_amid_lat_ms', 0):.2f} and {r.get('intra_amid_lat_ms', 0):.2f} ms) and its time "
-                f"back to back ({r.get('inter_idle_lat_ms', 0):.2f} and {r.get('intra_idle_lat_ms', 0):.2f} ms).",
+                f"{r['inter_lat_ms']:.2f} ms, inside a node {r['intra_lat_ms']:.2f} ms; {how}.",
                 "",
             ]
         lines += [
