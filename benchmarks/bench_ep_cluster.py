@@ -15,8 +15,8 @@ under bf16 autocast, so rows travel as on GPUs (2 bytes a value; FP8 dispatch 1 
 case: the step's wall time (the slowest rank; median of the timed steps) and the host time blocked in the
 expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted all-to-alls' waits, the blocking exchanges, the
 count exchange and its host sync; the mean over ranks), which on CPUs is the communication no compute hid. The
-planner (xmoe/plan/step_time.py) predicts every case from the link rate measured before the run (shared by a node's
-ranks), a collective's fixed cost measured on the cluster's ranks (collective_latency: amid compute where the ranks
+planner (xmoe/plan/step_time.py) predicts every case from the rate a node's link delivers to an all-to-all over every
+rank, measured before the cases (alltoall_rate; shared by the node's ranks), a collective's fixed cost measured on the cluster's ranks (collective_latency: amid compute where the ranks
 outnumber the cores and take turns on them, else back to back), the compute
 of the overlap-off case of the same dispatcher and dtype and the routed and shared experts' forward times measured
 in it. That compute is the case's step less the exposed time of its least-waiting rank: the
@@ -288,6 +288,7 @@ def rank_main(args) -> None:
     par = ParallelConfig(ep=world, gpus_per_node=local)
     dims = ParallelDims.from_config(par, world, rank=rank, node_size=local).build_mesh("cpu")
     latency = collective_latency(world, local, args.sync_segment_ms)
+    latency |= alltoall_rate(world, local, pair_bytes=args.batch * args.seq * args.top_k // world * args.hidden * 2)
     for case in _cases(args, world // local):
         row = _run_case(args, dims, world, rank, case) | latency
         gc.collect()  # the case's model, optimizer and graphs, before the next one is built
@@ -377,6 +378,30 @@ def collective_latency(world: int, local: int, segment_ms: float, reps: int = 30
     return out
 
 
+def alltoall_rate(world: int, local: int, pair_bytes: int, reps: int = 5) -> dict:
+    """The rate a node's link delivers to an all-to-all over every rank, as the step's exchanges load it: every rank
+    sends ``pair_bytes`` to each other rank at once (by default what a flat dispatch sends a rank), back to back; the
+    rate is the bytes a node sends off-node over the median time. This, not one TCP flow's rate (measure_link), is
+    the planner's inter-node bandwidth: many flows through one shaped queue deliver less than one flow does."""
+    import torch
+    import torch.distributed as dist
+
+    send = torch.zeros(world * pair_bytes // 4)
+    recv = torch.empty_like(send)
+    times = []
+    for i in range(reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_to_all_single(recv, send)
+        if i:  # the first sets up the pairs' connections
+            times.append(time.perf_counter() - start)
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, statistics.median(times))
+    seconds = max(per_rank)  # the exchange ends when its slowest rank's does
+    node_bytes = local * (world - local) * (send.numel() * 4 // world)
+    return {"a2a_pair_bytes": pair_bytes, "a2a_ms": 1e3 * seconds, "a2a_node_mbyte_s": node_bytes / seconds / 1e6}
+
+
 # ---------------------------------------------------------------------------------------- the planner's view
 
 
@@ -391,9 +416,11 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
     # a node's link is shared by its ranks: each rank's share of it; inside a node, loopback (fast, unshaped)
     for row in rows:
         # the collectives' fixed cost measured on the cluster (collective_latency), else the link's half round trip
+        # the node's rate under an all-to-all where measured (alltoall_rate), else one flow's
+        node_bytes_s = 1e6 * row["a2a_node_mbyte_s"] if "a2a_node_mbyte_s" in row else link_bytes_s
         network = Network(
             intra_bw=20.0,
-            inter_bw=link_bytes_s / 1e9 / args.ranks_per_node,
+            inter_bw=node_bytes_s / 1e9 / args.ranks_per_node,
             intra_lat=1e3 * row.get("intra_lat_ms", 0.05),
             inter_lat=1e3 * row.get("inter_lat_ms", rtt_ms / 2),
         )
@@ -521,6 +548,13 @@ def _markdown(report: dict) -> str:
                     f"with {ranks} ranks on {r['lat_cores']} cores no rank waits for a core: its time back to back "
                     f"({idle}); what it added {seg} ({amid}) is the two loops' noise, not used"
                 )
+            if "a2a_node_mbyte_s" in r:
+                lines += [
+                    f"An all-to-all over every rank, {r['a2a_pair_bytes'] / 1024:.0f} KiB per pair back to back "
+                    f"(alltoall_rate): {r['a2a_ms']:.0f} ms, {r['a2a_node_mbyte_s']:.1f} MB/s sent off each node, the "
+                    f"planner's inter-node rate ({r['a2a_node_mbyte_s'] / cluster['link_mbyte_s']:.2f}x one flow's).",
+                    "",
+                ]
             lines += [
                 f"A collective's fixed cost, the planner's latency terms (collective_latency): across nodes "
                 f"{r['inter_lat_ms']:.2f} ms, inside a node {r['intra_lat_ms']:.2f} ms; {how}.",

@@ -311,6 +311,24 @@ def test_bench_ep_cluster_charges_the_measured_collective_latency():
     assert added["rbd"] > added["pft"]
 
 
+def test_bench_ep_cluster_takes_the_all_to_all_rate_over_one_flows():
+    """Where the cluster's all-to-all rate was measured (alltoall_rate), the planner's inter-node bandwidth is that
+    rate, not the single flow's: half the rate doubles the time on the wire, which with overlap off is exposed."""
+    from benchmarks import bench_ep_cluster
+
+    args = bench_ep_cluster._parser().parse_args(["--cases", "pft:bf16:0:off"])
+    row = dict(dispatcher="pft", dtype="bf16", node_limit=0, mode="off", step_ms=3000.0, exposed_ms=1200.0)
+    row.update(least_exposed_ms=1000.0, experts_fwd_ms=20.0, inter_lat_ms=0.0, intra_lat_ms=0.0)
+    variants = [dict(row), dict(row, a2a_node_mbyte_s=36.0), dict(row, a2a_node_mbyte_s=18.0)]
+    for r in variants:
+        bench_ep_cluster.predictions(args, [r], nodes=2, link_bytes_s=36e6, rtt_ms=0.1)
+    assert variants[1]["predicted_network_ms"] == pytest.approx(variants[0]["predicted_network_ms"])
+    assert variants[2]["predicted_network_ms"] > 1.9 * variants[1]["predicted_network_ms"]
+    assert variants[2]["predicted_ms"] - variants[1]["predicted_ms"] == pytest.approx(
+        variants[2]["predicted_exposed_ms"] - variants[1]["predicted_exposed_ms"]
+    )
+
+
 def test_bench_ep_cluster_predicts_from_the_critical_rank():
     """The planner's compute for a case is its overlap-off twin's step less the exposed time of the rank that waits
     least (the one the others wait for): the same case with that rank waiting 100 ms less is predicted 100 ms
