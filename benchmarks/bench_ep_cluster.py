@@ -15,13 +15,13 @@ under bf16 autocast, so rows travel as on GPUs (2 bytes a value; FP8 dispatch 1 
 case: the step's wall time (the slowest rank; median of the timed steps) and the host time blocked in the
 expert-parallel exchanges (dispatch/comm.py's WaitTimer: the posted all-to-alls' waits, the blocking exchanges, the
 count exchange and its host sync; the mean over ranks), which on CPUs is the communication no compute hid. The
-planner (xmoe/plan/step_time.py) predicts every case from the rate a node's link delivers to an all-to-all over every
-rank, measured before the cases (alltoall_rate; shared by the node's ranks), a collective's fixed cost measured on the cluster's ranks (collective_latency: amid compute where the ranks
-outnumber the cores and take turns on them, else back to back), the compute
-of the overlap-off case of the same dispatcher and dtype and the routed and shared experts' forward times measured
-in it. That compute is the case's step less the exposed time of its least-waiting rank: the
-rank the others wait for, whose compute sets the step (the mean rank's would count the others' waits for it, the
-ranks' skew, as communication).
+planner (xmoe/plan/step_time.py) predicts every case from the rate a node's link delivers to the case's all-to-alls
+over every rank, measured before the cases (alltoall_rate: one at a time, or two in flight as `chunks` runs them;
+shared by the node's ranks), a collective's fixed cost measured on the cluster's ranks (collective_latency: amid
+compute where the ranks outnumber the cores and take turns on them, else back to back), the compute of the
+overlap-off case of the same dispatcher and dtype, and the routed and shared experts' forward times measured in it.
+That compute is the case's step less the exposed time of its least-waiting rank: the rank the others wait for, whose
+compute sets the step (the mean rank's would count the others' waits for it, the ranks' skew, as communication).
 Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
 """
 
@@ -288,7 +288,8 @@ def rank_main(args) -> None:
     par = ParallelConfig(ep=world, gpus_per_node=local)
     dims = ParallelDims.from_config(par, world, rank=rank, node_size=local).build_mesh("cpu")
     latency = collective_latency(world, local, args.sync_segment_ms)
-    latency |= alltoall_rate(world, local, pair_bytes=args.batch * args.seq * args.top_k // world * args.hidden * 2)
+    pair_bytes = args.batch * args.seq * args.top_k // world * args.hidden * 2
+    latency |= alltoall_rate(world, local, pair_bytes, args.chunks)
     for case in _cases(args, world // local):
         row = _run_case(args, dims, world, rank, case) | latency
         gc.collect()  # the case's model, optimizer and graphs, before the next one is built
@@ -378,28 +379,45 @@ def collective_latency(world: int, local: int, segment_ms: float, reps: int = 30
     return out
 
 
-def alltoall_rate(world: int, local: int, pair_bytes: int, reps: int = 5) -> dict:
+def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: int = 5) -> dict:
     """The rate a node's link delivers to an all-to-all over every rank, as the step's exchanges load it: every rank
     sends ``pair_bytes`` to each other rank at once (by default what a flat dispatch sends a rank), back to back; the
     rate is the bytes a node sends off-node over the median time. This, not one TCP flow's rate (measure_link), is
-    the planner's inter-node bandwidth: many flows through one shaped queue deliver less than one flow does."""
+    the planner's inter-node bandwidth: many flows through one shaped queue deliver less than one flow does. Also
+    the rate under the ``chunks`` overlap: the same bytes as ``chunks`` all-to-alls of 1/chunks each, two of them
+    in flight at once as moe/routed.py posts them (a second exchange fills the link where the first one's last
+    flows leave it idle)."""
     import torch
     import torch.distributed as dist
 
-    send = torch.zeros(world * pair_bytes // 4)
-    recv = torch.empty_like(send)
-    times = []
-    for i in range(reps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_to_all_single(recv, send)
-        if i:  # the first sets up the pairs' connections
-            times.append(time.perf_counter() - start)
-    per_rank: list = [None] * world
-    dist.all_gather_object(per_rank, statistics.median(times))
-    seconds = max(per_rank)  # the exchange ends when its slowest rank's does
-    node_bytes = local * (world - local) * (send.numel() * 4 // world)
-    return {"a2a_pair_bytes": pair_bytes, "a2a_ms": 1e3 * seconds, "a2a_node_mbyte_s": node_bytes / seconds / 1e6}
+    def seconds(parts: int) -> float:
+        sends = [torch.zeros(world * pair_bytes // parts // 4) for _ in range(parts)]
+        recvs = [torch.empty_like(x) for x in sends]
+        times = []
+        for i in range(reps + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            works = [dist.all_to_all_single(recvs[p], sends[p], async_op=True) for p in range(min(2, parts))]
+            for p in range(parts):
+                works[p].wait()
+                if p + 2 < parts:
+                    works.append(dist.all_to_all_single(recvs[p + 2], sends[p + 2], async_op=True))
+            if i:  # the first sets up the pairs' connections
+                times.append(time.perf_counter() - start)
+        per_rank: list = [None] * world
+        dist.all_gather_object(per_rank, statistics.median(times))
+        return max(per_rank)  # the exchange ends when its slowest rank's does
+
+    node_bytes = local * (world - local) * pair_bytes
+    whole, parted = seconds(1), seconds(chunks)
+    return {
+        "a2a_pair_bytes": pair_bytes,
+        "a2a_ms": 1e3 * whole,
+        "a2a_node_mbyte_s": node_bytes / whole / 1e6,
+        "a2a_chunks": chunks,
+        "a2a_chunks_ms": 1e3 * parted,
+        "a2a_chunks_node_mbyte_s": node_bytes / parted / 1e6,
+    }
 
 
 # ---------------------------------------------------------------------------------------- the planner's view
@@ -416,8 +434,9 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
     # a node's link is shared by its ranks: each rank's share of it; inside a node, loopback (fast, unshaped)
     for row in rows:
         # the collectives' fixed cost measured on the cluster (collective_latency), else the link's half round trip
-        # the node's rate under an all-to-all where measured (alltoall_rate), else one flow's
-        node_bytes_s = 1e6 * row["a2a_node_mbyte_s"] if "a2a_node_mbyte_s" in row else link_bytes_s
+        # the node's rate under the case's all-to-alls where measured (alltoall_rate), else one flow's
+        rate_key = "a2a_chunks_node_mbyte_s" if row["mode"] == "chunks" else "a2a_node_mbyte_s"
+        node_bytes_s = 1e6 * row.get(rate_key, row.get("a2a_node_mbyte_s", link_bytes_s / 1e6))
         network = Network(
             intra_bw=20.0,
             inter_bw=node_bytes_s / 1e9 / args.ranks_per_node,
@@ -552,7 +571,14 @@ def _markdown(report: dict) -> str:
                 lines += [
                     f"An all-to-all over every rank, {r['a2a_pair_bytes'] / 1024:.0f} KiB per pair back to back "
                     f"(alltoall_rate): {r['a2a_ms']:.0f} ms, {r['a2a_node_mbyte_s']:.1f} MB/s sent off each node, the "
-                    f"planner's inter-node rate ({r['a2a_node_mbyte_s'] / cluster['link_mbyte_s']:.2f}x one flow's).",
+                    f"planner's inter-node rate ({r['a2a_node_mbyte_s'] / cluster['link_mbyte_s']:.2f}x one flow's)"
+                    + (
+                        f"; as {r['a2a_chunks']} all-to-alls of a {r['a2a_chunks']}th, two in flight, as `chunks` "
+                        f"runs them: {r['a2a_chunks_ms']:.0f} ms, {r['a2a_chunks_node_mbyte_s']:.1f} MB/s, the rate "
+                        f"of the `chunks` cases."
+                        if "a2a_chunks_ms" in r
+                        else "."
+                    ),
                     "",
                 ]
             lines += [

@@ -313,7 +313,8 @@ def test_bench_ep_cluster_charges_the_measured_collective_latency():
 
 def test_bench_ep_cluster_takes_the_all_to_all_rate_over_one_flows():
     """Where the cluster's all-to-all rate was measured (alltoall_rate), the planner's inter-node bandwidth is that
-    rate, not the single flow's: half the rate doubles the time on the wire, which with overlap off is exposed."""
+    rate, not the single flow's: half the rate doubles the time on the wire, which with overlap off is exposed; a
+    `chunks` case takes the rate measured for its chunked all-to-alls."""
     from benchmarks import bench_ep_cluster
 
     args = bench_ep_cluster._parser().parse_args(["--cases", "pft:bf16:0:off"])
@@ -327,6 +328,12 @@ def test_bench_ep_cluster_takes_the_all_to_all_rate_over_one_flows():
     assert variants[2]["predicted_ms"] - variants[1]["predicted_ms"] == pytest.approx(
         variants[2]["predicted_exposed_ms"] - variants[1]["predicted_exposed_ms"]
     )
+    # a `chunks` case takes the rate of its chunked all-to-alls (two in flight), its overlap-off twin the whole one's
+    rates = dict(a2a_node_mbyte_s=36.0, a2a_chunks_node_mbyte_s=18.0)
+    off, chunks = dict(row, **rates), dict(row, mode="chunks", **rates)
+    bench_ep_cluster.predictions(args, [off, chunks], nodes=2, link_bytes_s=36e6, rtt_ms=0.1)
+    assert off["predicted_network_ms"] == pytest.approx(variants[1]["predicted_network_ms"])
+    assert chunks["predicted_network_ms"] > 1.9 * off["predicted_network_ms"]
 
 
 def test_bench_ep_cluster_predicts_from_the_critical_rank():

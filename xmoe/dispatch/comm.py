@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -38,8 +39,8 @@ import torch.distributed as dist
 def _all_to_all(x_NH: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """A blocking all-to-all: on CPUs the host waits in it for the whole exchange (timed by WaitTimer)."""
     out_MH = x_NH.new_empty((sum(output_splits),) + tuple(x_NH.shape[1:]))
-    x_NH = x_NH.contiguous()
-    _timed(lambda: dist.all_to_all_single(out_MH, x_NH, output_splits, input_splits, group=group), "blocking", group)
+    exchange = partial(dist.all_to_all_single, out_MH, x_NH.contiguous(), output_splits, input_splits, group=group)
+    _timed(exchange, "blocking", in_place=True, group=group)
     return out_MH
 
 
@@ -91,7 +92,8 @@ def exchange_counts(send_counts_PE: torch.Tensor, group: dist.ProcessGroup | Non
     if send_counts_PE.shape[0] == 1:
         return send_counts_PE
     recv_counts_PE = torch.empty_like(send_counts_PE)
-    _timed(lambda: dist.all_to_all_single(recv_counts_PE, send_counts_PE.contiguous(), group=group), "counts", group)
+    send_PE = send_counts_PE.contiguous()
+    _timed(lambda: dist.all_to_all_single(recv_counts_PE, send_PE, group=group), "counts", in_place=True, group=group)
     return recv_counts_PE
 
 
@@ -137,9 +139,9 @@ class WaitTimer:
         return spent
 
 
-def _timed(fn: Callable[[], Any], kind: str, group: Any = False) -> Any:
-    """``fn()``, its time added to WaitTimer's when enabled; ``group``: the process group of a collective waited in
-    place (None: the world), recorded with an event."""
+def _timed(fn: Callable[[], Any], kind: str, *, in_place: bool = False, group: Any = None) -> Any:
+    """``fn()``, its time added to WaitTimer's when enabled. ``in_place``: ``fn`` is a collective waited where it is
+    called, over ``group`` (None: the world), whose ranks an event records."""
     if not WaitTimer.enabled:
         return fn()
     start = time.perf_counter()
@@ -150,7 +152,7 @@ def _timed(fn: Callable[[], Any], kind: str, group: Any = False) -> Any:
         WaitTimer.seconds += end - start
         WaitTimer.by_kind[kind] = WaitTimer.by_kind.get(kind, 0.0) + end - start
         if WaitTimer.events is not None:
-            ranks = None if group is False else tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD)) if in_place else None
             WaitTimer.events.append((kind, start, end, ranks))
 
 

@@ -162,7 +162,10 @@ def _add_comm_arguments(com: argparse.ArgumentParser) -> None:
     )
     com.add_argument("--intra-bw", type=float, default=300.0, help="GB/s per GPU inside a node (default 300)")
     com.add_argument(
-        "--inter-bw", type=float, default=25.0, help="GB/s per GPU across nodes, its NIC share (default 25)"
+        "--inter-bw",
+        type=float,
+        default=25.0,
+        help="GB/s per GPU across nodes, its NIC share as an all-to-all achieves it, not the line rate (default 25)",
     )
     com.add_argument("--intra-lat", type=float, default=5.0, help="us per intra-node stage (default 5)")
     com.add_argument("--inter-lat", type=float, default=10.0, help="us per inter-node stage (default 10)")
@@ -178,8 +181,8 @@ def add_step_arguments(com: argparse.ArgumentParser) -> None:
     step.add_argument(
         "--node-inter-bw",
         type=float,
-        help="GB/s across nodes per node, shared by its --gpus-per-node GPUs (instead of --inter-bw; e.g. 0.125 "
-        "for a node linked at 1 Gbit/s)",
+        help="GB/s across nodes per node, shared by its --gpus-per-node GPUs, as an all-to-all achieves it (instead "
+        "of --inter-bw; at most 0.125 for a node linked at 1 Gbit/s)",
     )
     step.add_argument(
         "--compute-ms",
