@@ -573,7 +573,7 @@ def _markdown(report: dict) -> str:
                     f"(alltoall_rate): {r['a2a_ms']:.0f} ms, {r['a2a_node_mbyte_s']:.1f} MB/s sent off each node, the "
                     f"planner's inter-node rate ({r['a2a_node_mbyte_s'] / cluster['link_mbyte_s']:.2f}x one flow's)"
                     + (
-                        f"; as {r['a2a_chunks']} all-to-alls of a {r['a2a_chunks']}th, two in flight, as `chunks` "
+                        f"; as {r['a2a_chunks']} all-to-alls of 1/{r['a2a_chunks']} each, two in flight, as `chunks` "
                         f"runs them: {r['a2a_chunks_ms']:.0f} ms, {r['a2a_chunks_node_mbyte_s']:.1f} MB/s, the rate "
                         f"of the `chunks` cases."
                         if "a2a_chunks_ms" in r
