@@ -385,13 +385,15 @@ def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: in
     rate is the bytes a node sends off-node over the median time. This, not one TCP flow's rate (measure_link), is
     the planner's inter-node bandwidth: many flows through one shaped queue deliver less than one flow does. Also
     the rate under the ``chunks`` overlap: the same bytes as ``chunks`` all-to-alls of 1/chunks each, two of them
-    in flight at once as moe/routed.py posts them (a second exchange fills the link where the first one's last
+    in flight at once as moe/routed.py posts them (a second exchange can fill the link where the first one's last
     flows leave it idle)."""
     import torch
     import torch.distributed as dist
 
+    per_pair = max(1, pair_bytes // (4 * chunks))  # fp32 values a pair exchanges per part: whole = chunks parts
+
     def seconds(parts: int) -> float:
-        sends = [torch.zeros(world * pair_bytes // parts // 4) for _ in range(parts)]
+        sends = [torch.zeros(world * per_pair * chunks // parts) for _ in range(parts)]
         recvs = [torch.empty_like(x) for x in sends]
         times = []
         for i in range(reps + 1):
@@ -408,10 +410,10 @@ def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: in
         dist.all_gather_object(per_rank, statistics.median(times))
         return max(per_rank)  # the exchange ends when its slowest rank's does
 
-    node_bytes = local * (world - local) * pair_bytes
+    node_bytes = local * (world - local) * 4 * per_pair * chunks
     whole, parted = seconds(1), seconds(chunks)
     return {
-        "a2a_pair_bytes": pair_bytes,
+        "a2a_pair_bytes": 4 * per_pair * chunks,
         "a2a_ms": 1e3 * whole,
         "a2a_node_mbyte_s": node_bytes / whole / 1e6,
         "a2a_chunks": chunks,
@@ -433,8 +435,8 @@ def predictions(args, rows: list[dict], nodes: int, link_bytes_s: float, rtt_ms:
     world = nodes * args.ranks_per_node
     # a node's link is shared by its ranks: each rank's share of it; inside a node, loopback (fast, unshaped)
     for row in rows:
-        # the collectives' fixed cost measured on the cluster (collective_latency), else the link's half round trip
-        # the node's rate under the case's all-to-alls where measured (alltoall_rate), else one flow's
+        # the node's rate under the case's all-to-alls where measured (alltoall_rate), else one flow's; the
+        # collectives' fixed cost measured on the cluster (collective_latency), else the link's half round trip
         rate_key = "a2a_chunks_node_mbyte_s" if row["mode"] == "chunks" else "a2a_node_mbyte_s"
         node_bytes_s = 1e6 * row.get(rate_key, row.get("a2a_node_mbyte_s", link_bytes_s / 1e6))
         network = Network(
