@@ -174,7 +174,7 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-        by_kind = dict(WaitTimer.by_kind)
+        by_kind = WaitTimer.by_kind  # reset() starts a new dict: this one stays the step's
         waited, WaitTimer.enabled = WaitTimer.reset(), False
         if step >= args.warmup:
             steps.append(elapsed)
@@ -280,6 +280,7 @@ def rank_main(args) -> None:
 
     from xmoe.config import ParallelConfig
     from xmoe.parallel.dims import ParallelDims
+    from xmoe.plan.step_time import row_bytes
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -288,7 +289,8 @@ def rank_main(args) -> None:
     par = ParallelConfig(ep=world, gpus_per_node=local)
     dims = ParallelDims.from_config(par, world, rank=rank, node_size=local).build_mesh("cpu")
     latency = collective_latency(world, local, args.sync_segment_ms)
-    pair_bytes = args.batch * args.seq * args.top_k // world * args.hidden * 2
+    # what a flat dispatch sends each rank: a rank's slots spread evenly, bf16 rows
+    pair_bytes = round(args.batch * args.seq * args.top_k / world * row_bytes(args.hidden, "bf16"))
     latency |= alltoall_rate(world, local, pair_bytes, args.chunks)
     for case in _cases(args, world // local):
         row = _run_case(args, dims, world, rank, case) | latency
