@@ -224,10 +224,15 @@ def _layer_body(rank: int, world_size: int, dispatcher: str = "pft"):
         layer = shard_experts(copy.deepcopy(ref), dims)
         x = x_R[rank].clone().requires_grad_(True)
         WaitTimer.enabled, _ = True, WaitTimer.reset()
+        events = WaitTimer.events = []
         out = layer(x)
         (out * g_R[rank]).sum().backward()
         kinds, waited = dict(WaitTimer.by_kind), WaitTimer.seconds
-        WaitTimer.enabled, _ = False, WaitTimer.reset()
+        WaitTimer.enabled, _, WaitTimer.events = False, WaitTimer.reset(), None
+        # each posted exchange's time in flight, recorded when it is waited for: posted before that wait began
+        flights, posted = [e for e in events if e[0] == "flight"], [e for e in events if e[0] == "posted"]
+        assert len(flights) == len(posted), events
+        assert all(f[1] <= f[2] and f[1] <= p[1] for f, p in zip(flights, posted, strict=True)), events
         # the time blocked in the exchanges, by kind: the counts and their host sync (none where the capacity fixes
         # the sizes), then the rows
         assert ("counts" in kinds) is (dispatcher != "padded") and {"posted", "blocking"} & set(kinds), kinds

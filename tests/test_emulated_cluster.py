@@ -351,6 +351,13 @@ def test_bench_ep_cluster_predicts_from_the_critical_rank():
     assert variants[1]["predicted_ms"] - variants[0]["predicted_ms"] == pytest.approx(100.0)
     assert variants[0]["predicted_ms"] - variants[2]["predicted_ms"] == pytest.approx(200.0)
     assert variants[0]["error"] == pytest.approx(3000.0 / variants[0]["predicted_ms"] - 1)
+    # with a core per rank, `chunks` absorbs the arrival skew (mean less least exposed: 200 ms) and takes the ranks'
+    # mean compute; where ranks outnumber the cores, or with exchanges one at a time, the critical rank's
+    for contended, mode, shorter in ((True, "chunks", 0.0), (False, "chunks", 200.0), (False, "shared", 0.0)):
+        pair = [dict(row, lat_contended=c, mode=m) for c, m in ((True, "off"), (True, mode))]
+        pair.append(dict(row, lat_contended=contended, mode=mode))
+        bench_ep_cluster.predictions(args, pair, nodes=2, link_bytes_s=36e6, rtt_ms=0.1)
+        assert pair[1]["predicted_ms"] - pair[2]["predicted_ms"] == pytest.approx(shorter), (contended, mode)
 
 
 def test_bench_ep_cluster_splits_in_place_waits_at_the_last_arrival():
@@ -367,3 +374,21 @@ def test_bench_ep_cluster_splits_in_place_waits_at_the_last_arrival():
     assert got["in_place_arrival_ms"] == pytest.approx(1e3 * (0.5 + 0 + 0) / 3)
     assert got["in_place_exchange_ms"] == pytest.approx(1e3 * (0.5 + 0.5 + 0.2) / 3)
     assert _arrivals([r0, [[]]]) == {}  # rank 1 timed no collective in place: nothing to match
+
+
+def test_bench_ep_cluster_times_posted_exchanges_from_the_last_post():
+    """_flights: a posted exchange is on the network from the last rank's post to each rank's completion; exchanges
+    in flight together count once; other events are left out; exchanges that do not line up give nothing."""
+    from benchmarks.bench_ep_cluster import _flights
+
+    # two exchanges in flight together: rank 0 posts both at 1.0, rank 1 at 1.4 and 1.6; they complete at 2.0 and 2.5
+    r0 = [[("flight", 1.0, 2.0, None), ("posted", 1.9, 2.0, None), ("flight", 1.0, 2.5, None)]]
+    r1 = [[("flight", 1.4, 2.0, None), ("flight", 1.6, 2.5, None), ("counts", 0.5, 0.6, (0, 1))]]
+    got = _flights([r0, r1])
+    assert got["posted_flight_ms"] == pytest.approx(1e3 * (1.5 + 1.1) / 2)  # [1.0, 2.5] and [1.4, 2.5]
+    assert got["posted_transfer_ms"] == pytest.approx(1e3 * 1.1)  # [1.4, 2.0] with [1.6, 2.5] on both ranks
+    # one after the other: both count in full
+    r0 = [[("flight", 1.0, 2.0, None), ("flight", 3.0, 3.5, None)]]
+    r1 = [[("flight", 1.5, 2.0, None), ("flight", 3.2, 3.5, None)]]
+    assert _flights([r0, r1])["posted_transfer_ms"] == pytest.approx(1e3 * (0.5 + 0.3))
+    assert _flights([r0, [[("flight", 1.5, 2.0, None)]]]) == {}

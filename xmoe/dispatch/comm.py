@@ -125,7 +125,8 @@ class WaitTimer:
     time says nothing there; profile instead. Off unless ``enabled``. ``by_kind`` splits it: "posted" (the waits of
     posted exchanges), "blocking" (blocking exchanges of rows, ids and weights), "counts" (the count exchange and
     the host sync that reads it). ``events``, when a list: each timed wait appended as (kind, start, end, ranks),
-    perf_counter seconds and, for a collective waited in place, the global ranks of its group (else None)."""
+    perf_counter seconds and, for a collective waited in place, the global ranks of its group (else None); and each
+    posted exchange, when waited, as ("flight", posted, completed, None): not a wait, its time in flight."""
 
     enabled = False
     seconds = 0.0
@@ -213,6 +214,7 @@ class Exchange:
         self.received: torch.Tensor | None = None
         self.extra: Any = None
         self.rows_like: torch.Tensor | None = None  # dtype and width of the decoded rows
+        self.flight: list[float] = []  # perf_counter at post and at completion, where WaitTimer.events records
 
     def post(self, payload: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> None:
         if dist.get_world_size(self.group) == 1:  # nothing to move: the payload is what arrives
@@ -223,11 +225,17 @@ class Exchange:
         self.work = dist.all_to_all_single(
             self.received, self.sent, output_splits, input_splits, group=self.group, async_op=True
         )
+        if WaitTimer.enabled and WaitTimer.events is not None:
+            flight = self.flight = [time.perf_counter()]  # the callback keeps this exchange's own list
+            self.work.get_future().then(lambda _: flight.append(time.perf_counter()))
 
     def wait(self) -> torch.Tensor:
         assert self.received is not None, "waited for an exchange that was not posted"
         if self.work is not None:
             _timed(self.work.wait, "posted")
+            if self.flight and WaitTimer.events is not None:  # completed at the callback, else (not yet run) now
+                WaitTimer.events.append(("flight", self.flight[0], (self.flight + [time.perf_counter()])[1], None))
+                self.flight = []
         received, self.received, self.work, self.sent = self.received, None, None, None
         return received
 
