@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", default="benchmarks/results/ep", help="folder of the results (default benchmarks/results/ep)"
     )
+    p.add_argument(
+        "--repredict",
+        metavar="JSON",
+        help="run no cluster: the planner's predictions of a saved report's measured rows again, with this code, "
+        "written beside it as NAME_repredicted.json and .md",
+    )
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 4], help="node counts, one cluster each (default 2 4)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--inter-gbit", type=float, default=0.3, help="each node's link, Gbit/s each way (default 0.3)")
@@ -578,6 +584,31 @@ def launcher_main(args, argv: list[str]) -> int:
     return 0
 
 
+def repredict(path: Path) -> Path:
+    """The predictions of the saved report ``path`` made again from its measured rows and settings (no cluster, no
+    root): what a change to the planner or to the inputs it takes from the rows does to a committed run."""
+    from benchmarks.harness import commit
+
+    report = json.loads(path.read_text())
+    args = argparse.Namespace(**report["settings"])
+    for cluster in report["clusters"]:
+        for row in cluster["rows"]:
+            for key in ("predicted_ms", "predicted_exposed_ms", "predicted_network_ms", "error"):
+                row.pop(key, None)
+        # rtt_ms is only the fallback latency of rows that predate the measured collective latency
+        predictions(args, cluster["rows"], cluster["nodes"], 1e6 * cluster["link_mbyte_s"], 0.0)
+    made = commit()
+    report["repredicted"] = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        commit=made["commit"],
+        command=f"python benchmarks/bench_ep_cluster.py --repredict {path}",
+    )
+    out = path.with_name(f"{path.stem}_repredicted.json")
+    out.write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(_markdown(report))
+    return out
+
+
 def _bytes_sent(traffic: dict) -> float:
     """Bytes a rank sent per step: the flat dispatcher's count, or RBD's two stages' (inside and across nodes)."""
     return traffic.get("bytes_sent", traffic.get("bytes_intra", 0) + traffic.get("bytes_inter", 0))
@@ -596,6 +627,13 @@ def _markdown(report: dict) -> str:
         f"`{report['command']}`",
         "",
     ]
+    if "repredicted" in report:
+        again = report["repredicted"]
+        lines += [
+            f"The measurements above; the predictions made again on {again['date']} at commit "
+            f"`{again['commit']}`: `{again['command']}`.",
+            "",
+        ]
     for cluster in report["clusters"]:
         rows = cluster["rows"]
         lines += [
@@ -695,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.rank_mode:
         rank_main(args)
+        return 0
+    if args.repredict:
+        print(f"written: {repredict(Path(args.repredict))}")
         return 0
     from benchmarks.emulated_cluster import Interrupted
 
