@@ -360,6 +360,29 @@ def test_bench_ep_cluster_predicts_from_the_critical_rank():
         assert pair[1]["predicted_ms"] - pair[2]["predicted_ms"] == pytest.approx(shorter), (contended, mode)
 
 
+def test_bench_ep_cluster_repredicts_a_saved_report(tmp_path):
+    """--repredict: a saved report's rows predicted again by this code (stale predictions replaced), the measured
+    fields untouched, written beside it with the commit that predicted them."""
+    import json
+
+    from benchmarks import bench_ep_cluster
+
+    args = bench_ep_cluster._parser().parse_args(["--cases", "pft:bf16:0:off"])
+    row = dict(dispatcher="pft", dtype="bf16", node_limit=0, mode="off", step_ms=3000.0, exposed_ms=1200.0)
+    row.update(least_exposed_ms=1000.0, experts_fwd_ms=20.0, a2a_node_mbyte_s=30.0)
+    rows = [dict(row), dict(row, mode="chunks", step_ms=2500.0, lat_contended=False)]
+    stale = [dict(r, predicted_ms=1.0, error=5.0) for r in rows]
+    cluster = dict(nodes=2, link="link", link_mbyte_s=36.0, rows=stale)
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(dict(settings=vars(args), clusters=[cluster], date="d", machine="m", command="c")))
+    out = bench_ep_cluster.repredict(saved)
+    assert out == tmp_path / "run_repredicted.json" and out.with_suffix(".md").exists()
+    bench_ep_cluster.predictions(args, rows, nodes=2, link_bytes_s=36e6, rtt_ms=0.0)
+    again = json.loads(out.read_text())
+    assert again["clusters"][0]["rows"] == rows and again["repredicted"]["command"].endswith(str(saved))
+    assert "made again" in out.with_suffix(".md").read_text()
+
+
 def test_bench_ep_cluster_splits_in_place_waits_at_the_last_arrival():
     """_arrivals: a collective waited in place splits into waiting for its group's last member (from each rank's
     own start) and the exchange after it; posted waits (no group recorded) are left out; ranks whose timed
