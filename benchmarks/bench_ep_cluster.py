@@ -21,8 +21,10 @@ shared by the node's ranks), a collective's fixed cost measured on the cluster's
 compute where the ranks outnumber the cores and take turns on them, else back to back), the compute of the
 overlap-off case of the same dispatcher and dtype, and the routed and shared experts' forward times measured in it.
 That compute is the case's step less the exposed time of its least-waiting rank: the rank the others wait for, whose
-compute sets the step (the mean rank's would count the others' waits for it, the ranks' skew, as communication).
-Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command).
+compute sets the step (the mean rank's would count the others' waits for it, the ranks' skew, as communication); for
+`chunks` with a core per rank, whose two exchanges in flight absorb that skew, the ranks' mean (_waits_behind_compute).
+Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command); --repredict remakes a saved report's
+predictions with this code.
 """
 
 from __future__ import annotations
