@@ -24,15 +24,11 @@ def deterministic_algorithms() -> Callable[[], None]:
     import torch._inductor.config as inductor_config
 
     cuda = torch.backends.cuda
-    before = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cudnn.benchmark,
-        inductor_config.deterministic,
-        cuda.cudnn_sdp_enabled(),
-        cuda.mem_efficient_sdp_enabled(),
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
+    algorithms = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    benchmark, compiler = torch.backends.cudnn.benchmark, inductor_config.deterministic
+    cudnn_sdp, mem_efficient_sdp = cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled()
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
@@ -41,11 +37,11 @@ def deterministic_algorithms() -> Callable[[], None]:
     cuda.enable_mem_efficient_sdp(False)
 
     def restore() -> None:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cudnn.benchmark, inductor_config.deterministic = before[2], before[3]
-        cuda.enable_cudnn_sdp(before[4])
-        cuda.enable_mem_efficient_sdp(before[5])
-        if before[6] is None:  # cuBLAS has read it already: this only leaves the environment as it was
+        torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+        torch.backends.cudnn.benchmark, inductor_config.deterministic = benchmark, compiler
+        cuda.enable_cudnn_sdp(cudnn_sdp)
+        cuda.enable_mem_efficient_sdp(mem_efficient_sdp)
+        if workspace is None:  # cuBLAS has read it already: this only leaves the environment as it was
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
     return restore
