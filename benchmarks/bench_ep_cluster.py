@@ -257,9 +257,9 @@ def _arrivals(events_R: list[list[list[tuple]]]) -> dict:
 def _flights(events_R: list[list[list[tuple]]]) -> dict:
     """The posted exchanges' time on the network (comm.WaitTimer's "flight" events), per step: the union of each
     rank's intervals from its own post to completion (``posted_flight_ms``), and from the last rank's post of the
-    same exchange to completion (``posted_transfer_ms``: the transfer cannot start earlier), the median over timed
-    steps, the mean over ranks; overlapping exchanges (``chunks``) count once. The i-th flight event of every rank
-    is the same exchange, as in _arrivals."""
+    same exchange to completion (``posted_transfer_ms``: what it took once every rank had posted it), the median
+    over timed steps, the mean over ranks; overlapping exchanges (``chunks``) count once. The i-th flight event of
+    every rank is the same exchange, as in _arrivals."""
     flights = [[[e for e in evs if e[0] == "flight"] for evs in steps] for steps in events_R]
     if not flights or any(len(steps[i]) != len(flights[0][i]) for steps in flights for i in range(len(steps))):
         return {}
@@ -591,8 +591,15 @@ def repredict(path: Path) -> Path:
     root): what a change to the planner or to the inputs it takes from the rows does to a committed run."""
     from benchmarks.harness import commit
 
-    report = json.loads(path.read_text())
-    args = argparse.Namespace(**report["settings"])
+    try:
+        report = json.loads(path.read_text())
+        args = argparse.Namespace(**report["settings"])
+        report["clusters"][0]["rows"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise SystemExit(
+            f"bench_ep_cluster.py --repredict: {path} is not a report of this benchmark ({type(e).__name__}: {e}); "
+            "give the bench_ep_cluster.json a run wrote"
+        ) from None
     for cluster in report["clusters"]:
         for row in cluster["rows"]:
             for key in ("predicted_ms", "predicted_exposed_ms", "predicted_network_ms", "error"):
@@ -602,7 +609,7 @@ def repredict(path: Path) -> Path:
     made = commit()
     report["repredicted"] = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"),
-        commit=made["commit"],
+        commit=made["commit"] + (" (with uncommitted changes to tracked files)" if made.get("commit_dirty") else ""),
         command=f"python benchmarks/bench_ep_cluster.py --repredict {path}",
     )
     out = path.with_name(f"{path.stem}_repredicted.json")

@@ -381,6 +381,10 @@ def test_bench_ep_cluster_repredicts_a_saved_report(tmp_path):
     again = json.loads(out.read_text())
     assert again["clusters"][0]["rows"] == rows and again["repredicted"]["command"].endswith(str(saved))
     assert "made again" in out.with_suffix(".md").read_text()
+    (tmp_path / "other.json").write_text(json.dumps({"steps": [1.0]}))
+    for wrong in (tmp_path / "other.json", tmp_path / "missing.json"):
+        with pytest.raises(SystemExit, match=f"{wrong.name} is not a report of this benchmark"):
+            bench_ep_cluster.repredict(wrong)
 
 
 def test_bench_ep_cluster_splits_in_place_waits_at_the_last_arrival():
