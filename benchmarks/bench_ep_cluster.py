@@ -39,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,6 +228,15 @@ def _run_case(args, dims, world: int, rank: int, case: dict) -> dict:
     )
 
 
+def _aligned(events_R: list[list[list[tuple]]], keep: Callable[[tuple], bool]) -> list[list[list[tuple]]] | None:
+    """Each rank's events of each step that ``keep`` accepts, or None where the ranks kept different numbers in a
+    step (not one program order: nothing to match)."""
+    kept = [[[e for e in evs if keep(e)] for evs in steps] for steps in events_R]
+    if any(len(steps[i]) != len(kept[0][i]) for steps in kept for i in range(len(steps))):
+        return None
+    return kept
+
+
 def _arrivals(events_R: list[list[list[tuple]]]) -> dict:
     """The collectives waited in place (blocking exchanges and count exchanges: events with their group's ranks),
     each rank's wait split into waiting for the group's last member to arrive and the exchange after that, per step
@@ -234,10 +244,9 @@ def _arrivals(events_R: list[list[list[tuple]]]) -> dict:
     (every rank runs one program); perf_counter is one clock for every process of a machine."""
     if not events_R or not events_R[0]:
         return {}
-    # each rank's in-place collectives of each step, filtered once
-    in_place = [[[e for e in evs if e[3] is not None] for evs in steps] for steps in events_R]
-    if any(len(steps[i]) != len(in_place[0][i]) for steps in in_place for i in range(len(steps))):
-        return {}  # not one program order: nothing to match
+    in_place = _aligned(events_R, lambda e: e[3] is not None)
+    if in_place is None:
+        return {}
     arrive, after = [], []
     for steps in in_place:
         mine_a, mine_b = [], []
@@ -260,8 +269,8 @@ def _flights(events_R: list[list[list[tuple]]]) -> dict:
     same exchange to completion (``posted_transfer_ms``: what it took once every rank had posted it), the median
     over timed steps, the mean over ranks; overlapping exchanges (``chunks``) count once. The i-th flight event of
     every rank is the same exchange, as in _arrivals."""
-    flights = [[[e for e in evs if e[0] == "flight"] for evs in steps] for steps in events_R]
-    if not flights or any(len(steps[i]) != len(flights[0][i]) for steps in flights for i in range(len(steps))):
+    flights = _aligned(events_R, lambda e: e[0] == "flight") if events_R else None
+    if flights is None:
         return {}
 
     def union(intervals: list[tuple[float, float]]) -> float:
