@@ -584,7 +584,9 @@ def launcher_main(args, argv: list[str]) -> int:
             )
             status = 1
         predictions(args, rows, nodes, link.rate_bit / 8, link.rtt_ms)
-        report["clusters"].append(dict(nodes=nodes, link=link.describe(), link_mbyte_s=link.mbyte_s, rows=rows))
+        report["clusters"].append(
+            dict(nodes=nodes, link=link.describe(), link_mbyte_s=link.mbyte_s, link_rtt_ms=link.rtt_ms, rows=rows)
+        )
         # the report so far after each cluster: a run cut short keeps what it measured
         (out / "bench_ep_cluster.json").write_text(json.dumps(report, indent=1))
         (out / "bench_ep_cluster.md").write_text(_markdown(report))
@@ -613,8 +615,9 @@ def repredict(path: Path) -> Path:
         for row in cluster["rows"]:
             for key in ("predicted_ms", "predicted_exposed_ms", "predicted_network_ms", "error"):
                 row.pop(key, None)
-        # rtt_ms is only the fallback latency of rows that predate the measured collective latency
-        predictions(args, cluster["rows"], cluster["nodes"], 1e6 * cluster["link_mbyte_s"], 0.0)
+        # the link's round trip is only the fallback latency of rows that predate the measured collective latency
+        rtt_ms = cluster.get("link_rtt_ms", 0.0)
+        predictions(args, cluster["rows"], cluster["nodes"], 1e6 * cluster["link_mbyte_s"], rtt_ms)
     made = commit()
     report["repredicted"] = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"),
