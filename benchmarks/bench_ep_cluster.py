@@ -429,35 +429,41 @@ def collective_latency(world: int, local: int, segment_ms: float, reps: int = 30
     return out
 
 
-def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: int = 5) -> dict:
+def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: int = 12) -> dict:
     """The rate a node's link delivers to an all-to-all over every rank, as the step's exchanges load it: every rank
     sends ``pair_bytes`` to each other rank at once (by default what a flat dispatch sends a rank), back to back; the
     rate is the bytes a node sends off-node over the median time. This, not one TCP flow's rate (measure_link), is
     the planner's inter-node bandwidth: many flows through one shaped queue deliver less than one flow does. Also
     the rate under the ``chunks`` overlap: the same bytes as ``chunks`` all-to-alls of 1/chunks each, two of them
     in flight at once as moe/routed.py posts them (a second exchange can fill the link where the first one's last
-    flows leave it idle)."""
+    flows leave it idle). The two are timed in turn, ``reps`` times each, so that a slow spell of the host slows
+    both alike and the medians pass over it."""
     import torch
     import torch.distributed as dist
 
     per_pair = max(1, pair_bytes // (4 * chunks))  # fp32 values a pair exchanges per part: whole = chunks parts
 
-    def seconds(parts: int) -> float:
+    def once(parts: int) -> float:
         sends = [torch.zeros(world * per_pair * chunks // parts) for _ in range(parts)]
         recvs = [torch.empty_like(x) for x in sends]
-        times = []
-        for i in range(reps + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            works = [dist.all_to_all_single(recvs[p], sends[p], async_op=True) for p in range(min(2, parts))]
-            for p in range(parts):
-                works[p].wait()
-                if p + 2 < parts:
-                    works.append(dist.all_to_all_single(recvs[p + 2], sends[p + 2], async_op=True))
-            if i:  # the first sets up the pairs' connections
-                times.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_to_all_single(recvs[p], sends[p], async_op=True) for p in range(min(2, parts))]
+        for p in range(parts):
+            works[p].wait()
+            if p + 2 < parts:
+                works.append(dist.all_to_all_single(recvs[p + 2], sends[p + 2], async_op=True))
+        return time.perf_counter() - start
+
+    once(1), once(chunks)  # the first set up the pairs' connections
+    times: dict[int, list[float]] = {1: [], chunks: []}
+    for _ in range(reps):
+        for parts in times:
+            times[parts].append(once(parts))
+
+    def seconds(parts: int) -> float:
         per_rank: list = [None] * world
-        dist.all_gather_object(per_rank, statistics.median(times))
+        dist.all_gather_object(per_rank, statistics.median(times[parts]))
         return max(per_rank)  # the exchange ends when its slowest rank's does
 
     node_bytes = local * (world - local) * 4 * per_pair * chunks
@@ -484,9 +490,12 @@ def _waits_behind_compute(base: dict, row: dict) -> float:
     two exchanges in flight, and a rank that arrives late finds the other one under way: the skew is absorbed, and
     the compute is the ranks' mean (the step less their mean wait). Measured on such a host (docs/expert-parallel.md):
     `chunks`' posted exchanges spent as long on the network from the last rank's post as overlap off's, while its
-    exposed time fell by several times the expert compute it can hide behind."""
+    exposed time fell by several times the expert compute it can hide behind. RBD's ``chunks`` keeps its blocking
+    stages (the exchanges inside a node around the posted ones), and at those every rank still waits for the last
+    to arrive (the arrival column, 60-265 ms a step there against 10-20 ms for flat ``chunks``): the least-waiting
+    rank's rule holds for it."""
     least = base.get("least_exposed_ms", base["exposed_ms"])
-    absorbed = row["mode"] == "chunks" and not row.get("lat_contended", True)
+    absorbed = row["dispatcher"] == "pft" and row["mode"] == "chunks" and not row.get("lat_contended", True)
     return base["exposed_ms"] if absorbed else least
 
 

@@ -351,13 +351,15 @@ def test_bench_ep_cluster_predicts_from_the_critical_rank():
     assert variants[1]["predicted_ms"] - variants[0]["predicted_ms"] == pytest.approx(100.0)
     assert variants[0]["predicted_ms"] - variants[2]["predicted_ms"] == pytest.approx(200.0)
     assert variants[0]["error"] == pytest.approx(3000.0 / variants[0]["predicted_ms"] - 1)
-    # with a core per rank, `chunks` absorbs the arrival skew (mean less least exposed: 200 ms) and takes the ranks'
-    # mean compute; where ranks outnumber the cores, or with exchanges one at a time, the critical rank's
-    for contended, mode, shorter in ((True, "chunks", 0.0), (False, "chunks", 200.0), (False, "shared", 0.0)):
-        pair = [dict(row, lat_contended=c, mode=m) for c, m in ((True, "off"), (True, mode))]
-        pair.append(dict(row, lat_contended=contended, mode=mode))
+    # with a core per rank, flat `chunks` absorbs the arrival skew (mean less least exposed: 200 ms) and takes the
+    # ranks' mean compute; where ranks outnumber the cores, with exchanges one at a time, or with RBD's blocking
+    # stages, the critical rank's
+    cases = [("pft", True, "chunks", 0.0), ("pft", False, "chunks", 200.0), ("pft", False, "shared", 0.0)]
+    for dispatcher, contended, mode, shorter in [*cases, ("rbd", False, "chunks", 0.0)]:
+        pair = [dict(row, dispatcher=dispatcher, lat_contended=c, mode=m) for c, m in ((True, "off"), (True, mode))]
+        pair.append(dict(row, dispatcher=dispatcher, lat_contended=contended, mode=mode))
         bench_ep_cluster.predictions(args, pair, nodes=2, link_bytes_s=36e6, rtt_ms=0.1)
-        assert pair[1]["predicted_ms"] - pair[2]["predicted_ms"] == pytest.approx(shorter), (contended, mode)
+        assert pair[1]["predicted_ms"] - pair[2]["predicted_ms"] == pytest.approx(shorter), (dispatcher, mode)
 
 
 def test_bench_ep_cluster_repredicts_a_saved_report(tmp_path):
