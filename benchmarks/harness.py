@@ -82,7 +82,8 @@ def environment() -> dict:
 
 def commit() -> dict:
     """The code a result measures: ``commit``, git's HEAD of this checkout (or $XMOE_COMMIT, for a copy of the
-    tree without git's history), and ``commit_dirty``, whether tracked files differ from it (None where unknown).
+    tree without git's history), and ``commit_dirty``, whether tracked files differ from it (None where unknown);
+    saved results (benchmarks/results) do not count, so that results written one after another name the code alike.
     A result whose commit is "unknown" cannot be committed (tests/test_benchmark_results.py): set $XMOE_COMMIT."""
 
     def git(*args: str) -> str | None:
@@ -98,7 +99,7 @@ def commit() -> dict:
         if not given:
             print(f"harness: no git history here and ${COMMIT_ENV} unset: the results name no commit", file=sys.stderr)
         return {"commit": given or "unknown", "commit_dirty": None}
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return {"commit": head, "commit_dirty": bool(status) if status is not None else None}
 
 

@@ -85,3 +85,28 @@ def test_index_links_resolve():
     assert len(targets) > 20
     dangling = [t for t in targets if not t.startswith("http") and not (RESULTS / t).exists()]
     assert dangling == [], dangling
+
+
+def test_the_commit_is_dirty_for_changed_code_not_for_changed_results(tmp_path, monkeypatch):
+    """harness.commit() calls a tree dirty when tracked code differs from HEAD, not when saved results do: results
+    written one after another (a run, then its --repredict) name their code alike."""
+    import subprocess
+
+    from benchmarks import harness
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    code, result = tmp_path / "model.py", tmp_path / "benchmarks" / "results" / "run.md"
+    code.write_text("x = 1\n")
+    result.write_text("# run\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    monkeypatch.setattr(harness, "ROOT", tmp_path)
+    assert harness.commit()["commit_dirty"] is False
+    result.write_text("# run, predicted again\n")
+    assert harness.commit()["commit_dirty"] is False
+    code.write_text("x = 2\n")
+    assert harness.commit()["commit_dirty"] is True
