@@ -455,7 +455,8 @@ def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: in
                 works.append(dist.all_to_all_single(recvs[p + 2], sends[p + 2], async_op=True))
         return time.perf_counter() - start
 
-    once(1), once(chunks)  # the first set up the pairs' connections
+    once(1)  # the first exchanges set up the pairs' connections
+    once(chunks)
     times: dict[int, list[float]] = {1: [], chunks: []}
     for _ in range(reps):
         for parts in times:
@@ -492,7 +493,7 @@ def _waits_behind_compute(base: dict, row: dict) -> float:
     `chunks`' posted exchanges spent as long on the network from the last rank's post as overlap off's, while its
     exposed time fell by several times the expert compute it can hide behind. RBD's ``chunks`` keeps its blocking
     stages (the exchanges inside a node around the posted ones), and at those every rank still waits for the last
-    to arrive (the arrival column, 60-265 ms a step there against 10-20 ms for flat ``chunks``): the least-waiting
+    to arrive (the arrival column, 60-265 ms a step there against 9-20 ms for flat ``chunks``): the least-waiting
     rank's rule holds for it."""
     least = base.get("least_exposed_ms", base["exposed_ms"])
     absorbed = row["dispatcher"] == "pft" and row["mode"] == "chunks" and not row.get("lat_contended", True)
