@@ -493,7 +493,7 @@ def _waits_behind_compute(base: dict, row: dict) -> float:
     `chunks`' posted exchanges spent as long on the network from the last rank's post as overlap off's, while its
     exposed time fell by several times the expert compute it can hide behind. RBD's ``chunks`` keeps its blocking
     stages (the exchanges inside a node around the posted ones), and at those every rank still waits for the last
-    to arrive (the arrival column, 60-265 ms a step there against 9-20 ms for flat ``chunks``): the least-waiting
+    to arrive (the arrival column, 60-280 ms a step there against 9-21 ms for flat ``chunks``): the least-waiting
     rank's rule holds for it."""
     least = base.get("least_exposed_ms", base["exposed_ms"])
     absorbed = row["dispatcher"] == "pft" and row["mode"] == "chunks" and not row.get("lat_contended", True)
