@@ -615,7 +615,9 @@ def repredict(path: Path) -> Path:
     try:
         report = json.loads(path.read_text())
         args = argparse.Namespace(**report["settings"])
-        report["clusters"][0]["rows"]
+        needed = {"nodes", "link_mbyte_s", "rows"}
+        if not report["clusters"] or not all(needed <= cluster.keys() for cluster in report["clusters"]):
+            raise ValueError(f"no clusters, or one without {', '.join(sorted(needed))}")
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         raise SystemExit(
             f"bench_ep_cluster.py --repredict: {path} is not a report of this benchmark ({type(e).__name__}: {e}); "

@@ -384,7 +384,9 @@ def test_bench_ep_cluster_repredicts_a_saved_report(tmp_path):
     assert again["clusters"][0]["rows"] == rows and again["repredicted"]["command"].endswith(str(saved))
     assert "made again" in out.with_suffix(".md").read_text()
     (tmp_path / "other.json").write_text(json.dumps({"steps": [1.0]}))
-    for wrong in (tmp_path / "other.json", tmp_path / "missing.json"):
+    (tmp_path / "empty.json").write_text(json.dumps({"settings": {}, "clusters": []}))
+    (tmp_path / "rowless.json").write_text(json.dumps({"settings": {}, "clusters": [{"nodes": 2}]}))
+    for wrong in (tmp_path / name for name in ("other.json", "missing.json", "empty.json", "rowless.json")):
         with pytest.raises(SystemExit, match=f"{wrong.name} is not a report of this benchmark"):
             bench_ep_cluster.repredict(wrong)
 
