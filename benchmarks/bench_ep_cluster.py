@@ -22,7 +22,8 @@ compute where the ranks outnumber the cores and take turns on them, else back to
 overlap-off case of the same dispatcher and dtype, and the routed and shared experts' forward times measured in it.
 That compute is the case's step less the exposed time of its least-waiting rank: the rank the others wait for, whose
 compute sets the step (the mean rank's would count the others' waits for it, the ranks' skew, as communication); for
-`chunks` with a core per rank, whose two exchanges in flight absorb that skew, the ranks' mean (_waits_behind_compute).
+flat `chunks` with a core per rank, whose two exchanges in flight absorb that skew, the ranks' mean
+(_waits_behind_compute).
 Results: OUT/bench_ep_cluster.json and .md (date, machine, commit, command); --repredict remakes a saved report's
 predictions with this code.
 """
@@ -281,12 +282,16 @@ def _flights(events_R: list[list[list[tuple]]]) -> dict:
                 reach = b
         return total
 
+    # the last rank's post of each step's i-th exchange (every rank times the same steps)
+    last_post = [
+        [max(e[1] for e in events) for events in zip(*step_R, strict=True)] for step_R in zip(*flights, strict=True)
+    ]
     own, transfer = [], []
     for steps in flights:
         own.append(statistics.median(union([(e[1], e[2]) for e in step]) for step in steps))
         transfer.append(
             statistics.median(
-                union([(max(f[s][i][1] for f in flights), e[2]) for i, e in enumerate(step)])
+                union([(last, e[2]) for last, e in zip(last_post[s], step, strict=True)])
                 for s, step in enumerate(steps)
             )
         )
@@ -443,9 +448,14 @@ def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: in
 
     per_pair = max(1, pair_bytes // (4 * chunks))  # fp32 values a pair exchanges per part: whole = chunks parts
 
-    def once(parts: int) -> float:
+    pair_sent = 4 * per_pair * chunks  # bytes a rank sends each other rank, whole or in parts
+    buffers = {}
+    for parts in (1, chunks):
         sends = [torch.zeros(world * per_pair * chunks // parts) for _ in range(parts)]
-        recvs = [torch.empty_like(x) for x in sends]
+        buffers[parts] = sends, [torch.empty_like(x) for x in sends]
+
+    def once(parts: int) -> float:
+        sends, recvs = buffers[parts]
         dist.barrier()
         start = time.perf_counter()
         works = [dist.all_to_all_single(recvs[p], sends[p], async_op=True) for p in range(min(2, parts))]
@@ -467,10 +477,10 @@ def alltoall_rate(world: int, local: int, pair_bytes: int, chunks: int, reps: in
         dist.all_gather_object(per_rank, statistics.median(times[parts]))
         return max(per_rank)  # the exchange ends when its slowest rank's does
 
-    node_bytes = local * (world - local) * 4 * per_pair * chunks
+    node_bytes = local * (world - local) * pair_sent
     whole, parted = seconds(1), seconds(chunks)
     return {
-        "a2a_pair_bytes": 4 * per_pair * chunks,
+        "a2a_pair_bytes": pair_sent,
         "a2a_ms": 1e3 * whole,
         "a2a_node_mbyte_s": node_bytes / whole / 1e6,
         "a2a_chunks": chunks,
@@ -630,10 +640,9 @@ def repredict(path: Path) -> Path:
         # the link's round trip is only the fallback latency of rows that predate the measured collective latency
         rtt_ms = cluster.get("link_rtt_ms", 0.0)
         predictions(args, cluster["rows"], cluster["nodes"], 1e6 * cluster["link_mbyte_s"], rtt_ms)
-    made = commit()
     report["repredicted"] = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"),
-        commit=made["commit"] + (" (with uncommitted changes to tracked files)" if made.get("commit_dirty") else ""),
+        **commit(),
         command=f"python benchmarks/bench_ep_cluster.py --repredict {path}",
     )
     out = path.with_name(f"{path.stem}_repredicted.json")
@@ -648,7 +657,7 @@ def _bytes_sent(traffic: dict) -> float:
 
 
 def _markdown(report: dict) -> str:
-    from benchmarks.harness import commit_line
+    from benchmarks.harness import commit_line, commit_ref
 
     lines = [
         "# Expert parallelism on the emulated cluster",
@@ -663,8 +672,8 @@ def _markdown(report: dict) -> str:
     if "repredicted" in report:
         again = report["repredicted"]
         lines += [
-            f"The measurements above; the predictions made again on {again['date']} at commit "
-            f"`{again['commit']}`: `{again['command']}`.",
+            f"The measurements above; the predictions made again on {again['date']} at commit {commit_ref(again)}: "
+            f"`{again['command']}`.",
             "",
         ]
     for cluster in report["clusters"]:

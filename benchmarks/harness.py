@@ -103,11 +103,15 @@ def commit() -> dict:
     return {"commit": head, "commit_dirty": bool(status) if status is not None else None}
 
 
+def commit_ref(meta: dict) -> str:
+    """A result's commit (from ``environment()`` or ``commit()``) as markdown, with a note where the tree was dirty."""
+    note = " (with uncommitted changes to tracked files)" if meta.get("commit_dirty") else ""
+    return f"`{meta.get('commit', 'unknown')}`{note}"
+
+
 def commit_line(meta: dict) -> str:
     """The markdown line naming a result's commit (from ``environment()`` or ``commit()``)."""
-    dirty = meta.get("commit_dirty")
-    note = " (with uncommitted changes to tracked files)" if dirty else ""
-    return f"Commit: `{meta.get('commit', 'unknown')}`{note}"
+    return f"Commit: {commit_ref(meta)}"
 
 
 def _launcher() -> str:

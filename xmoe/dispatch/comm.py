@@ -233,9 +233,11 @@ class Exchange:
         assert self.received is not None, "waited for an exchange that was not posted"
         if self.work is not None:
             _timed(self.work.wait, "posted")
-            if self.flight and WaitTimer.events is not None:  # completed at the callback, else (not yet run) now
-                WaitTimer.events.append(("flight", self.flight[0], (self.flight + [time.perf_counter()])[1], None))
-                self.flight = []
+            if self.flight and WaitTimer.events is not None:
+                flight, self.flight = self.flight, []
+                # completed at the callback, else (it has not run yet) now
+                completed = flight[1] if len(flight) > 1 else time.perf_counter()
+                WaitTimer.events.append(("flight", flight[0], completed, None))
         received, self.received, self.work, self.sent = self.received, None, None, None
         return received
 
